@@ -1,0 +1,27 @@
+"""Helpers for config files (big_vision style `get_config(arg)`)."""
+
+from __future__ import annotations
+
+import ml_collections
+
+
+def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
+  """Parses 'runlocal,task=captioning,hidden=1024' against typed defaults; unknown names are errors.
+
+  A bare name sets a boolean to True. Values are converted to the default's type.
+  """
+  out = ml_collections.ConfigDict(defaults)
+  for item in filter(None, (arg or "").split(",")):
+    name, _, value = item.partition("=")
+    if name not in defaults:
+      raise ValueError(f"Unknown config argument {name!r}; known: {', '.join(sorted(defaults))}")
+    default = defaults[name]
+    if not _:
+      if not isinstance(default, bool):
+        raise ValueError(f"Config argument {name!r} needs a value ({name}=...).")
+      out[name] = True
+    elif isinstance(default, bool):
+      out[name] = value.lower() in ("1", "true", "yes")
+    else:
+      out[name] = type(default)(value)
+  return out

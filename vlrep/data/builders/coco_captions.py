@@ -1,0 +1,2 @@
+"""placeholder"""
+class CocoCaptions2017: pass

@@ -1,0 +1,310 @@
+"""Procedural scenes: images of a few coloured shapes with every annotation vlrep's methods train on.
+
+This module is pure numpy/PIL so it can be tested and inspected without TFDS; `synthetic_scenes.py` wraps
+it in a TFDS builder. One call of `generate_scene(rng, ...)` returns one fully annotated example:
+
+- an RGB image (the "main" style: shapes on textured, gradient backgrounds; or the "sketch" style used as an
+  out-of-domain shift: outlined, hatched shapes on paper),
+- 5 captions from a grammar naming objects, attributes, counts and spatial relations,
+- a Localized-Narratives-style narration with per-word times and a mouse trace that hovers over each object
+  while it is named,
+- the objects' boxes, visible masks, shape/colour/size labels and a VOC-style `difficult` flag,
+- VQA-style question/answer pairs and entailment statements (entailment / contradiction / neutral).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFilter
+
+SHAPES = ("circle", "square", "triangle", "star", "cross", "diamond", "hexagon", "ring", "pentagon", "heart")
+COLORS = {
+    "red": (220, 40, 40),
+    "green": (40, 180, 60),
+    "blue": (40, 80, 220),
+    "yellow": (235, 215, 40),
+    "purple": (150, 60, 190),
+    "orange": (245, 140, 30),
+    "white": (245, 245, 245),
+    "black": (25, 25, 25),
+}
+COLOR_NAMES = tuple(COLORS)
+SIZES = ("small", "large")
+STYLES = ("main", "sketch")
+ENTAILMENT_LABELS = ("entailment", "contradiction", "neutral")
+NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six")
+_SHAPE_SYNONYMS = {"square": ("square", "box"), "circle": ("circle", "disc"), "ring": ("ring", "donut")}
+_PLURAL = {"cross": "crosses", "box": "boxes"}
+_MATERIALS = ("wooden", "metal", "plastic", "glass", "paper")
+
+
+def plural(word: str) -> str:
+  return _PLURAL.get(word, word + "s")
+
+
+def _shape_polygon(shape: str, cx: float, cy: float, r: float, angle: float) -> list[tuple[float, float]]:
+  """Vertices of a polygonal shape (circle, ring and heart are drawn separately)."""
+
+  def regular(n, start, radius=r):
+    return [
+        (cx + radius * math.cos(start + 2 * math.pi * k / n), cy + radius * math.sin(start + 2 * math.pi * k / n))
+        for k in range(n)
+    ]
+
+  if shape == "square":
+    return regular(4, angle + math.pi / 4, r * 1.05)
+  if shape == "diamond":
+    pts = regular(4, angle)
+    return [(cx + (x - cx) * 0.7, y) for x, y in pts]
+  if shape == "triangle":
+    return regular(3, angle - math.pi / 2, r * 1.1)
+  if shape == "pentagon":
+    return regular(5, angle - math.pi / 2)
+  if shape == "hexagon":
+    return regular(6, angle)
+  if shape == "star":
+    outer = regular(5, angle - math.pi / 2, r * 1.1)
+    inner = regular(5, angle - math.pi / 2 + math.pi / 5, r * 0.45)
+    return [p for pair in zip(outer, inner) for p in pair]
+  if shape == "cross":
+    w = r * 0.35
+    base = [(-w, -r), (w, -r), (w, -w), (r, -w), (r, w), (w, w), (w, r), (-w, r), (-w, w), (-r, w), (-r, -w), (-w, -w)]
+    c, s = math.cos(angle), math.sin(angle)
+    return [(cx + x * c - y * s, cy + x * s + y * c) for x, y in base]
+  if shape == "heart":
+    pts = []
+    for k in range(40):
+      t = 2 * math.pi * k / 40
+      x = 16 * math.sin(t) ** 3
+      y = -(13 * math.cos(t) - 5 * math.cos(2 * t) - 2 * math.cos(3 * t) - math.cos(4 * t))
+      pts.append((cx + x * r / 17, cy + y * r / 17))
+    return pts
+  raise ValueError(shape)
+
+
+def _draw_shape(draw: ImageDraw.ImageDraw, shape, cx, cy, r, angle, fill, outline=None, width=1):
+  if shape == "circle":
+    draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill, outline=outline, width=width)
+  elif shape == "ring":
+    draw.ellipse([cx - r, cy - r, cx + r, cy + r], outline=fill if outline is None else outline,
+                 width=max(2, int(r * 0.4)) if outline is None else width)
+  else:
+    pts = _shape_polygon(shape, cx, cy, r, angle)
+    draw.polygon(pts, fill=fill, outline=outline, width=width)
+
+
+def _background(rng: np.random.Generator, size: int, style: str) -> np.ndarray:
+  yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) / size
+  if style == "main":
+    c0, c1 = rng.uniform(30, 225, size=(2, 3))
+    direction = rng.uniform(0, 2 * math.pi)
+    t = (np.cos(direction) * xx + np.sin(direction) * yy + 1) / 2
+    img = c0[None, None] * (1 - t[..., None]) + c1[None, None] * t[..., None]
+    # Texture: random stripes or blotches, so that colour statistics alone do not identify the objects.
+    if rng.random() < 0.5:
+      freq, phase, theta = rng.uniform(3, 10), rng.uniform(0, 6.3), rng.uniform(0, 3.14)
+      stripes = np.sin(2 * math.pi * freq * (np.cos(theta) * xx + np.sin(theta) * yy) + phase)
+      img += stripes[..., None] * rng.uniform(10, 40)
+    else:
+      blobs = rng.normal(size=(size // 8 + 1, size // 8 + 1, 3))
+      blobs = np.kron(blobs, np.ones((8, 8, 1)))[:size, :size]
+      img += blobs * rng.uniform(10, 30)
+    img += rng.normal(scale=8, size=img.shape)
+  else:  # sketch: off-white paper with grain
+    paper = rng.uniform(225, 250)
+    img = np.full((size, size, 3), paper, np.float32) + rng.normal(scale=6, size=(size, size, 1))
+  return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def _relation(a: dict, b: dict) -> str:
+  """Spatial relation of object a with respect to object b, in image coordinates (x to the right)."""
+  dx, dy = a["cx"] - b["cx"], a["cy"] - b["cy"]
+  if abs(dx) >= abs(dy):
+    return "to the left of" if dx < 0 else "to the right of"
+  return "above" if dy < 0 else "below"
+
+
+def _where(obj: dict, size: int) -> str:
+  x, y = obj["cx"] / size, obj["cy"] / size
+  horiz = "on the left" if x < 0.4 else "on the right" if x > 0.6 else "in the middle"
+  vert = "at the top" if y < 0.35 else "at the bottom" if y > 0.65 else ""
+  return f"{vert} {horiz}".strip() if vert and horiz != "in the middle" else (vert or horiz)
+
+
+def _np(obj: dict, rng: np.random.Generator, article=True, with_size=None) -> str:
+  words = []
+  if with_size if with_size is not None else rng.random() < 0.5:
+    words.append(obj["size"])
+  words.append(obj["color"])
+  words.append(rng.choice(_SHAPE_SYNONYMS.get(obj["shape"], (obj["shape"],))))
+  phrase = " ".join(words)
+  if article:
+    phrase = ("an " if phrase[0] in "aeiou" else "a ") + phrase
+  return phrase
+
+
+def _captions(objs: list[dict], rng: np.random.Generator, size: int, style: str) -> list[str]:
+  noun = rng.choice(("picture", "image", "photo", "drawing" if style == "sketch" else "scene"))
+  caps = []
+  # 1. Enumeration.
+  names = [_np(o, rng) for o in objs]
+  listing = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+  caps.append(f"{'a ' + noun + ' of' if rng.random() < 0.5 else 'there is'} {listing}.")
+  # 2. Spatial relation between two objects (or position of the single one).
+  if len(objs) >= 2:
+    i, j = rng.choice(len(objs), size=2, replace=False)
+    caps.append(f"{_np(objs[i], rng)} {_relation(objs[i], objs[j])} {_np(objs[j], rng)}.")
+  else:
+    caps.append(f"{_np(objs[0], rng)} {_where(objs[0], size)} of the {noun}.")
+  # 3. Counts by shape.
+  by_shape: dict[str, list[dict]] = {}
+  for o in objs:
+    by_shape.setdefault(o["shape"], []).append(o)
+  parts = []
+  for shape, group in by_shape.items():
+    if len(group) == 1:
+      parts.append(_np(group[0], rng, with_size=False))
+    else:
+      colors = sorted({g["color"] for g in group})
+      col = colors[0] + " " if len(colors) == 1 else ""
+      parts.append(f"{NUMBER_WORDS[len(group)]} {col}{plural(shape)}")
+  caps.append(f"{' and '.join(parts)} {'on a plain background' if style == 'sketch' else 'in a colorful ' + noun}.")
+  # 4. Positions of every object.
+  caps.append(" , ".join(f"{_np(o, rng)} {_where(o, size)}" for o in objs) + ".")
+  # 5. Total count and the largest object.
+  largest = max(objs, key=lambda o: o["r"])
+  n = len(objs)
+  caps.append(f"{NUMBER_WORDS[n]} {'object' if n == 1 else 'objects'}, the biggest one is {_np(largest, rng, with_size=False)}.")
+  return [c.replace(" .", ".") for c in caps]
+
+
+def _narration(objs, rng, size):
+  """A narration naming objects one by one, with per-word times and a mouse trace hovering over each."""
+  words: list[tuple[str, int]] = [(w, -1) for w in "in this image we can see".split()]
+  for k, o in enumerate(objs):
+    if k:
+      words.append(("and", -1))
+    phrase = _np(o, rng).split() + _where(o, size).split()
+    for w in phrase:
+      words.append((w, k))
+  words[-1] = (words[-1][0] + ".", words[-1][1])
+  timed, trace = [], []
+  t = rng.uniform(0.2, 0.8)
+  mouse = np.array([rng.uniform(0, size), rng.uniform(0, size)])
+  for w, k in words:
+    dur = 0.15 + 0.06 * len(w) + rng.uniform(0, 0.15)
+    start, end = t, t + dur
+    timed.append({"utterance": w, "start_time": start, "end_time": end})
+    # Mouse samples every 50 ms: hover around the named object, drift slowly otherwise.
+    for ts in np.arange(start, end, 0.05):
+      if k >= 0:
+        o = objs[k]
+        target = np.array([o["cx"], o["cy"]]) + rng.normal(scale=o["r"] * 0.35, size=2)
+        mouse = 0.5 * mouse + 0.5 * target
+      else:
+        mouse = mouse + rng.normal(scale=size * 0.02, size=2)
+      mouse = np.clip(mouse, 0, size - 1)
+      trace.append({"x": float(mouse[0] / size), "y": float(mouse[1] / size), "t": float(ts)})
+    t = end + rng.uniform(0.0, 0.1)
+  text = " ".join(w for w, _ in words)
+  return text, timed, trace
+
+
+def _qa_and_entailment(objs, rng):
+  qa = []
+  present_shapes = {o["shape"] for o in objs}
+  shape = rng.choice(SHAPES)
+  qa.append((f"is there a {shape}?", "yes" if shape in present_shapes else "no"))
+  color = rng.choice(COLOR_NAMES)
+  qa.append((f"how many {color} objects are there?", NUMBER_WORDS[sum(o["color"] == color for o in objs)]))
+  o = objs[rng.integers(len(objs))]
+  qa.append((f"what color is the {o['size']} {o['shape']}?", o["color"]))
+  qa.append(("how many objects are there?", NUMBER_WORDS[len(objs)]))
+  if len(objs) >= 2:
+    a, b = rng.choice(len(objs), size=2, replace=False)
+    rel = _relation(objs[a], objs[b]).replace("to the ", "").replace(" of", "")
+    qa.append((f"where is the {objs[a]['color']} {objs[a]['shape']} relative to the {objs[b]['color']} {objs[b]['shape']}?", rel))
+  ent = []
+  ent.append((f"there is {_np(o, rng, with_size=False)}.", 0))
+  absent = [s for s in SHAPES if s not in present_shapes]
+  ent.append((f"there is a {rng.choice(absent)} in the picture.", 1))
+  n = len(objs)
+  ent.append((f"there are {NUMBER_WORDS[min(n + 1 + int(rng.integers(2)), 6)]} objects.", 1))
+  ent.append((f"the {o['shape']} is made of {rng.choice(_MATERIALS)}.", 2))
+  return qa, ent
+
+
+def generate_scene(rng: np.random.Generator, image_size: int = 64, style: str = "main",
+                   max_objects: int = 4) -> dict[str, Any]:
+  """Generates one annotated scene. Coordinates of traces and boxes are normalised to [0, 1]."""
+  if style not in STYLES:
+    raise ValueError(f"Unknown style {style!r}; known: {STYLES}")
+  scale = 2  # draw at 2x and downsample for anti-aliasing
+  big = image_size * scale
+  n = int(rng.integers(1, max_objects + 1))
+  objs = []
+  for _ in range(n):
+    size = SIZES[int(rng.integers(2))]
+    r = big * (rng.uniform(0.07, 0.1) if size == "small" else rng.uniform(0.14, 0.2))
+    # Rejection-sample positions with limited overlap (some occlusion is allowed and marked).
+    for _try in range(20):
+      cx, cy = rng.uniform(r, big - r, size=2)
+      if all(math.hypot(cx - p["cx"], cy - p["cy"]) > 0.6 * (r + p["r"]) for p in objs):
+        break
+    objs.append({"shape": SHAPES[int(rng.integers(len(SHAPES)))], "color": COLOR_NAMES[int(rng.integers(len(COLORS)))],
+                 "size": size, "r": r, "cx": cx, "cy": cy, "angle": rng.uniform(0, 2 * math.pi)})
+
+  bg = _background(rng, big, style)
+  canvas = Image.fromarray(bg)
+  draw = ImageDraw.Draw(canvas)
+  full_masks = []
+  for o in objs:
+    m = Image.new("L", (big, big), 0)
+    _draw_shape(ImageDraw.Draw(m), o["shape"], o["cx"], o["cy"], o["r"], o["angle"], fill=255)
+    full_masks.append(np.asarray(m) > 127)
+    rgb = tuple(int(np.clip(c + rng.normal(scale=12), 0, 255)) for c in COLORS[o["color"]])
+    if style == "main":
+      _draw_shape(draw, o["shape"], o["cx"], o["cy"], o["r"], o["angle"], fill=rgb)
+    else:
+      # Sketch: paper-coloured fill with a coloured outline and hatching strokes inside the shape.
+      _draw_shape(draw, o["shape"], o["cx"], o["cy"], o["r"], o["angle"], fill=tuple(bg[0, 0]), outline=rgb,
+                  width=max(2, big // 40))
+      hatch = Image.new("RGB", (big, big), tuple(bg[0, 0]))
+      hd = ImageDraw.Draw(hatch)
+      for k in range(-big, big, max(4, big // 12)):
+        hd.line([(k, 0), (k + big, big)], fill=rgb, width=1)
+      inner = Image.fromarray(((full_masks[-1] & (rng.random() < 0.7)) * 255).astype(np.uint8))
+      inner = inner.filter(ImageFilter.MinFilter(5))
+      canvas.paste(hatch, (0, 0), inner)
+  if style == "main":
+    canvas = canvas.filter(ImageFilter.GaussianBlur(radius=rng.uniform(0, 1.0)))
+  image = np.asarray(canvas.resize((image_size, image_size), Image.BILINEAR))
+
+  # Visible masks: later objects occlude earlier ones.
+  objects = []
+  for k, o in enumerate(objs):
+    vis = full_masks[k].copy()
+    for later in full_masks[k + 1:]:
+      vis &= ~later
+    vis_small = np.asarray(Image.fromarray(vis.astype(np.uint8) * 255).resize((image_size, image_size),
+                                                                                Image.BILINEAR)) > 127
+    visible_fraction = vis.sum() / max(full_masks[k].sum(), 1)
+    ys, xs = np.nonzero(full_masks[k])
+    bbox = np.array([ys.min(), xs.min(), ys.max() + 1, xs.max() + 1], np.float32) / big
+    objects.append({
+        "shape": o["shape"], "color": o["color"], "size": o["size"], "bbox": bbox, "mask": vis_small,
+        "visible_fraction": float(visible_fraction),
+        # VOC convention: heavily occluded objects are 'difficult' and ignored by the probe metric.
+        "difficult": bool(visible_fraction < 0.35),
+        "cx": o["cx"] / scale, "cy": o["cy"] / scale, "r": o["r"] / scale,
+    })
+  # Captions and narration read objects left to right, as people tend to describe scenes.
+  ordered = sorted(objects, key=lambda o: o["cx"])
+  captions = _captions(ordered, rng, image_size, style)
+  narration, timed, trace = _narration(ordered, rng, image_size)
+  qa, ent = _qa_and_entailment(objects, rng)
+  return {"image": image, "captions": captions, "objects": objects, "narration": narration,
+          "timed_caption": timed, "traces": trace, "questions": qa, "entailment": ent, "style": style}

@@ -1,0 +1,2 @@
+"""placeholder"""
+class Voc2007: pass

@@ -1,0 +1,252 @@
+"""Preprocessing ops: a registry of `name(args)` -> function(example dict) -> example dict, in TensorFlow.
+
+A preprocessing string chains ops with `|`, e.g.
+  `decode|inception_crop(64, area=(0.2, 1.0))|flip_lr_swap_words|color_jitter(0.4, 0.4, 0.4, 0.1)|normalize|choose_caption|tokenize(30)`
+
+Randomness is stateless: every example carries a seed `_rng` derived from its position in the global input
+stream, and each random op splits it. The same example index therefore always gets the same augmentation,
+which makes runs resumable to the exact batch and independent of tf.data's parallelism.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+Example = dict[str, Any]
+Op = Callable[[Example], Example]
+
+_REGISTRY: dict[str, Callable[..., Op]] = {}
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def register(fn):
+  _REGISTRY[fn.__name__.removeprefix("get_")] = fn
+  return fn
+
+
+def known_ops() -> list[str]:
+  return sorted(_REGISTRY)
+
+
+def parse(pp: str, context: dict | None = None) -> Op:
+  """Builds one function from a `|`-separated op string. `context` carries objects such as the tokenizer."""
+  context = context or {}
+  ops = []
+  for spec in (s.strip() for s in pp.split("|")):
+    if not spec:
+      continue
+    call = ast.parse(spec if "(" in spec else spec + "()", mode="eval").body
+    if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name):
+      raise ValueError(f"Cannot parse preprocessing op {spec!r}; expected name or name(args).")
+    name = call.func.id
+    if name not in _REGISTRY:
+      raise ValueError(f"Unknown preprocessing op {name!r} in {pp!r}. Known ops: {', '.join(known_ops())}")
+    args = [ast.literal_eval(a) for a in call.args]
+    kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    factory = _REGISTRY[name]
+    if getattr(factory, "needs_context", False):
+      kwargs["context"] = context
+    ops.append(factory(*args, **kwargs))
+
+  def apply(example: Example) -> Example:
+    for op in ops:
+      example = op(example)
+    return example
+
+  return apply
+
+
+def _next_rng(example: Example) -> tf.Tensor:
+  """Splits the example's seed; returns a fresh seed for this op and stores the other."""
+  seeds = tf.random.experimental.stateless_split(example["_rng"], num=2)
+  example["_rng"] = seeds[0]
+  return seeds[1]
+
+
+@register
+def get_decode(key: str = "image"):
+  def op(ex):
+    ex = dict(ex)
+    img = tf.io.decode_image(ex[key], channels=3, expand_animations=False)
+    img.set_shape([None, None, 3])
+    ex[key] = img
+    return ex
+  return op
+
+
+@register
+def get_inception_crop(size: int, area: tuple[float, float] = (0.2, 1.0),
+                       aspect: tuple[float, float] = (3 / 4, 4 / 3), key: str = "image"):
+  """Random crop covering `area` of the image with random aspect ratio, resized to size x size."""
+  def op(ex):
+    ex = dict(ex)
+    img = ex[key]
+    begin, crop_size, _ = tf.image.stateless_sample_distorted_bounding_box(
+        tf.shape(img), tf.zeros([0, 0, 4], tf.float32), seed=_next_rng(ex), area_range=area,
+        aspect_ratio_range=aspect, min_object_covered=0.0, use_image_if_no_bounding_boxes=True)
+    crop = tf.slice(img, begin, crop_size)
+    ex[key] = tf.cast(tf.clip_by_value(tf.image.resize(crop, [size, size], "bilinear", antialias=True), 0, 255),
+                      tf.uint8)
+    return ex
+  return op
+
+
+@register
+def get_resize(size: int, key: str = "image"):
+  def op(ex):
+    ex = dict(ex)
+    ex[key] = tf.cast(tf.clip_by_value(tf.image.resize(ex[key], [size, size], antialias=True), 0, 255), tf.uint8)
+    return ex
+  return op
+
+
+@register
+def get_resize_small(size: int, key: str = "image"):
+  """Resizes so that the shorter side is `size`, keeping the aspect ratio."""
+  def op(ex):
+    ex = dict(ex)
+    img = ex[key]
+    h, w = tf.cast(tf.shape(img)[0], tf.float32), tf.cast(tf.shape(img)[1], tf.float32)
+    scale = size / tf.minimum(h, w)
+    new = tf.cast(tf.round(tf.stack([h * scale, w * scale])), tf.int32)
+    ex[key] = tf.cast(tf.clip_by_value(tf.image.resize(img, new, antialias=True), 0, 255), tf.uint8)
+    return ex
+  return op
+
+
+@register
+def get_central_crop(size: int, key: str = "image"):
+  def op(ex):
+    ex = dict(ex)
+    img = ex[key]
+    h, w = tf.shape(img)[0], tf.shape(img)[1]
+    ex[key] = tf.image.crop_to_bounding_box(img, (h - size) // 2, (w - size) // 2, size, size)
+    return ex
+  return op
+
+
+def _swap_left_right(text: tf.Tensor) -> tf.Tensor:
+  text = tf.strings.regex_replace(text, r"\bleft\b", "\x00")
+  text = tf.strings.regex_replace(text, r"\bright\b", "left")
+  return tf.strings.regex_replace(text, "\x00", "right")
+
+
+@register
+def get_flip_lr_swap_words(keys: tuple[str, ...] = ("captions",), prob: float = 0.5, key: str = "image"):
+  """Horizontal flip that also swaps the words 'left' and 'right' in the text fields (VirTex)."""
+  def op(ex):
+    ex = dict(ex)
+    flip = tf.random.stateless_uniform([], _next_rng(ex)) < prob
+    ex[key] = tf.cond(flip, lambda: tf.reverse(ex[key], axis=[1]), lambda: ex[key])
+    for k in keys:
+      if k in ex:
+        ex[k] = tf.cond(flip, lambda k=k: _swap_left_right(ex[k]), lambda k=k: ex[k])
+    ex["flipped"] = flip
+    return ex
+  return op
+
+
+@register
+def get_color_jitter(brightness: float = 0.4, contrast: float = 0.4, saturation: float = 0.4, hue: float = 0.1,
+                     prob: float = 0.8, key: str = "image"):
+  """torchvision-style ColorJitter applied with probability `prob` (VirTex uses 0.4/0.4/0.4/0.1, p=0.8)."""
+  def op(ex):
+    ex = dict(ex)
+    seeds = tf.random.experimental.stateless_split(_next_rng(ex), num=5)
+    img = tf.cast(ex[key], tf.float32) / 255.0
+    out = img
+    if brightness:
+      out = tf.image.stateless_random_brightness(out, brightness, seeds[0])
+    if contrast:
+      out = tf.image.stateless_random_contrast(out, 1 - contrast, 1 + contrast, seeds[1])
+    if saturation:
+      out = tf.image.stateless_random_saturation(out, 1 - saturation, 1 + saturation, seeds[2])
+    if hue:
+      out = tf.image.stateless_random_hue(out, hue, seeds[3])
+    apply = tf.random.stateless_uniform([], seeds[4]) < prob
+    out = tf.where(apply, tf.clip_by_value(out, 0.0, 1.0), img)
+    ex[key] = tf.cast(tf.round(out * 255.0), tf.uint8)
+    return ex
+  return op
+
+
+@register
+def get_normalize(mean=IMAGENET_MEAN, std=IMAGENET_STD, key: str = "image"):
+  """uint8 [0, 255] -> float32 normalised by ImageNet mean/std."""
+  def op(ex):
+    ex = dict(ex)
+    img = tf.cast(ex[key], tf.float32) / 255.0
+    ex[key] = (img - tf.constant(mean, tf.float32)) / tf.constant(std, tf.float32)
+    return ex
+  return op
+
+
+@register
+def get_choose_caption(num_captions: int = 5, key: str = "captions", out: str = "caption"):
+  """Samples one of the first `num_captions` captions of the example (VirTex's 1 vs 5 captions ablation)."""
+  def op(ex):
+    ex = dict(ex)
+    caps = ex[key][:num_captions]
+    n = tf.shape(caps)[0]
+    idx = tf.random.stateless_uniform([], _next_rng(ex), 0, tf.maximum(n, 1), dtype=tf.int32)
+    # An image without captions yields an empty caption, which `tokenize` flags and losses ignore.
+    ex[out] = tf.cond(n > 0, lambda: tf.gather(caps, idx), lambda: tf.constant(""))
+    return ex
+  return op
+
+
+@register
+def get_tokenize(max_len: int, key: str = "caption", out: str = "tokens", context=None):
+  """SentencePiece-encodes `key` to int32[max_len]. Emits `stat_truncated` and `stat_empty` flags that the
+  training loop sums: over-long captions are cut (keeping [EOS]), empty ones are masked out of the loss."""
+  tokenizer = (context or {}).get("tokenizer")
+  if tokenizer is None:
+    raise ValueError("tokenize() needs a tokenizer; the pipeline passes it in `context`.")
+
+  def encode(text):
+    text = text.decode("utf-8")
+    ids, truncated = tokenizer.encode(text, max_len)
+    return ids, np.bool_(truncated), np.bool_(not text.strip())
+
+  def op(ex):
+    ex = dict(ex)
+    ids, truncated, empty = tf.numpy_function(encode, [ex[key]], [tf.int32, tf.bool, tf.bool], stateful=False)
+    ids.set_shape([max_len])
+    truncated.set_shape([])
+    empty.set_shape([])
+    ex[out] = ids
+    ex["stat_truncated"] = truncated
+    ex["stat_empty"] = empty
+    return ex
+  return op
+
+
+get_tokenize.needs_context = True
+
+
+@register
+def get_voc_labels(num_classes: int, key: str = "objects", out: str = "labels"):
+  """VOC07 classification targets from object annotations: 1 present, 0 only difficult, -1 absent."""
+  def op(ex):
+    ex = dict(ex)
+    labels = tf.cast(ex[key]["label"], tf.int32)
+    difficult = tf.cast(ex[key]["is_difficult"], tf.int32)
+    easy = tf.reduce_max(tf.one_hot(labels, num_classes, dtype=tf.int32) * (1 - difficult)[:, None], axis=0)
+    any_ = tf.reduce_max(tf.one_hot(labels, num_classes, dtype=tf.int32), axis=0)
+    # (An image without objects reduces over an empty axis: the minimum int, i.e. absent.)
+    ex[out] = tf.where(easy > 0, 1, tf.where(any_ > 0, 0, -1))
+    return ex
+  return op
+
+
+@register
+def get_keep(*keys: str):
+  def op(ex):
+    return {k: ex[k] for k in keys if k in ex}
+  return op

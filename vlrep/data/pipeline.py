@@ -1,0 +1,223 @@
+"""tf.data input pipelines: a resumable, per-host training stream and finite evaluation passes.
+
+Training order is a pure function of (seed, host, example index): the host's records are held in memory
+(serialized, images still encoded), epoch e visits them in the permutation `index_shuffle(., seed=(seed, host,
+e))`, and every example's augmentation seed is its position in the stream. Resuming at step s therefore just
+starts the stream at s * local_batch: the run sees exactly the batches an uninterrupted run would, whatever
+tf.data's parallelism. Each host reads its own 1/num_hosts of the records.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_datasets as tfds
+from absl import logging
+
+from vlrep.data import ops as ops_lib
+
+_STREAM_END = 2**62
+
+
+def _builders() -> dict[str, Any]:
+  # Imported lazily: builders pull in their own (sometimes heavy) dependencies.
+  from vlrep.data.builders import coco_captions, synthetic_scenes, voc2007
+
+  return {
+      "synthetic_scenes": (synthetic_scenes.SyntheticScenes, True),
+      "coco_captions2017": (coco_captions.CocoCaptions2017, False),
+      "voc2007": (voc2007.Voc2007, False),
+  }
+
+
+def prepare_command(name: str) -> str:
+  return f"python -m vlrep.data.prepare --dataset={name} --manual_dir=PATH --data_dir=DATA_DIR"
+
+
+def get_builder(name: str, data_dir: str | None, config_name: str | None = None) -> tfds.core.DatasetBuilder:
+  """Returns the dataset's builder, generating `synthetic_scenes` on first use.
+
+  Real datasets are never prepared implicitly: a missing one is an error naming the command that prepares it.
+  """
+  registry = _builders()
+  if name not in registry:
+    raise ValueError(f"Unknown dataset {name!r}. Known datasets: {', '.join(sorted(registry))}")
+  cls, generated = registry[name]
+  data_dir = os.path.expanduser(data_dir or tfds.core.constants.DATA_DIR)
+  builder = cls(config=config_name, data_dir=data_dir) if config_name else cls(data_dir=data_dir)
+  if not builder.is_prepared():
+    if not generated:
+      raise FileNotFoundError(
+          f"Dataset {name!r} is not prepared in {data_dir}. Prepare it from your local copy with:\n  "
+          f"{prepare_command(name)}")
+    if jax_process_index() == 0:
+      logging.info("Generating %s/%s in %s (first use).", name, builder.builder_config.name, data_dir)
+      builder.download_and_prepare()
+    sync_hosts(f"prepare {name}")
+    builder = cls(config=config_name, data_dir=data_dir) if config_name else cls(data_dir=data_dir)
+  return builder
+
+
+def jax_process_index() -> int:
+  import jax
+
+  return jax.process_index()
+
+
+def sync_hosts(tag: str) -> None:
+  import jax
+
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(tag)
+
+
+def _split_name(split: str) -> tuple[str, float]:
+  """'train' or 'train[:10%]' -> (name, fraction). Fractions take the first part of the split, deterministically."""
+  if "[" not in split:
+    return split, 1.0
+  name, sl = split.rstrip("]").split("[", 1)
+  if not (sl.startswith(":") and sl.endswith("%")):
+    raise ValueError(f"Only 'split[:N%]' slices are supported, got {split!r}.")
+  return name, float(sl[1:-1]) / 100.0
+
+
+def load_records(builder: tfds.core.DatasetBuilder, split: str, host_index: int = 0, host_count: int = 1) -> list[bytes]:
+  """The serialized examples of this host's shard of `split` (records host_index::host_count)."""
+  name, fraction = _split_name(split)
+  if name not in builder.info.splits:
+    raise ValueError(f"Split {name!r} not in {builder.name}; splits: {sorted(builder.info.splits)}")
+  files = [os.fspath(p) for p in builder.info.splits[name].filepaths]
+  records = list(tf.data.TFRecordDataset(files).as_numpy_iterator())
+  records = records[: max(1, int(round(len(records) * fraction)))]
+  shard = records[host_index::host_count]
+  if not shard:
+    raise ValueError(f"{builder.name}/{split} has {len(records)} examples, too few for {host_count} hosts.")
+  return shard
+
+
+def _skip_image_decoding(features) -> dict:
+  """Decoders that keep every Image feature encoded (decoded later by the `decode` op only when needed)."""
+  out = {}
+  for key, feat in features.items():
+    if isinstance(feat, tfds.features.Image):
+      out[key] = tfds.decode.SkipDecoding()
+    elif isinstance(feat, tfds.features.Sequence) and isinstance(feat.feature, tfds.features.FeaturesDict):
+      sub = _skip_image_decoding(feat.feature)
+      if sub:
+        out[key] = sub
+    elif isinstance(feat, tfds.features.FeaturesDict):
+      sub = _skip_image_decoding(feat)
+      if sub:
+        out[key] = sub
+  return out
+
+
+def _lookup_fn(records: list[bytes]):
+  """Random access into in-memory records (a numpy_function: large splits exceed graph-constant limits)."""
+  array = np.array(records, dtype=object)
+
+  def lookup(i):
+    return array[int(i)]
+
+  return lambda i: tf.reshape(tf.numpy_function(lookup, [i], tf.string, stateful=False), [])
+
+
+def _select(example: dict, fields: Sequence[str]) -> dict:
+  missing = [f for f in fields if f not in example]
+  if missing:
+    raise KeyError(f"Preprocessing did not produce fields {missing}; it produced {sorted(example)}.")
+  out = {f: example[f] for f in fields}
+  out.update({k: v for k, v in example.items() if k.startswith("stat_")})
+  return out
+
+
+def train_stream(builder, split: str, pp: str, fields: Sequence[str], local_batch: int, seed: int,
+                 start_step: int = 0, host_index: int = 0, host_count: int = 1,
+                 context: dict | None = None) -> Iterator[dict[str, np.ndarray]]:
+  """Infinite iterator of local training batches, starting at batch `start_step`."""
+  records = load_records(builder, split, host_index, host_count)
+  n = len(records)
+  lookup = _lookup_fn(records)
+  decoders = _skip_image_decoding(builder.info.features)
+  preprocess = ops_lib.parse(pp, context)
+  logging.info("Training stream over %d records of %s/%s (host %d/%d), starting at batch %d.", n, builder.name,
+               split, host_index, host_count, start_step)
+
+  def make_example(i):
+    epoch, pos = i // n, i % n
+    perm = tf.random.experimental.index_shuffle(
+        pos, tf.stack([tf.constant(seed * 1_000_003 + host_index, tf.int64), epoch]),
+        tf.constant(n - 1, tf.int64))
+    ex = builder.info.features.deserialize_example(lookup(perm), decoders=decoders)
+    # Augmentation seed: the example's position in the global stream.
+    ex["_rng"] = tf.stack([tf.constant(seed, tf.int64), i * host_count + host_index])
+    return _select(preprocess(ex), fields)
+
+  ds = tf.data.Dataset.range(start_step * local_batch, _STREAM_END)
+  ds = ds.map(make_example, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+  ds = ds.batch(local_batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+  options = tf.data.Options()
+  options.deterministic = True
+  options.threading.private_threadpool_size = max(2, os.cpu_count() or 2)
+  ds = ds.with_options(options)
+  return ds.as_numpy_iterator()
+
+
+def eval_batches(builder, split: str, pp: str, fields: Sequence[str], local_batch: int, host_index: int = 0,
+                 host_count: int = 1, context: dict | None = None) -> Iterator[dict[str, np.ndarray]]:
+  """One pass over this host's shard of `split`, in order. The last batch is padded; `_mask` marks real rows.
+
+  Every host yields the same number of batches (the longest shard's), so collective ops stay in step.
+  """
+  records = load_records(builder, split, host_index, host_count)
+  total = len(load_records(builder, split, 0, 1)) if host_count > 1 else len(records)
+  num_batches = math.ceil(math.ceil(total / host_count) / local_batch)
+  decoders = _skip_image_decoding(builder.info.features)
+  preprocess = ops_lib.parse(pp, context)
+
+  def make_example(ser):
+    ex = builder.info.features.deserialize_example(ser, decoders=decoders)
+    ex["_rng"] = tf.zeros([2], tf.int64)
+    ex = _select(preprocess(ex), fields)
+    ex["_mask"] = tf.constant(True)
+    return ex
+
+  ds = tf.data.Dataset.from_tensor_slices(np.array(records, dtype=object))
+  ds = ds.map(make_example, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+  ds = ds.batch(local_batch, drop_remainder=False)
+  count = 0
+  example = None
+  for batch in ds.as_numpy_iterator():
+    example = batch
+    yield _pad_batch(batch, local_batch)
+    count += 1
+  while count < num_batches:  # this host's shard is shorter: send fully masked batches
+    yield {k: np.zeros_like(v[:1]).repeat(local_batch, 0) for k, v in example.items()}
+    count += 1
+
+
+def _pad_batch(batch: dict[str, np.ndarray], size: int) -> dict[str, np.ndarray]:
+  n = len(batch["_mask"])
+  if n == size:
+    return batch
+  return {k: np.concatenate([v, np.zeros((size - n,) + v.shape[1:], v.dtype)]) for k, v in batch.items()}
+
+
+def read_texts(builder, split: str, key: str = "captions") -> list[str]:
+  """All strings of a text feature (or sequence of texts) in a split: the tokenizer's training corpus."""
+  name, _ = _split_name(split)
+  ds = builder.as_dataset(split=name, decoders=_skip_image_decoding(builder.info.features))
+  texts = []
+  for ex in ds.map(lambda e: e[key]).as_numpy_iterator():
+    if isinstance(ex, np.ndarray):
+      texts.extend(t.decode("utf-8") for t in ex.reshape(-1))
+    else:
+      texts.append(ex.decode("utf-8"))
+  return texts

@@ -1,0 +1,21 @@
+"""Evaluators, built from `config.evals` = {name: {type: ..., every_steps: ..., ...}}.
+
+Each has `.config`, `.feature_key` (which of the method's `features` it needs) and `.run(features_fn)` ->
+{metric: value}; the loop prefixes metrics with the evaluator's name (e.g. 'probe/map').
+"""
+
+from __future__ import annotations
+
+KNOWN = ("voc07_svm",)
+
+
+def build(config, context: dict, host: int = 0, num_hosts: int = 1):
+  if config.type == "voc07_svm":
+    from vlrep.evaluators.voc07_svm import Voc07Svm
+
+    return Voc07Svm(config, context, host, num_hosts)
+  raise ValueError(f"Unknown evaluator type {config.type!r}. Known evaluators: {', '.join(KNOWN)}")
+
+
+def build_all(evals_config, context: dict, host: int = 0, num_hosts: int = 1) -> dict:
+  return {name: build(cfg, context, host, num_hosts) for name, cfg in evals_config.items()}

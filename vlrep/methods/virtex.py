@@ -1,0 +1,112 @@
+"""VirTex (Desai & Johnson): visual backbones from captions, and the paper's pretraining-task ablations.
+
+Tasks (config `method.task`):
+  bicaptioning          forward + backward captioning losses summed (eq. 1), the paper's method.
+  captioning            forward captioning only.
+  token_classification  bag-of-tokens prediction from pooled features (caption structure ignored).
+  masked_lm             one bidirectional transformer predicts 15% masked tokens (BERT-style).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from vlrep.data import tokenizers
+from vlrep.models.virtex import VirTexModel
+
+TASKS = ("bicaptioning", "captioning", "token_classification", "masked_lm")
+_DIRECTIONS = {"bicaptioning": ("forward", "backward"), "captioning": ("forward",), "masked_lm": ("bidirectional",)}
+
+
+def reverse_captions(tokens: jnp.ndarray) -> jnp.ndarray:
+  """[SOS] c1..cT [EOS] [PAD].. -> [EOS] cT..c1 [SOS] [PAD]..: reverses each caption's non-padding prefix."""
+  lengths = jnp.sum(tokens != tokenizers.PAD_ID, axis=1, keepdims=True)
+  idx = jnp.arange(tokens.shape[1])[None]
+  src = jnp.where(idx < lengths, lengths - 1 - idx, idx)
+  return jnp.take_along_axis(tokens, src, axis=1)
+
+
+def _token_cross_entropy(logits, targets, weights):
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+  return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+
+
+class VirTex:
+  """VirTex behind vlrep's method contract (init / loss / features)."""
+
+  fields = ("image", "tokens")
+
+  def __init__(self, config: ml_collections.ConfigDict, vocab_size: int):
+    if config.task not in TASKS:
+      raise ValueError(f"Unknown VirTex task {config.task!r}; known: {TASKS}")
+    self.config = config
+    self.vocab_size = vocab_size
+    self.model = VirTexModel(
+        vocab_size=vocab_size, backbone=dict(config.backbone),
+        head="linear" if config.task == "token_classification" else "transformer",
+        hidden=config.hidden, num_layers=config.num_layers, max_len=config.max_len, dropout=config.dropout,
+        directions=_DIRECTIONS.get(config.task, ()), dtype=jnp.dtype(config.dtype))
+
+  # -- contract -----------------------------------------------------------------------------------------
+  def init(self, rng, batch) -> dict:
+    params_rng, dropout_rng = jax.random.split(rng)
+    tokens_in, padding, _ = self._inputs(batch["tokens"], dropout_rng)
+    return self.model.init({"params": params_rng, "dropout": dropout_rng}, batch["image"], tokens_in, padding,
+                           train=False)
+
+  def loss(self, variables, batch, rng, train: bool = True):
+    mask_rng, dropout_rng = jax.random.split(rng)
+    tokens = batch["tokens"]
+    valid_caption = ~batch["stat_empty"] if "stat_empty" in batch else jnp.ones(tokens.shape[:1], bool)
+    tokens_in, padding, is_masked = self._inputs(tokens, mask_rng)
+    (logits, _), new_state = self.model.apply(
+        variables, batch["image"], tokens_in, padding, train=train, rngs={"dropout": dropout_rng},
+        mutable=["batch_stats"])
+    task = self.config.task
+    metrics = {}
+    if task == "token_classification":
+      targets = jax.nn.one_hot(tokens, self.vocab_size).max(axis=1).at[:, : tokenizers.NUM_SPECIAL].set(0)
+      targets = targets * valid_caption[:, None]
+      # Normalised multi-label cross-entropy: the caption's token set shares the target probability mass.
+      per_image = -jnp.sum(targets * jax.nn.log_softmax(logits), -1) / jnp.maximum(targets.sum(-1), 1)
+      loss = jnp.sum(per_image) / jnp.maximum(jnp.sum(targets.sum(-1) > 0), 1)
+    elif task == "masked_lm":
+      weights = (is_masked & valid_caption[:, None]).astype(jnp.float32)
+      loss = _token_cross_entropy(logits["bidirectional"], tokens, weights)
+    else:
+      loss = 0.0
+      seqs = {"forward": tokens, "backward": reverse_captions(tokens)}
+      for direction in _DIRECTIONS[task]:
+        targets = seqs[direction][:, 1:]
+        weights = ((targets != tokenizers.PAD_ID) & valid_caption[:, None]).astype(jnp.float32)
+        d_loss = _token_cross_entropy(logits[direction], targets, weights)
+        metrics[f"{direction}_loss"] = d_loss
+        loss = loss + d_loss
+    return loss, metrics, new_state
+
+  def features(self, variables, images) -> dict:
+    """Frozen-backbone features for evaluators: pooled 'pre_logits' and the final 'grid'."""
+    grid, aux = self.model.apply(variables, images, False, method=VirTexModel.encode_image)
+    return {"pre_logits": aux["pre_logits"], "grid": grid.astype(jnp.float32)}
+
+  # -- helpers ------------------------------------------------------------------------------------------
+  def _inputs(self, tokens, rng):
+    """(tokens, padding) per direction: teacher-forced prefixes, or masked captions (+ the mask) for masked LM."""
+    task = self.config.task
+    if task == "token_classification":
+      return None, None, None
+    if task == "masked_lm":
+      special = tokens < tokenizers.NUM_SPECIAL
+      scores = jax.random.uniform(rng, tokens.shape)
+      is_masked = (scores < self.config.mask_prob) & ~special
+      # Every caption masks at least one token: its highest-scoring maskable one.
+      best = jnp.argmax(jnp.where(special, -1.0, scores), axis=1)
+      is_masked = is_masked | (jax.nn.one_hot(best, tokens.shape[1]) > 0) & ~special
+      masked = jnp.where(is_masked, tokenizers.MASK_ID, tokens)
+      return ({"bidirectional": masked}, {"bidirectional": tokens == tokenizers.PAD_ID}, is_masked)
+    seqs = {"forward": tokens, "backward": reverse_captions(tokens)}
+    inputs = {d: seqs[d][:, :-1] for d in _DIRECTIONS[task]}
+    return inputs, {d: x == tokenizers.PAD_ID for d, x in inputs.items()}, None

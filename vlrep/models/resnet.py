@@ -1,0 +1,159 @@
+"""ResNet (v1.5, NHWC) with torchvision-compatible structure and stable parameter names.
+
+Names follow torchvision (`conv1`, `bn1`, `layer1_block0/conv2`, `.../downsample_conv`) so that export to a
+PyTorch state_dict is a renaming. BatchNorm statistics are computed over groups of `bn_group_size` examples:
+VirTex uses per-GPU BatchNorm with 32 images per GPU; defining the group by examples rather than by devices
+gives the same maths on 1 CPU, 8 devices or a pod, and a group size of 0 means one group over the global
+batch (synchronised, cross-device BatchNorm).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+DEPTHS = {
+    10: (1, 1, 1, 1),  # tests only: one block per stage
+    18: (2, 2, 2, 2),
+    26: (2, 2, 2, 2),
+    50: (3, 4, 6, 3),
+    101: (3, 4, 23, 3),
+    152: (3, 8, 36, 3),
+}
+
+
+class GroupedBatchNorm(nn.Module):
+  """BatchNorm whose batch statistics are taken over groups of `group_size` consecutive examples."""
+
+  group_size: int = 0
+  momentum: float = 0.9
+  epsilon: float = 1e-5
+  dtype: Any = jnp.float32
+  scale_init: Any = nn.initializers.ones
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    c = x.shape[-1]
+    scale = self.param("scale", self.scale_init, (c,), jnp.float32)
+    bias = self.param("bias", nn.initializers.zeros, (c,), jnp.float32)
+    ra_mean = self.variable("batch_stats", "mean", lambda: jnp.zeros((c,), jnp.float32))
+    ra_var = self.variable("batch_stats", "var", lambda: jnp.ones((c,), jnp.float32))
+    if train:
+      b = x.shape[0]
+      g = self.group_size if self.group_size and self.group_size < b else b
+      if b % g:
+        raise ValueError(f"Batch {b} is not divisible by the BatchNorm group size {g}.")
+      xg = x.astype(jnp.float32).reshape((b // g, g) + x.shape[1:])
+      axes = tuple(range(1, xg.ndim - 1))
+      mean = xg.mean(axes, keepdims=True)
+      var = jnp.maximum((xg * xg).mean(axes, keepdims=True) - mean * mean, 0.0)
+      if not self.is_initializing():
+        n = xg[0, ..., 0].size  # elements per channel in one group
+        unbiased = var.mean(0).reshape(c) * n / max(n - 1, 1)
+        ra_mean.value = self.momentum * ra_mean.value + (1 - self.momentum) * mean.mean(0).reshape(c)
+        ra_var.value = self.momentum * ra_var.value + (1 - self.momentum) * unbiased
+      y = (xg - mean) * jax.lax.rsqrt(var + self.epsilon)
+      y = y.reshape(x.shape)
+    else:
+      y = (x.astype(jnp.float32) - ra_mean.value) * jax.lax.rsqrt(ra_var.value + self.epsilon)
+    return (y * scale + bias).astype(self.dtype)
+
+
+class Bottleneck(nn.Module):
+  width: int
+  stride: int
+  norm: Any
+  conv: Any
+  expansion: int = 4
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    residual = x
+    y = self.conv(self.width, (1, 1), name="conv1")(x)
+    y = nn.relu(self.norm(name="bn1")(y, train))
+    y = self.conv(self.width, (3, 3), strides=(self.stride, self.stride), padding=((1, 1), (1, 1)), name="conv2")(y)
+    y = nn.relu(self.norm(name="bn2")(y, train))
+    y = self.conv(self.width * self.expansion, (1, 1), name="conv3")(y)
+    y = self.norm(name="bn3")(y, train)
+    if residual.shape[-1] != y.shape[-1] or self.stride != 1:
+      residual = self.conv(self.width * self.expansion, (1, 1), strides=(self.stride, self.stride),
+                           name="downsample_conv")(residual)
+      residual = self.norm(name="downsample_bn")(residual, train)
+    return nn.relu(residual + y)
+
+
+class BasicBlock(nn.Module):
+  width: int
+  stride: int
+  norm: Any
+  conv: Any
+  expansion: int = 1
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    residual = x
+    y = self.conv(self.width, (3, 3), strides=(self.stride, self.stride), padding=((1, 1), (1, 1)), name="conv1")(x)
+    y = nn.relu(self.norm(name="bn1")(y, train))
+    y = self.conv(self.width, (3, 3), padding=((1, 1), (1, 1)), name="conv2")(y)
+    y = self.norm(name="bn2")(y, train)
+    if residual.shape[-1] != y.shape[-1] or self.stride != 1:
+      residual = self.conv(self.width, (1, 1), strides=(self.stride, self.stride), name="downsample_conv")(residual)
+      residual = self.norm(name="downsample_bn")(residual, train)
+    return nn.relu(residual + y)
+
+
+class ResNet(nn.Module):
+  """ResNet returning the final spatial grid and named intermediates.
+
+  Attributes:
+    depth: 10 (tests) and 18 use basic blocks; 26, 50, 101 and 152 use bottlenecks.
+    width: channels of the first stage (64 standard; 128 for R-50 w2x, whose bottleneck inner width doubles).
+    bn_group_size: examples per BatchNorm statistics group (0 = whole batch).
+  Returns:
+    (features [B, H/32, W/32, C], {'stage1'..'stage4', 'pre_logits' [B, C]}).
+  """
+
+  depth: int = 50
+  width: int = 64
+  bn_group_size: int = 0
+  bn_momentum: float = 0.9
+  dtype: Any = jnp.float32
+
+  @property
+  def bottleneck(self) -> bool:
+    return self.depth not in (10, 18)
+
+  @property
+  def num_features(self) -> int:
+    return self.width * 8 * (4 if self.bottleneck else 1)
+
+  @nn.compact
+  def __call__(self, x, train: bool = False):
+    if self.depth not in DEPTHS:
+      raise ValueError(f"Unsupported ResNet depth {self.depth}; supported: {sorted(DEPTHS)}")
+    conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype, param_dtype=jnp.float32,
+                             kernel_init=nn.initializers.variance_scaling(2.0, "fan_out", "normal"))
+    norm = functools.partial(GroupedBatchNorm, group_size=self.bn_group_size, momentum=self.bn_momentum,
+                             dtype=self.dtype)
+    aux = {}
+    x = x.astype(self.dtype)
+    x = conv(self.width, (7, 7), strides=(2, 2), padding=((3, 3), (3, 3)), name="conv1")(x)
+    x = nn.relu(norm(name="bn1")(x, train))
+    x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+    block_cls = Bottleneck if self.bottleneck else BasicBlock
+    for stage, num_blocks in enumerate(_stage_sizes(self.depth)):
+      for b in range(num_blocks):
+        stride = 2 if stage > 0 and b == 0 else 1
+        x = block_cls(self.width * 2**stage, stride, norm, conv, name=f"layer{stage + 1}_block{b}")(x, train)
+      aux[f"stage{stage + 1}"] = x
+    aux["pre_logits"] = jnp.mean(x.astype(jnp.float32), axis=(1, 2))
+    return x, aux
+
+
+def _stage_sizes(depth: int) -> Sequence[int]:
+  return DEPTHS[depth]

@@ -1,0 +1,141 @@
+"""Transformer pieces for textual heads: embeddings, post-LN decoder layers, and VirTex's textual heads.
+
+The decoder follows VirTex (Vaswani et al. with GELU): each layer applies masked self-attention, attention
+over image features, and a feed-forward network; each followed by dropout, a residual connection and
+LayerNorm (post-LN). Attention weights are returned by name so visualisations can pick them up.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+_init = nn.initializers.normal(0.02)  # BERT-style initialisation, as VirTex uses
+
+
+class MultiHeadAttention(nn.Module):
+  """Multi-head attention returning (output, weights[B, heads, Tq, Tk] averaged-ready)."""
+
+  num_heads: int
+  dtype: Any = jnp.float32
+  dropout: float = 0.0
+
+  @nn.compact
+  def __call__(self, q_in, kv_in, mask=None, train: bool = False):
+    h = q_in.shape[-1]
+    if h % self.num_heads:
+      raise ValueError(f"Hidden size {h} is not divisible by {self.num_heads} heads.")
+    dense = lambda name: nn.DenseGeneral((self.num_heads, h // self.num_heads), dtype=self.dtype,  # noqa: E731
+                                         param_dtype=jnp.float32, kernel_init=_init, name=name)
+    q, k, v = dense("query")(q_in), dense("key")(kv_in), dense("value")(kv_in)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(q.shape[-1]).astype(jnp.float32)
+    if mask is not None:
+      logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(logits, axis=-1)
+    probs = nn.Dropout(self.dropout)(weights, deterministic=not train)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(self.dtype), v)
+    out = nn.DenseGeneral(h, axis=(-2, -1), dtype=self.dtype, param_dtype=jnp.float32, kernel_init=_init,
+                          name="out")(out)
+    return out, weights
+
+
+class DecoderLayer(nn.Module):
+  """Post-LN transformer layer: self-attention (causal or not), optional cross-attention, GELU MLP."""
+
+  num_heads: int
+  mlp_dim: int
+  dropout: float = 0.1
+  cross_attention: bool = True
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, memory, self_mask, train: bool = False):
+    ln = lambda name: nn.LayerNorm(epsilon=1e-8, dtype=self.dtype, param_dtype=jnp.float32, name=name)  # noqa: E731
+    drop = nn.Dropout(self.dropout)
+    y, _ = MultiHeadAttention(self.num_heads, self.dtype, self.dropout, name="self_attention")(x, x, self_mask, train)
+    x = ln("ln_self")(x + drop(y, deterministic=not train))
+    cross = None
+    if self.cross_attention:
+      y, cross = MultiHeadAttention(self.num_heads, self.dtype, self.dropout, name="cross_attention")(
+          x, memory, None, train)
+      x = ln("ln_cross")(x + drop(y, deterministic=not train))
+    y = nn.Dense(self.mlp_dim, dtype=self.dtype, param_dtype=jnp.float32, kernel_init=_init, name="mlp_in")(x)
+    y = nn.gelu(y, approximate=False)
+    y = nn.Dense(x.shape[-1], dtype=self.dtype, param_dtype=jnp.float32, kernel_init=_init, name="mlp_out")(y)
+    x = ln("ln_mlp")(x + drop(y, deterministic=not train))
+    return x, cross
+
+
+class WordAndPositionEmbedding(nn.Module):
+  """Token + learned position embeddings, summed, LayerNorm, dropout. `attend` ties the output layer."""
+
+  vocab_size: int
+  hidden: int
+  max_len: int
+  dropout: float = 0.1
+  dtype: Any = jnp.float32
+
+  def setup(self):
+    self.words = nn.Embed(self.vocab_size, self.hidden, embedding_init=_init, param_dtype=jnp.float32,
+                          dtype=self.dtype, name="words")
+    self.positions = nn.Embed(self.max_len, self.hidden, embedding_init=_init, param_dtype=jnp.float32,
+                              dtype=self.dtype, name="positions")
+    self.ln = nn.LayerNorm(epsilon=1e-8, dtype=self.dtype, param_dtype=jnp.float32, name="ln")
+    self.drop = nn.Dropout(self.dropout)
+
+  def __call__(self, tokens, train: bool = False):
+    if tokens.shape[1] > self.max_len:
+      raise ValueError(f"Sequence length {tokens.shape[1]} exceeds the embedding's max_len {self.max_len}.")
+    pos = jnp.arange(tokens.shape[1])[None]
+    x = self.ln(self.words(tokens) + self.positions(pos))
+    return self.drop(x, deterministic=not train)
+
+  def attend(self, x):
+    return self.words.attend(x)
+
+
+class TransformerTextualHead(nn.Module):
+  """One or two (forward/backward) transformer decoders over image features, sharing embeddings and output.
+
+  Attributes:
+    directions: ('forward',), ('forward', 'backward') for bicaptioning, or ('bidirectional',) for masked LM
+      (self-attention without the causal mask).
+  Returns logits[direction] [B, T, V] and aux {'<direction>/cross_attention': [L][B, heads, T, N]}.
+  """
+
+  vocab_size: int
+  hidden: int = 2048
+  num_layers: int = 1
+  num_heads: int | None = None  # default hidden // 64, as VirTex and BERT
+  mlp_dim: int | None = None  # default 4 * hidden
+  max_len: int = 30
+  dropout: float = 0.1
+  directions: tuple[str, ...] = ("forward", "backward")
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, visual, tokens_by_direction: dict, padding_by_direction: dict, train: bool = False):
+    embedding = WordAndPositionEmbedding(self.vocab_size, self.hidden, self.max_len, self.dropout, self.dtype,
+                                         name="embedding")
+    output_bias = self.param("output_bias", nn.initializers.zeros, (self.vocab_size,), jnp.float32)
+    heads = self.num_heads or max(1, self.hidden // 64)
+    logits, aux = {}, {}
+    for direction in self.directions:
+      tokens = tokens_by_direction[direction]
+      t = tokens.shape[1]
+      keep = ~padding_by_direction[direction]
+      mask = keep[:, None, None, :]
+      if direction != "bidirectional":
+        mask = mask & jnp.tril(jnp.ones((t, t), bool))[None, None]
+      x = embedding(tokens, train)
+      crosses = []
+      for layer in range(self.num_layers):
+        x, cross = DecoderLayer(heads, self.mlp_dim or 4 * self.hidden, self.dropout, True, self.dtype,
+                                name=f"{direction}_layer{layer}")(x, visual, mask, train)
+        crosses.append(cross)
+      logits[direction] = embedding.attend(x).astype(jnp.float32) + output_bias
+      aux[f"{direction}/cross_attention"] = crosses
+    return logits, aux

@@ -1,0 +1,54 @@
+"""VirTex's model: a ResNet visual backbone, a linear visual projection, and a textual head."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from vlrep.models import resnet, transformer
+
+
+class VirTexModel(nn.Module):
+  """Image -> 7x7 grid -> projection to the head width -> textual head.
+
+  `head` is 'transformer' (captioning and masked LM, `directions` choose which) or 'linear' (token
+  classification: global-average-pooled features -> vocabulary logits).
+  """
+
+  vocab_size: int
+  backbone: dict
+  head: str = "transformer"
+  hidden: int = 2048
+  num_layers: int = 1
+  max_len: int = 30
+  dropout: float = 0.1
+  directions: tuple[str, ...] = ("forward", "backward")
+  dtype: Any = jnp.float32
+
+  def setup(self):
+    self.visual = resnet.ResNet(**self.backbone, dtype=self.dtype, name="backbone")
+    if self.head == "linear":
+      self.classifier = nn.Dense(self.vocab_size, dtype=self.dtype, param_dtype=jnp.float32, name="classifier")
+    elif self.head == "transformer":
+      self.visual_projection = nn.Dense(self.hidden, dtype=self.dtype, param_dtype=jnp.float32,
+                                        name="visual_projection")
+      self.textual_head = transformer.TransformerTextualHead(
+          self.vocab_size, self.hidden, self.num_layers, max_len=self.max_len, dropout=self.dropout,
+          directions=self.directions, dtype=self.dtype, name="textual_head")
+    else:
+      raise ValueError(f"Unknown head {self.head!r}; expected 'transformer' or 'linear'.")
+
+  def encode_image(self, images, train: bool = False):
+    return self.visual(images, train)
+
+  def __call__(self, images, tokens_by_direction=None, padding_by_direction=None, train: bool = False):
+    grid, aux = self.visual(images, train)
+    if self.head == "linear":
+      return self.classifier(aux["pre_logits"].astype(self.dtype)).astype(jnp.float32), aux
+    b, h, w, c = grid.shape
+    visual = self.visual_projection(grid.reshape(b, h * w, c))
+    logits, head_aux = self.textual_head(visual, tokens_by_direction, padding_by_direction, train)
+    aux.update(head_aux)
+    return logits, aux

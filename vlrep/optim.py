@@ -1,0 +1,103 @@
+"""Optimizer from config: parameter groups by regex (own peak LR each), no-decay regex, warmup + cosine
+schedules, gradient clipping, and LookAhead.
+
+Config (`config.optim`):
+  name            'sgd' (momentum, PyTorch semantics: decay added to the gradient) or 'adamw'.
+  lr_groups       [(regex, peak_lr), ...] matched in order against 'module/submodule/param' paths.
+  no_decay        regex of parameters without weight decay.
+  warmup_steps / total_steps come from the loop (converted from epochs there).
+  lookahead_steps k (0 disables) and lookahead_alpha.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+
+def param_paths(params) -> Any:
+  """A pytree like params whose leaves are 'a/b/c' path strings."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path), params)
+
+
+def group_labels(params, lr_groups) -> tuple[Any, dict[str, float]]:
+  """Labels each parameter with the first matching group; errors on a parameter no group matches."""
+  patterns = [(f"group{i}_{re.sub(r'[^A-Za-z0-9]+', '_', rx).strip('_') or 'all'}", re.compile(rx), lr)
+              for i, (rx, lr) in enumerate(lr_groups)]
+
+  def label(path):
+    for name, rx, _ in patterns:
+      if rx.search(path):
+        return name
+    raise ValueError(f"Parameter {path!r} matches none of optim.lr_groups {[g[0] for g in lr_groups]}.")
+
+  return jax.tree.map(label, param_paths(params)), {name: lr for name, _, lr in patterns}
+
+
+def warmup_cosine(peak: float, warmup_steps: int, total_steps: int, end_fraction: float = 0.0):
+  """Linear warmup from 0 to `peak`, then cosine decay to `end_fraction * peak` at `total_steps`."""
+  warmup_steps = min(warmup_steps, total_steps)
+  return optax.join_schedules([
+      optax.linear_schedule(0.0, peak, max(warmup_steps, 1)),
+      optax.cosine_decay_schedule(peak, max(total_steps - warmup_steps, 1), alpha=end_fraction),
+  ], [warmup_steps])
+
+
+class LookaheadState(NamedTuple):
+  inner: Any
+  slow: Any
+  count: jnp.ndarray
+
+
+def lookahead(inner: optax.GradientTransformation, sync_period: int, alpha: float) -> optax.GradientTransformation:
+  """LookAhead (Zhang et al.): every `sync_period` steps, slow += alpha * (fast - slow) and fast = slow.
+
+  Unlike optax.lookahead, the model parameters are a single tree: the fast weights between syncs, the slow
+  weights right after one (as PyTorch implementations do), so the loop, evaluators and export see plain params.
+  """
+
+  def init(params):
+    return LookaheadState(inner.init(params), jax.tree.map(jnp.asarray, params), jnp.zeros([], jnp.int32))
+
+  def update(grads, state, params):
+    updates, inner_state = inner.update(grads, state.inner, params)
+    fast = optax.apply_updates(params, updates)
+    count = state.count + 1
+    sync = count % sync_period == 0
+    slow = jax.tree.map(lambda s, f: jnp.where(sync, s + alpha * (f - s), s), state.slow, fast)
+    new_params = jax.tree.map(lambda s, f: jnp.where(sync, s, f), slow, fast)
+    return jax.tree.map(lambda n, p: n - p, new_params, params), LookaheadState(inner_state, slow, count)
+
+  return optax.GradientTransformation(init, update)
+
+
+def build(config: ml_collections.ConfigDict, params, total_steps: int, warmup_steps: int):
+  """Returns (optax transformation, {group: schedule}) for `params`."""
+  labels, peaks = group_labels(params, config.lr_groups)
+  schedules = {name: warmup_cosine(peak, warmup_steps, total_steps) for name, peak in peaks.items()}
+  no_decay = re.compile(config.no_decay) if config.no_decay else None
+  decay_mask = jax.tree.map(lambda p: not (no_decay and no_decay.search(p)), param_paths(params))
+
+  if config.name == "sgd":
+    def group_tx(schedule):
+      return optax.sgd(schedule, momentum=config.momentum or None, nesterov=config.nesterov)
+    parts = [optax.add_decayed_weights(config.weight_decay, mask=decay_mask)] if config.weight_decay else []
+    parts.append(optax.multi_transform({n: group_tx(s) for n, s in schedules.items()}, labels))
+  elif config.name == "adamw":
+    parts = [optax.multi_transform({
+        n: optax.adamw(s, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay,
+                       mask=decay_mask) for n, s in schedules.items()}, labels)]
+  else:
+    raise ValueError(f"Unknown optimizer {config.name!r}; known: sgd, adamw")
+  if config.grad_clip_norm:
+    parts.insert(0, optax.clip_by_global_norm(config.grad_clip_norm))
+  tx = optax.chain(*parts)
+  if config.lookahead_steps:
+    tx = lookahead(tx, config.lookahead_steps, config.lookahead_alpha)
+  return tx, schedules

@@ -1,0 +1,310 @@
+"""THE training loop: any config (method + data + optimizer + evaluators) -> a sharded, checkpointed,
+resumable run. It knows nothing of any method's maths; methods know nothing of devices or checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+from clu import metric_writers
+
+from vlrep import checkpoint as ckpt_lib
+from vlrep import evaluators, methods, optim, sharding
+from vlrep.data import pipeline, tokenizers
+
+
+class NonFiniteLossError(RuntimeError):
+  pass
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Durations: steps, epochs or examples, converted in this one place.
+# ----------------------------------------------------------------------------------------------------------
+def to_steps(config: ml_collections.ConfigDict, prefix: str, steps_per_epoch: float, global_batch: int) -> int:
+  given = {u: config.get(f"{prefix}_{u}") for u in ("steps", "epochs", "examples")}
+  given = {u: v for u, v in given.items() if v}
+  if len(given) > 1 or (not given and prefix != "warmup"):
+    raise ValueError(f"Set exactly one of {prefix}_steps / {prefix}_epochs / {prefix}_examples to a positive "
+                     f"value (got {given}); the others must be 0.")
+  if not given:
+    return 0
+  unit, value = next(iter(given.items()))
+  if unit == "steps":
+    return int(value)
+  if unit == "epochs":
+    return int(round(value * steps_per_epoch))
+  return int(round(value / global_batch))
+
+
+def write_summary(workdir: str, values: dict[str, Any]) -> None:
+  """Merges flat metrics into WORKDIR/summary.json (atomically; other tools add their own keys)."""
+  path = os.path.join(workdir, "summary.json")
+  summary = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      summary = json.load(f)
+  summary.update({k: (float(v) if isinstance(v, (np.floating, np.integer, jax.Array)) else v) for k, v in values.items()})
+  with open(path + ".tmp", "w") as f:
+    json.dump(summary, f, indent=2, sort_keys=True)
+  os.replace(path + ".tmp", path)
+
+
+class _Preemption:
+  """SIGTERM sets a flag; the loop checkpoints at the next step boundary and exits cleanly."""
+
+  def __init__(self):
+    self.requested = False
+    try:
+      signal.signal(signal.SIGTERM, self._handle)
+    except ValueError:  # not the main thread (e.g. notebooks): rely on periodic checkpoints
+      pass
+
+  def _handle(self, signum, frame):
+    del frame
+    logging.warning("Received signal %d: saving a checkpoint and exiting.", signum)
+    self.requested = True
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Trains (or resumes) the run defined by `config` in `workdir`; returns the final summary."""
+  t_start = time.time()
+  os.makedirs(workdir, exist_ok=True)
+  host, num_hosts = jax.process_index(), jax.process_count()
+  writer = metric_writers.create_default_writer(workdir, just_logging=host > 0)
+  preemption = _Preemption()
+
+  # ---------------------------------------------------------------------------------------------------- #
+  # Devices, data, tokenizer, method.
+  # ---------------------------------------------------------------------------------------------------- #
+  mesh = sharding.make_mesh(config.sharding.num_devices or None)
+  num_devices = mesh.devices.size
+  global_bs = config.batch_size
+  if global_bs % num_devices or global_bs % num_hosts:
+    raise ValueError(f"batch_size {global_bs} must be divisible by the {num_devices} devices and {num_hosts} hosts.")
+  local_bs = global_bs // num_hosts
+  logging.info("Mesh %s over %d devices (%s), %d host(s); global batch %d.", dict(mesh.shape), num_devices,
+               jax.devices()[0].platform, num_hosts, global_bs)
+
+  builder = pipeline.get_builder(config.data.name, config.data.data_dir, config.data.get("config_name"))
+  tokenizer = tokenizers.ensure_tokenizer(config.tokenizer, builder)
+  context = {"tokenizer": tokenizer}
+  method = methods.build(config.method, tokenizer.vocab_size)
+  split_name, fraction = pipeline._split_name(config.data.split)  # noqa: SLF001
+  num_examples = int(builder.info.splits[split_name].num_examples * fraction)
+  steps_per_epoch = num_examples / global_bs
+  total_steps = to_steps(config, "total", steps_per_epoch, global_bs)
+  warmup_steps = to_steps(config.optim, "warmup", steps_per_epoch, global_bs)
+
+  ckpt = ckpt_lib.Checkpointer(workdir, keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
+  start_step = ckpt.latest_step() or 0
+  stream = pipeline.train_stream(builder, config.data.split, config.data.pp, method.fields, local_bs, config.seed,
+                                 start_step, host, num_hosts, context)
+  batch_sharding = sharding.batch_sharding(mesh)
+  first_batch = sharding.global_batch(next(stream), batch_sharding)
+
+  # ---------------------------------------------------------------------------------------------------- #
+  # Train state, created directly in its sharded layout (or restored into it).
+  # ---------------------------------------------------------------------------------------------------- #
+  base_rng = jax.random.PRNGKey(config.seed)
+  tx_holder = {}
+
+  def init_state(rng, batch):
+    variables = method.init(rng, batch)
+    params = variables["params"]
+    tx, schedules = optim.build(config.optim, params, total_steps, warmup_steps)
+    tx_holder.update(tx=tx, schedules=schedules)
+    return {"step": jnp.zeros([], jnp.int32), "params": params,
+            "model_state": {k: v for k, v in variables.items() if k != "params"}, "opt_state": tx.init(params)}
+
+  init_rng = jax.random.fold_in(base_rng, -1 % 2**31)
+  abstract = jax.eval_shape(init_state, init_rng, first_batch)
+  state_sh = sharding.state_shardings(mesh, abstract, config.sharding.params)
+  tx, schedules = tx_holder["tx"], tx_holder["schedules"]
+  summary: dict[str, Any] = {}
+  if start_step:
+    abstract_sh = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh)
+    state, meta = ckpt.restore(start_step, abstract_sh)
+    summary.update(meta.get("summary", {}))
+    logging.info("Resumed from step %d in %s.", start_step, workdir)
+  else:
+    state = jax.jit(init_state, out_shardings=state_sh)(init_rng, first_batch)
+  num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
+  logging.info("%s: %.2fM parameters, %d steps (%.1f epochs of %d examples), warmup %d.", config.method.name,
+               num_params / 1e6, total_steps, total_steps / max(steps_per_epoch, 1e-9), num_examples, warmup_steps)
+
+  # ---------------------------------------------------------------------------------------------------- #
+  # Jitted step and feature extraction.
+  # ---------------------------------------------------------------------------------------------------- #
+  def train_step(state, batch):
+    rng = jax.random.fold_in(base_rng, state["step"])
+
+    def loss_fn(params):
+      loss, metrics, new_model_state = method.loss({"params": params, **state["model_state"]}, batch, rng, True)
+      return loss, (metrics, new_model_state)
+
+    (loss, (metrics, new_model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = jax.tree.map(jnp.add, state["params"], updates)
+    new = {"step": state["step"] + 1, "params": params, "model_state": {**state["model_state"], **new_model_state},
+           "opt_state": opt_state}
+    # A non-finite loss leaves the state untouched (the loop stops at the next check), so no NaN ever
+    # reaches a checkpoint.
+    finite = jnp.isfinite(loss)
+    new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, {**state, "step": state["step"] + 1})
+    metrics = {f"train/{k}": v for k, v in metrics.items()}
+    metrics["train/loss"] = loss
+    metrics["train/grad_norm"] = optax_global_norm(grads)
+    for name, schedule in schedules.items():
+      metrics[f"train/lr_{name}"] = schedule(state["step"])
+    for k, v in batch.items():
+      if k.startswith("stat_"):
+        metrics[f"data/{k[5:]}_count"] = jnp.sum(v.astype(jnp.int32))
+    return new, metrics
+
+  step_fn = jax.jit(train_step, in_shardings=(state_sh, batch_sharding), out_shardings=(state_sh, None),
+                    donate_argnums=(0,))
+  feature_key = {}
+
+  def extract(variables, batch):
+    return method.features(variables, batch["image"])[feature_key["key"]], batch
+
+  replicated = sharding.replicated(mesh)
+  extract_fn = jax.jit(extract, out_shardings=replicated)
+
+  def variables_of(st):
+    return {"params": st["params"], **st["model_state"]}
+
+  evals = evaluators.build_all(config.get("evals", {}), context, host=host, num_hosts=num_hosts)
+
+  def run_evals(st, names=None) -> dict[str, float]:
+    out = {}
+    for name, ev in evals.items():
+      if names is not None and name not in names:
+        continue
+      feature_key["key"] = ev.feature_key
+
+      def features(batch, st=st):
+        f, b = extract_fn(variables_of(st), sharding.global_batch(batch, batch_sharding))
+        return np.asarray(f), {k: np.asarray(v) for k, v in b.items()}
+
+      for k, v in ev.run(features).items():
+        out[f"{name}/{k}"] = v
+    return out
+
+  def meta() -> dict:
+    return {"signature": ckpt_lib.signature(state["params"]), "config": config.to_dict(), "summary": summary}
+
+  # ---------------------------------------------------------------------------------------------------- #
+  # Evaluate the random initialisation once (the baseline every table compares to).
+  # ---------------------------------------------------------------------------------------------------- #
+  if start_step == 0 and evals:
+    t0 = time.time()
+    init_metrics = run_evals(state, [n for n, e in evals.items() if e.config.get("random_init", False)])
+    summary.update({f"{k}_random_init": v for k, v in init_metrics.items()})
+    for k, v in init_metrics.items():
+      logging.info("Random init: %s = %.2f (%.1fs)", k, v, time.time() - t0)
+
+  # ---------------------------------------------------------------------------------------------------- #
+  # The loop.
+  # ---------------------------------------------------------------------------------------------------- #
+  pending: list[dict] = []
+  last_log_time, last_log_step = time.time(), start_step
+  best_metric = config.get("best_metric")
+  batch = first_batch
+  step = start_step
+  train_start_time = time.time()
+
+  def check_finite(metrics_list):
+    for m in metrics_list:
+      loss = float(m["train/loss"])
+      if not np.isfinite(loss):
+        last = ckpt.latest_step()
+        raise NonFiniteLossError(
+            f"Loss became {loss} during the steps before {step}. The last good checkpoint "
+            f"(step {last}) in {workdir} is untouched; lower the learning rate or check the data.")
+
+  def save(at_step):
+    check_finite(pending_fetched())
+    ckpt.save(at_step, state, meta())
+
+  def pending_fetched():
+    fetched = jax.device_get(pending)
+    pending[:] = [dict(m) for m in fetched]
+    return pending
+
+  while step < total_steps:
+    state, metrics = step_fn(state, batch)
+    pending.append(metrics)
+    step += 1
+    if step < total_steps:
+      batch = sharding.global_batch(next(stream), batch_sharding)
+
+    if step % config.log_every_steps == 0 or step == total_steps:
+      fetched = pending_fetched()
+      check_finite(fetched)
+      means = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0] if not k.startswith("data/")}
+      means.update({k: float(np.sum([m[k] for m in fetched])) for k in fetched[0] if k.startswith("data/")})
+      now = time.time()
+      steps_per_s = (step - last_log_step) / max(now - last_log_time, 1e-9)
+      means["perf/steps_per_sec"] = steps_per_s
+      means["perf/images_per_sec"] = steps_per_s * global_bs
+      eta = (total_steps - step) / max(steps_per_s, 1e-9)
+      writer.write_scalars(step, means)
+      logging.info("[%d/%d] loss %.4f | %.2f steps/s, %.1f images/s | ETA %s", step, total_steps,
+                   means["train/loss"], steps_per_s, steps_per_s * global_bs, _hms(eta))
+      summary["train/loss"] = means["train/loss"]
+      pending.clear()
+      last_log_time, last_log_step = now, step
+
+    if preemption.requested:
+      save(step)
+      ckpt.wait()
+      logging.warning("Checkpoint at step %d saved after SIGTERM; exiting. Rerun the same command to resume.", step)
+      write_summary(workdir, {**summary, "steps": step, "preempted": True})
+      return summary
+
+    is_last = step == total_steps
+    eval_names = [n for n, e in evals.items() if is_last or (e.config.every_steps and step % e.config.every_steps == 0)]
+    if eval_names:
+      t0 = time.time()
+      eval_metrics = run_evals(state, eval_names)
+      writer.write_scalars(step, eval_metrics)
+      logging.info("Step %d evals (%.1fs): %s", step, time.time() - t0,
+                   ", ".join(f"{k}={v:.2f}" for k, v in eval_metrics.items()))
+      summary.update(eval_metrics)
+      if best_metric in eval_metrics and eval_metrics[best_metric] > summary.get(f"{best_metric}_best", -np.inf):
+        summary[f"{best_metric}_best"] = eval_metrics[best_metric]
+        summary[f"{best_metric}_best_step"] = step
+        check_finite(pending_fetched())
+        ckpt.save(step, state, meta(), best=True)
+
+    if step % config.checkpoint.every_steps == 0 or is_last:
+      save(step)
+
+  ckpt.wait()
+  ckpt.close()
+  seconds = time.time() - t_start
+  summary.update({"steps": step, "seconds": seconds,
+                  "train/images_per_sec": (step - start_step) * global_bs / max(time.time() - train_start_time, 1e-9)})
+  if host == 0:
+    write_summary(workdir, summary)
+  writer.flush()
+  return summary
+
+
+def optax_global_norm(tree) -> jax.Array:
+  return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
+def _hms(seconds: float) -> str:
+  seconds = int(seconds)
+  return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
