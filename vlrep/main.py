@@ -7,6 +7,7 @@ jax.distributed.initialize(), which reads the cluster's environment; or give --c
 
 from __future__ import annotations
 
+import logging as pylogging
 import os
 
 from absl import app, flags, logging
@@ -23,9 +24,18 @@ flags.mark_flags_as_required(["config", "workdir"])
 FLAGS = flags.FLAGS
 
 
+class _QuietLibraries(pylogging.Filter):
+  """Drops INFO chatter of orbax (dozens of lines per checkpoint); warnings and errors still show."""
+
+  def filter(self, record):
+    return record.levelno >= pylogging.WARNING or "/orbax/" not in record.pathname
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  for handler in pylogging.getLogger().handlers + pylogging.getLogger("absl").handlers:
+    handler.addFilter(_QuietLibraries())
   # tf.data must not grab accelerator memory meant for JAX.
   import tensorflow as tf
 

@@ -198,17 +198,18 @@ def _narration(objs, rng, size):
     dur = 0.15 + 0.06 * len(w) + rng.uniform(0, 0.15)
     start, end = t, t + dur
     timed.append({"utterance": w, "start_time": start, "end_time": end})
-    # Mouse samples every 50 ms: hover around the named object, drift slowly otherwise.
-    for ts in np.arange(start, end, 0.05):
-      if k >= 0:
-        o = objs[k]
-        target = np.array([o["cx"], o["cy"]]) + rng.normal(scale=o["r"] * 0.35, size=2)
-        mouse = 0.5 * mouse + 0.5 * target
-      else:
-        mouse = mouse + rng.normal(scale=size * 0.02, size=2)
-      mouse = np.clip(mouse, 0, size - 1)
-      trace.append({"x": float(mouse[0] / size), "y": float(mouse[1] / size), "t": float(ts)})
+    # Mouse samples every 50 ms: jitter around the named object, a slow random walk otherwise.
+    ts = np.arange(start, end, 0.05)
+    if k >= 0:
+      o = objs[k]
+      pts = np.array([o["cx"], o["cy"]]) + rng.normal(scale=o["r"] * 0.3, size=(len(ts), 2))
+    else:
+      pts = mouse + np.cumsum(rng.normal(scale=size * 0.02, size=(len(ts), 2)), axis=0)
+    pts = np.clip(pts, 0, size - 1)
+    mouse = pts[-1]
+    trace.append(np.column_stack([pts / size, ts]))
     t = end + rng.uniform(0.0, 0.1)
+  trace = np.concatenate(trace).astype(np.float32)  # [N, 3]: x, y (normalised), t (seconds)
   text = " ".join(w for w, _ in words)
   return text, timed, trace
 
@@ -308,3 +309,27 @@ def generate_scene(rng: np.random.Generator, image_size: int = 64, style: str = 
   qa, ent = _qa_and_entailment(objects, rng)
   return {"image": image, "captions": captions, "objects": objects, "narration": narration,
           "timed_caption": timed, "traces": trace, "questions": qa, "entailment": ent, "style": style}
+
+
+def make_record(job) -> dict[str, Any]:
+  """One example in the `synthetic_scenes` TFDS feature layout (plain python/numpy, picklable for workers)."""
+  seed, image_size, style, index = job
+  s = generate_scene(np.random.default_rng(seed), image_size, style)
+  object_map = np.zeros((image_size, image_size, 1), np.uint8)
+  for k, o in enumerate(s["objects"]):
+    object_map[o["mask"], 0] = k + 1
+  return {
+      "image": s["image"],
+      "image_id": index,
+      "style": style,
+      "captions": s["captions"],
+      "narration": s["narration"],
+      "timed_caption": s["timed_caption"],
+      "traces": s["traces"],
+      "objects": [{"label": o["shape"], "color": o["color"], "size": o["size"],
+                   "bbox": tuple(np.clip(o["bbox"], 0, 1).tolist()), "is_difficult": o["difficult"]}
+                  for o in s["objects"]],
+      "object_map": object_map,
+      "questions": [{"question": q, "answer": a} for q, a in s["questions"]],
+      "entailment": [{"statement": st, "label": lab} for st, lab in s["entailment"]],
+  }

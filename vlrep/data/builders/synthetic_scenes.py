@@ -11,6 +11,8 @@ Every split is generated from its own seed stream, so a config always yields the
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
+import os
 
 import numpy as np
 import tensorflow_datasets as tfds
@@ -25,7 +27,7 @@ class ScenesConfig(tfds.core.BuilderConfig):
   seed: int = 0
 
 
-_DEFAULT_SPLITS = {"train": 6000, "val": 500, "probe_trainval": 1000, "probe_test": 1000, "ood_train": 1000,
+_DEFAULT_SPLITS = {"train": 4000, "val": 500, "probe_trainval": 1000, "probe_test": 1000, "ood_train": 500,
                    "ood_val": 500}
 _TINY_SPLITS = {"train": 64, "val": 16, "probe_trainval": 40, "probe_test": 40, "ood_train": 16, "ood_val": 16}
 
@@ -55,15 +57,17 @@ class SyntheticScenes(tfds.core.GeneratorBasedBuilder):
                 "start_time": np.float32,
                 "end_time": np.float32,
             }),
-            "traces": tfds.features.Sequence({"x": np.float32, "y": np.float32, "t": np.float32}),
+            # Mouse trace points (x, y normalised to [0, 1]; t in seconds), as Localized Narratives' traces.
+            "traces": tfds.features.Tensor(shape=(None, 3), dtype=np.float32),
             "objects": tfds.features.Sequence({
                 "label": tfds.features.ClassLabel(names=scenes.SHAPES),
                 "color": tfds.features.ClassLabel(names=scenes.COLOR_NAMES),
                 "size": tfds.features.ClassLabel(names=scenes.SIZES),
                 "bbox": tfds.features.BBoxFeature(),
-                "mask": tfds.features.Image(shape=(size, size, 1), encoding_format="png"),
                 "is_difficult": np.bool_,
             }),
+            # Visible-instance map: pixel value k+1 where object k is visible (masks are disjoint after occlusion).
+            "object_map": tfds.features.Image(shape=(size, size, 1), encoding_format="png"),
             "questions": tfds.features.Sequence({"question": tfds.features.Text(), "answer": tfds.features.Text()}),
             "entailment": tfds.features.Sequence({
                 "statement": tfds.features.Text(),
@@ -82,24 +86,12 @@ class SyntheticScenes(tfds.core.GeneratorBasedBuilder):
     cfg = self.builder_config
     # Split-specific seed: crc of the split name, so adding a split does not change the others.
     seed = np.random.SeedSequence([cfg.seed, int.from_bytes(split.encode(), "little") % (2**31)])
-    rng = np.random.default_rng(seed)
     style = "sketch" if split.startswith("ood") else "main"
-    for i in range(num_examples):
-      s = scenes.generate_scene(rng, cfg.image_size, style)
-      yield i, {
-          "image": s["image"],
-          "image_id": i,
-          "style": style,
-          "captions": s["captions"],
-          "narration": s["narration"],
-          "timed_caption": s["timed_caption"],
-          "traces": s["traces"],
-          "objects": [{
-              "label": o["shape"], "color": o["color"], "size": o["size"],
-              "bbox": tfds.features.BBox(*np.clip(o["bbox"], 0, 1).tolist()),
-              "mask": o["mask"][..., None].astype(np.uint8),
-              "is_difficult": o["difficult"],
-          } for o in s["objects"]],
-          "questions": [{"question": q, "answer": a} for q, a in s["questions"]],
-          "entailment": [{"statement": st, "label": lab} for st, lab in s["entailment"]],
-      }
+    # One child seed per example: examples do not depend on how generation is parallelised. Workers are
+    # spawned (not forked: the parent runs TF/JAX threads) and import only the numpy/PIL scene module.
+    jobs = [(child, cfg.image_size, style, i) for i, child in enumerate(seed.spawn(num_examples))]
+    with multiprocessing.get_context("spawn").Pool(min(4, os.cpu_count() or 1)) as pool:
+      for i, record in enumerate(pool.imap(scenes.make_record, jobs, chunksize=64)):
+        for o in record["objects"]:
+          o["bbox"] = tfds.features.BBox(*o["bbox"])
+        yield i, record

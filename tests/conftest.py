@@ -1,0 +1,39 @@
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("VLREP_TEST_DATA_DIR", "/tmp/vlrep_test_data")
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+sys.path.insert(0, TESTS)
+
+import pytest  # noqa: E402
+
+
+def load_tiny_config(arg=None):
+  import tiny_virtex
+
+  return tiny_virtex.get_config(arg)
+
+
+@pytest.fixture(scope="session")
+def tiny_builder():
+  from vlrep.data import pipeline
+
+  return pipeline.get_builder("synthetic_scenes", os.environ["VLREP_TEST_DATA_DIR"], "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_builder):
+  from vlrep.data import tokenizers
+
+  return tokenizers.ensure_tokenizer(load_tiny_config().tokenizer, tiny_builder)
+
+
+def run_main(workdir, *overrides, env=None, config="tests/tiny_virtex.py", timeout=600):
+  """Runs `python -m vlrep.main` in a subprocess; returns CompletedProcess."""
+  import subprocess
+
+  cmd = [sys.executable, "-m", "vlrep.main", f"--config={config}", f"--workdir={workdir}", *overrides]
+  full_env = {**os.environ, **(env or {})}
+  return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)

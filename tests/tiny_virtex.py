@@ -1,0 +1,23 @@
+"""A tiny VirTex run for tests: 32x32 synthetic scenes, a ResNet with one block per stage and 8 channels."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs"))
+
+import virtex  # noqa: E402
+
+
+def get_config(arg=None):
+  c = virtex.get_config("runlocal" + ("," + arg if arg else ""))
+  data_dir = os.environ.get("VLREP_TEST_DATA_DIR", "/tmp/vlrep_test_data")
+  c.data.update(config_name="tiny", data_dir=data_dir, pp=c.data.pp.replace("64", "32"))
+  c.method.update(hidden=32, num_layers=1, max_len=40, backbone=dict(depth=10, width=8, bn_group_size=4))
+  c.tokenizer.vocab_size = 200
+  c.batch_size = 8
+  c.total_steps = 6
+  c.optim.warmup_steps = 2
+  c.checkpoint.update(every_steps=2, keep=10, async_save=False)
+  c.log_every_steps = 1
+  c.evals.probe.update(config_name="tiny", data_dir=data_dir, batch_size=16, every_steps=0, costs=(0.1, 1.0))
+  return c
