@@ -210,7 +210,7 @@ def get_tokenize(max_len: int, key: str = "caption", out: str = "tokens", contex
     raise ValueError("tokenize() needs a tokenizer; the pipeline passes it in `context`.")
 
   def encode(text):
-    text = text.decode("utf-8")
+    text = (text.item() if isinstance(text, np.ndarray) else text).decode("utf-8")
     ids, truncated = tokenizer.encode(text, max_len)
     return ids, np.bool_(truncated), np.bool_(not text.strip())
 

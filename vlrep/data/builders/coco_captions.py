@@ -1,2 +1,70 @@
-"""placeholder"""
-class CocoCaptions2017: pass
+"""COCO Captions 2017 from a local copy (manual_dir):
+
+  MANUAL_DIR/annotations/captions_train2017.json   MANUAL_DIR/train2017/000000000009.jpg ...
+  MANUAL_DIR/annotations/captions_val2017.json     MANUAL_DIR/val2017/...
+
+Prepared with `python -m vlrep.data.prepare --dataset=coco_captions2017 --manual_dir=MANUAL_DIR`.
+Images that are missing or do not decode, empty captions, and images left without captions are skipped and
+counted (printed by the prepare command and saved in its report).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+from vlrep.data.builders import common
+
+_SPLITS = {"train": "train2017", "val": "val2017"}
+
+
+class CocoCaptions2017(tfds.core.GeneratorBasedBuilder):
+  """COCO Captions (Chen et al. 2015), 2017 splits: images with their (usually five) captions."""
+
+  VERSION = tfds.core.Version("1.0.0")
+  RELEASE_NOTES = {"1.0.0": "First release."}
+  MANUAL_DOWNLOAD_INSTRUCTIONS = __doc__
+
+  def _info(self):
+    return self.dataset_info_from_configs(
+        features=tfds.features.FeaturesDict({
+            "image": tfds.features.Image(encoding_format="jpeg"),
+            "image_id": np.int64,
+            "captions": tfds.features.Sequence(tfds.features.Text()),
+        }),
+        homepage="https://cocodataset.org")
+
+  def _split_generators(self, dl_manager):
+    root = dl_manager.manual_dir
+    out = {}
+    for split, folder in _SPLITS.items():
+      ann = os.path.join(root, "annotations", f"captions_{folder}.json")
+      if os.path.exists(ann):
+        out[split] = self._generate_examples(ann, os.path.join(root, folder))
+    if not out:
+      raise FileNotFoundError(f"No annotations/captions_*2017.json under {root}. Expected layout:\n{__doc__}")
+    return out
+
+  def _generate_examples(self, annotation_file: str, image_dir: str):
+    with open(annotation_file) as f:
+      data = json.load(f)
+    captions = collections.defaultdict(list)
+    for ann in data["annotations"]:
+      text = (ann.get("caption") or "").strip()
+      if text:
+        captions[ann["image_id"]].append(text)
+      else:
+        common.skip("coco_captions2017", "empty caption", f"annotation {ann.get('id')}")
+    for image in data["images"]:
+      image_id = image["id"]
+      if not captions.get(image_id):
+        common.skip("coco_captions2017", "image without captions", image["file_name"])
+        continue
+      path = os.path.join(image_dir, image["file_name"])
+      if not common.readable_image(path, "coco_captions2017"):
+        continue
+      yield image_id, {"image": path, "image_id": image_id, "captions": captions[image_id]}

@@ -1,2 +1,83 @@
-"""placeholder"""
-class Voc2007: pass
+"""PASCAL VOC 2007 classification from a local copy (manual_dir = the VOCdevkit/VOC2007 folder, or VOCdevkit):
+
+  VOC2007/ImageSets/Main/trainval.txt, test.txt    image ids, one per line
+  VOC2007/Annotations/<id>.xml                     objects: <name>, <difficult>, <bndbox>
+  VOC2007/JPEGImages/<id>.jpg
+
+Prepared with `python -m vlrep.data.prepare --dataset=voc2007 --manual_dir=PATH`. Objects keep their
+'difficult' flag, which the VOC07 protocol ignores; unknown class names and unreadable images are skipped and
+counted.
+"""
+
+from __future__ import annotations
+
+import os
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+from vlrep.data.builders import common
+
+CLASSES = ("aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow", "diningtable",
+           "dog", "horse", "motorbike", "person", "pottedplant", "sheep", "sofa", "train", "tvmonitor")
+
+
+class Voc2007(tfds.core.GeneratorBasedBuilder):
+  """VOC2007 images with object labels, boxes and 'difficult' flags (trainval and test)."""
+
+  VERSION = tfds.core.Version("1.0.0")
+  RELEASE_NOTES = {"1.0.0": "First release."}
+  MANUAL_DOWNLOAD_INSTRUCTIONS = __doc__
+
+  def _info(self):
+    return self.dataset_info_from_configs(
+        features=tfds.features.FeaturesDict({
+            "image": tfds.features.Image(encoding_format="jpeg"),
+            "image_id": tfds.features.Text(),
+            "objects": tfds.features.Sequence({
+                "label": tfds.features.ClassLabel(names=CLASSES),
+                "bbox": tfds.features.BBoxFeature(),
+                "is_difficult": np.bool_,
+            }),
+        }),
+        homepage="http://host.robots.ox.ac.uk/pascal/VOC/voc2007/")
+
+  def _split_generators(self, dl_manager):
+    root = str(dl_manager.manual_dir)
+    if os.path.isdir(os.path.join(root, "VOC2007")):
+      root = os.path.join(root, "VOC2007")
+    sets = os.path.join(root, "ImageSets", "Main")
+    if not os.path.isdir(sets):
+      raise FileNotFoundError(f"No ImageSets/Main under {root}. Expected layout:\n{__doc__}")
+    return {split: self._generate_examples(root, split) for split in ("trainval", "test")
+            if os.path.exists(os.path.join(sets, f"{split}.txt"))}
+
+  def _generate_examples(self, root: str, split: str):
+    with open(os.path.join(root, "ImageSets", "Main", f"{split}.txt")) as f:
+      ids = [line.strip() for line in f if line.strip()]
+    for image_id in ids:
+      image_path = os.path.join(root, "JPEGImages", f"{image_id}.jpg")
+      try:
+        tree = ET.parse(os.path.join(root, "Annotations", f"{image_id}.xml"))
+      except (FileNotFoundError, ET.ParseError) as e:
+        common.skip("voc2007", f"bad annotation ({type(e).__name__})", image_id)
+        continue
+      if not common.readable_image(image_path, "voc2007"):
+        continue
+      size = tree.find("size")
+      w, h = float(size.findtext("width")), float(size.findtext("height"))
+      objects = []
+      for obj in tree.findall("object"):
+        name = obj.findtext("name", "").strip()
+        if name not in CLASSES:
+          common.skip("voc2007", "unknown class name", f"{image_id}/{name!r}")
+          continue
+        box = obj.find("bndbox")
+        xmin, ymin, xmax, ymax = (float(box.findtext(k)) for k in ("xmin", "ymin", "xmax", "ymax"))
+        objects.append({
+            "label": name,
+            "bbox": tfds.features.BBox(max(ymin - 1, 0) / h, max(xmin - 1, 0) / w, min(ymax / h, 1), min(xmax / w, 1)),
+            "is_difficult": obj.findtext("difficult", "0").strip() == "1",
+        })
+      yield image_id, {"image": image_path, "image_id": image_id, "objects": objects}

@@ -1,0 +1,106 @@
+"""Synthetic scenes, preprocessing ops, tokenizer and the resumable input stream."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from vlrep.data import ops, pipeline, tokenizers
+from vlrep.data.builders import scenes
+
+
+def test_scene_annotations_are_consistent():
+  rng = np.random.default_rng(1)
+  for _ in range(20):
+    s = scenes.generate_scene(rng, 64, "main")
+    assert s["image"].shape == (64, 64, 3) and s["image"].dtype == np.uint8
+    assert len(s["captions"]) == 5
+    for o in s["objects"]:
+      # Every object is named in the first caption, and its visible mask lies inside its box.
+      assert o["color"] in s["captions"][0]
+      ys, xs = np.nonzero(o["mask"])
+      if len(ys):
+        y0, x0, y1, x1 = o["bbox"] * 64
+        assert ys.min() >= y0 - 1 and ys.max() <= y1 + 1 and xs.min() >= x0 - 1 and xs.max() <= x1 + 1
+    # Trace times are increasing and lie within the narration's time span.
+    t = s["traces"][:, 2]
+    assert np.all(np.diff(t) >= 0)
+    assert t[0] >= s["timed_caption"][0]["start_time"] - 1e-6 and t[-1] <= s["timed_caption"][-1]["end_time"]
+    counts = {a for q, a in s["questions"] if q == "how many objects are there?"}
+    assert counts == {scenes.NUMBER_WORDS[len(s["objects"])]}
+
+
+def test_flip_swaps_left_and_right_in_captions():
+  image = np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3)
+  ex = {"image": tf.constant(image), "captions": tf.constant(["a circle to the left of a star", "right leftover"]),
+        "_rng": tf.constant([0, 0], tf.int64)}
+  out = ops.parse("flip_lr_swap_words(prob=1.0)")(ex)
+  assert [c.decode() for c in out["captions"].numpy()] == ["a circle to the right of a star", "left leftover"]
+  np.testing.assert_array_equal(out["image"].numpy(), image[:, ::-1])
+  kept = ops.parse("flip_lr_swap_words(prob=0.0)")(ex)
+  assert kept["captions"].numpy()[0].decode() == "a circle to the left of a star"
+
+
+def test_unknown_op_lists_known_ops():
+  with pytest.raises(ValueError, match="Unknown preprocessing op 'blur'.*inception_crop"):
+    ops.parse("decode|blur(3)")
+
+
+def test_tokenizer_truncates_and_flags(tiny_tokenizer):
+  ids, truncated = tiny_tokenizer.encode("a red circle " * 30, 12)
+  assert truncated and ids[0] == tokenizers.SOS_ID and ids[-1] == tokenizers.EOS_ID and len(ids) == 12
+  ids, truncated = tiny_tokenizer.encode("A Red CIRCLE.", 12)
+  assert not truncated
+  assert tiny_tokenizer.decode(ids) == "a red circle."
+  assert tokenizers.normalize_text("Café") == "cafe"
+
+
+def test_tokenize_op_flags_empty_and_truncated_captions(tiny_tokenizer):
+  op = ops.parse("tokenize(8)", {"tokenizer": tiny_tokenizer})
+  empty = op({"caption": tf.constant("  ")})
+  assert bool(empty["stat_empty"]) and not bool(empty["stat_truncated"])
+  long = op({"caption": tf.constant("a red circle and a blue square and a green star")})
+  assert bool(long["stat_truncated"]) and int(long["tokens"][-1]) == tokenizers.EOS_ID
+
+
+def test_missing_tokenizer_names_the_command(tmp_path, tiny_builder):
+  from conftest import load_tiny_config
+
+  cfg = load_tiny_config().tokenizer
+  cfg.path = str(tmp_path / "missing.model")
+  cfg.build_if_missing = False
+  with pytest.raises(FileNotFoundError, match="vlrep.tools.build_vocab"):
+    tokenizers.ensure_tokenizer(cfg, tiny_builder)
+
+
+def test_missing_dataset_names_the_prepare_command(tmp_path):
+  with pytest.raises(FileNotFoundError, match="python -m vlrep.data.prepare --dataset=coco_captions2017"):
+    pipeline.get_builder("coco_captions2017", str(tmp_path))
+  with pytest.raises(ValueError, match="Unknown dataset 'imagenet'"):
+    pipeline.get_builder("imagenet", str(tmp_path))
+
+
+def test_stream_resumes_at_the_exact_batch(tiny_builder, tiny_tokenizer):
+  pp = "decode|inception_crop(32)|flip_lr_swap_words|normalize|choose_caption|tokenize(20)"
+  ctx = {"tokenizer": tiny_tokenizer}
+  full = pipeline.train_stream(tiny_builder, "train", pp, ("image", "tokens"), 8, seed=3, context=ctx)
+  batches = [next(full) for _ in range(12)]  # 12 batches of 8 = 1.5 epochs of 64
+  resumed = pipeline.train_stream(tiny_builder, "train", pp, ("image", "tokens"), 8, seed=3, start_step=7,
+                                  context=ctx)
+  for k in range(7, 12):
+    b = next(resumed)
+    np.testing.assert_array_equal(b["image"], batches[k]["image"])
+    np.testing.assert_array_equal(b["tokens"], batches[k]["tokens"])
+  # Epochs are permutations: the first 8 batches cover all 64 records once... images differ between epochs
+  assert not np.array_equal(batches[0]["image"], batches[8]["image"])
+
+
+def test_hosts_read_disjoint_shards(tiny_builder):
+  a = pipeline.load_records(tiny_builder, "train", 0, 2)
+  b = pipeline.load_records(tiny_builder, "train", 1, 2)
+  assert len(a) + len(b) == 64 and not set(a) & set(b)
+
+
+def test_voc_labels_mark_difficult_objects():
+  ex = {"objects": {"label": tf.constant([2, 5, 5, 7]), "is_difficult": tf.constant([False, True, False, True])}}
+  labels = ops.parse("voc_labels(8)")(ex)["labels"].numpy()
+  np.testing.assert_array_equal(labels, [-1, -1, 1, -1, -1, 1, -1, 0])

@@ -1,0 +1,125 @@
+"""The training loop end to end: summary, resume after SIGKILL, device-count invariance, checkpoints, errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from conftest import ROOT, load_tiny_config, run_main
+
+
+def _final_params(workdir):
+  """Raw restore (no target) of the newest checkpoint's params as numpy."""
+  steps = [int(p) for p in os.listdir(os.path.join(workdir, "checkpoints")) if p.isdigit()]
+  step = max(steps)
+  path = os.path.join(workdir, "checkpoints", str(step), "state")
+  # Onto this process's first device, whatever device count wrote the checkpoint.
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  checkpointer = ocp.StandardCheckpointer()
+  meta = checkpointer.metadata(path).item_metadata
+  state = checkpointer.restore(path, jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), meta))
+  return step, jax.tree.map(np.asarray, state["params"])
+
+
+def test_main_end_to_end_writes_summary(tmp_path):
+  proc = run_main(tmp_path / "run")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+  for key in ("probe/map", "probe/map_random_init", "train/loss", "steps", "seconds", "probe/map_best"):
+    assert key in summary, summary
+  assert summary["steps"] == 6 and 0 <= summary["probe/map"] <= 100 and np.isfinite(summary["train/loss"])
+  assert "probe/map: pretrained" in proc.stdout and "vs random init" in proc.stdout
+
+
+def test_sigkill_and_restart_matches_uninterrupted_run(tmp_path):
+  overrides = ["--config.total_steps=40", "--config.checkpoint.every_steps=5", "--config.evals={}",
+               "--config.log_every_steps=40"]
+  ref = run_main(tmp_path / "ref", *overrides)
+  assert ref.returncode == 0, ref.stderr[-3000:]
+
+  workdir = tmp_path / "killed"
+  cmd = [sys.executable, "-m", "vlrep.main", "--config=tests/tiny_virtex.py", f"--workdir={workdir}", *overrides]
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  deadline = time.time() + 300
+  while not (workdir / "checkpoints" / "10").exists() and proc.poll() is None and time.time() < deadline:
+    time.sleep(0.005)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  steps = sorted(int(p) for p in os.listdir(workdir / "checkpoints") if p.isdigit())
+  assert steps and steps[-1] < 40, f"the run finished before it could be killed: {steps}"
+
+  again = run_main(workdir, *overrides)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "Resumed from step" in again.stderr
+  step_a, params_a = _final_params(tmp_path / "ref")
+  step_b, params_b = _final_params(workdir)
+  assert step_a == step_b == 40
+  jax.tree.map(np.testing.assert_array_equal, params_a, params_b)
+
+
+def test_eight_devices_match_one_device(tmp_path):
+  losses = {}
+  for n in (1, 8):
+    proc = run_main(tmp_path / f"d{n}", "--config.total_steps=3", "--config.evals={}",
+                    env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"over {n} devices" in proc.stderr
+    losses[n] = json.loads((tmp_path / f"d{n}" / "summary.json").read_text())["train/loss"]
+    losses[f"params{n}"] = _final_params(tmp_path / f"d{n}")[1]
+  np.testing.assert_allclose(losses[1], losses[8], rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), losses["params1"], losses["params8"])
+
+
+def test_checkpoint_restores_bit_exactly_and_rejects_other_models(tmp_path):
+  from vlrep import checkpoint
+
+  rng = np.random.default_rng(0)
+  state = {"step": np.int32(7), "params": {"backbone": {"conv1": {"kernel": rng.normal(size=(3, 3, 3, 8)).astype(np.float32)}},
+                                          "head": {"bias": rng.normal(size=(5,)).astype(np.float32)}},
+           "opt_state": {"mu": rng.normal(size=(5,)).astype(np.float32)}}
+  ckpt = checkpoint.Checkpointer(str(tmp_path), async_save=False)
+  ckpt.save(7, state, {"signature": checkpoint.signature(state["params"])})
+  ckpt.wait()
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), state)
+  restored, _ = ckpt.restore(7, abstract)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), restored, state)
+  assert restored["params"]["backbone"]["conv1"]["kernel"].tobytes() == state["params"]["backbone"]["conv1"]["kernel"].tobytes()
+
+  other = jax.tree.map(lambda x: x, abstract)
+  other["params"]["backbone"]["conv1"]["kernel"] = jax.ShapeDtypeStruct((7, 7, 3, 8), np.float32)
+  with pytest.raises(ValueError, match=r"(?s)different model.*backbone/conv1/kernel: checkpoint \(3, 3, 3, 8\) vs model \(7, 7, 3, 8\)"):
+    ckpt.restore(7, other)
+
+
+def test_resuming_with_a_different_model_is_a_clear_error(tmp_path):
+  assert run_main(tmp_path / "w", "--config.total_steps=2", "--config.evals={}").returncode == 0
+  proc = run_main(tmp_path / "w", "--config.total_steps=4", "--config.evals={}", "--config.method.hidden=64")
+  assert proc.returncode != 0 and "written by a different model" in proc.stderr
+
+
+def test_unknown_config_key_is_an_error(tmp_path):
+  proc = run_main(tmp_path / "w", "--config.optim.learning_rat=0.1")
+  assert proc.returncode != 0 and "learning_rat" in proc.stderr
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+  from vlrep import train
+
+  config = load_tiny_config()
+  config.total_steps = 12
+  config.evals = {}
+  config.optim.lr_groups = (("^backbone/", 1e12), (".*", 1e12))
+  config.optim.grad_clip_norm = 0.0
+  config.optim.warmup_steps = 0
+  with pytest.raises(train.NonFiniteLossError, match="last good checkpoint"):
+    train.run(config, str(tmp_path))
+  ckpts = [int(p) for p in os.listdir(tmp_path / "checkpoints") if p.isdigit()]
+  for step in ckpts:  # whatever was saved holds finite parameters
+    params = _final_params(str(tmp_path))[1]
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(params)), step

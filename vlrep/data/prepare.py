@@ -1,0 +1,57 @@
+"""Prepares a real dataset from a local copy into TFDS format (nothing is downloaded).
+
+  python -m vlrep.data.prepare --dataset=coco_captions2017 --manual_dir=/data/coco --data_dir=~/tensorflow_datasets
+  python -m vlrep.data.prepare --dataset=voc2007 --manual_dir=/data/VOCdevkit --data_dir=~/tensorflow_datasets
+
+Skipped inputs (undecodable or missing images, empty captions, ...) are counted, printed, and saved to
+DATA_DIR/<dataset>_prepare_report.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from absl import app, flags
+
+flags.DEFINE_string("dataset", None, "coco_captions2017 | voc2007 | synthetic_scenes")
+flags.DEFINE_string("manual_dir", None, "Folder with the local copy (see the builder's docstring for its layout).")
+flags.DEFINE_string("data_dir", "~/tensorflow_datasets", "TFDS data_dir to write to.")
+flags.DEFINE_string("config_name", None, "Builder config (synthetic_scenes: default | tiny).")
+FLAGS = flags.FLAGS
+
+
+def prepare(dataset: str, manual_dir: str | None, data_dir: str, config_name: str | None = None) -> dict:
+  import tensorflow_datasets as tfds
+
+  from vlrep.data import pipeline
+  from vlrep.data.builders import common
+
+  registry = pipeline._builders()  # noqa: SLF001
+  if dataset not in registry:
+    raise ValueError(f"Unknown dataset {dataset!r}; known: {', '.join(sorted(registry))}")
+  cls, generated = registry[dataset]
+  if not generated and not (manual_dir and os.path.isdir(manual_dir)):
+    raise FileNotFoundError(f"--manual_dir={manual_dir!r} is not a folder. Expected layout:\n{cls.__doc__}")
+  data_dir = os.path.expanduser(data_dir)
+  builder = cls(config=config_name, data_dir=data_dir) if config_name else cls(data_dir=data_dir)
+  common.SKIPPED.clear()
+  builder.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
+  report = {"dataset": dataset, "data_dir": builder.data_dir,
+            "splits": {k: v.num_examples for k, v in builder.info.splits.items()},
+            "skipped": {reason: n for (_, reason), n in common.SKIPPED.items()}}
+  os.makedirs(data_dir, exist_ok=True)
+  with open(os.path.join(data_dir, f"{dataset}_prepare_report.json"), "w") as f:
+    json.dump(report, f, indent=2)
+  return report
+
+
+def main(argv):
+  del argv
+  report = prepare(FLAGS.dataset, FLAGS.manual_dir, FLAGS.data_dir, FLAGS.config_name)
+  print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+  flags.mark_flag_as_required("dataset")
+  app.run(main)
