@@ -63,17 +63,20 @@ def test_sigkill_and_restart_matches_uninterrupted_run(tmp_path):
   jax.tree.map(np.testing.assert_array_equal, params_a, params_b)
 
 
-def test_eight_devices_match_one_device(tmp_path):
-  losses = {}
-  for n in (1, 8):
-    proc = run_main(tmp_path / f"d{n}", "--config.total_steps=3", "--config.evals={}",
-                    env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"})
+def test_eight_devices_match_one_device_replicated_and_fsdp(tmp_path):
+  """Same global batch on 1 device, 8 devices with replicated params, and 8 devices with FSDP-sharded params."""
+  runs = {"1": ("1", "replicate"), "8": ("8", "replicate"), "8fsdp": ("8", "fsdp")}
+  losses, params = {}, {}
+  for name, (n, strategy) in runs.items():
+    proc = run_main(tmp_path / name, "--config.total_steps=3", "--config.evals={}", f"--config.sharding.params={strategy}",
+                    "--config.optim.lookahead_steps=2", env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"over {n} devices" in proc.stderr
-    losses[n] = json.loads((tmp_path / f"d{n}" / "summary.json").read_text())["train/loss"]
-    losses[f"params{n}"] = _final_params(tmp_path / f"d{n}")[1]
-  np.testing.assert_allclose(losses[1], losses[8], rtol=1e-5)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), losses["params1"], losses["params8"])
+    losses[name] = json.loads((tmp_path / name / "summary.json").read_text())["train/loss"]
+    params[name] = _final_params(tmp_path / name)[1]
+  for name in ("8", "8fsdp"):
+    np.testing.assert_allclose(losses["1"], losses[name], rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), params["1"], params[name])
 
 
 def test_checkpoint_restores_bit_exactly_and_rejects_other_models(tmp_path):

@@ -118,12 +118,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   tx_holder = {}
 
   def init_state(rng, batch):
-    variables = method.init(rng, batch)
-    params = variables["params"]
-    tx, schedules = optim.build(config.optim, params, total_steps, warmup_steps)
+    state, tx, schedules = init_train_state(method, config, batch, rng, total_steps, warmup_steps)
     tx_holder.update(tx=tx, schedules=schedules)
-    return {"step": jnp.zeros([], jnp.int32), "params": params,
-            "model_state": {k: v for k, v in variables.items() if k != "params"}, "opt_state": tx.init(params)}
+    return state
 
   init_rng = jax.random.fold_in(base_rng, -1 % 2**31)
   abstract = jax.eval_shape(init_state, init_rng, first_batch)
@@ -144,32 +141,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   # ---------------------------------------------------------------------------------------------------- #
   # Jitted step and feature extraction.
   # ---------------------------------------------------------------------------------------------------- #
-  def train_step(state, batch):
-    rng = jax.random.fold_in(base_rng, state["step"])
-
-    def loss_fn(params):
-      loss, metrics, new_model_state = method.loss({"params": params, **state["model_state"]}, batch, rng, True)
-      return loss, (metrics, new_model_state)
-
-    (loss, (metrics, new_model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
-    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    params = jax.tree.map(jnp.add, state["params"], updates)
-    new = {"step": state["step"] + 1, "params": params, "model_state": {**state["model_state"], **new_model_state},
-           "opt_state": opt_state}
-    # A non-finite loss leaves the state untouched (the loop stops at the next check), so no NaN ever
-    # reaches a checkpoint.
-    finite = jnp.isfinite(loss)
-    new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, {**state, "step": state["step"] + 1})
-    metrics = {f"train/{k}": v for k, v in metrics.items()}
-    metrics["train/loss"] = loss
-    metrics["train/grad_norm"] = optax_global_norm(grads)
-    for name, schedule in schedules.items():
-      metrics[f"train/lr_{name}"] = schedule(state["step"])
-    for k, v in batch.items():
-      if k.startswith("stat_"):
-        metrics[f"data/{k[5:]}_count"] = jnp.sum(v.astype(jnp.int32))
-    return new, metrics
-
+  train_step = make_train_step(method, tx, schedules, base_rng)
   step_fn = jax.jit(train_step, in_shardings=(state_sh, batch_sharding), out_shardings=(state_sh, None),
                     donate_argnums=(0,))
   feature_key = {}
@@ -299,6 +271,48 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     write_summary(workdir, summary)
   writer.flush()
   return summary
+
+
+def make_train_step(method, tx, schedules: dict, base_rng):
+  """The step the loop jits: loss and gradients from the method, optimizer update, metrics."""
+
+  def train_step(state, batch):
+    rng = jax.random.fold_in(base_rng, state["step"])
+
+    def loss_fn(params):
+      loss, metrics, new_model_state = method.loss({"params": params, **state["model_state"]}, batch, rng, True)
+      return loss, (metrics, new_model_state)
+
+    (loss, (metrics, new_model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = jax.tree.map(jnp.add, state["params"], updates)
+    new = {"step": state["step"] + 1, "params": params, "model_state": {**state["model_state"], **new_model_state},
+           "opt_state": opt_state}
+    # A non-finite loss leaves the state untouched (the loop stops at the next check), so no NaN ever
+    # reaches a checkpoint.
+    finite = jnp.isfinite(loss)
+    new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, {**state, "step": state["step"] + 1})
+    metrics = {f"train/{k}": v for k, v in metrics.items()}
+    metrics["train/loss"] = loss
+    metrics["train/grad_norm"] = optax_global_norm(grads)
+    for name, schedule in schedules.items():
+      metrics[f"train/lr_{name}"] = schedule(state["step"])
+    for k, v in batch.items():
+      if k.startswith("stat_"):
+        metrics[f"data/{k[5:]}_count"] = jnp.sum(v.astype(jnp.int32))
+    return new, metrics
+
+  return train_step
+
+
+def init_train_state(method, config, batch, rng, total_steps: int, warmup_steps: int):
+  """Variables from the method, optimizer state for them. Returns (state, tx, schedules)."""
+  variables = method.init(rng, batch)
+  params = variables["params"]
+  tx, schedules = optim.build(config.optim, params, total_steps, warmup_steps)
+  state = {"step": jnp.zeros([], jnp.int32), "params": params,
+           "model_state": {k: v for k, v in variables.items() if k != "params"}, "opt_state": tx.init(params)}
+  return state, tx, schedules
 
 
 def optax_global_norm(tree) -> jax.Array:

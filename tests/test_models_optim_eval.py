@@ -1,0 +1,131 @@
+"""Model pieces, optimizer semantics and the VOC07 metric, checked against hand-computed values."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+
+from vlrep import optim
+from vlrep.data import tokenizers
+from vlrep.evaluators import voc07_svm
+from vlrep.methods.virtex import reverse_captions
+from vlrep.models import resnet, transformer
+
+
+def test_reverse_captions_keeps_padding_in_place():
+  s, e, p = tokenizers.SOS_ID, tokenizers.EOS_ID, tokenizers.PAD_ID
+  tokens = jnp.array([[s, 10, 11, 12, e, p, p], [s, 20, e, p, p, p, p]])
+  np.testing.assert_array_equal(reverse_captions(tokens), [[e, 12, 11, 10, s, p, p], [e, 20, s, p, p, p, p]])
+
+
+def test_forward_head_is_causal():
+  head = transformer.TransformerTextualHead(vocab_size=50, hidden=32, num_layers=2, max_len=8,
+                                            directions=("forward",))
+  visual = jax.random.normal(jax.random.PRNGKey(0), (1, 4, 32))
+  a = jnp.array([[2, 7, 8, 9, 10, 11]])
+  b = a.at[0, 4:].set(30)  # change only the future tokens
+  pad = {"forward": a == 0}
+  params = head.init(jax.random.PRNGKey(1), visual, {"forward": a}, pad)
+  la = head.apply(params, visual, {"forward": a}, pad)[0]["forward"]
+  lb = head.apply(params, visual, {"forward": b}, pad)[0]["forward"]
+  np.testing.assert_allclose(la[0, :4], lb[0, :4], atol=1e-5)
+  assert not np.allclose(la[0, 4:], lb[0, 4:])
+
+
+def test_grouped_batchnorm_uses_per_group_statistics():
+  x = jnp.concatenate([jnp.zeros((2, 1, 1, 1)), jnp.full((2, 1, 1, 1), 10.0)]) + jnp.array([-1.0, 1, -1, 1])[:, None, None, None]
+  bn = resnet.GroupedBatchNorm(group_size=2)
+  variables = bn.init(jax.random.PRNGKey(0), x, train=True)
+  y, _ = bn.apply(variables, x, train=True, mutable=["batch_stats"])
+  # Each group of 2 is normalised on its own: both groups map to (-1, 1).
+  np.testing.assert_allclose(y.ravel(), [-1, 1, -1, 1], atol=1e-4)
+  y_all, _ = resnet.GroupedBatchNorm(group_size=0).apply(variables, x, train=True, mutable=["batch_stats"])
+  # One group over the whole batch [-1, 1, 9, 11]: mean 5, variance 26.
+  np.testing.assert_allclose(y_all.ravel(), (np.array([-1, 1, 9, 11]) - 5) / np.sqrt(26), atol=1e-4)
+
+
+def test_resnet50_shapes_and_parameter_count():
+  model = resnet.ResNet(depth=50)
+  variables = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 224, 224, 3))))
+  n = sum(np.prod(x.shape) for x in jax.tree.leaves(variables["params"]))
+  assert n == 23_508_032  # torchvision resnet50 without the fc layer
+  out = jax.eval_shape(lambda v: model.apply(v, jnp.zeros((2, 224, 224, 3))), variables)
+  assert out[0].shape == (2, 7, 7, 2048) and out[1]["pre_logits"].shape == (2, 2048)
+
+
+def test_lookahead_syncs_every_k_steps():
+  params = {"w": jnp.array(1.0)}
+  tx = optim.lookahead(optax.sgd(0.1), sync_period=2, alpha=0.5)
+  state = tx.init(params)
+  grads = {"w": jnp.array(1.0)}
+  u, state = tx.update(grads, state, params)
+  params = optax.apply_updates(params, u)
+  assert np.isclose(params["w"], 0.9)  # fast step
+  u, state = tx.update(grads, state, params)
+  params = optax.apply_updates(params, u)
+  # fast would be 0.8; sync: slow = 1 + 0.5 * (0.8 - 1) = 0.9, and fast is reset to slow.
+  assert np.isclose(params["w"], 0.9) and np.isclose(state.slow["w"], 0.9)
+
+
+def test_param_groups_and_no_decay():
+  params = {"backbone": {"conv1": {"kernel": jnp.ones(2)}}, "textual_head": {"ln_self": {"scale": jnp.ones(2)},
+                                                                           "mlp_in": {"kernel": jnp.ones(2)}}}
+  cfg = ml_collections.ConfigDict(dict(name="sgd", momentum=0.0, nesterov=False, weight_decay=0.5, grad_clip_norm=0.0,
+                                       lookahead_steps=0, lookahead_alpha=0.5, lr_groups=(("^backbone/", 1.0), (".*", 0.1)),
+                                       no_decay=r"^textual_head/(.*/)?(bias|ln[^/]*/scale)$"))
+  tx, _ = optim.build(cfg, params, total_steps=10, warmup_steps=0)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = tx.update(zeros, tx.init(params), params)
+  assert np.allclose(updates["backbone"]["conv1"]["kernel"], -0.5)  # lr 1.0 * decay 0.5
+  assert np.allclose(updates["textual_head"]["mlp_in"]["kernel"], -0.05)  # lr 0.1 * decay 0.5
+  assert np.allclose(updates["textual_head"]["ln_self"]["scale"], 0.0)  # no decay
+  with pytest.raises(ValueError, match="matches none"):
+    optim.group_labels(params, (("^backbone/", 1.0),))
+
+
+def test_voc07_ap_and_svm_protocol():
+  # Perfect ranking -> 1; the classic 11-point value for a known ranking.
+  assert np.isclose(voc07_svm.voc07_ap(np.array([3.0, 2, 1]), np.array([1, 1, -1])), 1.0)
+  ap = voc07_svm.voc07_ap(np.array([4.0, 3, 2, 1]), np.array([-1, 1, -1, 1]))
+  # precision at recall 0.5 is 0.5, at recall 1 it is 0.5 -> all 11 points 0.5
+  assert np.isclose(ap, 0.5)
+  rng = np.random.default_rng(0)
+  labels = np.where(rng.random((300, 3)) < 0.3, 1, -1)
+  informative = labels + 0.3 * rng.normal(size=labels.shape)
+  noise = rng.normal(size=(300, 8))
+  good = voc07_svm.fit_and_score(np.c_[informative, noise][:200], labels[:200], np.c_[informative, noise][200:], labels[200:])
+  bad = voc07_svm.fit_and_score(noise[:200], labels[:200], noise[200:], labels[200:])
+  assert good["map"] > 95 and bad["map"] < 50
+
+
+@pytest.mark.parametrize("task", ["bicaptioning", "captioning", "token_classification", "masked_lm"])
+def test_every_task_gives_finite_loss_and_gradients_in_bfloat16(task):
+  from conftest import load_tiny_config
+
+  from vlrep import methods
+
+  cfg = load_tiny_config(f"task={task}").method
+  cfg.dtype = "bfloat16"
+  method = methods.build(cfg, vocab_size=60)
+  rng = np.random.default_rng(0)
+  tokens = np.zeros((8, 12), np.int32)
+  for i in range(8):
+    n = 3 + i
+    tokens[i, :n] = [tokenizers.SOS_ID, *rng.integers(5, 60, n - 2), tokenizers.EOS_ID]
+  batch = {"image": jnp.asarray(rng.normal(size=(8, 32, 32, 3)), jnp.float32), "tokens": jnp.asarray(tokens),
+           "stat_empty": jnp.zeros((8,), bool)}
+  variables = method.init(jax.random.PRNGKey(0), batch)
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(variables["params"]))  # params stay f32
+
+  def loss_fn(params):
+    return method.loss({**variables, "params": params}, batch, jax.random.PRNGKey(1), True)[0]
+
+  loss, grads = jax.value_and_grad(loss_fn)(variables["params"])
+  assert np.isfinite(float(loss)) and float(loss) > 0
+  # Untrained model: loss near log(vocab) per predicted token (x2 directions for bicaptioning).
+  expected = np.log(60) * (2 if task == "bicaptioning" else 1)
+  assert 0.5 * expected < float(loss) < 2 * expected, (task, float(loss))
+  assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in jax.tree.leaves(grads))
+  assert float(jnp.abs(grads["backbone"]["conv1"]["kernel"]).sum()) > 0  # text supervision reaches the backbone

@@ -1,0 +1,113 @@
+"""Times the train step of a config on whatever devices exist: step time, images/s, and model FLOPs
+utilisation (FLOPs from XLA's cost analysis of the compiled step, against the device's peak).
+
+  python -m vlrep.tools.benchmark --config=configs/virtex.py --config.batch_size=256 --steps=20
+
+Inputs are random arrays of the config's shapes (the input pipeline is timed separately), so the figure is
+the step itself. Peak FLOP/s are dense bf16 numbers from vendor specs; unknown devices (CPUs) report no MFU.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+config_flags.DEFINE_config_file("config", None, "Run config.", lock_config=True)
+flags.DEFINE_integer("steps", 20, "Timed steps (after 3 warm-up steps).")
+flags.DEFINE_integer("image_size", 0, "Image size (default: from the config's preprocessing, else 224).")
+flags.DEFINE_integer("vocab_size", 10000, "Vocabulary size of the textual head.")
+flags.DEFINE_string("output", None, "Optional JSON file for the results.")
+FLAGS = flags.FLAGS
+
+# Dense bf16 peak FLOP/s per device.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "TPU v4": 275e12, "TPU v5 lite": 197e12,
+              "TPU v5p": 459e12, "TPU v6 lite": 918e12}
+
+
+def peak_flops(device) -> float | None:
+  kind = device.device_kind
+  for name, flops in PEAK_FLOPS.items():
+    if name.lower() in kind.lower():
+      return flops
+  return None
+
+
+def _image_size(config) -> int:
+  import re
+
+  m = re.search(r"inception_crop\((\d+)", config.data.pp)
+  return FLAGS.image_size or (int(m.group(1)) if m else 224)
+
+
+def benchmark(config, steps: int, image_size: int, vocab_size: int) -> dict:
+  from vlrep import methods, sharding, train
+
+  mesh = sharding.make_mesh(config.sharding.num_devices or None)
+  bs = config.batch_size
+  rng = np.random.default_rng(0)
+  local = {"image": rng.normal(size=(bs, image_size, image_size, 3)).astype(np.float32),
+           "tokens": rng.integers(5, vocab_size, size=(bs, config.method.max_len)).astype(np.int32),
+           "stat_empty": np.zeros((bs,), bool)}
+  local["tokens"][:, 0] = 2
+  local["tokens"][:, -1] = 3
+  batch_sh = sharding.batch_sharding(mesh)
+  batch = sharding.global_batch(local, batch_sh)
+  method = methods.build(config.method, vocab_size)
+  holder = {}
+
+  def init(rng_, b):
+    state, tx, schedules = train.init_train_state(method, config, b, rng_, 1000, 10)
+    holder.update(tx=tx, schedules=schedules)
+    return state
+
+  key = jax.random.PRNGKey(0)
+  abstract = jax.eval_shape(init, key, batch)
+  state_sh = sharding.state_shardings(mesh, abstract, config.sharding.params)
+  state = jax.jit(init, out_shardings=state_sh)(key, batch)
+  step = jax.jit(train.make_train_step(method, holder["tx"], holder["schedules"], key),
+                 in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=(0,))
+  t0 = time.time()
+  compiled = step.lower(state, batch).compile()
+  compile_s = time.time() - t0
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  flops = float(cost.get("flops", 0.0)) if cost else 0.0
+  for _ in range(3):
+    state, metrics = compiled(state, batch)
+  jax.block_until_ready(metrics)
+  t0 = time.time()
+  for _ in range(steps):
+    state, metrics = compiled(state, batch)
+  jax.block_until_ready(metrics)
+  step_s = (time.time() - t0) / steps
+  device = jax.devices()[0]
+  peak = peak_flops(device)
+  # cost_analysis counts the FLOPs of the whole (global) program; MFU divides by all devices' peak.
+  mfu = flops / step_s / (peak * mesh.devices.size) if peak else None
+  return {"device": device.device_kind, "num_devices": int(mesh.devices.size), "batch_size": bs,
+          "image_size": image_size, "dtype": config.method.dtype, "step_seconds": step_s,
+          "images_per_second": bs / step_s, "tflops_per_step": flops / 1e12,
+          "achieved_tflops_per_second": flops / step_s / 1e12, "mfu": mfu, "compile_seconds": compile_s}
+
+
+def main(argv):
+  del argv
+  import tensorflow as tf
+
+  tf.config.set_visible_devices([], "GPU")
+  result = benchmark(FLAGS.config, FLAGS.steps, _image_size(FLAGS.config), FLAGS.vocab_size)
+  print(json.dumps(result, indent=2))
+  if FLAGS.output:
+    with open(FLAGS.output, "w") as f:
+      json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["config"])
+  app.run(main)
