@@ -21,8 +21,9 @@ BACKBONES = {"r50": (50, 64), "r101": (101, 64), "r50w2x": (50, 128)}
 
 
 def get_config(arg=None):
-  arg = parse_arg(arg, runlocal=False, task="bicaptioning", hidden=2048, layers=1, backbone="r50", captions=5,
-                  fraction=100, steps=0)
+  arg = parse_arg(
+    arg, runlocal=False, task="bicaptioning", hidden=2048, layers=1, backbone="r50", captions=5, fraction=100, steps=0
+  )
   from ml_collections import ConfigDict
 
   c = ConfigDict()
@@ -31,17 +32,30 @@ def get_config(arg=None):
 
   # Method: model sizes and task. A = H / 64 heads and F = 4H are derived in the model.
   c.method = dict(
-      name="virtex", task=arg.task, hidden=arg.hidden, num_layers=arg.layers, dropout=0.1, max_len=30,
-      mask_prob=0.15, dtype="bfloat16",
-      # Per-GPU BatchNorm with 32 images per GPU in the paper; 0 = synchronised over the whole batch.
-      backbone=dict(depth=depth, width=width, bn_group_size=32))
+    name="virtex",
+    task=arg.task,
+    hidden=arg.hidden,
+    num_layers=arg.layers,
+    dropout=0.1,
+    max_len=30,
+    mask_prob=0.15,
+    dtype="bfloat16",
+    # Per-GPU BatchNorm with 32 images per GPU in the paper; 0 = synchronised over the whole batch.
+    backbone=dict(depth=depth, width=width, bn_group_size=32),
+  )
 
   # Data: COCO Captions train2017 with the paper's augmentation.
   split = "train" if arg.fraction == 100 else f"train[:{arg.fraction}%]"
   c.data = dict(
-      name="coco_captions2017", config_name="", data_dir="", split=split,
-      pp=("decode|inception_crop(224, area=(0.2, 1.0))|flip_lr_swap_words|color_jitter(0.4, 0.4, 0.4, 0.1)"
-          f"|normalize|choose_caption({arg.captions})|tokenize(30)"))
+    name="coco_captions2017",
+    config_name="",
+    data_dir="",
+    split=split,
+    pp=(
+      "decode|inception_crop(224, area=(0.2, 1.0))|flip_lr_swap_words|color_jitter(0.4, 0.4, 0.4, 0.1)"
+      f"|normalize|choose_caption({arg.captions})|tokenize(30)"
+    ),
+  )
   c.tokenizer = dict(path="", vocab_size=10000, corpus_split="train", corpus_key="captions", build_if_missing=True)
 
   c.batch_size = 256  # global
@@ -49,23 +63,47 @@ def get_config(arg=None):
   c.total_epochs = 0.0  # durations: set exactly one of steps / epochs / examples (0 = unset)
   c.total_examples = 0
   c.optim = dict(
-      name="sgd", momentum=0.9, nesterov=False, weight_decay=1e-4, grad_clip_norm=10.0,
-      lookahead_steps=5, lookahead_alpha=0.5, warmup_steps=10_000, warmup_epochs=0.0, warmup_examples=0,
-      # Backbone max LR 0.2, textual head (incl. the visual projection) 1e-3.
-      lr_groups=(("^backbone/", 0.2), (".*", 1e-3)),
-      # No weight decay on biases and LayerNorm in the textual head (BERT convention, as in the paper).
-      no_decay=r"^(textual_head|visual_projection|classifier)/(.*/)?(bias|output_bias|ln[^/]*/scale)$",
-      b1=0.9, b2=0.999, eps=1e-8)
+    name="sgd",
+    momentum=0.9,
+    nesterov=False,
+    weight_decay=1e-4,
+    grad_clip_norm=10.0,
+    lookahead_steps=5,
+    lookahead_alpha=0.5,
+    warmup_steps=10_000,
+    warmup_epochs=0.0,
+    warmup_examples=0,
+    # Backbone max LR 0.2, textual head (incl. the visual projection) 1e-3.
+    lr_groups=(("^backbone/", 0.2), (".*", 1e-3)),
+    # No weight decay on biases and LayerNorm in the textual head (BERT convention, as in the paper).
+    no_decay=r"^(textual_head|visual_projection|classifier)/(.*/)?(bias|output_bias|ln[^/]*/scale)$",
+    b1=0.9,
+    b2=0.999,
+    eps=1e-8,
+  )
   c.sharding = dict(params="replicate", num_devices=0)
   c.checkpoint = dict(every_steps=2000, keep=2, async_save=True)
   c.log_every_steps = 100
 
   # VOC07 linear SVM on frozen pooled features; the best checkpoint is kept by its mAP (paper: early stopping).
-  c.evals = dict(probe=dict(
-      type="voc07_svm", dataset="voc2007", data_dir="", config_name="", train_split="trainval",
-      test_split="test", pp="decode|resize_small(256)|central_crop(224)|normalize|voc_labels(20)", batch_size=256,
-      feature="pre_logits", l2_normalize=True, costs=(0.01, 0.1, 1.0, 10.0), folds=3, every_steps=10_000,
-      random_init=True))
+  c.evals = dict(
+    probe=dict(
+      type="voc07_svm",
+      dataset="voc2007",
+      data_dir="",
+      config_name="",
+      train_split="trainval",
+      test_split="test",
+      pp="decode|resize_small(256)|central_crop(224)|normalize|voc_labels(20)",
+      batch_size=256,
+      feature="pre_logits",
+      l2_normalize=True,
+      costs=(0.01, 0.1, 1.0, 10.0),
+      folds=3,
+      every_steps=10_000,
+      random_init=True,
+    )
+  )
   c.best_metric = "probe/map"
 
   if arg.runlocal:
@@ -78,8 +116,10 @@ def _runlocal(c, arg):
   c.data.name = "synthetic_scenes"
   c.data.config_name = "default"
   c.data.data_dir = "~/.cache/vlrep/tensorflow_datasets"
-  c.data.pp = ("decode|inception_crop(64, area=(0.5, 1.0))|flip_lr_swap_words|color_jitter(0.4, 0.4, 0.4, 0.1)"
-               f"|normalize|choose_caption({arg.captions})|tokenize(40)")
+  c.data.pp = (
+    "decode|inception_crop(64, area=(0.5, 1.0))|flip_lr_swap_words|color_jitter(0.4, 0.4, 0.4, 0.1)"
+    f"|normalize|choose_caption({arg.captions})|tokenize(40)"
+  )
   c.method.max_len = 40
   c.method.dtype = "float32"  # bf16 matmuls are slow on CPUs
   c.method.hidden = 256 if arg.hidden == 2048 else arg.hidden
@@ -93,5 +133,13 @@ def _runlocal(c, arg):
   c.optim.lr_groups = (("^backbone/", 0.2), (".*", 0.05))
   c.checkpoint.every_steps = 200
   c.log_every_steps = 50
-  c.evals.probe.update(dataset="synthetic_scenes", config_name="default", data_dir=c.data.data_dir,
-                       train_split="probe_trainval", test_split="probe_test", pp="decode|normalize|voc_labels(10)", every_steps=0, batch_size=250)
+  c.evals.probe.update(
+    dataset="synthetic_scenes",
+    config_name="default",
+    data_dir=c.data.data_dir,
+    train_split="probe_trainval",
+    test_split="probe_test",
+    pp="decode|normalize|voc_labels(10)",
+    every_steps=0,
+    batch_size=250,
+  )

@@ -31,8 +31,11 @@ def test_scene_annotations_are_consistent():
 
 def test_flip_swaps_left_and_right_in_captions():
   image = np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3)
-  ex = {"image": tf.constant(image), "captions": tf.constant(["a circle to the left of a star", "right leftover"]),
-        "_rng": tf.constant([0, 0], tf.int64)}
+  ex = {
+    "image": tf.constant(image),
+    "captions": tf.constant(["a circle to the left of a star", "right leftover"]),
+    "_rng": tf.constant([0, 0], tf.int64),
+  }
   out = ops.parse("flip_lr_swap_words(prob=1.0)")(ex)
   assert [c.decode() for c in out["captions"].numpy()] == ["a circle to the right of a star", "left leftover"]
   np.testing.assert_array_equal(out["image"].numpy(), image[:, ::-1])
@@ -84,8 +87,7 @@ def test_stream_resumes_at_the_exact_batch(tiny_builder, tiny_tokenizer):
   ctx = {"tokenizer": tiny_tokenizer}
   full = pipeline.train_stream(tiny_builder, "train", pp, ("image", "tokens"), 8, seed=3, context=ctx)
   batches = [next(full) for _ in range(12)]  # 12 batches of 8 = 1.5 epochs of 64
-  resumed = pipeline.train_stream(tiny_builder, "train", pp, ("image", "tokens"), 8, seed=3, start_step=7,
-                                  context=ctx)
+  resumed = pipeline.train_stream(tiny_builder, "train", pp, ("image", "tokens"), 8, seed=3, start_step=7, context=ctx)
   for k in range(7, 12):
     b = next(resumed)
     np.testing.assert_array_equal(b["image"], batches[k]["image"])

@@ -21,8 +21,7 @@ def test_reverse_captions_keeps_padding_in_place():
 
 
 def test_forward_head_is_causal():
-  head = transformer.TransformerTextualHead(vocab_size=50, hidden=32, num_layers=2, max_len=8,
-                                            directions=("forward",))
+  head = transformer.TransformerTextualHead(vocab_size=50, hidden=32, num_layers=2, max_len=8, directions=("forward",))
   visual = jax.random.normal(jax.random.PRNGKey(0), (1, 4, 32))
   a = jnp.array([[2, 7, 8, 9, 10, 11]])
   b = a.at[0, 4:].set(30)  # change only the future tokens
@@ -35,7 +34,10 @@ def test_forward_head_is_causal():
 
 
 def test_grouped_batchnorm_uses_per_group_statistics():
-  x = jnp.concatenate([jnp.zeros((2, 1, 1, 1)), jnp.full((2, 1, 1, 1), 10.0)]) + jnp.array([-1.0, 1, -1, 1])[:, None, None, None]
+  x = (
+    jnp.concatenate([jnp.zeros((2, 1, 1, 1)), jnp.full((2, 1, 1, 1), 10.0)])
+    + jnp.array([-1.0, 1, -1, 1])[:, None, None, None]
+  )
   bn = resnet.GroupedBatchNorm(group_size=2)
   variables = bn.init(jax.random.PRNGKey(0), x, train=True)
   y, _ = bn.apply(variables, x, train=True, mutable=["batch_stats"])
@@ -70,11 +72,23 @@ def test_lookahead_syncs_every_k_steps():
 
 
 def test_param_groups_and_no_decay():
-  params = {"backbone": {"conv1": {"kernel": jnp.ones(2)}}, "textual_head": {"ln_self": {"scale": jnp.ones(2)},
-                                                                           "mlp_in": {"kernel": jnp.ones(2)}}}
-  cfg = ml_collections.ConfigDict(dict(name="sgd", momentum=0.0, nesterov=False, weight_decay=0.5, grad_clip_norm=0.0,
-                                       lookahead_steps=0, lookahead_alpha=0.5, lr_groups=(("^backbone/", 1.0), (".*", 0.1)),
-                                       no_decay=r"^textual_head/(.*/)?(bias|ln[^/]*/scale)$"))
+  params = {
+    "backbone": {"conv1": {"kernel": jnp.ones(2)}},
+    "textual_head": {"ln_self": {"scale": jnp.ones(2)}, "mlp_in": {"kernel": jnp.ones(2)}},
+  }
+  cfg = ml_collections.ConfigDict(
+    dict(
+      name="sgd",
+      momentum=0.0,
+      nesterov=False,
+      weight_decay=0.5,
+      grad_clip_norm=0.0,
+      lookahead_steps=0,
+      lookahead_alpha=0.5,
+      lr_groups=(("^backbone/", 1.0), (".*", 0.1)),
+      no_decay=r"^textual_head/(.*/)?(bias|ln[^/]*/scale)$",
+    )
+  )
   tx, _ = optim.build(cfg, params, total_steps=10, warmup_steps=0)
   zeros = jax.tree.map(jnp.zeros_like, params)
   updates, _ = tx.update(zeros, tx.init(params), params)
@@ -95,7 +109,9 @@ def test_voc07_ap_and_svm_protocol():
   labels = np.where(rng.random((300, 3)) < 0.3, 1, -1)
   informative = labels + 0.3 * rng.normal(size=labels.shape)
   noise = rng.normal(size=(300, 8))
-  good = voc07_svm.fit_and_score(np.c_[informative, noise][:200], labels[:200], np.c_[informative, noise][200:], labels[200:])
+  good = voc07_svm.fit_and_score(
+    np.c_[informative, noise][:200], labels[:200], np.c_[informative, noise][200:], labels[200:]
+  )
   bad = voc07_svm.fit_and_score(noise[:200], labels[:200], noise[200:], labels[200:])
   assert good["map"] > 95 and bad["map"] < 50
 
@@ -114,8 +130,11 @@ def test_every_task_gives_finite_loss_and_gradients_in_bfloat16(task):
   for i in range(8):
     n = 3 + i
     tokens[i, :n] = [tokenizers.SOS_ID, *rng.integers(5, 60, n - 2), tokenizers.EOS_ID]
-  batch = {"image": jnp.asarray(rng.normal(size=(8, 32, 32, 3)), jnp.float32), "tokens": jnp.asarray(tokens),
-           "stat_empty": jnp.zeros((8,), bool)}
+  batch = {
+    "image": jnp.asarray(rng.normal(size=(8, 32, 32, 3)), jnp.float32),
+    "tokens": jnp.asarray(tokens),
+    "stat_empty": jnp.zeros((8,), bool),
+  }
   variables = method.init(jax.random.PRNGKey(0), batch)
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(variables["params"]))  # params stay f32
 

@@ -28,7 +28,11 @@ def test_coco_captions_from_local_files(tmp_path):
   (root / "train2017" / f"{5:012d}.jpg").write_bytes(b"not a jpeg")  # undecodable
   report = prepare.prepare("coco_captions2017", str(root), str(tmp_path / "tfds"))
   assert report["splits"] == {"train": 3}
-  assert report["skipped"] == {"empty caption": 1, "image without captions": 1, "undecodable image (UnidentifiedImageError)": 1}
+  assert report["skipped"] == {
+    "empty caption": 1,
+    "image without captions": 1,
+    "undecodable image (UnidentifiedImageError)": 1,
+  }
   builder = pipeline.get_builder("coco_captions2017", str(tmp_path / "tfds"))
   ex = next(iter(builder.as_dataset(split="train").take(1)))
   assert ex["image"].shape == (24, 32, 3) and len(ex["captions"]) == 5
@@ -42,16 +46,23 @@ def test_voc2007_from_local_files(tmp_path):
   (root / "ImageSets" / "Main" / "test.txt").write_text("000003\n")
   objects = {"000001": [("dog", 0), ("person", 1)], "000002": [("car", 0)], "000003": [("cat", 1)]}
   for image_id, objs in objects.items():
-    xml = "".join(f"<object><name>{n}</name><difficult>{d}</difficult><bndbox><xmin>2</xmin><ymin>3</ymin>"
-                  f"<xmax>20</xmax><ymax>22</ymax></bndbox></object>" for n, d in objs)
+    xml = "".join(
+      f"<object><name>{n}</name><difficult>{d}</difficult><bndbox><xmin>2</xmin><ymin>3</ymin>"
+      f"<xmax>20</xmax><ymax>22</ymax></bndbox></object>"
+      for n, d in objs
+    )
     (root / "Annotations" / f"{image_id}.xml").write_text(
-        f"<annotation><size><width>32</width><height>24</height><depth>3</depth></size>{xml}</annotation>")
+      f"<annotation><size><width>32</width><height>24</height><depth>3</depth></size>{xml}</annotation>"
+    )
     _jpeg(str(root / "JPEGImages" / f"{image_id}.jpg"), int(image_id))
   report = prepare.prepare("voc2007", str(tmp_path / "VOCdevkit"), str(tmp_path / "tfds"))
   assert report["splits"] == {"trainval": 2, "test": 1}
   builder = pipeline.get_builder("voc2007", str(tmp_path / "tfds"))
-  batches = list(pipeline.eval_batches(builder, "trainval", "decode|resize_small(32)|central_crop(24)|normalize|voc_labels(20)",
-                                       ("image", "labels"), 4))
+  batches = list(
+    pipeline.eval_batches(
+      builder, "trainval", "decode|resize_small(32)|central_crop(24)|normalize|voc_labels(20)", ("image", "labels"), 4
+    )
+  )
   labels = batches[0]["labels"][:2]
   dog, person, car = (voc2007.CLASSES.index(c) for c in ("dog", "person", "car"))
   assert labels[0, dog] == 1 and labels[0, person] == 0 and labels[0, car] == -1  # person is difficult

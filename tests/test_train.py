@@ -23,7 +23,9 @@ def _final_params(workdir):
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   checkpointer = ocp.StandardCheckpointer()
   meta = checkpointer.metadata(path).item_metadata
-  state = checkpointer.restore(path, jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), meta))
+  state = checkpointer.restore(
+    path, jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), meta)
+  )
   return step, jax.tree.map(np.asarray, state["params"])
 
 
@@ -38,8 +40,12 @@ def test_main_end_to_end_writes_summary(tmp_path):
 
 
 def test_sigkill_and_restart_matches_uninterrupted_run(tmp_path):
-  overrides = ["--config.total_steps=40", "--config.checkpoint.every_steps=5", "--config.evals={}",
-               "--config.log_every_steps=40"]
+  overrides = [
+    "--config.total_steps=40",
+    "--config.checkpoint.every_steps=5",
+    "--config.evals={}",
+    "--config.log_every_steps=40",
+  ]
   ref = run_main(tmp_path / "ref", *overrides)
   assert ref.returncode == 0, ref.stderr[-3000:]
 
@@ -68,8 +74,14 @@ def test_eight_devices_match_one_device_replicated_and_fsdp(tmp_path):
   runs = {"1": ("1", "replicate"), "8": ("8", "replicate"), "8fsdp": ("8", "fsdp")}
   losses, params = {}, {}
   for name, (n, strategy) in runs.items():
-    proc = run_main(tmp_path / name, "--config.total_steps=3", "--config.evals={}", f"--config.sharding.params={strategy}",
-                    "--config.optim.lookahead_steps=2", env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"})
+    proc = run_main(
+      tmp_path / name,
+      "--config.total_steps=3",
+      "--config.evals={}",
+      f"--config.sharding.params={strategy}",
+      "--config.optim.lookahead_steps=2",
+      env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"over {n} devices" in proc.stderr
     losses[name] = json.loads((tmp_path / name / "summary.json").read_text())["train/loss"]
@@ -83,20 +95,30 @@ def test_checkpoint_restores_bit_exactly_and_rejects_other_models(tmp_path):
   from vlrep import checkpoint
 
   rng = np.random.default_rng(0)
-  state = {"step": np.int32(7), "params": {"backbone": {"conv1": {"kernel": rng.normal(size=(3, 3, 3, 8)).astype(np.float32)}},
-                                          "head": {"bias": rng.normal(size=(5,)).astype(np.float32)}},
-           "opt_state": {"mu": rng.normal(size=(5,)).astype(np.float32)}}
+  state = {
+    "step": np.int32(7),
+    "params": {
+      "backbone": {"conv1": {"kernel": rng.normal(size=(3, 3, 3, 8)).astype(np.float32)}},
+      "head": {"bias": rng.normal(size=(5,)).astype(np.float32)},
+    },
+    "opt_state": {"mu": rng.normal(size=(5,)).astype(np.float32)},
+  }
   ckpt = checkpoint.Checkpointer(str(tmp_path), async_save=False)
   ckpt.save(7, state, {"signature": checkpoint.signature(state["params"])})
   ckpt.wait()
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), state)
   restored, _ = ckpt.restore(7, abstract)
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), restored, state)
-  assert restored["params"]["backbone"]["conv1"]["kernel"].tobytes() == state["params"]["backbone"]["conv1"]["kernel"].tobytes()
+  assert (
+    restored["params"]["backbone"]["conv1"]["kernel"].tobytes()
+    == state["params"]["backbone"]["conv1"]["kernel"].tobytes()
+  )
 
   other = jax.tree.map(lambda x: x, abstract)
   other["params"]["backbone"]["conv1"]["kernel"] = jax.ShapeDtypeStruct((7, 7, 3, 8), np.float32)
-  with pytest.raises(ValueError, match=r"(?s)different model.*backbone/conv1/kernel: checkpoint \(3, 3, 3, 8\) vs model \(7, 7, 3, 8\)"):
+  with pytest.raises(
+    ValueError, match=r"(?s)different model.*backbone/conv1/kernel: checkpoint \(3, 3, 3, 8\) vs model \(7, 7, 3, 8\)"
+  ):
     ckpt.restore(7, other)
 
 

@@ -21,7 +21,7 @@ from vlrep.optim import param_paths
 def signature(params) -> dict[str, list[int]]:
   paths = jax.tree.leaves(param_paths(params))
   shapes = [list(np.shape(x)) for x in jax.tree.leaves(params)]
-  return dict(zip(paths, shapes))
+  return dict(zip(paths, shapes, strict=True))
 
 
 def check_signature(saved: dict, current: dict, where: str) -> None:
@@ -46,8 +46,11 @@ class Checkpointer:
 
   def __init__(self, workdir: str, keep: int = 2, async_save: bool = True):
     self.workdir = workdir
-    opts = lambda n: ocp.CheckpointManagerOptions(max_to_keep=n, create=True,  # noqa: E731
-                                                  enable_async_checkpointing=async_save)
+    opts = lambda n: ocp.CheckpointManagerOptions(
+      max_to_keep=n,
+      create=True,  # noqa: E731
+      enable_async_checkpointing=async_save,
+    )
     self.latest = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")), options=opts(keep))
     self.best = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "best")), options=opts(1))
 
@@ -56,15 +59,17 @@ class Checkpointer:
 
   def save(self, step: int, state: Any, meta: dict, best: bool = False) -> None:
     mngr = self.best if best else self.latest
-    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-              force=True)
+    mngr.save(
+      step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True
+    )
 
   def restore(self, step: int, abstract_state: Any, best: bool = False) -> tuple[Any, dict]:
     """Restores into `abstract_state`'s structure and shardings after checking the model signature."""
     mngr = self.best if best else self.latest
     meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    check_signature(meta.get("signature", {}), signature(abstract_state["params"]),
-                    os.path.join(mngr.directory, str(step)))
+    check_signature(
+      meta.get("signature", {}), signature(abstract_state["params"]), os.path.join(mngr.directory, str(step))
+    )
     restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
     return restored["state"], meta
 

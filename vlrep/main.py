@@ -48,16 +48,24 @@ def main(argv):
     jax.distributed.initialize()
   from vlrep import train
 
-  logging.info("JAX %s: process %d/%d, %d local / %d global devices.", jax.__version__, jax.process_index(),
-               jax.process_count(), jax.local_device_count(), jax.device_count())
+  logging.info(
+    "JAX %s: process %d/%d, %d local / %d global devices.",
+    jax.__version__,
+    jax.process_index(),
+    jax.process_count(),
+    jax.local_device_count(),
+    jax.device_count(),
+  )
   summary = train.run(FLAGS.config, FLAGS.workdir)
   if jax.process_index() == 0:
     _print_result(summary)
 
 
 def _print_result(summary: dict) -> None:
-  lines = [f"Finished {int(summary.get('steps', 0))} steps in {summary.get('seconds', 0):.0f}s; "
-           f"summary in {os.path.join(FLAGS.workdir, 'summary.json')}"]
+  lines = [
+    f"Finished {int(summary.get('steps', 0))} steps in {summary.get('seconds', 0):.0f}s; "
+    f"summary in {os.path.join(FLAGS.workdir, 'summary.json')}"
+  ]
   for key in sorted(k for k in summary if k.endswith("/map")):
     base = summary.get(f"{key}_random_init")
     lines.append(f"{key}: pretrained {summary[key]:.2f}" + (f" vs random init {base:.2f}" if base is not None else ""))

@@ -23,13 +23,16 @@ import optax
 def param_paths(params) -> Any:
   """A pytree like params whose leaves are 'a/b/c' path strings."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path), params)
+    lambda path, _: "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path), params
+  )
 
 
 def group_labels(params, lr_groups) -> tuple[Any, dict[str, float]]:
   """Labels each parameter with the first matching group; errors on a parameter no group matches."""
-  patterns = [(f"group{i}_{re.sub(r'[^A-Za-z0-9]+', '_', rx).strip('_') or 'all'}", re.compile(rx), lr)
-              for i, (rx, lr) in enumerate(lr_groups)]
+  patterns = [
+    (f"group{i}_{re.sub(r'[^A-Za-z0-9]+', '_', rx).strip('_') or 'all'}", re.compile(rx), lr)
+    for i, (rx, lr) in enumerate(lr_groups)
+  ]
 
   def label(path):
     for name, rx, _ in patterns:
@@ -43,10 +46,13 @@ def group_labels(params, lr_groups) -> tuple[Any, dict[str, float]]:
 def warmup_cosine(peak: float, warmup_steps: int, total_steps: int, end_fraction: float = 0.0):
   """Linear warmup from 0 to `peak`, then cosine decay to `end_fraction * peak` at `total_steps`."""
   warmup_steps = min(warmup_steps, total_steps)
-  return optax.join_schedules([
+  return optax.join_schedules(
+    [
       optax.linear_schedule(0.0, peak, max(warmup_steps, 1)),
       optax.cosine_decay_schedule(peak, max(total_steps - warmup_steps, 1), alpha=end_fraction),
-  ], [warmup_steps])
+    ],
+    [warmup_steps],
+  )
 
 
 class LookaheadState(NamedTuple):
@@ -85,14 +91,24 @@ def build(config: ml_collections.ConfigDict, params, total_steps: int, warmup_st
   decay_mask = jax.tree.map(lambda p: not (no_decay and no_decay.search(p)), param_paths(params))
 
   if config.name == "sgd":
+
     def group_tx(schedule):
       return optax.sgd(schedule, momentum=config.momentum or None, nesterov=config.nesterov)
+
     parts = [optax.add_decayed_weights(config.weight_decay, mask=decay_mask)] if config.weight_decay else []
     parts.append(optax.multi_transform({n: group_tx(s) for n, s in schedules.items()}, labels))
   elif config.name == "adamw":
-    parts = [optax.multi_transform({
-        n: optax.adamw(s, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay,
-                       mask=decay_mask) for n, s in schedules.items()}, labels)]
+    parts = [
+      optax.multi_transform(
+        {
+          n: optax.adamw(
+            s, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay, mask=decay_mask
+          )
+          for n, s in schedules.items()
+        },
+        labels,
+      )
+    ]
   else:
     raise ValueError(f"Unknown optimizer {config.name!r}; known: sgd, adamw")
   if config.grad_clip_norm:

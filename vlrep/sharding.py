@@ -48,8 +48,9 @@ def state_shardings(mesh: Mesh, abstract_state: Any, strategy: str = "replicate"
     return jax.tree.map(lambda _: replicated(mesh), abstract_state)
   if strategy == "fsdp":
     size = mesh.shape[DATA]
-    return jax.tree.map(lambda x: NamedSharding(mesh, _fsdp_spec(getattr(x, "shape", ()), size, fsdp_min_size)),
-                        abstract_state)
+    return jax.tree.map(
+      lambda x: NamedSharding(mesh, _fsdp_spec(getattr(x, "shape", ()), size, fsdp_min_size)), abstract_state
+    )
   raise ValueError(f"Unknown parameter sharding {strategy!r}; expected 'replicate' or 'fsdp'.")
 
 

@@ -33,8 +33,10 @@ def to_steps(config: ml_collections.ConfigDict, prefix: str, steps_per_epoch: fl
   given = {u: config.get(f"{prefix}_{u}") for u in ("steps", "epochs", "examples")}
   given = {u: v for u, v in given.items() if v}
   if len(given) > 1 or (not given and prefix != "warmup"):
-    raise ValueError(f"Set exactly one of {prefix}_steps / {prefix}_epochs / {prefix}_examples to a positive "
-                     f"value (got {given}); the others must be 0.")
+    raise ValueError(
+      f"Set exactly one of {prefix}_steps / {prefix}_epochs / {prefix}_examples to a positive "
+      f"value (got {given}); the others must be 0."
+    )
   if not given:
     return 0
   unit, value = next(iter(given.items()))
@@ -52,7 +54,9 @@ def write_summary(workdir: str, values: dict[str, Any]) -> None:
   if os.path.exists(path):
     with open(path) as f:
       summary = json.load(f)
-  summary.update({k: (float(v) if isinstance(v, (np.floating, np.integer, jax.Array)) else v) for k, v in values.items()})
+  summary.update(
+    {k: (float(v) if isinstance(v, (np.floating, np.integer, jax.Array)) else v) for k, v in values.items()}
+  )
   with open(path + ".tmp", "w") as f:
     json.dump(summary, f, indent=2, sort_keys=True)
   os.replace(path + ".tmp", path)
@@ -91,8 +95,14 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   if global_bs % num_devices or global_bs % num_hosts:
     raise ValueError(f"batch_size {global_bs} must be divisible by the {num_devices} devices and {num_hosts} hosts.")
   local_bs = global_bs // num_hosts
-  logging.info("Mesh %s over %d devices (%s), %d host(s); global batch %d.", dict(mesh.shape), num_devices,
-               jax.devices()[0].platform, num_hosts, global_bs)
+  logging.info(
+    "Mesh %s over %d devices (%s), %d host(s); global batch %d.",
+    dict(mesh.shape),
+    num_devices,
+    jax.devices()[0].platform,
+    num_hosts,
+    global_bs,
+  )
 
   builder = pipeline.get_builder(config.data.name, config.data.data_dir, config.data.get("config_name"))
   tokenizer = tokenizers.ensure_tokenizer(config.tokenizer, builder)
@@ -106,8 +116,18 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
   ckpt = ckpt_lib.Checkpointer(workdir, keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
   start_step = ckpt.latest_step() or 0
-  stream = pipeline.train_stream(builder, config.data.split, config.data.pp, method.fields, local_bs, config.seed,
-                                 start_step, host, num_hosts, context)
+  stream = pipeline.train_stream(
+    builder,
+    config.data.split,
+    config.data.pp,
+    method.fields,
+    local_bs,
+    config.seed,
+    start_step,
+    host,
+    num_hosts,
+    context,
+  )
   batch_sharding = sharding.batch_sharding(mesh)
   first_batch = sharding.global_batch(next(stream), batch_sharding)
 
@@ -135,15 +155,23 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   else:
     state = jax.jit(init_state, out_shardings=state_sh)(init_rng, first_batch)
   num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
-  logging.info("%s: %.2fM parameters, %d steps (%.1f epochs of %d examples), warmup %d.", config.method.name,
-               num_params / 1e6, total_steps, total_steps / max(steps_per_epoch, 1e-9), num_examples, warmup_steps)
+  logging.info(
+    "%s: %.2fM parameters, %d steps (%.1f epochs of %d examples), warmup %d.",
+    config.method.name,
+    num_params / 1e6,
+    total_steps,
+    total_steps / max(steps_per_epoch, 1e-9),
+    num_examples,
+    warmup_steps,
+  )
 
   # ---------------------------------------------------------------------------------------------------- #
   # Jitted step and feature extraction.
   # ---------------------------------------------------------------------------------------------------- #
   train_step = make_train_step(method, tx, schedules, base_rng)
-  step_fn = jax.jit(train_step, in_shardings=(state_sh, batch_sharding), out_shardings=(state_sh, None),
-                    donate_argnums=(0,))
+  step_fn = jax.jit(
+    train_step, in_shardings=(state_sh, batch_sharding), out_shardings=(state_sh, None), donate_argnums=(0,)
+  )
   feature_key = {}
 
   def extract(variables, batch):
@@ -201,8 +229,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       if not np.isfinite(loss):
         last = ckpt.latest_step()
         raise NonFiniteLossError(
-            f"Loss became {loss} during the steps before {step}. The last good checkpoint "
-            f"(step {last}) in {workdir} is untouched; lower the learning rate or check the data.")
+          f"Loss became {loss} during the steps before {step}. The last good checkpoint "
+          f"(step {last}) in {workdir} is untouched; lower the learning rate or check the data."
+        )
 
   def save(at_step):
     check_finite(pending_fetched())
@@ -231,8 +260,15 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       means["perf/images_per_sec"] = steps_per_s * global_bs
       eta = (total_steps - step) / max(steps_per_s, 1e-9)
       writer.write_scalars(step, means)
-      logging.info("[%d/%d] loss %.4f | %.2f steps/s, %.1f images/s | ETA %s", step, total_steps,
-                   means["train/loss"], steps_per_s, steps_per_s * global_bs, _hms(eta))
+      logging.info(
+        "[%d/%d] loss %.4f | %.2f steps/s, %.1f images/s | ETA %s",
+        step,
+        total_steps,
+        means["train/loss"],
+        steps_per_s,
+        steps_per_s * global_bs,
+        _hms(eta),
+      )
       summary["train/loss"] = means["train/loss"]
       pending.clear()
       last_log_time, last_log_step = now, step
@@ -250,8 +286,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       t0 = time.time()
       eval_metrics = run_evals(state, eval_names)
       writer.write_scalars(step, eval_metrics)
-      logging.info("Step %d evals (%.1fs): %s", step, time.time() - t0,
-                   ", ".join(f"{k}={v:.2f}" for k, v in eval_metrics.items()))
+      logging.info(
+        "Step %d evals (%.1fs): %s", step, time.time() - t0, ", ".join(f"{k}={v:.2f}" for k, v in eval_metrics.items())
+      )
       summary.update(eval_metrics)
       if best_metric in eval_metrics and eval_metrics[best_metric] > summary.get(f"{best_metric}_best", -np.inf):
         summary[f"{best_metric}_best"] = eval_metrics[best_metric]
@@ -265,8 +302,13 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   ckpt.wait()
   ckpt.close()
   seconds = time.time() - t_start
-  summary.update({"steps": step, "seconds": seconds,
-                  "train/images_per_sec": (step - start_step) * global_bs / max(time.time() - train_start_time, 1e-9)})
+  summary.update(
+    {
+      "steps": step,
+      "seconds": seconds,
+      "train/images_per_sec": (step - start_step) * global_bs / max(time.time() - train_start_time, 1e-9),
+    }
+  )
   if host == 0:
     write_summary(workdir, summary)
   writer.flush()
@@ -286,8 +328,12 @@ def make_train_step(method, tx, schedules: dict, base_rng):
     (loss, (metrics, new_model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = jax.tree.map(jnp.add, state["params"], updates)
-    new = {"step": state["step"] + 1, "params": params, "model_state": {**state["model_state"], **new_model_state},
-           "opt_state": opt_state}
+    new = {
+      "step": state["step"] + 1,
+      "params": params,
+      "model_state": {**state["model_state"], **new_model_state},
+      "opt_state": opt_state,
+    }
     # A non-finite loss leaves the state untouched (the loop stops at the next check), so no NaN ever
     # reaches a checkpoint.
     finite = jnp.isfinite(loss)
@@ -310,8 +356,12 @@ def init_train_state(method, config, batch, rng, total_steps: int, warmup_steps:
   variables = method.init(rng, batch)
   params = variables["params"]
   tx, schedules = optim.build(config.optim, params, total_steps, warmup_steps)
-  state = {"step": jnp.zeros([], jnp.int32), "params": params,
-           "model_state": {k: v for k, v in variables.items() if k != "params"}, "opt_state": tx.init(params)}
+  state = {
+    "step": jnp.zeros([], jnp.int32),
+    "params": params,
+    "model_state": {k: v for k, v in variables.items() if k != "params"},
+    "opt_state": tx.init(params),
+  }
   return state, tx, schedules
 
 

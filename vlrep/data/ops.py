@@ -1,7 +1,8 @@
 """Preprocessing ops: a registry of `name(args)` -> function(example dict) -> example dict, in TensorFlow.
 
 A preprocessing string chains ops with `|`, e.g.
-  `decode|inception_crop(64, area=(0.2, 1.0))|flip_lr_swap_words|color_jitter(0.4, 0.4, 0.4, 0.1)|normalize|choose_caption|tokenize(30)`
+  `decode|inception_crop(64, area=(0.2, 1.0))|flip_lr_swap_words|color_jitter(0.4, 0.4, 0.4, 0.1)|normalize`
+  `|choose_caption|tokenize(30)`
 
 Randomness is stateless: every example carries a seed `_rng` derived from its position in the global input
 stream, and each random op splits it. The same example index therefore always gets the same augmentation,
@@ -77,23 +78,34 @@ def get_decode(key: str = "image"):
     img.set_shape([None, None, 3])
     ex[key] = img
     return ex
+
   return op
 
 
 @register
-def get_inception_crop(size: int, area: tuple[float, float] = (0.2, 1.0),
-                       aspect: tuple[float, float] = (3 / 4, 4 / 3), key: str = "image"):
+def get_inception_crop(
+  size: int, area: tuple[float, float] = (0.2, 1.0), aspect: tuple[float, float] = (3 / 4, 4 / 3), key: str = "image"
+):
   """Random crop covering `area` of the image with random aspect ratio, resized to size x size."""
+
   def op(ex):
     ex = dict(ex)
     img = ex[key]
     begin, crop_size, _ = tf.image.stateless_sample_distorted_bounding_box(
-        tf.shape(img), tf.zeros([0, 0, 4], tf.float32), seed=_next_rng(ex), area_range=area,
-        aspect_ratio_range=aspect, min_object_covered=0.0, use_image_if_no_bounding_boxes=True)
+      tf.shape(img),
+      tf.zeros([0, 0, 4], tf.float32),
+      seed=_next_rng(ex),
+      area_range=area,
+      aspect_ratio_range=aspect,
+      min_object_covered=0.0,
+      use_image_if_no_bounding_boxes=True,
+    )
     crop = tf.slice(img, begin, crop_size)
-    ex[key] = tf.cast(tf.clip_by_value(tf.image.resize(crop, [size, size], "bilinear", antialias=True), 0, 255),
-                      tf.uint8)
+    ex[key] = tf.cast(
+      tf.clip_by_value(tf.image.resize(crop, [size, size], "bilinear", antialias=True), 0, 255), tf.uint8
+    )
     return ex
+
   return op
 
 
@@ -103,12 +115,14 @@ def get_resize(size: int, key: str = "image"):
     ex = dict(ex)
     ex[key] = tf.cast(tf.clip_by_value(tf.image.resize(ex[key], [size, size], antialias=True), 0, 255), tf.uint8)
     return ex
+
   return op
 
 
 @register
 def get_resize_small(size: int, key: str = "image"):
   """Resizes so that the shorter side is `size`, keeping the aspect ratio."""
+
   def op(ex):
     ex = dict(ex)
     img = ex[key]
@@ -117,6 +131,7 @@ def get_resize_small(size: int, key: str = "image"):
     new = tf.cast(tf.round(tf.stack([h * scale, w * scale])), tf.int32)
     ex[key] = tf.cast(tf.clip_by_value(tf.image.resize(img, new, antialias=True), 0, 255), tf.uint8)
     return ex
+
   return op
 
 
@@ -128,6 +143,7 @@ def get_central_crop(size: int, key: str = "image"):
     h, w = tf.shape(img)[0], tf.shape(img)[1]
     ex[key] = tf.image.crop_to_bounding_box(img, (h - size) // 2, (w - size) // 2, size, size)
     return ex
+
   return op
 
 
@@ -140,6 +156,7 @@ def _swap_left_right(text: tf.Tensor) -> tf.Tensor:
 @register
 def get_flip_lr_swap_words(keys: tuple[str, ...] = ("captions",), prob: float = 0.5, key: str = "image"):
   """Horizontal flip that also swaps the words 'left' and 'right' in the text fields (VirTex)."""
+
   def op(ex):
     ex = dict(ex)
     flip = tf.random.stateless_uniform([], _next_rng(ex)) < prob
@@ -149,13 +166,21 @@ def get_flip_lr_swap_words(keys: tuple[str, ...] = ("captions",), prob: float = 
         ex[k] = tf.cond(flip, lambda k=k: _swap_left_right(ex[k]), lambda k=k: ex[k])
     ex["flipped"] = flip
     return ex
+
   return op
 
 
 @register
-def get_color_jitter(brightness: float = 0.4, contrast: float = 0.4, saturation: float = 0.4, hue: float = 0.1,
-                     prob: float = 0.8, key: str = "image"):
+def get_color_jitter(
+  brightness: float = 0.4,
+  contrast: float = 0.4,
+  saturation: float = 0.4,
+  hue: float = 0.1,
+  prob: float = 0.8,
+  key: str = "image",
+):
   """torchvision-style ColorJitter applied with probability `prob` (VirTex uses 0.4/0.4/0.4/0.1, p=0.8)."""
+
   def op(ex):
     ex = dict(ex)
     seeds = tf.random.experimental.stateless_split(_next_rng(ex), num=5)
@@ -173,23 +198,27 @@ def get_color_jitter(brightness: float = 0.4, contrast: float = 0.4, saturation:
     out = tf.where(apply, tf.clip_by_value(out, 0.0, 1.0), img)
     ex[key] = tf.cast(tf.round(out * 255.0), tf.uint8)
     return ex
+
   return op
 
 
 @register
 def get_normalize(mean=IMAGENET_MEAN, std=IMAGENET_STD, key: str = "image"):
   """uint8 [0, 255] -> float32 normalised by ImageNet mean/std."""
+
   def op(ex):
     ex = dict(ex)
     img = tf.cast(ex[key], tf.float32) / 255.0
     ex[key] = (img - tf.constant(mean, tf.float32)) / tf.constant(std, tf.float32)
     return ex
+
   return op
 
 
 @register
 def get_choose_caption(num_captions: int = 5, key: str = "captions", out: str = "caption"):
   """Samples one of the first `num_captions` captions of the example (VirTex's 1 vs 5 captions ablation)."""
+
   def op(ex):
     ex = dict(ex)
     caps = ex[key][:num_captions]
@@ -198,6 +227,7 @@ def get_choose_caption(num_captions: int = 5, key: str = "captions", out: str = 
     # An image without captions yields an empty caption, which `tokenize` flags and losses ignore.
     ex[out] = tf.cond(n > 0, lambda: tf.gather(caps, idx), lambda: tf.constant(""))
     return ex
+
   return op
 
 
@@ -224,6 +254,7 @@ def get_tokenize(max_len: int, key: str = "caption", out: str = "tokens", contex
     ex["stat_truncated"] = truncated
     ex["stat_empty"] = empty
     return ex
+
   return op
 
 
@@ -233,6 +264,7 @@ get_tokenize.needs_context = True
 @register
 def get_voc_labels(num_classes: int, key: str = "objects", out: str = "labels"):
   """VOC07 classification targets from object annotations: 1 present, 0 only difficult, -1 absent."""
+
   def op(ex):
     ex = dict(ex)
     labels = tf.cast(ex[key]["label"], tf.int32)
@@ -242,6 +274,7 @@ def get_voc_labels(num_classes: int, key: str = "objects", out: str = "labels"):
     # (An image without objects reduces over an empty axis: the minimum int, i.e. absent.)
     ex[out] = tf.where(easy > 0, 1, tf.where(any_ > 0, 0, -1))
     return ex
+
   return op
 
 
@@ -249,4 +282,5 @@ def get_voc_labels(num_classes: int, key: str = "objects", out: str = "labels"):
 def get_keep(*keys: str):
   def op(ex):
     return {k: ex[k] for k in keys if k in ex}
+
   return op

@@ -29,9 +29,9 @@ def _builders() -> dict[str, Any]:
   from vlrep.data.builders import coco_captions, synthetic_scenes, voc2007
 
   return {
-      "synthetic_scenes": (synthetic_scenes.SyntheticScenes, True),
-      "coco_captions2017": (coco_captions.CocoCaptions2017, False),
-      "voc2007": (voc2007.Voc2007, False),
+    "synthetic_scenes": (synthetic_scenes.SyntheticScenes, True),
+    "coco_captions2017": (coco_captions.CocoCaptions2017, False),
+    "voc2007": (voc2007.Voc2007, False),
   }
 
 
@@ -53,8 +53,9 @@ def get_builder(name: str, data_dir: str | None, config_name: str | None = None)
   if not builder.is_prepared():
     if not generated:
       raise FileNotFoundError(
-          f"Dataset {name!r} is not prepared in {data_dir}. Prepare it from your local copy with:\n  "
-          f"{prepare_command(name)}")
+        f"Dataset {name!r} is not prepared in {data_dir}. Prepare it from your local copy with:\n  "
+        f"{prepare_command(name)}"
+      )
     if jax_process_index() == 0:
       logging.info("Generating %s/%s in %s (first use).", name, builder.builder_config.name, data_dir)
       builder.download_and_prepare()
@@ -88,7 +89,9 @@ def _split_name(split: str) -> tuple[str, float]:
   return name, float(sl[1:-1]) / 100.0
 
 
-def load_records(builder: tfds.core.DatasetBuilder, split: str, host_index: int = 0, host_count: int = 1) -> list[bytes]:
+def load_records(
+  builder: tfds.core.DatasetBuilder, split: str, host_index: int = 0, host_count: int = 1
+) -> list[bytes]:
   """The serialized examples of this host's shard of `split` (records host_index::host_count)."""
   name, fraction = _split_name(split)
   if name not in builder.info.splits:
@@ -138,23 +141,39 @@ def _select(example: dict, fields: Sequence[str]) -> dict:
   return out
 
 
-def train_stream(builder, split: str, pp: str, fields: Sequence[str], local_batch: int, seed: int,
-                 start_step: int = 0, host_index: int = 0, host_count: int = 1,
-                 context: dict | None = None) -> Iterator[dict[str, np.ndarray]]:
+def train_stream(
+  builder,
+  split: str,
+  pp: str,
+  fields: Sequence[str],
+  local_batch: int,
+  seed: int,
+  start_step: int = 0,
+  host_index: int = 0,
+  host_count: int = 1,
+  context: dict | None = None,
+) -> Iterator[dict[str, np.ndarray]]:
   """Infinite iterator of local training batches, starting at batch `start_step`."""
   records = load_records(builder, split, host_index, host_count)
   n = len(records)
   lookup = _lookup_fn(records)
   decoders = _skip_image_decoding(builder.info.features)
   preprocess = ops_lib.parse(pp, context)
-  logging.info("Training stream over %d records of %s/%s (host %d/%d), starting at batch %d.", n, builder.name,
-               split, host_index, host_count, start_step)
+  logging.info(
+    "Training stream over %d records of %s/%s (host %d/%d), starting at batch %d.",
+    n,
+    builder.name,
+    split,
+    host_index,
+    host_count,
+    start_step,
+  )
 
   def make_example(i):
     epoch, pos = i // n, i % n
     perm = tf.random.experimental.index_shuffle(
-        pos, tf.stack([tf.constant(seed * 1_000_003 + host_index, tf.int64), epoch]),
-        tf.constant(n - 1, tf.int64))
+      pos, tf.stack([tf.constant(seed * 1_000_003 + host_index, tf.int64), epoch]), tf.constant(n - 1, tf.int64)
+    )
     ex = builder.info.features.deserialize_example(lookup(perm), decoders=decoders)
     # Augmentation seed: the example's position in the global stream.
     ex["_rng"] = tf.stack([tf.constant(seed, tf.int64), i * host_count + host_index])
@@ -170,8 +189,16 @@ def train_stream(builder, split: str, pp: str, fields: Sequence[str], local_batc
   return ds.as_numpy_iterator()
 
 
-def eval_batches(builder, split: str, pp: str, fields: Sequence[str], local_batch: int, host_index: int = 0,
-                 host_count: int = 1, context: dict | None = None) -> Iterator[dict[str, np.ndarray]]:
+def eval_batches(
+  builder,
+  split: str,
+  pp: str,
+  fields: Sequence[str],
+  local_batch: int,
+  host_index: int = 0,
+  host_count: int = 1,
+  context: dict | None = None,
+) -> Iterator[dict[str, np.ndarray]]:
   """One pass over this host's shard of `split`, in order. The last batch is padded; `_mask` marks real rows.
 
   Every host yields the same number of batches (the longest shard's), so collective ops stay in step.

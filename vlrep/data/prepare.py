@@ -37,9 +37,12 @@ def prepare(dataset: str, manual_dir: str | None, data_dir: str, config_name: st
   builder = cls(config=config_name, data_dir=data_dir) if config_name else cls(data_dir=data_dir)
   common.SKIPPED.clear()
   builder.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
-  report = {"dataset": dataset, "data_dir": builder.data_dir,
-            "splits": {k: v.num_examples for k, v in builder.info.splits.items()},
-            "skipped": {reason: n for (_, reason), n in common.SKIPPED.items()}}
+  report = {
+    "dataset": dataset,
+    "data_dir": builder.data_dir,
+    "splits": {k: v.num_examples for k, v in builder.info.splits.items()},
+    "skipped": {reason: n for (_, reason), n in common.SKIPPED.items()},
+  }
   os.makedirs(data_dir, exist_ok=True)
   with open(os.path.join(data_dir, f"{dataset}_prepare_report.json"), "w") as f:
     json.dump(report, f, indent=2)

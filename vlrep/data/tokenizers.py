@@ -33,12 +33,28 @@ def train_tokenizer(captions: Iterable[str], model_path: str, vocab_size: int) -
     raise ValueError("Cannot train a tokenizer: no non-empty captions were given.")
   proto = io.BytesIO()
   spm.SentencePieceTrainer.train(
-      sentence_iterator=iter(sentences), model_writer=proto, model_type="bpe", vocab_size=vocab_size,
-      # Small corpora (synthetic_scenes) cannot fill a 10K vocabulary: cap instead of failing.
-      hard_vocab_limit=False, character_coverage=1.0, split_by_unicode_script=True, split_by_number=True,
-      pad_id=PAD_ID, unk_id=UNK_ID, bos_id=SOS_ID, eos_id=EOS_ID, pad_piece="[PAD]", unk_piece="[UNK]",
-      bos_piece="[SOS]", eos_piece="[EOS]", user_defined_symbols=["[MASK]"], normalization_rule_name="identity",
-      num_threads=2, minloglevel=2)
+    sentence_iterator=iter(sentences),
+    model_writer=proto,
+    model_type="bpe",
+    vocab_size=vocab_size,
+    # Small corpora (synthetic_scenes) cannot fill a 10K vocabulary: cap instead of failing.
+    hard_vocab_limit=False,
+    character_coverage=1.0,
+    split_by_unicode_script=True,
+    split_by_number=True,
+    pad_id=PAD_ID,
+    unk_id=UNK_ID,
+    bos_id=SOS_ID,
+    eos_id=EOS_ID,
+    pad_piece="[PAD]",
+    unk_piece="[UNK]",
+    bos_piece="[SOS]",
+    eos_piece="[EOS]",
+    user_defined_symbols=["[MASK]"],
+    normalization_rule_name="identity",
+    num_threads=2,
+    minloglevel=2,
+  )
   os.makedirs(os.path.dirname(os.path.abspath(model_path)), exist_ok=True)
   tmp = model_path + ".tmp"
   with open(tmp, "wb") as f:
@@ -53,8 +69,9 @@ class Tokenizer:
   def __init__(self, model_path: str):
     if not os.path.exists(model_path):
       raise FileNotFoundError(
-          f"Tokenizer model {model_path!r} does not exist. Build it with "
-          f"`python -m vlrep.tools.build_vocab --config=CONFIG` (training runs build it on first use).")
+        f"Tokenizer model {model_path!r} does not exist. Build it with "
+        f"`python -m vlrep.tools.build_vocab --config=CONFIG` (training runs build it on first use)."
+      )
     self.path = model_path
     self.sp = spm.SentencePieceProcessor(model_file=model_path)
     if self.sp.piece_to_id("[MASK]") != MASK_ID or self.sp.bos_id() != SOS_ID or self.sp.pad_id() != PAD_ID:
@@ -97,8 +114,9 @@ def ensure_tokenizer(config, builder) -> Tokenizer:
   if not os.path.exists(path):
     if not config.build_if_missing:
       raise FileNotFoundError(
-          f"Tokenizer {path!r} does not exist. Build it with `python -m vlrep.tools.build_vocab --config=CONFIG`, "
-          "or set tokenizer.build_if_missing=True.")
+        f"Tokenizer {path!r} does not exist. Build it with `python -m vlrep.tools.build_vocab --config=CONFIG`, "
+        "or set tokenizer.build_if_missing=True."
+      )
     if pipeline.jax_process_index() == 0:
       logging.info("Building tokenizer %s from %s/%s '%s'.", path, builder.name, config.corpus_split, config.corpus_key)
       train_tokenizer(pipeline.read_texts(builder, config.corpus_split, config.corpus_key), path, config.vocab_size)

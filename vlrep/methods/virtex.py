@@ -45,17 +45,24 @@ class VirTex:
     self.config = config
     self.vocab_size = vocab_size
     self.model = VirTexModel(
-        vocab_size=vocab_size, backbone=dict(config.backbone),
-        head="linear" if config.task == "token_classification" else "transformer",
-        hidden=config.hidden, num_layers=config.num_layers, max_len=config.max_len, dropout=config.dropout,
-        directions=_DIRECTIONS.get(config.task, ()), dtype=jnp.dtype(config.dtype))
+      vocab_size=vocab_size,
+      backbone=dict(config.backbone),
+      head="linear" if config.task == "token_classification" else "transformer",
+      hidden=config.hidden,
+      num_layers=config.num_layers,
+      max_len=config.max_len,
+      dropout=config.dropout,
+      directions=_DIRECTIONS.get(config.task, ()),
+      dtype=jnp.dtype(config.dtype),
+    )
 
   # -- contract -----------------------------------------------------------------------------------------
   def init(self, rng, batch) -> dict:
     params_rng, dropout_rng = jax.random.split(rng)
     tokens_in, padding, _ = self._inputs(batch["tokens"], dropout_rng)
-    return self.model.init({"params": params_rng, "dropout": dropout_rng}, batch["image"], tokens_in, padding,
-                           train=False)
+    return self.model.init(
+      {"params": params_rng, "dropout": dropout_rng}, batch["image"], tokens_in, padding, train=False
+    )
 
   def loss(self, variables, batch, rng, train: bool = True):
     mask_rng, dropout_rng = jax.random.split(rng)
@@ -63,8 +70,8 @@ class VirTex:
     valid_caption = ~batch["stat_empty"] if "stat_empty" in batch else jnp.ones(tokens.shape[:1], bool)
     tokens_in, padding, is_masked = self._inputs(tokens, mask_rng)
     (logits, _), new_state = self.model.apply(
-        variables, batch["image"], tokens_in, padding, train=train, rngs={"dropout": dropout_rng},
-        mutable=["batch_stats"])
+      variables, batch["image"], tokens_in, padding, train=train, rngs={"dropout": dropout_rng}, mutable=["batch_stats"]
+    )
     task = self.config.task
     metrics = {}
     if task == "token_classification":

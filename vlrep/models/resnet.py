@@ -18,12 +18,12 @@ import jax
 import jax.numpy as jnp
 
 DEPTHS = {
-    10: (1, 1, 1, 1),  # tests only: one block per stage
-    18: (2, 2, 2, 2),
-    26: (2, 2, 2, 2),
-    50: (3, 4, 6, 3),
-    101: (3, 4, 23, 3),
-    152: (3, 8, 36, 3),
+  10: (1, 1, 1, 1),  # tests only: one block per stage
+  18: (2, 2, 2, 2),
+  26: (2, 2, 2, 2),
+  50: (3, 4, 6, 3),
+  101: (3, 4, 23, 3),
+  152: (3, 8, 36, 3),
 }
 
 
@@ -81,8 +81,9 @@ class Bottleneck(nn.Module):
     y = self.conv(self.width * self.expansion, (1, 1), name="conv3")(y)
     y = self.norm(name="bn3")(y, train)
     if residual.shape[-1] != y.shape[-1] or self.stride != 1:
-      residual = self.conv(self.width * self.expansion, (1, 1), strides=(self.stride, self.stride),
-                           name="downsample_conv")(residual)
+      residual = self.conv(
+        self.width * self.expansion, (1, 1), strides=(self.stride, self.stride), name="downsample_conv"
+      )(residual)
       residual = self.norm(name="downsample_bn")(residual, train)
     return nn.relu(residual + y)
 
@@ -136,10 +137,16 @@ class ResNet(nn.Module):
   def __call__(self, x, train: bool = False):
     if self.depth not in DEPTHS:
       raise ValueError(f"Unsupported ResNet depth {self.depth}; supported: {sorted(DEPTHS)}")
-    conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype, param_dtype=jnp.float32,
-                             kernel_init=nn.initializers.variance_scaling(2.0, "fan_out", "normal"))
-    norm = functools.partial(GroupedBatchNorm, group_size=self.bn_group_size, momentum=self.bn_momentum,
-                             dtype=self.dtype)
+    conv = functools.partial(
+      nn.Conv,
+      use_bias=False,
+      dtype=self.dtype,
+      param_dtype=jnp.float32,
+      kernel_init=nn.initializers.variance_scaling(2.0, "fan_out", "normal"),
+    )
+    norm = functools.partial(
+      GroupedBatchNorm, group_size=self.bn_group_size, momentum=self.bn_momentum, dtype=self.dtype
+    )
     aux = {}
     x = x.astype(self.dtype)
     x = conv(self.width, (7, 7), strides=(2, 2), padding=((3, 3), (3, 3)), name="conv1")(x)

@@ -28,8 +28,13 @@ class MultiHeadAttention(nn.Module):
     h = q_in.shape[-1]
     if h % self.num_heads:
       raise ValueError(f"Hidden size {h} is not divisible by {self.num_heads} heads.")
-    dense = lambda name: nn.DenseGeneral((self.num_heads, h // self.num_heads), dtype=self.dtype,  # noqa: E731
-                                         param_dtype=jnp.float32, kernel_init=_init, name=name)
+    dense = lambda name: nn.DenseGeneral(
+      (self.num_heads, h // self.num_heads),
+      dtype=self.dtype,  # noqa: E731
+      param_dtype=jnp.float32,
+      kernel_init=_init,
+      name=name,
+    )
     q, k, v = dense("query")(q_in), dense("key")(kv_in), dense("value")(kv_in)
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(q.shape[-1]).astype(jnp.float32)
     if mask is not None:
@@ -37,8 +42,9 @@ class MultiHeadAttention(nn.Module):
     weights = jax.nn.softmax(logits, axis=-1)
     probs = nn.Dropout(self.dropout)(weights, deterministic=not train)
     out = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(self.dtype), v)
-    out = nn.DenseGeneral(h, axis=(-2, -1), dtype=self.dtype, param_dtype=jnp.float32, kernel_init=_init,
-                          name="out")(out)
+    out = nn.DenseGeneral(h, axis=(-2, -1), dtype=self.dtype, param_dtype=jnp.float32, kernel_init=_init, name="out")(
+      out
+    )
     return out, weights
 
 
@@ -60,7 +66,8 @@ class DecoderLayer(nn.Module):
     cross = None
     if self.cross_attention:
       y, cross = MultiHeadAttention(self.num_heads, self.dtype, self.dropout, name="cross_attention")(
-          x, memory, None, train)
+        x, memory, None, train
+      )
       x = ln("ln_cross")(x + drop(y, deterministic=not train))
     y = nn.Dense(self.mlp_dim, dtype=self.dtype, param_dtype=jnp.float32, kernel_init=_init, name="mlp_in")(x)
     y = nn.gelu(y, approximate=False)
@@ -79,10 +86,12 @@ class WordAndPositionEmbedding(nn.Module):
   dtype: Any = jnp.float32
 
   def setup(self):
-    self.words = nn.Embed(self.vocab_size, self.hidden, embedding_init=_init, param_dtype=jnp.float32,
-                          dtype=self.dtype, name="words")
-    self.positions = nn.Embed(self.max_len, self.hidden, embedding_init=_init, param_dtype=jnp.float32,
-                              dtype=self.dtype, name="positions")
+    self.words = nn.Embed(
+      self.vocab_size, self.hidden, embedding_init=_init, param_dtype=jnp.float32, dtype=self.dtype, name="words"
+    )
+    self.positions = nn.Embed(
+      self.max_len, self.hidden, embedding_init=_init, param_dtype=jnp.float32, dtype=self.dtype, name="positions"
+    )
     self.ln = nn.LayerNorm(epsilon=1e-8, dtype=self.dtype, param_dtype=jnp.float32, name="ln")
     self.drop = nn.Dropout(self.dropout)
 
@@ -118,8 +127,9 @@ class TransformerTextualHead(nn.Module):
 
   @nn.compact
   def __call__(self, visual, tokens_by_direction: dict, padding_by_direction: dict, train: bool = False):
-    embedding = WordAndPositionEmbedding(self.vocab_size, self.hidden, self.max_len, self.dropout, self.dtype,
-                                         name="embedding")
+    embedding = WordAndPositionEmbedding(
+      self.vocab_size, self.hidden, self.max_len, self.dropout, self.dtype, name="embedding"
+    )
     output_bias = self.param("output_bias", nn.initializers.zeros, (self.vocab_size,), jnp.float32)
     heads = self.num_heads or max(1, self.hidden // 64)
     logits, aux = {}, {}
@@ -133,8 +143,9 @@ class TransformerTextualHead(nn.Module):
       x = embedding(tokens, train)
       crosses = []
       for layer in range(self.num_layers):
-        x, cross = DecoderLayer(heads, self.mlp_dim or 4 * self.hidden, self.dropout, True, self.dtype,
-                                name=f"{direction}_layer{layer}")(x, visual, mask, train)
+        x, cross = DecoderLayer(
+          heads, self.mlp_dim or 4 * self.hidden, self.dropout, True, self.dtype, name=f"{direction}_layer{layer}"
+        )(x, visual, mask, train)
         crosses.append(cross)
       logits[direction] = embedding.attend(x).astype(jnp.float32) + output_bias
       aux[f"{direction}/cross_attention"] = crosses

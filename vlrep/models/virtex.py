@@ -32,11 +32,19 @@ class VirTexModel(nn.Module):
     if self.head == "linear":
       self.classifier = nn.Dense(self.vocab_size, dtype=self.dtype, param_dtype=jnp.float32, name="classifier")
     elif self.head == "transformer":
-      self.visual_projection = nn.Dense(self.hidden, dtype=self.dtype, param_dtype=jnp.float32,
-                                        name="visual_projection")
+      self.visual_projection = nn.Dense(
+        self.hidden, dtype=self.dtype, param_dtype=jnp.float32, name="visual_projection"
+      )
       self.textual_head = transformer.TransformerTextualHead(
-          self.vocab_size, self.hidden, self.num_layers, max_len=self.max_len, dropout=self.dropout,
-          directions=self.directions, dtype=self.dtype, name="textual_head")
+        self.vocab_size,
+        self.hidden,
+        self.num_layers,
+        max_len=self.max_len,
+        dropout=self.dropout,
+        directions=self.directions,
+        dtype=self.dtype,
+        name="textual_head",
+      )
     else:
       raise ValueError(f"Unknown head {self.head!r}; expected 'transformer' or 'linear'.")
 

@@ -13,7 +13,6 @@ import json
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
@@ -26,8 +25,16 @@ flags.DEFINE_string("output", None, "Optional JSON file for the results.")
 FLAGS = flags.FLAGS
 
 # Dense bf16 peak FLOP/s per device.
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "TPU v4": 275e12, "TPU v5 lite": 197e12,
-              "TPU v5p": 459e12, "TPU v6 lite": 918e12}
+PEAK_FLOPS = {
+  "H100": 989e12,
+  "H200": 989e12,
+  "A100": 312e12,
+  "L4": 121e12,
+  "TPU v4": 275e12,
+  "TPU v5 lite": 197e12,
+  "TPU v5p": 459e12,
+  "TPU v6 lite": 918e12,
+}
 
 
 def peak_flops(device) -> float | None:
@@ -51,9 +58,11 @@ def benchmark(config, steps: int, image_size: int, vocab_size: int) -> dict:
   mesh = sharding.make_mesh(config.sharding.num_devices or None)
   bs = config.batch_size
   rng = np.random.default_rng(0)
-  local = {"image": rng.normal(size=(bs, image_size, image_size, 3)).astype(np.float32),
-           "tokens": rng.integers(5, vocab_size, size=(bs, config.method.max_len)).astype(np.int32),
-           "stat_empty": np.zeros((bs,), bool)}
+  local = {
+    "image": rng.normal(size=(bs, image_size, image_size, 3)).astype(np.float32),
+    "tokens": rng.integers(5, vocab_size, size=(bs, config.method.max_len)).astype(np.int32),
+    "stat_empty": np.zeros((bs,), bool),
+  }
   local["tokens"][:, 0] = 2
   local["tokens"][:, -1] = 3
   batch_sh = sharding.batch_sharding(mesh)
@@ -70,8 +79,12 @@ def benchmark(config, steps: int, image_size: int, vocab_size: int) -> dict:
   abstract = jax.eval_shape(init, key, batch)
   state_sh = sharding.state_shardings(mesh, abstract, config.sharding.params)
   state = jax.jit(init, out_shardings=state_sh)(key, batch)
-  step = jax.jit(train.make_train_step(method, holder["tx"], holder["schedules"], key),
-                 in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=(0,))
+  step = jax.jit(
+    train.make_train_step(method, holder["tx"], holder["schedules"], key),
+    in_shardings=(state_sh, batch_sh),
+    out_shardings=(state_sh, None),
+    donate_argnums=(0,),
+  )
   t0 = time.time()
   compiled = step.lower(state, batch).compile()
   compile_s = time.time() - t0
@@ -90,10 +103,19 @@ def benchmark(config, steps: int, image_size: int, vocab_size: int) -> dict:
   peak = peak_flops(device)
   # cost_analysis counts the FLOPs of the whole (global) program; MFU divides by all devices' peak.
   mfu = flops / step_s / (peak * mesh.devices.size) if peak else None
-  return {"device": device.device_kind, "num_devices": int(mesh.devices.size), "batch_size": bs,
-          "image_size": image_size, "dtype": config.method.dtype, "step_seconds": step_s,
-          "images_per_second": bs / step_s, "tflops_per_step": flops / 1e12,
-          "achieved_tflops_per_second": flops / step_s / 1e12, "mfu": mfu, "compile_seconds": compile_s}
+  return {
+    "device": device.device_kind,
+    "num_devices": int(mesh.devices.size),
+    "batch_size": bs,
+    "image_size": image_size,
+    "dtype": config.method.dtype,
+    "step_seconds": step_s,
+    "images_per_second": bs / step_s,
+    "tflops_per_step": flops / 1e12,
+    "achieved_tflops_per_second": flops / step_s / 1e12,
+    "mfu": mfu,
+    "compile_seconds": compile_s,
+  }
 
 
 def main(argv):

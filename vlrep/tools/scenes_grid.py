@@ -1,6 +1,6 @@
 """Writes a PNG grid of synthetic_scenes samples with their first caption (README's picture).
 
-  python -m vlrep.tools.scenes_grid --out=docs/synthetic_scenes.png
+python -m vlrep.tools.scenes_grid --out=docs/synthetic_scenes.png
 """
 
 import numpy as np

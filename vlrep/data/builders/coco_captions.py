@@ -31,12 +31,15 @@ class CocoCaptions2017(tfds.core.GeneratorBasedBuilder):
 
   def _info(self):
     return self.dataset_info_from_configs(
-        features=tfds.features.FeaturesDict({
-            "image": tfds.features.Image(encoding_format="jpeg"),
-            "image_id": np.int64,
-            "captions": tfds.features.Sequence(tfds.features.Text()),
-        }),
-        homepage="https://cocodataset.org")
+      features=tfds.features.FeaturesDict(
+        {
+          "image": tfds.features.Image(encoding_format="jpeg"),
+          "image_id": np.int64,
+          "captions": tfds.features.Sequence(tfds.features.Text()),
+        }
+      ),
+      homepage="https://cocodataset.org",
+    )
 
   def _split_generators(self, dl_manager):
     root = dl_manager.manual_dir

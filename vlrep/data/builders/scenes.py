@@ -22,14 +22,14 @@ from PIL import Image, ImageDraw, ImageFilter
 
 SHAPES = ("circle", "square", "triangle", "star", "cross", "diamond", "hexagon", "ring", "pentagon", "heart")
 COLORS = {
-    "red": (220, 40, 40),
-    "green": (40, 180, 60),
-    "blue": (40, 80, 220),
-    "yellow": (235, 215, 40),
-    "purple": (150, 60, 190),
-    "orange": (245, 140, 30),
-    "white": (245, 245, 245),
-    "black": (25, 25, 25),
+  "red": (220, 40, 40),
+  "green": (40, 180, 60),
+  "blue": (40, 80, 220),
+  "yellow": (235, 215, 40),
+  "purple": (150, 60, 190),
+  "orange": (245, 140, 30),
+  "white": (245, 245, 245),
+  "black": (25, 25, 25),
 }
 COLOR_NAMES = tuple(COLORS)
 SIZES = ("small", "large")
@@ -50,8 +50,8 @@ def _shape_polygon(shape: str, cx: float, cy: float, r: float, angle: float) -> 
 
   def regular(n, start, radius=r):
     return [
-        (cx + radius * math.cos(start + 2 * math.pi * k / n), cy + radius * math.sin(start + 2 * math.pi * k / n))
-        for k in range(n)
+      (cx + radius * math.cos(start + 2 * math.pi * k / n), cy + radius * math.sin(start + 2 * math.pi * k / n))
+      for k in range(n)
     ]
 
   if shape == "square":
@@ -68,7 +68,7 @@ def _shape_polygon(shape: str, cx: float, cy: float, r: float, angle: float) -> 
   if shape == "star":
     outer = regular(5, angle - math.pi / 2, r * 1.1)
     inner = regular(5, angle - math.pi / 2 + math.pi / 5, r * 0.45)
-    return [p for pair in zip(outer, inner) for p in pair]
+    return [p for pair in zip(outer, inner, strict=True) for p in pair]
   if shape == "cross":
     w = r * 0.35
     base = [(-w, -r), (w, -r), (w, -w), (r, -w), (r, w), (w, w), (w, r), (-w, r), (-w, w), (-r, w), (-r, -w), (-w, -w)]
@@ -89,8 +89,11 @@ def _draw_shape(draw: ImageDraw.ImageDraw, shape, cx, cy, r, angle, fill, outlin
   if shape == "circle":
     draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill, outline=outline, width=width)
   elif shape == "ring":
-    draw.ellipse([cx - r, cy - r, cx + r, cy + r], outline=fill if outline is None else outline,
-                 width=max(2, int(r * 0.4)) if outline is None else width)
+    draw.ellipse(
+      [cx - r, cy - r, cx + r, cy + r],
+      outline=fill if outline is None else outline,
+      width=max(2, int(r * 0.4)) if outline is None else width,
+    )
   else:
     pts = _shape_polygon(shape, cx, cy, r, angle)
     draw.polygon(pts, fill=fill, outline=outline, width=width)
@@ -177,7 +180,9 @@ def _captions(objs: list[dict], rng: np.random.Generator, size: int, style: str)
   # 5. Total count and the largest object.
   largest = max(objs, key=lambda o: o["r"])
   n = len(objs)
-  caps.append(f"{NUMBER_WORDS[n]} {'object' if n == 1 else 'objects'}, the biggest one is {_np(largest, rng, with_size=False)}.")
+  caps.append(
+    f"{NUMBER_WORDS[n]} {'object' if n == 1 else 'objects'}, the biggest one is {_np(largest, rng, with_size=False)}."
+  )
   return [c.replace(" .", ".") for c in caps]
 
 
@@ -227,7 +232,12 @@ def _qa_and_entailment(objs, rng):
   if len(objs) >= 2:
     a, b = rng.choice(len(objs), size=2, replace=False)
     rel = _relation(objs[a], objs[b]).replace("to the ", "").replace(" of", "")
-    qa.append((f"where is the {objs[a]['color']} {objs[a]['shape']} relative to the {objs[b]['color']} {objs[b]['shape']}?", rel))
+    qa.append(
+      (
+        f"where is the {objs[a]['color']} {objs[a]['shape']} relative to the {objs[b]['color']} {objs[b]['shape']}?",
+        rel,
+      )
+    )
   ent = []
   ent.append((f"there is {_np(o, rng, with_size=False)}.", 0))
   absent = [s for s in SHAPES if s not in present_shapes]
@@ -238,8 +248,9 @@ def _qa_and_entailment(objs, rng):
   return qa, ent
 
 
-def generate_scene(rng: np.random.Generator, image_size: int = 64, style: str = "main",
-                   max_objects: int = 4) -> dict[str, Any]:
+def generate_scene(
+  rng: np.random.Generator, image_size: int = 64, style: str = "main", max_objects: int = 4
+) -> dict[str, Any]:
   """Generates one annotated scene. Coordinates of traces and boxes are normalised to [0, 1]."""
   if style not in STYLES:
     raise ValueError(f"Unknown style {style!r}; known: {STYLES}")
@@ -255,8 +266,17 @@ def generate_scene(rng: np.random.Generator, image_size: int = 64, style: str = 
       cx, cy = rng.uniform(r, big - r, size=2)
       if all(math.hypot(cx - p["cx"], cy - p["cy"]) > 0.6 * (r + p["r"]) for p in objs):
         break
-    objs.append({"shape": SHAPES[int(rng.integers(len(SHAPES)))], "color": COLOR_NAMES[int(rng.integers(len(COLORS)))],
-                 "size": size, "r": r, "cx": cx, "cy": cy, "angle": rng.uniform(0, 2 * math.pi)})
+    objs.append(
+      {
+        "shape": SHAPES[int(rng.integers(len(SHAPES)))],
+        "color": COLOR_NAMES[int(rng.integers(len(COLORS)))],
+        "size": size,
+        "r": r,
+        "cx": cx,
+        "cy": cy,
+        "angle": rng.uniform(0, 2 * math.pi),
+      }
+    )
 
   bg = _background(rng, big, style)
   canvas = Image.fromarray(bg)
@@ -271,8 +291,17 @@ def generate_scene(rng: np.random.Generator, image_size: int = 64, style: str = 
       _draw_shape(draw, o["shape"], o["cx"], o["cy"], o["r"], o["angle"], fill=rgb)
     else:
       # Sketch: paper-coloured fill with a coloured outline and hatching strokes inside the shape.
-      _draw_shape(draw, o["shape"], o["cx"], o["cy"], o["r"], o["angle"], fill=tuple(bg[0, 0]), outline=rgb,
-                  width=max(2, big // 40))
+      _draw_shape(
+        draw,
+        o["shape"],
+        o["cx"],
+        o["cy"],
+        o["r"],
+        o["angle"],
+        fill=tuple(bg[0, 0]),
+        outline=rgb,
+        width=max(2, big // 40),
+      )
       hatch = Image.new("RGB", (big, big), tuple(bg[0, 0]))
       hd = ImageDraw.Draw(hatch)
       for k in range(-big, big, max(4, big // 12)):
@@ -288,27 +317,45 @@ def generate_scene(rng: np.random.Generator, image_size: int = 64, style: str = 
   objects = []
   for k, o in enumerate(objs):
     vis = full_masks[k].copy()
-    for later in full_masks[k + 1:]:
+    for later in full_masks[k + 1 :]:
       vis &= ~later
-    vis_small = np.asarray(Image.fromarray(vis.astype(np.uint8) * 255).resize((image_size, image_size),
-                                                                                Image.BILINEAR)) > 127
+    vis_small = (
+      np.asarray(Image.fromarray(vis.astype(np.uint8) * 255).resize((image_size, image_size), Image.BILINEAR)) > 127
+    )
     visible_fraction = vis.sum() / max(full_masks[k].sum(), 1)
     ys, xs = np.nonzero(full_masks[k])
     bbox = np.array([ys.min(), xs.min(), ys.max() + 1, xs.max() + 1], np.float32) / big
-    objects.append({
-        "shape": o["shape"], "color": o["color"], "size": o["size"], "bbox": bbox, "mask": vis_small,
+    objects.append(
+      {
+        "shape": o["shape"],
+        "color": o["color"],
+        "size": o["size"],
+        "bbox": bbox,
+        "mask": vis_small,
         "visible_fraction": float(visible_fraction),
         # VOC convention: heavily occluded objects are 'difficult' and ignored by the probe metric.
         "difficult": bool(visible_fraction < 0.35),
-        "cx": o["cx"] / scale, "cy": o["cy"] / scale, "r": o["r"] / scale,
-    })
+        "cx": o["cx"] / scale,
+        "cy": o["cy"] / scale,
+        "r": o["r"] / scale,
+      }
+    )
   # Captions and narration read objects left to right, as people tend to describe scenes.
   ordered = sorted(objects, key=lambda o: o["cx"])
   captions = _captions(ordered, rng, image_size, style)
   narration, timed, trace = _narration(ordered, rng, image_size)
   qa, ent = _qa_and_entailment(objects, rng)
-  return {"image": image, "captions": captions, "objects": objects, "narration": narration,
-          "timed_caption": timed, "traces": trace, "questions": qa, "entailment": ent, "style": style}
+  return {
+    "image": image,
+    "captions": captions,
+    "objects": objects,
+    "narration": narration,
+    "timed_caption": timed,
+    "traces": trace,
+    "questions": qa,
+    "entailment": ent,
+    "style": style,
+  }
 
 
 def make_record(job) -> dict[str, Any]:
@@ -319,17 +366,24 @@ def make_record(job) -> dict[str, Any]:
   for k, o in enumerate(s["objects"]):
     object_map[o["mask"], 0] = k + 1
   return {
-      "image": s["image"],
-      "image_id": index,
-      "style": style,
-      "captions": s["captions"],
-      "narration": s["narration"],
-      "timed_caption": s["timed_caption"],
-      "traces": s["traces"],
-      "objects": [{"label": o["shape"], "color": o["color"], "size": o["size"],
-                   "bbox": tuple(np.clip(o["bbox"], 0, 1).tolist()), "is_difficult": o["difficult"]}
-                  for o in s["objects"]],
-      "object_map": object_map,
-      "questions": [{"question": q, "answer": a} for q, a in s["questions"]],
-      "entailment": [{"statement": st, "label": lab} for st, lab in s["entailment"]],
+    "image": s["image"],
+    "image_id": index,
+    "style": style,
+    "captions": s["captions"],
+    "narration": s["narration"],
+    "timed_caption": s["timed_caption"],
+    "traces": s["traces"],
+    "objects": [
+      {
+        "label": o["shape"],
+        "color": o["color"],
+        "size": o["size"],
+        "bbox": tuple(np.clip(o["bbox"], 0, 1).tolist()),
+        "is_difficult": o["difficult"],
+      }
+      for o in s["objects"]
+    ],
+    "object_map": object_map,
+    "questions": [{"question": q, "answer": a} for q, a in s["questions"]],
+    "entailment": [{"statement": st, "label": lab} for st, lab in s["entailment"]],
   }

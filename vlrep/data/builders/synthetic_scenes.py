@@ -27,8 +27,14 @@ class ScenesConfig(tfds.core.BuilderConfig):
   seed: int = 0
 
 
-_DEFAULT_SPLITS = {"train": 4000, "val": 500, "probe_trainval": 1000, "probe_test": 1000, "ood_train": 500,
-                   "ood_val": 500}
+_DEFAULT_SPLITS = {
+  "train": 4000,
+  "val": 500,
+  "probe_trainval": 1000,
+  "probe_test": 1000,
+  "ood_train": 500,
+  "ood_val": 500,
+}
 _TINY_SPLITS = {"train": 64, "val": 16, "probe_trainval": 40, "probe_test": 40, "ood_train": 16, "ood_val": 16}
 
 
@@ -38,44 +44,56 @@ class SyntheticScenes(tfds.core.GeneratorBasedBuilder):
   VERSION = tfds.core.Version("1.0.0")
   RELEASE_NOTES = {"1.0.0": "First release."}
   BUILDER_CONFIGS = [
-      ScenesConfig(name="default", description="64x64 images; builds in well under a minute on 2 cores.",
-                   image_size=64, splits=_DEFAULT_SPLITS),
-      ScenesConfig(name="tiny", description="Tiny splits for tests.", image_size=32, splits=_TINY_SPLITS),
+    ScenesConfig(
+      name="default",
+      description="64x64 images; builds in well under a minute on 2 cores.",
+      image_size=64,
+      splits=_DEFAULT_SPLITS,
+    ),
+    ScenesConfig(name="tiny", description="Tiny splits for tests.", image_size=32, splits=_TINY_SPLITS),
   ]
 
   def _info(self) -> tfds.core.DatasetInfo:
     size = self.builder_config.image_size
     return self.dataset_info_from_configs(
-        features=tfds.features.FeaturesDict({
-            "image": tfds.features.Image(shape=(size, size, 3), encoding_format="png"),
-            "image_id": tfds.features.Scalar(np.int64),
-            "style": tfds.features.ClassLabel(names=scenes.STYLES),
-            "captions": tfds.features.Sequence(tfds.features.Text()),
-            "narration": tfds.features.Text(),
-            "timed_caption": tfds.features.Sequence({
-                "utterance": tfds.features.Text(),
-                "start_time": np.float32,
-                "end_time": np.float32,
-            }),
-            # Mouse trace points (x, y normalised to [0, 1]; t in seconds), as Localized Narratives' traces.
-            "traces": tfds.features.Tensor(shape=(None, 3), dtype=np.float32),
-            "objects": tfds.features.Sequence({
-                "label": tfds.features.ClassLabel(names=scenes.SHAPES),
-                "color": tfds.features.ClassLabel(names=scenes.COLOR_NAMES),
-                "size": tfds.features.ClassLabel(names=scenes.SIZES),
-                "bbox": tfds.features.BBoxFeature(),
-                "is_difficult": np.bool_,
-            }),
-            # Visible-instance map: pixel value k+1 where object k is visible (masks are disjoint after occlusion).
-            "object_map": tfds.features.Image(shape=(size, size, 1), encoding_format="png"),
-            "questions": tfds.features.Sequence({"question": tfds.features.Text(), "answer": tfds.features.Text()}),
-            "entailment": tfds.features.Sequence({
-                "statement": tfds.features.Text(),
-                "label": tfds.features.ClassLabel(names=scenes.ENTAILMENT_LABELS),
-            }),
-        }),
-        supervised_keys=None,
-        homepage="https://github.com/vlrep/vlrep",
+      features=tfds.features.FeaturesDict(
+        {
+          "image": tfds.features.Image(shape=(size, size, 3), encoding_format="png"),
+          "image_id": tfds.features.Scalar(np.int64),
+          "style": tfds.features.ClassLabel(names=scenes.STYLES),
+          "captions": tfds.features.Sequence(tfds.features.Text()),
+          "narration": tfds.features.Text(),
+          "timed_caption": tfds.features.Sequence(
+            {
+              "utterance": tfds.features.Text(),
+              "start_time": np.float32,
+              "end_time": np.float32,
+            }
+          ),
+          # Mouse trace points (x, y normalised to [0, 1]; t in seconds), as Localized Narratives' traces.
+          "traces": tfds.features.Tensor(shape=(None, 3), dtype=np.float32),
+          "objects": tfds.features.Sequence(
+            {
+              "label": tfds.features.ClassLabel(names=scenes.SHAPES),
+              "color": tfds.features.ClassLabel(names=scenes.COLOR_NAMES),
+              "size": tfds.features.ClassLabel(names=scenes.SIZES),
+              "bbox": tfds.features.BBoxFeature(),
+              "is_difficult": np.bool_,
+            }
+          ),
+          # Visible-instance map: pixel value k+1 where object k is visible (masks are disjoint after occlusion).
+          "object_map": tfds.features.Image(shape=(size, size, 1), encoding_format="png"),
+          "questions": tfds.features.Sequence({"question": tfds.features.Text(), "answer": tfds.features.Text()}),
+          "entailment": tfds.features.Sequence(
+            {
+              "statement": tfds.features.Text(),
+              "label": tfds.features.ClassLabel(names=scenes.ENTAILMENT_LABELS),
+            }
+          ),
+        }
+      ),
+      supervised_keys=None,
+      homepage="https://github.com/vlrep/vlrep",
     )
 
   def _split_generators(self, dl_manager):

@@ -19,8 +19,28 @@ import tensorflow_datasets as tfds
 
 from vlrep.data.builders import common
 
-CLASSES = ("aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow", "diningtable",
-           "dog", "horse", "motorbike", "person", "pottedplant", "sheep", "sofa", "train", "tvmonitor")
+CLASSES = (
+  "aeroplane",
+  "bicycle",
+  "bird",
+  "boat",
+  "bottle",
+  "bus",
+  "car",
+  "cat",
+  "chair",
+  "cow",
+  "diningtable",
+  "dog",
+  "horse",
+  "motorbike",
+  "person",
+  "pottedplant",
+  "sheep",
+  "sofa",
+  "train",
+  "tvmonitor",
+)
 
 
 class Voc2007(tfds.core.GeneratorBasedBuilder):
@@ -32,16 +52,21 @@ class Voc2007(tfds.core.GeneratorBasedBuilder):
 
   def _info(self):
     return self.dataset_info_from_configs(
-        features=tfds.features.FeaturesDict({
-            "image": tfds.features.Image(encoding_format="jpeg"),
-            "image_id": tfds.features.Text(),
-            "objects": tfds.features.Sequence({
-                "label": tfds.features.ClassLabel(names=CLASSES),
-                "bbox": tfds.features.BBoxFeature(),
-                "is_difficult": np.bool_,
-            }),
-        }),
-        homepage="http://host.robots.ox.ac.uk/pascal/VOC/voc2007/")
+      features=tfds.features.FeaturesDict(
+        {
+          "image": tfds.features.Image(encoding_format="jpeg"),
+          "image_id": tfds.features.Text(),
+          "objects": tfds.features.Sequence(
+            {
+              "label": tfds.features.ClassLabel(names=CLASSES),
+              "bbox": tfds.features.BBoxFeature(),
+              "is_difficult": np.bool_,
+            }
+          ),
+        }
+      ),
+      homepage="http://host.robots.ox.ac.uk/pascal/VOC/voc2007/",
+    )
 
   def _split_generators(self, dl_manager):
     root = str(dl_manager.manual_dir)
@@ -50,8 +75,11 @@ class Voc2007(tfds.core.GeneratorBasedBuilder):
     sets = os.path.join(root, "ImageSets", "Main")
     if not os.path.isdir(sets):
       raise FileNotFoundError(f"No ImageSets/Main under {root}. Expected layout:\n{__doc__}")
-    return {split: self._generate_examples(root, split) for split in ("trainval", "test")
-            if os.path.exists(os.path.join(sets, f"{split}.txt"))}
+    return {
+      split: self._generate_examples(root, split)
+      for split in ("trainval", "test")
+      if os.path.exists(os.path.join(sets, f"{split}.txt"))
+    }
 
   def _generate_examples(self, root: str, split: str):
     with open(os.path.join(root, "ImageSets", "Main", f"{split}.txt")) as f:
@@ -75,9 +103,11 @@ class Voc2007(tfds.core.GeneratorBasedBuilder):
           continue
         box = obj.find("bndbox")
         xmin, ymin, xmax, ymax = (float(box.findtext(k)) for k in ("xmin", "ymin", "xmax", "ymax"))
-        objects.append({
+        objects.append(
+          {
             "label": name,
             "bbox": tfds.features.BBox(max(ymin - 1, 0) / h, max(xmin - 1, 0) / w, min(ymax / h, 1), min(xmax / w, 1)),
             "is_difficult": obj.findtext("difficult", "0").strip() == "1",
-        })
+          }
+        )
       yield image_id, {"image": image_path, "image_id": image_id, "objects": objects}
