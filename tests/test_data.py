@@ -36,10 +36,10 @@ def test_flip_swaps_left_and_right_in_captions():
     "captions": tf.constant(["a circle to the left of a star", "right leftover"]),
     "_rng": tf.constant([0, 0], tf.int64),
   }
-  out = ops.parse("flip_lr_swap_words(prob=1.0)")(ex)
+  out = ops.parse("flip_lr_swap_words(prob=1.0)").example_fn(ex)
   assert [c.decode() for c in out["captions"].numpy()] == ["a circle to the right of a star", "left leftover"]
   np.testing.assert_array_equal(out["image"].numpy(), image[:, ::-1])
-  kept = ops.parse("flip_lr_swap_words(prob=0.0)")(ex)
+  kept = ops.parse("flip_lr_swap_words(prob=0.0)").example_fn(ex)
   assert kept["captions"].numpy()[0].decode() == "a circle to the left of a star"
 
 
@@ -57,12 +57,15 @@ def test_tokenizer_truncates_and_flags(tiny_tokenizer):
   assert tokenizers.normalize_text("Café") == "cafe"
 
 
-def test_tokenize_op_flags_empty_and_truncated_captions(tiny_tokenizer):
-  op = ops.parse("tokenize(8)", {"tokenizer": tiny_tokenizer})
-  empty = op({"caption": tf.constant("  ")})
-  assert bool(empty["stat_empty"]) and not bool(empty["stat_truncated"])
-  long = op({"caption": tf.constant("a red circle and a blue square and a green star")})
-  assert bool(long["stat_truncated"]) and int(long["tokens"][-1]) == tokenizers.EOS_ID
+def test_tokenize_host_op_flags_empty_and_truncated_captions(tiny_tokenizer):
+  pp = ops.parse("tokenize(8)", {"tokenizer": tiny_tokenizer})
+  assert pp.host_inputs == ("caption",) and "tokens" in pp.host_outputs
+  out = pp.batch_fn({"caption": np.array([b"  ", b"a red circle and a blue square and a green star", b"a star"])})
+  np.testing.assert_array_equal(out["stat_empty"], [True, False, False])
+  np.testing.assert_array_equal(out["stat_truncated"], [False, True, False])
+  assert out["tokens"].shape == (3, 8) and out["tokens"][1, -1] == tokenizers.EOS_ID
+  with pytest.raises(ValueError, match="host ops .tokenize. must come last"):
+    ops.parse("tokenize(8)|normalize", {"tokenizer": tiny_tokenizer})
 
 
 def test_missing_tokenizer_names_the_command(tmp_path, tiny_builder):
@@ -104,5 +107,5 @@ def test_hosts_read_disjoint_shards(tiny_builder):
 
 def test_voc_labels_mark_difficult_objects():
   ex = {"objects": {"label": tf.constant([2, 5, 5, 7]), "is_difficult": tf.constant([False, True, False, True])}}
-  labels = ops.parse("voc_labels(8)")(ex)["labels"].numpy()
+  labels = ops.parse("voc_labels(8)").example_fn(ex)["labels"].numpy()
   np.testing.assert_array_equal(labels, [-1, -1, 1, -1, -1, 1, -1, 0])

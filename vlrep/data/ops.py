@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import tensorflow as tf
@@ -27,18 +27,45 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 def register(fn):
+  """Registers a TensorFlow op factory: get_NAME(*args) -> fn(example) -> example, run inside tf.data."""
   _REGISTRY[fn.__name__.removeprefix("get_")] = fn
   return fn
+
+
+def register_host(fn):
+  """Registers a host op factory: get_NAME(*args, context) -> HostOp, run on numpy batches after tf.data.
+
+  Ops that need Python (SentencePiece) run here rather than in a tf.numpy_function: Python callbacks inside
+  tf.data contend for the GIL and can deadlock when the iterator is torn down.
+  """
+  fn.host = True
+  return register(fn)
+
+
+class HostOp(NamedTuple):
+  inputs: tuple[str, ...]
+  outputs: tuple[str, ...]
+  fn: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+
+
+class Preprocess(NamedTuple):
+  """A parsed preprocessing string: per-example TF ops, then per-batch host ops."""
+
+  example_fn: Op
+  batch_fn: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+  host_inputs: tuple[str, ...]
+  host_outputs: tuple[str, ...]
 
 
 def known_ops() -> list[str]:
   return sorted(_REGISTRY)
 
 
-def parse(pp: str, context: dict | None = None) -> Op:
-  """Builds one function from a `|`-separated op string. `context` carries objects such as the tokenizer."""
+def parse(pp: str, context: dict | None = None) -> Preprocess:
+  """Parses a `|`-separated op string. `context` carries objects such as the tokenizer. Host ops (e.g.
+  `tokenize`) must come after every TF op."""
   context = context or {}
-  ops = []
+  tf_ops, host_ops = [], []
   for spec in (s.strip() for s in pp.split("|")):
     if not spec:
       continue
@@ -51,16 +78,26 @@ def parse(pp: str, context: dict | None = None) -> Op:
     args = [ast.literal_eval(a) for a in call.args]
     kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
     factory = _REGISTRY[name]
-    if getattr(factory, "needs_context", False):
-      kwargs["context"] = context
-    ops.append(factory(*args, **kwargs))
+    if getattr(factory, "host", False):
+      host_ops.append(factory(*args, context=context, **kwargs))
+    elif host_ops:
+      raise ValueError(f"Op {name!r} follows a host op in {pp!r}; host ops (tokenize) must come last.")
+    else:
+      tf_ops.append(factory(*args, **kwargs))
 
-  def apply(example: Example) -> Example:
-    for op in ops:
+  def example_fn(example: Example) -> Example:
+    for op in tf_ops:
       example = op(example)
     return example
 
-  return apply
+  def batch_fn(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    for op in host_ops:
+      batch = op.fn(batch)
+    return batch
+
+  host_outputs = tuple(o for op in host_ops for o in op.outputs)
+  host_inputs = tuple(i for op in host_ops for i in op.inputs if i not in host_outputs)
+  return Preprocess(example_fn, batch_fn, host_inputs, host_outputs)
 
 
 def _next_rng(example: Example) -> tf.Tensor:
@@ -231,34 +268,25 @@ def get_choose_caption(num_captions: int = 5, key: str = "captions", out: str = 
   return op
 
 
-@register
+@register_host
 def get_tokenize(max_len: int, key: str = "caption", out: str = "tokens", context=None):
-  """SentencePiece-encodes `key` to int32[max_len]. Emits `stat_truncated` and `stat_empty` flags that the
-  training loop sums: over-long captions are cut (keeping [EOS]), empty ones are masked out of the loss."""
+  """SentencePiece-encodes the strings `key` to int32[B, max_len] on the host. Emits `stat_truncated` and
+  `stat_empty` flags that the training loop sums: over-long captions are cut (keeping [EOS]), empty ones are
+  masked out of the loss."""
   tokenizer = (context or {}).get("tokenizer")
   if tokenizer is None:
     raise ValueError("tokenize() needs a tokenizer; the pipeline passes it in `context`.")
 
-  def encode(text):
-    text = (text.item() if isinstance(text, np.ndarray) else text).decode("utf-8")
-    ids, truncated = tokenizer.encode(text, max_len)
-    return ids, np.bool_(truncated), np.bool_(not text.strip())
+  def fn(batch):
+    batch = dict(batch)
+    texts = [t.decode("utf-8") if isinstance(t, bytes) else str(t) for t in np.asarray(batch[key]).reshape(-1)]
+    encoded = [tokenizer.encode(t, max_len) for t in texts]
+    batch[out] = np.stack([ids for ids, _ in encoded]) if encoded else np.zeros((0, max_len), np.int32)
+    batch["stat_truncated"] = np.array([trunc for _, trunc in encoded], bool)
+    batch["stat_empty"] = np.array([not t.strip() for t in texts], bool)
+    return batch
 
-  def op(ex):
-    ex = dict(ex)
-    ids, truncated, empty = tf.numpy_function(encode, [ex[key]], [tf.int32, tf.bool, tf.bool], stateful=False)
-    ids.set_shape([max_len])
-    truncated.set_shape([])
-    empty.set_shape([])
-    ex[out] = ids
-    ex["stat_truncated"] = truncated
-    ex["stat_empty"] = empty
-    return ex
-
-  return op
-
-
-get_tokenize.needs_context = True
+  return HostOp((key,), (out, "stat_truncated", "stat_empty"), fn)
 
 
 @register

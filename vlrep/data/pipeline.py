@@ -123,13 +123,20 @@ def _skip_image_decoding(features) -> dict:
 
 
 def _lookup_fn(records: list[bytes]):
-  """Random access into in-memory records (a numpy_function: large splits exceed graph-constant limits)."""
-  array = np.array(records, dtype=object)
+  """Random access into in-memory records. A tf.Variable is captured by handle, so large splits do not
+  become graph constants (which are limited to 2 GB)."""
+  table = tf.Variable(np.array(records, dtype=object), trainable=False, name="records")
+  return lambda i: tf.gather(table, i)
 
-  def lookup(i):
-    return array[int(i)]
 
-  return lambda i: tf.reshape(tf.numpy_function(lookup, [i], tf.string, stateful=False), [])
+def _tf_fields(preprocess: ops_lib.Preprocess, fields: Sequence[str]) -> list[str]:
+  """Fields tf.data must produce: the requested ones not made by host ops, plus the host ops' inputs."""
+  return [f for f in fields if f not in preprocess.host_outputs] + list(preprocess.host_inputs)
+
+
+def _finish(batch: dict, preprocess: ops_lib.Preprocess, fields: Sequence[str]) -> dict:
+  batch = preprocess.batch_fn(batch)
+  return _select(batch, [*fields, *(["_mask"] if "_mask" in batch else [])])
 
 
 def _select(example: dict, fields: Sequence[str]) -> dict:
@@ -159,6 +166,7 @@ def train_stream(
   lookup = _lookup_fn(records)
   decoders = _skip_image_decoding(builder.info.features)
   preprocess = ops_lib.parse(pp, context)
+  tf_fields = _tf_fields(preprocess, fields)
   logging.info(
     "Training stream over %d records of %s/%s (host %d/%d), starting at batch %d.",
     n,
@@ -177,7 +185,7 @@ def train_stream(
     ex = builder.info.features.deserialize_example(lookup(perm), decoders=decoders)
     # Augmentation seed: the example's position in the global stream.
     ex["_rng"] = tf.stack([tf.constant(seed, tf.int64), i * host_count + host_index])
-    return _select(preprocess(ex), fields)
+    return _select(preprocess.example_fn(ex), tf_fields)
 
   ds = tf.data.Dataset.range(start_step * local_batch, _STREAM_END)
   ds = ds.map(make_example, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
@@ -186,7 +194,7 @@ def train_stream(
   options.deterministic = True
   options.threading.private_threadpool_size = max(2, os.cpu_count() or 2)
   ds = ds.with_options(options)
-  return ds.as_numpy_iterator()
+  return (_finish(batch, preprocess, fields) for batch in ds.as_numpy_iterator())
 
 
 def eval_batches(
@@ -208,11 +216,12 @@ def eval_batches(
   num_batches = math.ceil(math.ceil(total / host_count) / local_batch)
   decoders = _skip_image_decoding(builder.info.features)
   preprocess = ops_lib.parse(pp, context)
+  tf_fields = _tf_fields(preprocess, fields)
 
   def make_example(ser):
     ex = builder.info.features.deserialize_example(ser, decoders=decoders)
     ex["_rng"] = tf.zeros([2], tf.int64)
-    ex = _select(preprocess(ex), fields)
+    ex = _select(preprocess.example_fn(ex), tf_fields)
     ex["_mask"] = tf.constant(True)
     return ex
 
@@ -222,6 +231,7 @@ def eval_batches(
   count = 0
   example = None
   for batch in ds.as_numpy_iterator():
+    batch = _finish(batch, preprocess, fields)
     example = batch
     yield _pad_batch(batch, local_batch)
     count += 1
