@@ -141,5 +141,5 @@ def _runlocal(c, arg):
     test_split="probe_test",
     pp="decode|normalize|voc_labels(10)",
     every_steps=0,
-    batch_size=250,
+    batch_size=200,
   )

@@ -4,6 +4,7 @@ resumable run. It knows nothing of any method's maths; methods know nothing of d
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -135,17 +136,14 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   # Train state, created directly in its sharded layout (or restored into it).
   # ---------------------------------------------------------------------------------------------------- #
   base_rng = jax.random.PRNGKey(config.seed)
-  tx_holder = {}
-
-  def init_state(rng, batch):
-    state, tx, schedules = init_train_state(method, config, batch, rng, total_steps, warmup_steps)
-    tx_holder.update(tx=tx, schedules=schedules)
-    return state
-
   init_rng = jax.random.fold_in(base_rng, -1 % 2**31)
+  # The optimizer only needs the parameter tree's paths, which the abstract (shape-only) init provides.
+  tx, schedules = optim.build(
+    config.optim, jax.eval_shape(method.init, init_rng, first_batch)["params"], total_steps, warmup_steps
+  )
+  init_state = functools.partial(init_train_state, method, tx)
   abstract = jax.eval_shape(init_state, init_rng, first_batch)
   state_sh = sharding.state_shardings(mesh, abstract, config.sharding.params)
-  tx, schedules = tx_holder["tx"], tx_holder["schedules"]
   summary: dict[str, Any] = {}
   if start_step:
     abstract_sh = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh)
@@ -172,13 +170,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   step_fn = jax.jit(
     train_step, in_shardings=(state_sh, batch_sharding), out_shardings=(state_sh, None), donate_argnums=(0,)
   )
-  feature_key = {}
 
-  def extract(variables, batch):
-    return method.features(variables, batch["image"])[feature_key["key"]], batch
+  def extract(variables, batch, key):
+    return method.features(variables, batch["image"])[key], batch
 
-  replicated = sharding.replicated(mesh)
-  extract_fn = jax.jit(extract, out_shardings=replicated)
+  extract_fn = jax.jit(extract, static_argnums=2, out_shardings=sharding.replicated(mesh))
 
   def variables_of(st):
     return {"params": st["params"], **st["model_state"]}
@@ -190,10 +186,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     for name, ev in evals.items():
       if names is not None and name not in names:
         continue
-      feature_key["key"] = ev.feature_key
 
-      def features(batch, st=st):
-        f, b = extract_fn(variables_of(st), sharding.global_batch(batch, batch_sharding))
+      def features(batch, st=st, key=ev.feature_key):
+        f, b = extract_fn(variables_of(st), sharding.global_batch(batch, batch_sharding), key)
         return np.asarray(f), {k: np.asarray(v) for k, v in b.items()}
 
       for k, v in ev.run(features).items():
@@ -351,18 +346,16 @@ def make_train_step(method, tx, schedules: dict, base_rng):
   return train_step
 
 
-def init_train_state(method, config, batch, rng, total_steps: int, warmup_steps: int):
-  """Variables from the method, optimizer state for them. Returns (state, tx, schedules)."""
+def init_train_state(method, tx, rng, batch) -> dict:
+  """The train state: step, params, other model state (BatchNorm statistics), optimizer state."""
   variables = method.init(rng, batch)
   params = variables["params"]
-  tx, schedules = optim.build(config.optim, params, total_steps, warmup_steps)
-  state = {
+  return {
     "step": jnp.zeros([], jnp.int32),
     "params": params,
     "model_state": {k: v for k, v in variables.items() if k != "params"},
     "opt_state": tx.init(params),
   }
-  return state, tx, schedules
 
 
 def optax_global_norm(tree) -> jax.Array:

@@ -104,8 +104,10 @@ class Voc07Svm:
     self.feature_key = config.get("feature", "pre_logits")
     self.builder = pipeline.get_builder(config.dataset, config.get("data_dir"), config.get("config_name"))
     self.context, self.host, self.num_hosts = context, host, num_hosts
-    if config.batch_size % num_hosts:
-      raise ValueError(f"Eval batch_size {config.batch_size} is not divisible by {num_hosts} hosts.")
+    import jax
+
+    if config.batch_size % jax.device_count():
+      raise ValueError(f"Eval batch_size {config.batch_size} is not divisible by the {jax.device_count()} devices.")
 
   def _features(self, split, features_fn):
     from vlrep.data import pipeline

@@ -9,6 +9,7 @@ the step itself. Peak FLOP/s are dense bf16 numbers from vendor specs; unknown d
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 
@@ -53,7 +54,7 @@ def _image_size(config) -> int:
 
 
 def benchmark(config, steps: int, image_size: int, vocab_size: int) -> dict:
-  from vlrep import methods, sharding, train
+  from vlrep import methods, optim, sharding, train
 
   mesh = sharding.make_mesh(config.sharding.num_devices or None)
   bs = config.batch_size
@@ -68,19 +69,14 @@ def benchmark(config, steps: int, image_size: int, vocab_size: int) -> dict:
   batch_sh = sharding.batch_sharding(mesh)
   batch = sharding.global_batch(local, batch_sh)
   method = methods.build(config.method, vocab_size)
-  holder = {}
-
-  def init(rng_, b):
-    state, tx, schedules = train.init_train_state(method, config, b, rng_, 1000, 10)
-    holder.update(tx=tx, schedules=schedules)
-    return state
-
   key = jax.random.PRNGKey(0)
+  tx, schedules = optim.build(config.optim, jax.eval_shape(method.init, key, batch)["params"], 1000, 10)
+  init = functools.partial(train.init_train_state, method, tx)
   abstract = jax.eval_shape(init, key, batch)
   state_sh = sharding.state_shardings(mesh, abstract, config.sharding.params)
   state = jax.jit(init, out_shardings=state_sh)(key, batch)
   step = jax.jit(
-    train.make_train_step(method, holder["tx"], holder["schedules"], key),
+    train.make_train_step(method, tx, schedules, key),
     in_shardings=(state_sh, batch_sh),
     out_shardings=(state_sh, None),
     donate_argnums=(0,),
