@@ -148,3 +148,22 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
   for step in ckpts:  # whatever was saved holds finite parameters
     params = _final_params(str(tmp_path))[1]
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(params)), step
+
+
+def test_sigterm_checkpoints_exits_cleanly_and_resumes(tmp_path):
+  workdir = tmp_path / "preempted"
+  overrides = ["--config.total_steps=400", "--config.checkpoint.every_steps=5", "--config.evals={}"]
+  cmd = [sys.executable, "-m", "vlrep.main", "--config=tests/tiny_virtex.py", f"--workdir={workdir}", *overrides]
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 300
+  while not (workdir / "checkpoints" / "5").exists() and proc.poll() is None and time.time() < deadline:
+    time.sleep(0.01)
+  proc.send_signal(signal.SIGTERM)
+  _, stderr = proc.communicate(timeout=120)
+  assert proc.returncode == 0, stderr[-3000:]
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert summary["preempted"] is True and 5 <= summary["steps"] < 400
+  saved = max(int(p) for p in os.listdir(workdir / "checkpoints") if p.isdigit())
+  assert saved == summary["steps"]  # the checkpoint is at the step where the signal was handled
+  again = run_main(workdir, "--config.total_steps=" + str(saved + 2), "--config.evals={}")
+  assert again.returncode == 0 and f"Resumed from step {saved}" in again.stderr

@@ -128,6 +128,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     host,
     num_hosts,
     context,
+    config.data.prefetch,
   )
   batch_sharding = sharding.batch_sharding(mesh)
   first_batch = sharding.global_batch(next(stream), batch_sharding)
@@ -243,6 +244,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     step += 1
     if step < total_steps:
       batch = sharding.global_batch(next(stream), batch_sharding)
+    else:
+      stream.close()  # stop the input workers before the final evaluation and checkpoint
 
     if step % config.log_every_steps == 0 or step == total_steps:
       fetched = pending_fetched()
@@ -300,6 +303,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   summary.update(
     {
       "steps": step,
+      "preempted": False,
       "seconds": seconds,
       "train/images_per_sec": (step - start_step) * global_bs / max(time.time() - train_start_time, 1e-9),
     }

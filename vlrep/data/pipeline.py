@@ -159,8 +159,13 @@ def train_stream(
   host_index: int = 0,
   host_count: int = 1,
   context: dict | None = None,
+  prefetch: int = 2,
 ) -> Iterator[dict[str, np.ndarray]]:
-  """Infinite iterator of local training batches, starting at batch `start_step`."""
+  """Infinite iterator of local training batches, starting at batch `start_step`.
+
+  `prefetch` bounds the batches prepared ahead: an autotuned buffer grows over a long run, competes with
+  evaluation for host cores and makes teardown slow. Call `.close()` when done to stop the workers.
+  """
   records = load_records(builder, split, host_index, host_count)
   n = len(records)
   lookup = _lookup_fn(records)
@@ -189,7 +194,7 @@ def train_stream(
 
   ds = tf.data.Dataset.range(start_step * local_batch, _STREAM_END)
   ds = ds.map(make_example, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-  ds = ds.batch(local_batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+  ds = ds.batch(local_batch, drop_remainder=True).prefetch(prefetch)
   options = tf.data.Options()
   options.deterministic = True
   options.threading.private_threadpool_size = max(2, os.cpu_count() or 2)
