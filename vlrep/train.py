@@ -109,8 +109,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   tokenizer = tokenizers.ensure_tokenizer(config.tokenizer, builder)
   context = {"tokenizer": tokenizer}
   method = methods.build(config.method, tokenizer.vocab_size)
-  split_name, fraction = pipeline._split_name(config.data.split)  # noqa: SLF001
-  num_examples = int(builder.info.splits[split_name].num_examples * fraction)
+  split, fraction = pipeline.split_name(config.data.split)
+  num_examples = int(builder.info.splits[split].num_examples * fraction)
   steps_per_epoch = num_examples / global_bs
   total_steps = to_steps(config, "total", steps_per_epoch, global_bs)
   warmup_steps = to_steps(config.optim, "warmup", steps_per_epoch, global_bs)

@@ -79,7 +79,7 @@ def sync_hosts(tag: str) -> None:
     multihost_utils.sync_global_devices(tag)
 
 
-def _split_name(split: str) -> tuple[str, float]:
+def split_name(split: str) -> tuple[str, float]:
   """'train' or 'train[:10%]' -> (name, fraction). Fractions take the first part of the split, deterministically."""
   if "[" not in split:
     return split, 1.0
@@ -93,7 +93,7 @@ def load_records(
   builder: tfds.core.DatasetBuilder, split: str, host_index: int = 0, host_count: int = 1
 ) -> list[bytes]:
   """The serialized examples of this host's shard of `split` (records host_index::host_count)."""
-  name, fraction = _split_name(split)
+  name, fraction = split_name(split)
   if name not in builder.info.splits:
     raise ValueError(f"Split {name!r} not in {builder.name}; splits: {sorted(builder.info.splits)}")
   files = [os.fspath(p) for p in builder.info.splits[name].filepaths]
@@ -217,7 +217,8 @@ def eval_batches(
   Every host yields the same number of batches (the longest shard's), so collective ops stay in step.
   """
   records = load_records(builder, split, host_index, host_count)
-  total = len(load_records(builder, split, 0, 1)) if host_count > 1 else len(records)
+  name, fraction = split_name(split)
+  total = max(1, int(round(builder.info.splits[name].num_examples * fraction)))
   num_batches = math.ceil(math.ceil(total / host_count) / local_batch)
   decoders = _skip_image_decoding(builder.info.features)
   preprocess = ops_lib.parse(pp, context)
@@ -254,7 +255,7 @@ def _pad_batch(batch: dict[str, np.ndarray], size: int) -> dict[str, np.ndarray]
 
 def read_texts(builder, split: str, key: str = "captions") -> list[str]:
   """All strings of a text feature (or sequence of texts) in a split: the tokenizer's training corpus."""
-  name, _ = _split_name(split)
+  name, _ = split_name(split)
   ds = builder.as_dataset(split=name, decoders=_skip_image_decoding(builder.info.features))
   texts = []
   for ex in ds.map(lambda e: e[key]).as_numpy_iterator():
