@@ -21,7 +21,7 @@ from ml_collections import config_flags
 config_flags.DEFINE_config_file("config", None, "Run config.", lock_config=True)
 flags.DEFINE_integer("steps", 20, "Timed steps (after 3 warm-up steps).")
 flags.DEFINE_integer("image_size", 0, "Image size (default: from the config's preprocessing, else 224).")
-flags.DEFINE_integer("vocab_size", 10000, "Vocabulary size of the textual head.")
+flags.DEFINE_integer("vocab_size", 0, "Vocabulary size of the textual head (default: config.tokenizer.vocab_size).")
 flags.DEFINE_string("output", None, "Optional JSON file for the results.")
 FLAGS = flags.FLAGS
 
@@ -119,7 +119,9 @@ def main(argv):
   import tensorflow as tf
 
   tf.config.set_visible_devices([], "GPU")
-  result = benchmark(FLAGS.config, FLAGS.steps, _image_size(FLAGS.config), FLAGS.vocab_size)
+  result = benchmark(
+    FLAGS.config, FLAGS.steps, _image_size(FLAGS.config), FLAGS.vocab_size or FLAGS.config.tokenizer.vocab_size
+  )
   print(json.dumps(result, indent=2))
   if FLAGS.output:
     with open(FLAGS.output, "w") as f:
