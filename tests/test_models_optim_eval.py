@@ -148,3 +148,11 @@ def test_every_task_gives_finite_loss_and_gradients_in_bfloat16(task):
   assert 0.5 * expected < float(loss) < 2 * expected, (task, float(loss))
   assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in jax.tree.leaves(grads))
   assert float(jnp.abs(grads["backbone"]["conv1"]["kernel"]).sum()) > 0  # text supervision reaches the backbone
+
+
+def test_image_blind_token_loss_matches_hand_computation():
+  from vlrep.tools.token_prior import image_blind_loss
+
+  # Two captions {0, 1} and {1}: q = (0.25, 0.75); losses: mean(-log .25, -log .75) and -log .75.
+  expected = np.mean([np.mean([-np.log(0.25), -np.log(0.75)]), -np.log(0.75)])
+  assert np.isclose(image_blind_loss([{0, 1}, {1}], 2), expected)
