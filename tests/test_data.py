@@ -109,3 +109,31 @@ def test_voc_labels_mark_difficult_objects():
   ex = {"objects": {"label": tf.constant([2, 5, 5, 7]), "is_difficult": tf.constant([False, True, False, True])}}
   labels = ops.parse("voc_labels(8)").example_fn(ex)["labels"].numpy()
   np.testing.assert_array_equal(labels, [-1, -1, 1, -1, -1, 1, -1, 0])
+
+
+def test_build_vocab_command(tmp_path):
+  import subprocess
+  import sys
+
+  from conftest import ROOT
+
+  path = tmp_path / "vocab.model"
+  proc = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "vlrep.tools.build_vocab",
+      "--config=tests/tiny_virtex.py",
+      f"--config.tokenizer.path={path}",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert path.exists() and f"{path}:" in proc.stdout
+  assert (
+    tokenizers.Tokenizer(str(path)).decode(tokenizers.Tokenizer(str(path)).encode("a red star.", 10)[0])
+    == "a red star."
+  )

@@ -5,11 +5,11 @@
 Training runs do this on first use; run it ahead of time on one machine for multi-host jobs.
 """
 
-from absl import app
+from absl import app, flags
 from ml_collections import config_flags
 
 config_flags.DEFINE_config_file("config", None, "Run config.", lock_config=True)
-FLAGS = config_flags.flags.FLAGS
+FLAGS = flags.FLAGS
 
 
 def main(argv):

@@ -8,11 +8,11 @@ loss plateaus near this value has learned the caption prior only.
 """
 
 import numpy as np
-from absl import app
+from absl import app, flags
 from ml_collections import config_flags
 
 config_flags.DEFINE_config_file("config", None, "Run config.", lock_config=True)
-FLAGS = config_flags.flags.FLAGS
+FLAGS = flags.FLAGS
 
 
 def image_blind_loss(token_sets: list[set[int]], vocab_size: int) -> float:
