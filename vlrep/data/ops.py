@@ -307,6 +307,32 @@ def get_voc_labels(num_classes: int, key: str = "objects", out: str = "labels"):
 
 
 @register
+def get_largest_object_label(key: str = "objects", out: str = "label"):
+  """Single-label classification target from object annotations: the class of the largest box (area)."""
+
+  def op(ex):
+    ex = dict(ex)
+    box = ex[key]["bbox"]
+    area = (box[:, 2] - box[:, 0]) * (box[:, 3] - box[:, 1])
+    ex[out] = tf.cast(tf.gather(ex[key]["label"], tf.argmax(area)), tf.int32)
+    return ex
+
+  return op
+
+
+@register
+def get_copy(src: str, dst: str):
+  """ex[dst] = ex[src] (e.g. a dataset's class feature into the 'label' field evaluators read)."""
+
+  def op(ex):
+    ex = dict(ex)
+    ex[dst] = tf.cast(ex[src], tf.int32) if ex[src].dtype.is_integer else ex[src]
+    return ex
+
+  return op
+
+
+@register
 def get_keep(*keys: str):
   def op(ex):
     return {k: ex[k] for k in keys if k in ex}

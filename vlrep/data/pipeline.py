@@ -45,10 +45,10 @@ def get_builder(name: str, data_dir: str | None, config_name: str | None = None)
   Real datasets are never prepared implicitly: a missing one is an error naming the command that prepares it.
   """
   registry = _builders()
-  if name not in registry:
-    raise ValueError(f"Unknown dataset {name!r}. Known datasets: {', '.join(sorted(registry))}")
-  cls, generated = registry[name]
   data_dir = os.path.expanduser(data_dir or tfds.core.constants.DATA_DIR)
+  if name not in registry:
+    return _tfds_builder(name, data_dir, config_name, registry)
+  cls, generated = registry[name]
   builder = cls(config=config_name, data_dir=data_dir) if config_name else cls(data_dir=data_dir)
   if not builder.is_prepared():
     if not generated:
@@ -61,6 +61,23 @@ def get_builder(name: str, data_dir: str | None, config_name: str | None = None)
       builder.download_and_prepare()
     sync_hosts(f"prepare {name}")
     builder = cls(config=config_name, data_dir=data_dir) if config_name else cls(data_dir=data_dir)
+  return builder
+
+
+def _tfds_builder(name: str, data_dir: str, config_name: str | None, registry: dict) -> tfds.core.DatasetBuilder:
+  """Any other TFDS dataset (imagenet2012, i_naturalist2017, places365_small, ...), prepared beforehand."""
+  full = f"{name}/{config_name}" if config_name else name
+  try:
+    builder = tfds.builder(full, data_dir=data_dir)
+  except tfds.core.registered.DatasetNotFoundError as e:
+    raise ValueError(
+      f"Unknown dataset {name!r}: neither one of vlrep's ({', '.join(sorted(registry))}) nor a TFDS dataset."
+    ) from e
+  if not builder.is_prepared():
+    raise FileNotFoundError(
+      f"TFDS dataset {full!r} is not prepared in {data_dir}. Prepare it with TFDS from your local copy, e.g.\n  "
+      f"tfds build {name} --data_dir={data_dir} --manual_dir=/path/to/downloaded/files"
+    )
   return builder
 
 

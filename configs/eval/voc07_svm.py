@@ -1,0 +1,50 @@
+r"""VOC07 linear-SVM probe of a checkpoint's frozen backbone (VirTex appendix A.1; ICMLM's variant).
+
+  python -m vlrep.evaluate --config=configs/eval/voc07_svm.py --workdir=DIR              # VOC2007, VirTex
+  python -m vlrep.evaluate --config=configs/eval/voc07_svm.py:variant=icmlm --workdir=DIR  # 2x2-pooled, 8192-d
+  python -m vlrep.evaluate --config=configs/eval/voc07_svm.py:runlocal --workdir=/tmp/virtex_local
+
+Arguments: runlocal (synthetic_scenes' probe split), variant=virtex|icmlm, solver=jax|sklearn.
+VOC2007 is prepared from local files with `python -m vlrep.data.prepare --dataset=voc2007 --manual_dir=...`.
+"""
+
+from ml_collections import ConfigDict
+
+from vlrep.config_utils import parse_arg
+
+
+def get_config(arg=None):
+  arg = parse_arg(arg, runlocal=False, variant="virtex", solver="jax")
+  probe = dict(
+    type="voc07_svm",
+    dataset="voc2007",
+    data_dir="",
+    config_name="",
+    train_split="trainval",
+    test_split="test",
+    # Shorter side to 256, centre 224 crop, ImageNet mean/std.
+    pp="decode|resize_small(256)|central_crop(224)|normalize|voc_labels(20)",
+    batch_size=256,
+    feature="pre_logits",
+    pooling="gap",
+    l2_normalize=True,
+    costs=(0.01, 0.1, 1.0, 10.0),
+    folds=3,
+    solver=arg.solver,
+  )
+  if arg.variant == "icmlm":
+    # ICMLM: the last feature map average-pooled to 2x2 (8192-d for ResNet-50), l2-normalised, wider cost search.
+    probe.update(feature="grid", pooling="2x2", costs=tuple(10.0**e for e in range(-5, 3)))
+  elif arg.variant != "virtex":
+    raise ValueError(f"Unknown variant {arg.variant!r}; expected 'virtex' or 'icmlm'.")
+  if arg.runlocal:
+    probe.update(
+      dataset="synthetic_scenes",
+      config_name="default",
+      data_dir="~/.cache/vlrep/tensorflow_datasets",
+      train_split="probe_trainval",
+      test_split="probe_test",
+      pp="decode|normalize|voc_labels(10)",
+      batch_size=200,
+    )
+  return ConfigDict({"evals": {"voc07_svm" if arg.variant == "virtex" else "voc07_svm_icmlm": probe}})

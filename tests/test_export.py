@@ -1,0 +1,138 @@
+"""Export of a checkpoint's backbone to torchvision and Detectron2 names, checked against a PyTorch ResNet."""
+
+import pickle
+
+import jax
+import numpy as np
+import pytest
+import torch
+from ml_collections import ConfigDict
+
+from vlrep import checkpoint as ckpt_lib
+from vlrep import evaluate, export
+from vlrep.models import resnet
+from vlrep.models.torch_resnet import ResNet as TorchResNet
+
+
+def _write_run(workdir, depth=50, width=64, with_backbone=True, seed=0):
+  """A checkpoint in vlrep's layout holding a ResNet with non-trivial BatchNorm parameters and statistics."""
+  net = resnet.ResNet(depth=depth, width=width)
+  variables = net.init(jax.random.PRNGKey(seed), np.zeros((1, 64, 64, 3), np.float32), False)
+  rng = np.random.default_rng(seed)
+
+  def perturb(path, x):
+    name = jax.tree_util.keystr(path)
+    if "scale" in name or "var" in name:
+      return np.asarray(x) * rng.uniform(0.5, 1.5, x.shape).astype(np.float32)
+    if "bias" in name or "mean" in name:
+      return rng.normal(0, 0.1, x.shape).astype(np.float32)
+    return np.asarray(x)
+
+  variables = jax.tree_util.tree_map_with_path(perturb, variables)
+  params = {"backbone": variables["params"]} if with_backbone else {"head": {"w": np.ones((3, 3), np.float32)}}
+  stats = {"backbone": variables["batch_stats"]} if with_backbone else {}
+  state = {"step": np.int32(7), "params": params, "model_state": {"batch_stats": stats}}
+  config = ConfigDict({"method": {"name": "virtex", "backbone": {"depth": depth, "width": width}}})
+  ck = ckpt_lib.Checkpointer(str(workdir), async_save=False)
+  ck.save(7, state, {"signature": ckpt_lib.signature(params), "config": config.to_dict(), "summary": {}})
+  ck.close()
+  return net, variables
+
+
+def _jax_features(net, variables, images):
+  grid, aux = net.apply(variables, images, False)
+  return np.asarray(grid), np.asarray(aux["pre_logits"])
+
+
+def _torch_features(state_dict, images, depth, width):
+  model = TorchResNet(depth, width).eval()
+  missing = model.load_state_dict({k: torch.as_tensor(np.array(v)) for k, v in state_dict.items()}, strict=True)
+  assert not missing.missing_keys and not missing.unexpected_keys
+  with torch.no_grad():
+    grid, pooled = model(torch.from_numpy(np.transpose(images, (0, 3, 1, 2)).copy()))
+  return np.transpose(grid.numpy(), (0, 2, 3, 1)), pooled.numpy()
+
+
+def _rel(a, b):
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
+def test_torchvision_export_computes_the_same_features(tmp_path, suffix):
+  net, variables = _write_run(tmp_path / "run")
+  out = str(tmp_path / f"backbone{suffix}")
+  info = export.export(str(tmp_path / "run"), "torchvision", out, "latest")
+  assert info["step"] == 7 and info["parameters"] == 23_508_032  # torchvision's ResNet-50 without fc
+  if suffix == ".safetensors":
+    from safetensors.numpy import load_file
+
+    sd = load_file(out)
+  else:
+    sd = {k: v.numpy() for k, v in torch.load(out).items()}
+  images = np.random.default_rng(1).normal(size=(2, 64, 64, 3)).astype(np.float32)
+  grid_j, pooled_j = _jax_features(net, variables, images)
+  grid_t, pooled_t = _torch_features(sd, images, 50, 64)
+  assert grid_j.shape == grid_t.shape == (2, 2, 2, 2048)
+  assert _rel(grid_t, grid_j) < 1e-4 and _rel(pooled_t, pooled_j) < 1e-4
+  # The comparison can fail: a wrong transpose or a swapped BatchNorm statistic is far off.
+  bad = dict(sd)
+  bad["layer1.0.bn1.running_mean"] = bad["layer1.0.bn1.running_mean"] + 1.0
+  assert _rel(_torch_features(bad, images, 50, 64)[1], pooled_j) > 1e-3
+
+
+def _detectron2_r50_expected() -> dict[str, tuple]:
+  """Detectron2's ResNet-50 (BottleneckBlock, stride_in_1x1=False as for torchvision weights) keys and shapes."""
+  expected = {"stem.conv1.weight": (64, 3, 7, 7)}
+  norm = lambda prefix, c: {f"{prefix}.norm.{n}": (c,) for n in ("weight", "bias", "running_mean", "running_var")}  # noqa: E731
+  expected.update(norm("stem.conv1", 64))
+  cin = 64
+  for stage, (blocks, width) in enumerate(zip((3, 4, 6, 3), (64, 128, 256, 512), strict=True)):
+    for b in range(blocks):
+      p = f"res{stage + 2}.{b}"
+      expected[f"{p}.conv1.weight"] = (width, cin, 1, 1)
+      expected[f"{p}.conv2.weight"] = (width, width, 3, 3)
+      expected[f"{p}.conv3.weight"] = (width * 4, width, 1, 1)
+      for i, c in ((1, width), (2, width), (3, width * 4)):
+        expected.update(norm(f"{p}.conv{i}", c))
+      if b == 0:
+        expected[f"{p}.shortcut.weight"] = (width * 4, cin, 1, 1)
+        expected.update(norm(f"{p}.shortcut", width * 4))
+      cin = width * 4
+  return expected
+
+
+def test_detectron2_export_has_exactly_detectron2_keys(tmp_path):
+  net, variables = _write_run(tmp_path / "run")
+  out = tmp_path / "d2.pkl"
+  export.export(str(tmp_path / "run"), "detectron2", str(out), "latest")
+  with open(out, "rb") as f:
+    obj = pickle.load(f)
+  assert obj["matching_heuristics"] is True and "__author__" in obj
+  model = obj["model"]
+  expected = _detectron2_r50_expected()
+  assert len(expected) == 265
+  assert sorted(model) == sorted(expected)
+  assert {k: tuple(v.shape) for k, v in model.items()} == expected
+  assert all(isinstance(v, np.ndarray) and v.dtype == np.float32 for v in model.values())
+  # Renaming only: the stem conv is the Flax kernel transposed.
+  np.testing.assert_array_equal(
+    model["stem.conv1.weight"], np.transpose(np.asarray(variables["params"]["conv1"]["kernel"]), (3, 2, 0, 1))
+  )
+
+
+def test_export_bad_inputs(tmp_path):
+  _write_run(tmp_path / "nobackbone", with_backbone=False)
+  with pytest.raises(ValueError, match="no visual backbone"):
+    export.export(str(tmp_path / "nobackbone"), "torchvision", str(tmp_path / "x.safetensors"), "latest")
+  with pytest.raises(FileNotFoundError, match="No run directory"):
+    export.export(str(tmp_path / "missing"), "torchvision", str(tmp_path / "x.safetensors"))
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(FileNotFoundError, match="has no checkpoint"):
+    evaluate.load_run(str(tmp_path / "empty"))
+  _write_run(tmp_path / "run", depth=10, width=8)
+  with pytest.raises(ValueError, match="Unknown export format"):
+    export.export(str(tmp_path / "run"), "onnx", str(tmp_path / "x.onnx"))
+  with pytest.raises(ValueError, match="must end in"):
+    export.export(str(tmp_path / "run"), "torchvision", str(tmp_path / "x.bin"))
+  with pytest.raises(FileNotFoundError, match="no checkpoint of step 3"):
+    evaluate.load_run(str(tmp_path / "run"), "3")

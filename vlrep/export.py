@@ -1,0 +1,132 @@
+r"""Exports a checkpoint's visual backbone for PyTorch users.
+
+  python -m vlrep.export --workdir=DIR --format=torchvision --out=backbone.safetensors   # or backbone.pth
+  python -m vlrep.export --workdir=DIR --format=detectron2 --out=backbone.pkl
+
+torchvision: a ResNet state_dict with torchvision's names (`conv1.weight`, `layer1.0.bn1.running_mean`,
+`layer1.0.downsample.0.weight`, ...) and no `fc`; load it with
+`torchvision.models.resnet50().load_state_dict(sd, strict=False)` (the missing keys are exactly fc.weight and
+fc.bias). Written as safetensors (`.safetensors`, no pickle) or with torch.save (`.pth`, needs torch).
+
+detectron2: the same weights renamed as Detectron2's ResNet (layerN -> res{N+1}, bnK -> convK.norm,
+downsample.0/1 -> shortcut / shortcut.norm, stem keys under `stem.`), pickled as
+{"model": {name: numpy array}, "__author__": ..., "matching_heuristics": True}; `MODEL.WEIGHTS=backbone.pkl`
+in the configs of configs/detectron2/ loads it (Detectron2 adds its `backbone.bottom_up.` prefix itself).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+from collections import OrderedDict
+
+import numpy as np
+from absl import app, flags, logging
+
+FORMATS = ("torchvision", "detectron2")
+
+
+def torchvision_state_dict(backbone_params: dict, backbone_stats: dict | None) -> OrderedDict:
+  """Flax ResNet variables -> torchvision-named float32 numpy arrays (convs OIHW, BN weight/bias/running_*)."""
+  if backbone_stats is None:
+    raise ValueError("The backbone has no BatchNorm statistics (batch_stats); it cannot be exported.")
+  out = OrderedDict()
+
+  def module_name(flax_name: str) -> str:
+    m = re.fullmatch(r"layer(\d+)_block(\d+)", flax_name)
+    return f"layer{m.group(1)}.{m.group(2)}" if m else flax_name
+
+  def convert(prefix: str, params: dict, stats: dict):
+    for name in sorted(params):
+      p = params[name]
+      if "kernel" in p:  # convolution, HWIO -> OIHW
+        key = name.replace("downsample_conv", "downsample.0")
+        out[f"{prefix}{key}.weight"] = np.ascontiguousarray(np.transpose(np.asarray(p["kernel"]), (3, 2, 0, 1)))
+      elif "scale" in p:  # BatchNorm
+        key = name.replace("downsample_bn", "downsample.1")
+        s = stats[name]
+        out[f"{prefix}{key}.weight"] = np.asarray(p["scale"])
+        out[f"{prefix}{key}.bias"] = np.asarray(p["bias"])
+        out[f"{prefix}{key}.running_mean"] = np.asarray(s["mean"])
+        out[f"{prefix}{key}.running_var"] = np.asarray(s["var"])
+        out[f"{prefix}{key}.num_batches_tracked"] = np.array(0, np.int64)
+      else:  # a residual block
+        convert(f"{prefix}{module_name(name)}.", p, stats[name])
+
+  convert("", backbone_params, backbone_stats)
+  return OrderedDict((k, v.astype(np.float32) if v.dtype != np.int64 else v) for k, v in out.items())
+
+
+def detectron2_state_dict(torchvision_sd: dict) -> OrderedDict:
+  """torchvision ResNet names -> Detectron2 ResNet names (what detectron2's convert-torchvision-to-d2 does)."""
+  out = OrderedDict()
+  for key, value in torchvision_sd.items():
+    if key.endswith("num_batches_tracked") or key.startswith("fc."):
+      continue
+    k = key
+    k = re.sub(r"^layer(\d)", lambda m: f"res{int(m.group(1)) + 1}", k)
+    k = re.sub(r"\.bn(\d)\.", r".conv\1.norm.", k)
+    k = k.replace(".downsample.0.", ".shortcut.").replace(".downsample.1.", ".shortcut.norm.")
+    if k.startswith("conv1.") or k.startswith("bn1."):
+      k = "stem." + k.replace("bn1.", "conv1.norm.")
+    out[k] = value
+  return out
+
+
+def export(workdir: str, fmt: str, out: str, checkpoint: str = "best") -> dict:
+  """Writes the backbone of WORKDIR's checkpoint to `out`; returns {'keys', 'parameters', 'step'}."""
+  from vlrep import evaluate
+
+  if fmt not in FORMATS:
+    raise ValueError(f"Unknown export format {fmt!r}; expected one of {FORMATS}.")
+  run = evaluate.load_run(workdir, checkpoint)
+  _, variables = evaluate.backbone_of(run)
+  sd = torchvision_state_dict(variables["params"], variables.get("batch_stats"))
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  tmp = out + ".tmp"
+  if fmt == "torchvision":
+    if out.endswith(".safetensors"):
+      from safetensors.numpy import save_file
+
+      save_file(dict(sd), tmp, metadata={"format": "pt", "source": run.path})
+    elif out.endswith((".pth", ".pt")):
+      try:
+        import torch
+      except ImportError as e:
+        raise ImportError("Writing .pth needs PyTorch; install torch or export to .safetensors instead.") from e
+      torch.save(OrderedDict((k, torch.from_numpy(np.array(v))) for k, v in sd.items()), tmp)
+    else:
+      raise ValueError(f"--out for torchvision must end in .safetensors or .pth, got {out!r}.")
+  else:
+    if not out.endswith(".pkl"):
+      raise ValueError(f"--out for detectron2 must end in .pkl, got {out!r}.")
+    sd = detectron2_state_dict(sd)
+    with open(tmp, "wb") as f:
+      pickle.dump({"model": dict(sd), "__author__": f"vlrep ({run.path})", "matching_heuristics": True}, f)
+  os.replace(tmp, out)
+  params = sum(int(np.prod(v.shape)) for k, v in sd.items() if not k.endswith(("running_mean", "running_var", "num_batches_tracked")))
+  logging.info("Wrote %d tensors (%d parameters) of step %d to %s.", len(sd), params, run.step, out)
+  return {"keys": len(sd), "parameters": params, "step": run.step}
+
+
+
+def define_flags():
+  """Command-line flags (defined only when run as a command, so importing the module defines none)."""
+  flags.DEFINE_string("workdir", None, "The training run's directory.")
+  flags.DEFINE_enum("format", "torchvision", FORMATS, "torchvision (safetensors or .pth) or detectron2 (.pkl).")
+  flags.DEFINE_string("out", None, "Output file.")
+  flags.DEFINE_string("checkpoint", "best", "'best', 'latest' or a step number.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  info = export(flags.FLAGS.workdir, flags.FLAGS.format, flags.FLAGS.out, flags.FLAGS.checkpoint)
+  print(f"Exported step {info['step']}: {info['keys']} tensors to {flags.FLAGS.out}", flush=True)
+
+
+if __name__ == "__main__":
+  define_flags()
+  flags.mark_flags_as_required(["workdir", "out"])
+  app.run(main)

@@ -1,0 +1,78 @@
+"""A torchvision-layout ResNet written with `torch` alone (no torchvision), for checking exports.
+
+Module names and the v1.5 layout (stride on the 3x3 conv) are torchvision's, so a state_dict from
+`vlrep.export` loads with strict=True; `forward` returns the final grid (NCHW) and its global average.
+Depths and widths are vlrep's ResNet's (including the test-only depth 10 and width multipliers).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vlrep.models.resnet import DEPTHS
+
+
+class Bottleneck(nn.Module):
+  expansion = 4
+
+  def __init__(self, cin: int, width: int, stride: int):
+    super().__init__()
+    self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
+    self.bn1 = nn.BatchNorm2d(width)
+    self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
+    self.bn2 = nn.BatchNorm2d(width)
+    self.conv3 = nn.Conv2d(width, width * 4, 1, bias=False)
+    self.bn3 = nn.BatchNorm2d(width * 4)
+    self.relu = nn.ReLU()
+    self.downsample = None
+    if stride != 1 or cin != width * 4:
+      self.downsample = nn.Sequential(nn.Conv2d(cin, width * 4, 1, stride, bias=False), nn.BatchNorm2d(width * 4))
+
+  def forward(self, x):
+    y = self.relu(self.bn1(self.conv1(x)))
+    y = self.relu(self.bn2(self.conv2(y)))
+    y = self.bn3(self.conv3(y))
+    return self.relu(y + (self.downsample(x) if self.downsample is not None else x))
+
+
+class BasicBlock(nn.Module):
+  expansion = 1
+
+  def __init__(self, cin: int, width: int, stride: int):
+    super().__init__()
+    self.conv1 = nn.Conv2d(cin, width, 3, stride, 1, bias=False)
+    self.bn1 = nn.BatchNorm2d(width)
+    self.conv2 = nn.Conv2d(width, width, 3, 1, 1, bias=False)
+    self.bn2 = nn.BatchNorm2d(width)
+    self.relu = nn.ReLU()
+    self.downsample = None
+    if stride != 1 or cin != width:
+      self.downsample = nn.Sequential(nn.Conv2d(cin, width, 1, stride, bias=False), nn.BatchNorm2d(width))
+
+  def forward(self, x):
+    y = self.relu(self.bn1(self.conv1(x)))
+    y = self.bn2(self.conv2(y))
+    return self.relu(y + (self.downsample(x) if self.downsample is not None else x))
+
+
+class ResNet(nn.Module):
+  def __init__(self, depth: int = 50, width: int = 64):
+    super().__init__()
+    block = BasicBlock if depth in (10, 18) else Bottleneck
+    self.conv1 = nn.Conv2d(3, width, 7, 2, 3, bias=False)
+    self.bn1 = nn.BatchNorm2d(width)
+    self.relu = nn.ReLU()
+    self.maxpool = nn.MaxPool2d(3, 2, 1)
+    cin = width
+    for stage, blocks in enumerate(DEPTHS[depth]):
+      layers = []
+      for b in range(blocks):
+        layers.append(block(cin, width * 2**stage, 2 if stage > 0 and b == 0 else 1))
+        cin = width * 2**stage * block.expansion
+      setattr(self, f"layer{stage + 1}", nn.Sequential(*layers))
+
+  def forward(self, x):
+    x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+    x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+    return x, torch.flatten(x.mean((2, 3)), 1)

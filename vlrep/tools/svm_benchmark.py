@@ -1,0 +1,121 @@
+r"""The VOC07 SVM probe with both solvers side by side, in one run: time, speed ratio and mAP agreement.
+
+  python -m vlrep.tools.svm_benchmark                                  # VOC07-size features + synthetic_scenes
+  python -m vlrep.tools.svm_benchmark --workdir=/tmp/virtex_local      # synthetic_scenes features of a checkpoint
+
+Two feature sets:
+  voc07_size       5011 trainval / 4952 test images x 2048-d, 20 classes, drawn to look like pooled ResNet-50
+                   features (non-negative, correlated through a low-rank factor, l2-normalised) with label
+                   signal set so that the probe lands in a realistic mAP range.
+  synthetic_scenes the probe_trainval / probe_test splits through a backbone: the checkpoint of --workdir, or the
+                   random initialisation of --config's backbone when no --workdir is given.
+The JAX time includes compilation (what one evaluation in a training run costs).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+from absl import app, flags, logging
+
+flags.DEFINE_string("workdir", None, "Checkpoint whose backbone gives the synthetic_scenes features.")
+flags.DEFINE_string("config", "configs/virtex.py:runlocal", "Config whose backbone (random init) is used otherwise.")
+flags.DEFINE_list("sets", ["voc07_size", "synthetic_scenes"], "Feature sets to benchmark.")
+flags.DEFINE_float("signal", 0.2, "Strength of the label signal in the voc07_size features.")
+flags.DEFINE_string("out", None, "Write the results as JSON here.")
+FLAGS = flags.FLAGS
+
+
+def voc07_size_features(signal: float = 0.2, seed: int = 0):
+  """Synthetic features with VOC07's sizes and label statistics (about 1.5 objects of 20 classes per image)."""
+  rng = np.random.default_rng(seed)
+  n_train, n_test, dim, classes = 5011, 4952, 2048, 20
+  n = n_train + n_test
+  labels = (rng.random((n, classes)) < 0.075).astype(np.float64)
+  difficult = (rng.random((n, classes)) < 0.1) & (labels > 0)
+  factors = rng.normal(size=(n, 64)) @ (rng.normal(size=(64, dim)) / 8)
+  class_means = rng.normal(size=(classes, dim)) * (rng.random((classes, dim)) < 0.2) * signal
+  x = np.maximum(0.0, factors + 0.8 * rng.normal(size=(n, dim)) + labels @ class_means + 0.2)
+  x /= np.linalg.norm(x, axis=1, keepdims=True)
+  y = np.where(labels > 0, np.where(difficult, 0, 1), -1).astype(np.int32)
+  return x[:n_train], y[:n_train], x[n_train:], y[n_train:]
+
+
+def scenes_features(config_path: str, workdir: str | None):
+  """probe_trainval / probe_test features of synthetic_scenes through a checkpoint's or a random backbone."""
+  import importlib.util
+
+  import jax
+
+  from vlrep import evaluate
+  from vlrep.evaluators import voc07_svm
+
+  if workdir:
+    run = evaluate.load_run(workdir)
+    probe = run.config.evals.probe
+  else:
+    path, _, arg = config_path.partition(":")
+    spec = importlib.util.spec_from_file_location("cfg", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config(arg or None)
+    from vlrep.models import resnet
+
+    net = resnet.ResNet(**dict(config.method.backbone))
+    variables = net.init(jax.random.PRNGKey(0), np.zeros((1, 64, 64, 3), np.float32), False)
+    params = {"backbone": variables["params"]}
+    run = evaluate.Run(config, params, {"batch_stats": {"backbone": variables["batch_stats"]}}, 0, "random init", {})
+    probe = config.evals.probe
+  ev = voc07_svm.Voc07Svm(probe, {})
+  fn = evaluate.backbone_fn(run)
+  features = lambda batch: fn(batch, ev.feature_key)  # noqa: E731
+  train_x, train_y = ev._features(probe.train_split, features)
+  test_x, test_y = ev._features(probe.test_split, features)
+  return train_x, train_y, test_x, test_y
+
+
+def compare(name: str, train_x, train_y, test_x, test_y) -> dict:
+  from vlrep.evaluators import voc07_svm
+
+  out = {"set": name, "train": list(train_x.shape), "test": list(test_x.shape)}
+  for solver in ("sklearn", "jax"):
+    t0 = time.perf_counter()
+    result = voc07_svm.fit_and_score(train_x, train_y, test_x, test_y, solver=solver)
+    out[f"{solver}_seconds"] = time.perf_counter() - t0
+    out[f"{solver}_map"] = result["map"]
+    out[f"{solver}_costs"] = result["costs"]
+  out["speedup"] = out["sklearn_seconds"] / out["jax_seconds"]
+  out["map_difference"] = out["jax_map"] - out["sklearn_map"]
+  print(
+    f"{name}: {train_x.shape[0]} x {train_x.shape[1]} train, {test_x.shape[0]} test | "
+    f"sklearn {out['sklearn_seconds']:.1f}s mAP {out['sklearn_map']:.2f} | "
+    f"jax {out['jax_seconds']:.1f}s mAP {out['jax_map']:.2f} | "
+    f"speed-up {out['speedup']:.1f}x, mAP difference {out['map_difference']:+.2f}",
+    flush=True,
+  )
+  return out
+
+
+def main(argv):
+  del argv
+  import os
+
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  results = []
+  for name in FLAGS.sets:
+    if name == "voc07_size":
+      results.append(compare(name, *voc07_size_features(FLAGS.signal)))
+    elif name == "synthetic_scenes":
+      results.append(compare(name, *scenes_features(FLAGS.config, FLAGS.workdir)))
+    else:
+      raise app.UsageError(f"Unknown feature set {name!r}; known: voc07_size, synthetic_scenes")
+  logging.info("%s", results)
+  if FLAGS.out:
+    with open(FLAGS.out, "w") as f:
+      json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+  app.run(main)
