@@ -24,8 +24,12 @@ setuptools.setup(
         "absl-py>=2",
         "importlib_resources",  # tensorflow-datasets imports it without declaring it.
         "etils[epath,epy]",
+        "safetensors>=0.4",  # backbone export
+        "matplotlib>=3.8",  # sweep plots, notebook
     ],
     extras_require={
-        "test": ["pytest>=8", "ruff>=0.5"],
+        # torch (CPU build, found on disk by pip on the CI machines) checks the PyTorch export; nbclient and
+        # ipykernel run the inspection notebook.
+        "test": ["pytest>=8", "ruff>=0.5", "torch==2.13.0", "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"],
     },
 )

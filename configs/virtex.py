@@ -13,6 +13,7 @@ Ablations (arguments combine with commas; any key can also be overridden with --
   backbone=r50|r101|r50w2x                                        visual backbone (Fig. 5b)
   captions=1|5                                                    captions per image used for training
   fraction=10|20|50|100                                           percent of the training images (Fig. 4)
+  head_lr=0.05                                                    textual head LR (0: the paper's 1e-3)
 """
 
 from vlrep.config_utils import parse_arg
@@ -22,7 +23,16 @@ BACKBONES = {"r50": (50, 64), "r101": (101, 64), "r50w2x": (50, 128)}
 
 def get_config(arg=None):
   arg = parse_arg(
-    arg, runlocal=False, task="bicaptioning", hidden=2048, layers=1, backbone="r50", captions=5, fraction=100, steps=0
+    arg,
+    runlocal=False,
+    task="bicaptioning",
+    hidden=2048,
+    layers=1,
+    backbone="r50",
+    captions=5,
+    fraction=100,
+    steps=0,
+    head_lr=0.0,
   )
   from ml_collections import ConfigDict
 
@@ -75,7 +85,7 @@ def get_config(arg=None):
     warmup_epochs=0.0,
     warmup_examples=0,
     # Backbone max LR 0.2, textual head (incl. the visual projection) 1e-3.
-    lr_groups=(("^backbone/", 0.2), (".*", 1e-3)),
+    lr_groups=(("^backbone/", 0.2), (".*", arg.head_lr or 1e-3)),
     # No weight decay on biases and LayerNorm in the textual head (BERT convention, as in the paper).
     no_decay=r"^(textual_head|visual_projection|classifier)/(.*/)?(bias|output_bias|ln[^/]*/scale)$",
     b1=0.9,

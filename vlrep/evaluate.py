@@ -136,6 +136,18 @@ def backbone_fn(run: Run, mesh=None):
   return features
 
 
+def method_and_tokenizer(run: Run) -> dict:
+  """The run's method (whole model) and tokenizer, rebuilt from its config: what captioning needs."""
+  from vlrep import methods
+  from vlrep.data import pipeline, tokenizers
+
+  data = run.config.data
+  builder = pipeline.get_builder(data.name, data.data_dir, data.get("config_name"))
+  tokenizer = tokenizers.ensure_tokenizer(run.config.tokenizer, builder)
+  method = methods.build(run.config.method, tokenizer.vocab_size)
+  return {"method": method, "tokenizer": tokenizer}
+
+
 def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", names=None) -> dict[str, float]:
   """Runs the eval config's evaluators on a checkpoint; merges `<name>/<metric>` into summary.json."""
   import jax
@@ -150,6 +162,8 @@ def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", na
   if unknown:
     raise ValueError(f"Unknown evaluations {unknown}; this config defines {sorted(evals_cfg)}.")
   context = {"run": run}
+  if any(cfg.type == "captioning" for cfg in evals_cfg.values()):
+    context.update(method_and_tokenizer(run))
   host, num_hosts = jax.process_index(), jax.process_count()
   features = backbone_fn(run)
   results: dict[str, float] = {}
@@ -157,14 +171,16 @@ def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", na
     if names and name not in names:
       continue
     ev = evaluators.build(cfg, context, host, num_hosts)
-    metrics = ev.run(lambda batch, key=ev.feature_key: features(batch, key))
+    if ev.feature_key:
+      metrics = ev.run(lambda batch, key=ev.feature_key: features(batch, key))
+    else:
+      metrics = ev.run(None, variables=jax.device_put(run.variables))
     results.update({f"{name}/{k}": v for k, v in metrics.items()})
     results[f"{name}/checkpoint_step"] = run.step
     logging.info("%s: %s", name, ", ".join(f"{k}={v:.2f}" for k, v in metrics.items()))
   if host == 0:
     write_summary(workdir, results)
   return results
-
 
 
 def define_flags():

@@ -105,10 +105,13 @@ def export(workdir: str, fmt: str, out: str, checkpoint: str = "best") -> dict:
     with open(tmp, "wb") as f:
       pickle.dump({"model": dict(sd), "__author__": f"vlrep ({run.path})", "matching_heuristics": True}, f)
   os.replace(tmp, out)
-  params = sum(int(np.prod(v.shape)) for k, v in sd.items() if not k.endswith(("running_mean", "running_var", "num_batches_tracked")))
+  params = sum(
+    int(np.prod(v.shape))
+    for k, v in sd.items()
+    if not k.endswith(("running_mean", "running_var", "num_batches_tracked"))
+  )
   logging.info("Wrote %d tensors (%d parameters) of step %d to %s.", len(sd), params, run.step, out)
   return {"keys": len(sd), "parameters": params, "step": run.step}
-
 
 
 def define_flags():

@@ -109,6 +109,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   tokenizer = tokenizers.ensure_tokenizer(config.tokenizer, builder)
   context = {"tokenizer": tokenizer}
   method = methods.build(config.method, tokenizer.vocab_size)
+  context["method"] = method
   split, fraction = pipeline.split_name(config.data.split)
   num_examples = int(builder.info.splits[split].num_examples * fraction)
   steps_per_epoch = num_examples / global_bs
@@ -192,7 +193,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         f, b = extract_fn(variables_of(st), sharding.global_batch(batch, batch_sharding), key)
         return np.asarray(f), {k: np.asarray(v) for k, v in b.items()}
 
-      for k, v in ev.run(features).items():
+      # Evaluators of backbone features get features_fn; whole-model ones (captioning) the variables.
+      result = ev.run(features) if ev.feature_key else ev.run(None, variables=variables_of(st))
+      for k, v in result.items():
         out[f"{name}/{k}"] = v
     return out
 

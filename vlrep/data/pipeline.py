@@ -281,3 +281,14 @@ def read_texts(builder, split: str, key: str = "captions") -> list[str]:
     else:
       texts.append(ex.decode("utf-8"))
   return texts
+
+
+def read_example_texts(builder, split: str, key: str = "captions") -> list[list[str]]:
+  """Per example of `split` (in record order, all hosts' shards), its texts: the references for captioning."""
+  decoders = _skip_image_decoding(builder.info.features)
+  out = []
+  for ser in load_records(builder, split):
+    value = builder.info.features.deserialize_example(ser, decoders=decoders)[key].numpy()
+    texts = value.reshape(-1) if isinstance(value, np.ndarray) else [value]
+    out.append([t.decode("utf-8") for t in texts])
+  return out

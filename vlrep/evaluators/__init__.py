@@ -6,7 +6,7 @@ Each has `.config`, `.feature_key` (which of the method's `features` it needs) a
 
 from __future__ import annotations
 
-KNOWN = ("voc07_svm",)
+KNOWN = ("voc07_svm", "linear_probe", "captioning")
 
 
 def build(config, context: dict, host: int = 0, num_hosts: int = 1):
@@ -14,6 +14,14 @@ def build(config, context: dict, host: int = 0, num_hosts: int = 1):
     from vlrep.evaluators.voc07_svm import Voc07Svm
 
     return Voc07Svm(config, context, host, num_hosts)
+  if config.type == "linear_probe":
+    from vlrep.evaluators.linear_probe import LinearProbe
+
+    return LinearProbe(config, context, host, num_hosts)
+  if config.type == "captioning":
+    from vlrep.evaluators.captioning import Captioning
+
+    return Captioning(config, context, host, num_hosts)
   raise ValueError(f"Unknown evaluator type {config.type!r}. Known evaluators: {', '.join(KNOWN)}")
 
 

@@ -75,7 +75,7 @@ def class_folds(train_y: np.ndarray, folds: int) -> np.ndarray:
 
 
 def fit_and_score(
-  train_x, train_y, test_x, test_y, costs=DEFAULT_COSTS, folds: int = 3, solver: str = "jax", tol: float = 1e-4
+  train_x, train_y, test_x, test_y, costs=DEFAULT_COSTS, folds: int = 3, solver: str = "jax", tol: float = 1e-3
 ) -> dict:
   """Runs the protocol on features and {1, 0, -1} label matrices. Returns mAP and per-class details.
 
@@ -147,7 +147,7 @@ def _all_classes_jax(train_x, train_y, test_x, test_y, fold_ids, costs, folds, t
   test_xa = jnp.concatenate([jnp.asarray(test_x, jnp.float32), jnp.ones((len(test_x), 1), jnp.float32)], axis=1)
   cv_ap = np.full((len(costs), k), np.nan)
   test_scores = {}
-  w = None
+  w = jnp.zeros((xr.shape[1], len(cls)), jnp.float32)
   for i in np.argsort(costs):  # ascending costs: each warm-starts the next
     w, b, _ = linear_svm.solve(xr, y, costs[i] * class_weight * in_set, tol=tol, append_bias=False, w_init=w)
     w = jnp.concatenate([w, b[None]], axis=0)

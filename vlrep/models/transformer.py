@@ -134,6 +134,8 @@ class TransformerTextualHead(nn.Module):
     heads = self.num_heads or max(1, self.hidden // 64)
     logits, aux = {}, {}
     for direction in self.directions:
+      if direction not in tokens_by_direction:  # e.g. decoding runs the forward model alone
+        continue
       tokens = tokens_by_direction[direction]
       t = tokens.shape[1]
       keep = ~padding_by_direction[direction]

@@ -51,6 +51,19 @@ class VirTexModel(nn.Module):
   def encode_image(self, images, train: bool = False):
     return self.visual(images, train)
 
+  def project_visual(self, images):
+    """Frozen-backbone (inference BatchNorm) image features projected to the head width: [B, H*W, hidden]."""
+    grid, _ = self.visual(images, False)
+    b, h, w, c = grid.shape
+    return self.visual_projection(grid.reshape(b, h * w, c))
+
+  def text_logits(self, visual, tokens, direction: str = "forward"):
+    """Logits [B, T, V] and cross-attention ([L][B, heads, T, N]) of one direction given projected features."""
+    from vlrep.data import tokenizers
+
+    logits, aux = self.textual_head(visual, {direction: tokens}, {direction: tokens == tokenizers.PAD_ID}, False)
+    return logits[direction], aux[f"{direction}/cross_attention"]
+
   def __call__(self, images, tokens_by_direction=None, padding_by_direction=None, train: bool = False):
     grid, aux = self.visual(images, train)
     if self.head == "linear":

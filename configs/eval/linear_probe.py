@@ -1,0 +1,69 @@
+r"""Linear probe on a frozen backbone for any TFDS image-classification dataset (VirTex A.3; MCT's variant).
+
+  python -m vlrep.evaluate --config=configs/eval/linear_probe.py --workdir=DIR                       # ImageNet
+  python -m vlrep.evaluate --config=configs/eval/linear_probe.py:dataset=i_naturalist2018 --workdir=DIR
+  python -m vlrep.evaluate --config=configs/eval/linear_probe.py:variant=mct --workdir=DIR
+  python -m vlrep.evaluate --config=configs/eval/linear_probe.py:runlocal --workdir=/tmp/virtex_local
+
+Arguments: dataset (a prepared TFDS dataset with 'image' and 'label'), num_classes, variant=virtex|mct,
+mode=features (fast path: features extracted once) | images (augmented images every step, the paper's
+protocol), epochs, runlocal (synthetic_scenes: class of each scene's largest object, 10 classes).
+"""
+
+from ml_collections import ConfigDict
+
+from vlrep.config_utils import parse_arg
+
+NUM_CLASSES = {"imagenet2012": 1000, "i_naturalist2018": 8142, "i_naturalist2017": 5089, "places365_small": 365}
+
+
+def get_config(arg=None):
+  arg = parse_arg(
+    arg, runlocal=False, dataset="imagenet2012", num_classes=0, variant="virtex", mode="features", epochs=0
+  )
+  probe = dict(
+    type="linear_probe",
+    dataset=arg.dataset,
+    data_dir="",
+    config_name="",
+    train_split="train",
+    test_split="validation",
+    label_key="label",
+    num_classes=arg.num_classes or NUM_CLASSES.get(arg.dataset, 0),
+    pp_train="decode|inception_crop(224, area=(0.08, 1.0))|flip_lr_swap_words(keys=())|normalize",
+    pp_eval="decode|resize_small(256)|central_crop(224)|normalize",
+    pp_features="",  # the fast path's training features: pp_eval when empty
+    feature="pre_logits",
+    mode=arg.mode,
+    epochs=arg.epochs or 100,
+    batch_size=256,
+    lr=0.3,
+    schedule="cosine",
+    milestones=(),
+    step_factor=0.2,
+    momentum=0.9,
+    weight_decay=0.0,
+    init_std=0.01,
+    seed=0,
+  )
+  if arg.variant == "mct":
+    # MCT (following MoCo's protocol): LR 30, divided by 5 at epochs 60 and 80 of 100.
+    probe.update(lr=30.0, schedule="step", milestones=(60, 80), step_factor=0.2)
+  elif arg.variant != "virtex":
+    raise ValueError(f"Unknown variant {arg.variant!r}; expected 'virtex' or 'mct'.")
+  if arg.runlocal:
+    probe.update(
+      dataset="synthetic_scenes",
+      config_name="default",
+      data_dir="~/.cache/vlrep/tensorflow_datasets",
+      train_split="train",
+      test_split="val",
+      num_classes=10,
+      pp_train="decode|inception_crop(64, area=(0.5, 1.0))|flip_lr_swap_words(keys=())|normalize|largest_object_label",
+      pp_eval="decode|normalize|largest_object_label",
+      epochs=arg.epochs or 30,
+      batch_size=200,
+    )
+  if not probe["num_classes"]:
+    raise ValueError(f"Set num_classes=N for dataset {arg.dataset!r}.")
+  return ConfigDict({"evals": {f"linear_probe_{arg.variant}": probe}})

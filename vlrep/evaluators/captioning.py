@@ -1,0 +1,106 @@
+"""Captioning evaluation: decode captions for a split with the forward model, score them with COCO metrics.
+
+Config: dataset, data_dir, config_name, split, pp (must produce 'image'), references ('captions'), decoding
+('greedy' | 'beam' | 'nucleus'), beam_size, top_p, max_len, batch_size, limit (first N images; 0 = all),
+examples (how many decoded captions to log), every_steps, random_init.
+Needs a model with a forward captioning direction (VirTex 'captioning' or 'bicaptioning').
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from absl import logging
+
+from vlrep import decoding
+from vlrep.evaluators import caption_metrics
+
+
+def captioner_for(method, config):
+  """The jitted captioner of a VirTex method, or a clear error for models that cannot caption."""
+  model = getattr(method, "model", None)
+  directions = getattr(model, "directions", ())
+  if model is None or getattr(model, "head", None) != "transformer" or "forward" not in directions:
+    raise ValueError(
+      "Captioning needs a model with a forward captioning head (VirTex task 'captioning' or 'bicaptioning'); "
+      f"this run's method is {type(method).__name__} with directions {tuple(directions)}."
+    )
+  max_len = min(config.get("max_len", 30), model.max_len - 1)
+  kwargs = {}
+  if config.get("decoding", "beam") == "beam":
+    kwargs["beam_size"] = config.get("beam_size", 5)
+  elif config.get("decoding") == "nucleus":
+    kwargs["top_p"] = config.get("top_p", 0.9)
+  return decoding.make_captioner(model, max_len, config.get("decoding", "beam"), **kwargs)
+
+
+class Captioning:
+  feature_key = None  # works on the whole model: run() receives the variables
+
+  def __init__(self, config, context: dict, host: int = 0, num_hosts: int = 1):
+    from vlrep.data import pipeline
+
+    self.config = config
+    if config.get("decoding", "beam") not in decoding.METHODS:
+      raise ValueError(f"Unknown decoding {config.decoding!r}; expected one of {decoding.METHODS}.")
+    for key in ("method", "tokenizer"):
+      if key not in context:
+        raise ValueError(f"The captioning evaluator needs the run's {key} (context has {sorted(context)}).")
+    self.method, self.tokenizer = context["method"], context["tokenizer"]
+    self.caption = captioner_for(self.method, config)
+    self.builder = pipeline.get_builder(config.dataset, config.get("data_dir"), config.get("config_name"))
+    self.host, self.num_hosts, self.context = host, num_hosts, context
+
+  def run(self, features_fn: Callable, variables=None) -> dict[str, float]:
+    from jax.experimental import multihost_utils
+
+    from vlrep.data import pipeline
+
+    del features_fn
+    c = self.config
+    split = c.split
+    if c.get("limit"):
+      if c.split not in self.builder.info.splits:
+        raise ValueError(f"Split {c.split!r} not in {self.builder.name}; splits: {sorted(self.builder.info.splits)}")
+      total = self.builder.info.splits[c.split].num_examples
+      split = f"{c.split}[:{100.0 * min(c.limit, total) / total}%]"
+    t0 = time.time()
+    refs_all = pipeline.read_example_texts(self.builder, split, c.get("references", "captions"))
+    rng = jax.random.PRNGKey(c.get("seed", 0))
+    tokens, masks = [], []
+    for i, batch in enumerate(
+      pipeline.eval_batches(
+        self.builder, split, c.pp, ("image",), c.batch_size // self.num_hosts, self.host, self.num_hosts, self.context
+      )
+    ):
+      t, _ = self.caption(variables, batch["image"], jax.random.fold_in(rng, i))
+      tokens.append(np.asarray(t))
+      masks.append(batch["_mask"].astype(bool))
+    tokens, masks = np.concatenate(tokens), np.concatenate(masks)
+    if self.num_hosts > 1:
+      tokens = np.asarray(multihost_utils.process_allgather(tokens))  # [hosts, n, T]
+      masks = np.asarray(multihost_utils.process_allgather(masks))
+    else:
+      tokens, masks = tokens[None], masks[None]
+    candidates = {}
+    for h in range(tokens.shape[0]):
+      for j in np.flatnonzero(masks[h]):
+        candidates[h + j * self.num_hosts] = self.tokenizer.decode(tokens[h, j].tolist())
+    references = {i: refs_all[i] for i in candidates}
+    t1 = time.time()
+    scores = caption_metrics.score_all(candidates, references)
+    for i in list(candidates)[: c.get("examples", 3)]:
+      logging.info("Caption %d: %r (reference: %r)", i, candidates[i], references[i][0])
+    logging.info(
+      "Captioning (%s): %d images, decoding %.1fs, metrics %.1fs: %s",
+      c.get("decoding", "beam"),
+      len(candidates),
+      t1 - t0,
+      time.time() - t1,
+      ", ".join(f"{k}={v:.2f}" for k, v in scores.items()),
+    )
+    scores["mean_length"] = float(np.mean([len(caption_metrics.normalize(x)) for x in candidates.values()]))
+    return scores

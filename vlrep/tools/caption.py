@@ -1,0 +1,105 @@
+r"""Captions image files with a checkpoint's forward model; optionally saves per-token attention overlays.
+
+  python -m vlrep.tools.caption --workdir=/tmp/virtex_local photo1.jpg photo2.png
+  python -m vlrep.tools.caption --workdir=DIR --decoding=nucleus --attention_dir=/tmp/att photo.jpg
+
+Images are resized (shorter side) and centre-cropped to the size the run trained on (--size to override).
+With --attention_dir, DIR/<image name>/NN_<word>.png shows the decoder's cross-attention over the final
+feature grid for each predicted token, averaged over heads and upsampled bicubically (VirTex figure 6).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+from absl import app, flags
+from ml_collections import ConfigDict
+
+
+def define_flags():
+  flags.DEFINE_string("workdir", None, "The training run's directory.")
+  flags.DEFINE_string("checkpoint", "best", "'best', 'latest' or a step number.")
+  flags.DEFINE_enum("decoding", "beam", ["greedy", "beam", "nucleus"], "Decoding method.")
+  flags.DEFINE_integer("beam_size", 5, "Beams for --decoding=beam.")
+  flags.DEFINE_float("top_p", 0.9, "Probability mass kept by --decoding=nucleus.")
+  flags.DEFINE_integer("max_len", 30, "Most tokens per caption.")
+  flags.DEFINE_integer("size", 0, "Input size (0: the training crop size of the run's config).")
+  flags.DEFINE_integer("seed", 0, "Sampling seed for nucleus decoding.")
+  flags.DEFINE_string("attention_dir", None, "Write per-token attention overlays (PNG) here.")
+  flags.DEFINE_string("json_out", None, "Also write {image: caption} as JSON here.")
+
+
+def training_size(config) -> int:
+  """The crop size in the run's training preprocessing, e.g. inception_crop(224, ...) -> 224."""
+  m = re.search(r"(?:inception_crop|central_crop|resize)\((\d+)", config.data.pp)
+  return int(m.group(1)) if m else 224
+
+
+def caption_files(
+  workdir: str,
+  paths: list[str],
+  checkpoint: str = "best",
+  decoding_method: str = "beam",
+  size: int = 0,
+  max_len: int = 30,
+  seed: int = 0,
+  attention_dir: str | None = None,
+  **decode_kwargs,
+) -> dict[str, dict]:
+  """{path: {'caption', 'tokens', 'attention_pngs'}} for each image file."""
+  import jax
+
+  from vlrep import evaluate, visualize
+  from vlrep.evaluators.captioning import captioner_for
+
+  if not paths:
+    raise ValueError("Give at least one image file.")
+  missing = [p for p in paths if not os.path.exists(p)]
+  if missing:
+    raise FileNotFoundError(f"No such image file(s): {missing}")
+  run = evaluate.load_run(workdir, checkpoint)
+  ctx = evaluate.method_and_tokenizer(run)
+  size = size or training_size(run.config)
+  images = np.stack([visualize.load_image(p, size) for p in paths])
+  cfg = {"decoding": decoding_method, "max_len": max_len, **decode_kwargs}
+  caption = captioner_for(ctx["method"], ConfigDict(cfg))
+  tokens, attention = caption(jax.device_put(run.variables), visualize.normalize(images), jax.random.PRNGKey(seed))
+  tokens, attention = np.asarray(tokens), np.asarray(attention)
+  tok = ctx["tokenizer"]
+  out = {}
+  for i, path in enumerate(paths):
+    ids = tokens[i].tolist()
+    n = ids.index(3) if 3 in ids else len(ids)  # up to [EOS]
+    entry = {"caption": tok.decode(ids), "tokens": [tok.sp.id_to_piece(t) for t in ids[:n]]}
+    if attention_dir:
+      name = os.path.splitext(os.path.basename(path))[0]
+      entry["attention_pngs"] = visualize.save_token_overlays(
+        images[i], attention[i, :n], entry["tokens"], os.path.join(attention_dir, name), upscale=max(1, 224 // size)
+      )
+    out[path] = entry
+  return out
+
+
+def main(argv):
+  paths = argv[1:]
+  f = flags.FLAGS
+  kwargs = {"beam_size": f.beam_size} if f.decoding == "beam" else {"top_p": f.top_p} if f.decoding == "nucleus" else {}
+  results = caption_files(
+    f.workdir, paths, f.checkpoint, f.decoding, f.size, f.max_len, f.seed, f.attention_dir, **kwargs
+  )
+  for path, entry in results.items():
+    print(f"{path}: {entry['caption']}")
+    if entry.get("attention_pngs"):
+      print(f"  {len(entry['attention_pngs'])} attention maps in {os.path.dirname(entry['attention_pngs'][0])}")
+  if f.json_out:
+    with open(f.json_out, "w") as fh:
+      json.dump({p: e["caption"] for p, e in results.items()}, fh, indent=2)
+
+
+if __name__ == "__main__":
+  define_flags()
+  flags.mark_flags_as_required(["workdir"])
+  app.run(main)

@@ -1,0 +1,70 @@
+"""Attention overlays: a coarse attention map upsampled bicubically onto its image, as a PNG (VirTex fig. 6)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from PIL import Image
+
+from vlrep.data.ops import IMAGENET_MEAN, IMAGENET_STD
+
+
+def load_image(path: str, size: int) -> np.ndarray:
+  """An image file -> uint8 [size, size, 3]: shorter side resized to `size`, centre crop (the eval protocol)."""
+  try:
+    with Image.open(path) as img:
+      img = img.convert("RGB")
+  except FileNotFoundError:
+    raise
+  except Exception as e:  # PIL raises several types for non-images and truncated files
+    raise ValueError(f"{path} is not a readable image file ({type(e).__name__}: {e}).") from e
+  w, h = img.size
+  scale = size / min(w, h)
+  img = img.resize((max(size, round(w * scale)), max(size, round(h * scale))), Image.BICUBIC)
+  w, h = img.size
+  left, top = (w - size) // 2, (h - size) // 2
+  return np.asarray(img.crop((left, top, left + size, top + size)), np.uint8)
+
+
+def normalize(images: np.ndarray) -> np.ndarray:
+  """uint8 images -> the float input the models were trained on (ImageNet mean/std)."""
+  return (images.astype(np.float32) / 255.0 - np.array(IMAGENET_MEAN, np.float32)) / np.array(IMAGENET_STD, np.float32)
+
+
+def _heat(values: np.ndarray) -> np.ndarray:
+  """[H, W] in [0, 1] -> RGB float, a blue-green-yellow-red ramp (no matplotlib needed)."""
+  stops = np.array([[0.0, 0.0, 0.5], [0.0, 0.6, 1.0], [0.2, 0.9, 0.2], [1.0, 0.9, 0.0], [0.9, 0.1, 0.0]])
+  pos = np.clip(values, 0, 1) * (len(stops) - 1)
+  lo = np.floor(pos).astype(int).clip(0, len(stops) - 2)
+  frac = (pos - lo)[..., None]
+  return stops[lo] * (1 - frac) + stops[lo + 1] * frac
+
+
+def overlay(image: np.ndarray, attention: np.ndarray, alpha: float = 0.5) -> np.ndarray:
+  """uint8 image [H, W, 3] and attention [h, w] -> uint8 overlay; the map is upsampled bicubically."""
+  h, w = image.shape[:2]
+  att = attention.astype(np.float32)
+  att = (att - att.min()) / max(float(att.max() - att.min()), 1e-12)
+  up = np.asarray(Image.fromarray(att).resize((w, h), Image.BICUBIC), np.float32).clip(0, 1)
+  blended = (1 - alpha) * image.astype(np.float32) / 255.0 + alpha * _heat(up)
+  return (blended.clip(0, 1) * 255).round().astype(np.uint8)
+
+
+def save_token_overlays(
+  image: np.ndarray, attention: np.ndarray, words: list[str], out_dir: str, upscale: int = 1
+) -> list[str]:
+  """One PNG per predicted token: `attention` [T, h*w] (a square grid); returns the written paths."""
+  os.makedirs(out_dir, exist_ok=True)
+  side = int(round(np.sqrt(attention.shape[-1])))
+  if side * side != attention.shape[-1]:
+    raise ValueError(f"Attention over {attention.shape[-1]} positions is not a square grid.")
+  if upscale > 1:
+    image = np.asarray(Image.fromarray(image).resize((image.shape[1] * upscale, image.shape[0] * upscale)))
+  paths = []
+  for t, word in enumerate(words):
+    safe = "".join(ch if ch.isalnum() else "_" for ch in word)[:20] or "token"
+    path = os.path.join(out_dir, f"{t:02d}_{safe}.png")
+    Image.fromarray(overlay(image, attention[t].reshape(side, side))).save(path)
+    paths.append(path)
+  return paths
