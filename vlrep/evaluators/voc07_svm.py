@@ -181,10 +181,10 @@ def pool_features(x: np.ndarray, pooling: str) -> np.ndarray:
   if pooling == "2x2":
     if x.ndim != 4:
       raise ValueError(f"2x2 pooling needs a spatial feature grid [B, H, W, C]; got shape {x.shape}.")
-    b, h, w, c = x.shape
-    rows = np.array_split(np.arange(h), 2)
-    cols = np.array_split(np.arange(w), 2)
-    cells = [x[:, r][:, :, q].mean(axis=(1, 2)) for r in rows for q in cols]
+    _, h, w, _ = x.shape
+    # PyTorch's AdaptiveAvgPool2d((2, 2)) cells (what ICMLM used): [floor(i*H/2), ceil((i+1)*H/2)).
+    cell = lambda i, n: slice(i * n // 2, -(-(i + 1) * n // 2))  # noqa: E731
+    cells = [x[:, cell(i, h), cell(j, w)].mean(axis=(1, 2)) for i in range(2) for j in range(2)]
     return np.concatenate(cells, axis=1)
   raise ValueError(f"Unknown pooling {pooling!r}; expected 'gap' or '2x2'.")
 
@@ -231,6 +231,8 @@ class Voc07Svm:
     if not feats:
       raise ValueError(f"Split {split!r} of {self.config.dataset} yielded no images for the SVM probe.")
     x = np.concatenate(feats).astype(np.float64)
+    if not np.isfinite(x).all():
+      raise FloatingPointError(f"The backbone gave non-finite features on {split!r}; the checkpoint is broken.")
     if self.config.get("l2_normalize", True):
       x /= np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
     return x, np.concatenate(labels)

@@ -1,0 +1,315 @@
+"""Downstream evaluation: the SVM solvers, linear probe, caption decoding and metrics, and their commands."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ROOT, load_tiny_config, run_main
+from ml_collections import ConfigDict
+from sklearn.svm import LinearSVC
+
+from vlrep import decoding
+from vlrep.evaluators import caption_metrics, linear_probe, linear_svm, voc07_svm
+
+
+# ------------------------------------------------------------------------------------------------------ #
+# VOC07 SVM: the JAX solver against scikit-learn.
+# ------------------------------------------------------------------------------------------------------ #
+def _svm_problem(seed=0, n=300, d=40):
+  rng = np.random.default_rng(seed)
+  y = np.where(rng.random(n) < 0.3, 1.0, -1.0)
+  x = rng.normal(size=(n, d)) + 0.4 * y[:, None] * (rng.random(d) < 0.3)
+  x /= np.linalg.norm(x, axis=1, keepdims=True)
+  return x, y
+
+
+@pytest.mark.parametrize("cost", [0.01, 1.0, 10.0])
+def test_jax_svm_solves_liblinears_objective(cost):
+  x, y = _svm_problem()
+  s = cost * np.where(y > 0, 2.0, 1.0)
+  w, b, info = linear_svm.solve(x, y[:, None], s[:, None], tol=1e-5)
+  ours = linear_svm.squared_hinge_objective(x, y[:, None], s[:, None], w, b)[0]
+  ref = LinearSVC(C=cost, class_weight={1: 2, -1: 1}, tol=1e-6, max_iter=100_000, dual=True).fit(x, y)
+  theirs = linear_svm.squared_hinge_objective(x, y[:, None], s[:, None], ref.coef_.T, ref.intercept_)[0]
+  assert float(info["grad_ratio"].max()) <= 1e-5
+  assert abs(ours - theirs) <= 1e-4 * theirs, (ours, theirs)
+  # The same optimum in the eigenbasis (what the probe uses): rotations leave the problem unchanged.
+  xa = jnp.concatenate([x, np.ones((len(x), 1))], axis=1).astype(jnp.float32)
+  rot = linear_svm.eigenbasis(xa)
+  wr, br, _ = linear_svm.solve(xa @ rot, y[:, None], s[:, None], tol=1e-5, append_bias=False)
+  full = rot @ jnp.concatenate([wr, br[None]], axis=0)
+  np.testing.assert_allclose(full[:-1, 0], np.asarray(w)[:, 0], atol=2e-3 * np.abs(w).max())
+
+
+def _multilabel(seed, n=400, d=32, k=4, signal=1.0):
+  rng = np.random.default_rng(seed)
+  labels = np.where(rng.random((n, k)) < 0.25, 1, -1)
+  labels[rng.random((n, k)) < 0.05] = 0  # 'difficult'
+  x = rng.normal(size=(n, d))
+  x[:, :k] += signal * (labels > 0)
+  return x, labels
+
+
+def test_fit_and_score_jax_agrees_with_sklearn():
+  x, y = _multilabel(0, signal=2.0)
+  results = {s: voc07_svm.fit_and_score(x[:250], y[:250], x[250:], y[250:], solver=s) for s in ("jax", "sklearn")}
+  assert 60 < results["sklearn"]["map"] < 99  # neither trivial nor hopeless
+  assert abs(results["jax"]["map"] - results["sklearn"]["map"]) < 0.3
+  assert results["jax"]["costs"] == results["sklearn"]["costs"]
+  # Separable features give 100; pure noise stays near the positive rate (chance AP), far from 100.
+  separable = np.c_[np.where(y > 0, 3.0, -3.0), np.zeros((len(y), 4))]
+  assert voc07_svm.fit_and_score(separable[:250], y[:250], separable[250:], y[250:])["map"] == pytest.approx(100)
+  noise = np.random.default_rng(1).normal(size=x.shape)
+  assert voc07_svm.fit_and_score(noise[:250], y[:250], noise[250:], y[250:])["map"] < 45
+  with pytest.raises(ValueError, match="Unknown SVM solver"):
+    voc07_svm.fit_and_score(x[:250], y[:250], x[250:], y[250:], solver="liblinear")
+
+
+def test_icmlm_2x2_pooling():
+  grid = np.arange(2 * 4 * 4 * 3, dtype=np.float64).reshape(2, 4, 4, 3)
+  pooled = voc07_svm.pool_features(grid, "2x2")
+  assert pooled.shape == (2, 12)
+  np.testing.assert_allclose(pooled[0, :3], grid[0, :2, :2].mean(axis=(0, 1)))  # top-left cell first
+  np.testing.assert_allclose(pooled[0, 9:], grid[0, 2:, 2:].mean(axis=(0, 1)))  # bottom-right last
+  np.testing.assert_allclose(voc07_svm.pool_features(grid, "gap"), grid.mean(axis=(1, 2)))
+  # Grids smaller than 2x2 (tiny inputs) repeat cells, as PyTorch's AdaptiveAvgPool2d does; 3x3 cells overlap.
+  one = voc07_svm.pool_features(grid[:, :1, :1], "2x2")
+  np.testing.assert_allclose(one, np.tile(grid[:, 0, 0], (1, 4)))
+  three = voc07_svm.pool_features(grid[:, :3, :3], "2x2")
+  np.testing.assert_allclose(three[0, :3], grid[0, :2, :2].mean(axis=(0, 1)))
+  np.testing.assert_allclose(three[0, 9:], grid[0, 1:3, 1:3].mean(axis=(0, 1)))
+  with pytest.raises(ValueError, match="spatial feature grid"):
+    voc07_svm.pool_features(grid.mean(axis=(1, 2)), "2x2")
+
+
+# ------------------------------------------------------------------------------------------------------ #
+# Linear probe.
+# ------------------------------------------------------------------------------------------------------ #
+def test_linear_probe_learns_separable_classes_and_not_noise():
+  rng = np.random.default_rng(0)
+  centers = rng.normal(size=(5, 16)) * 3
+  y = rng.integers(0, 5, 600)
+  x = (centers[y] + rng.normal(size=(600, 16))).astype(np.float32)
+  cfg = ConfigDict(dict(lr=0.3, epochs=20, batch_size=50, momentum=0.9, schedule="cosine"))
+
+  def fit(x, y):
+    order = np.concatenate([rng.permutation(500) for _ in range(21)])
+    batches = lambda i: (x[order[i * 50 : (i + 1) * 50]], y[order[i * 50 : (i + 1) * 50]], np.ones(50, np.float32))  # noqa: E731
+    w, b = linear_probe.train_linear(batches, 16, 5, 200, cfg, 10.0)
+    return linear_probe.topk_accuracy(x[500:] @ w + b, y[500:], 1)
+
+  assert fit(x, y) > 95
+  assert fit(rng.normal(size=x.shape).astype(np.float32), y) < 45  # 5 classes: chance is 20
+  step = linear_probe.make_schedule(ConfigDict(dict(lr=30.0, schedule="step", milestones=(6, 8))), 100, 10.0)
+  assert float(step(59)) == 30.0 and float(step(61)) == pytest.approx(6.0) and float(step(81)) == pytest.approx(1.2)
+
+
+# ------------------------------------------------------------------------------------------------------ #
+# Caption metrics (reference values computed with pycocoevalcap 1.2's Cider and Bleu on the same text).
+# ------------------------------------------------------------------------------------------------------ #
+REFS = {
+  1: ["a man riding a horse on a beach.", "a person rides a brown horse along the sand.", "man on horseback near the ocean."],
+  2: ["two dogs playing with a red ball in the grass.", "a pair of dogs chase a ball on a lawn."],
+  3: ["a plate of food with broccoli and rice.", "a white plate topped with rice and vegetables.", "broccoli and rice on a dish."],
+  4: ["a red double decker bus driving down the street.", "a bus on a city street."],
+}
+CANDS = {1: "a man riding a horse on the beach.", 2: "a dog playing with a ball.", 3: "a plate of rice and broccoli.",
+         4: "a red bus on a street."}
+
+
+def test_cider_and_bleu_match_coco_caption():
+  cider, per_image = caption_metrics.cider_d(CANDS, REFS)
+  assert cider == pytest.approx(2.2345994444900334, rel=1e-9)
+  assert [per_image[i] for i in CANDS] == pytest.approx([2.904167694202904, 1.37757161495137, 2.318802608202403,
+                                                         2.3378558606034563], rel=1e-9)
+  bleu = caption_metrics.bleu(CANDS, REFS)
+  assert bleu == pytest.approx([0.8244268452831607, 0.6706894456136369, 0.5313140670701283, 0.40743483401842784],
+                               rel=1e-8)
+  # Swapping captions between images ruins CIDEr.
+  swapped = {1: CANDS[3], 2: CANDS[4], 3: CANDS[1], 4: CANDS[2]}
+  assert caption_metrics.cider_d(swapped, REFS)[0] < 0.3
+  with pytest.raises(ValueError, match="no references"):
+    caption_metrics.score_all({9: "a cat"}, REFS)
+
+
+# ------------------------------------------------------------------------------------------------------ #
+# Decoding, on a toy model whose next-token distribution depends on the previous token only.
+# ------------------------------------------------------------------------------------------------------ #
+V = 10
+A, B, C, D = 5, 6, 7, 8
+
+
+def _markov_logits_fn(table):
+  table = jnp.log(jnp.asarray(table) + 1e-9)
+
+  def fn(tokens):
+    return table[tokens]  # [N, T, V]: row of the previous token
+
+  return fn
+
+
+def _table():
+  t = np.full((V, V), 0.0)
+  t[decoding.SOS, [A, B]] = [0.55, 0.45]  # greedy takes A ...
+  t[A, [C, D]] = [0.5, 0.5]  # ... after which nothing is likely (0.55 * 0.5 = 0.275)
+  t[B, decoding.EOS] = 1.0  # ... while B then [EOS] has 0.45
+  t[C, decoding.EOS] = t[D, decoding.EOS] = 1.0
+  t[decoding.EOS, decoding.EOS] = 1.0
+  t[decoding.PAD, decoding.PAD] = 1.0
+  return t
+
+
+def test_greedy_beam_and_nucleus_decoding():
+  fn = _markov_logits_fn(_table())
+  greedy = np.asarray(decoding.greedy(fn, 1, 5))[0]
+  assert greedy[0] == A and greedy[2] == decoding.EOS and (greedy[3:] == decoding.PAD).all()
+  beam, score = decoding.beam_search(fn, 1, 5, beam_size=3)
+  assert list(np.asarray(beam)[0][:2]) == [B, decoding.EOS] and (np.asarray(beam)[0][2:] == decoding.PAD).all()
+  assert float(score[0]) == pytest.approx(np.log(0.45), abs=1e-4)
+  # A tiny nucleus keeps only the most likely token: greedy. A full one samples B about 45% of the time.
+  np.testing.assert_array_equal(np.asarray(decoding.nucleus(fn, 1, 5, jax.random.PRNGKey(0), top_p=0.01))[0], greedy)
+  firsts = np.asarray(decoding.nucleus(fn, 400, 3, jax.random.PRNGKey(1), top_p=1.0))[:, 0]
+  assert 0.35 < np.mean(firsts == B) < 0.55 and set(firsts.tolist()) <= {A, B}
+
+
+# ------------------------------------------------------------------------------------------------------ #
+# The commands on a tiny trained run: evaluate, caption, export, sweep, notebook.
+# ------------------------------------------------------------------------------------------------------ #
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("tiny") / "run"
+  proc = run_main(workdir)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return str(workdir)
+
+
+def _tiny_eval_config(**overrides):
+  train = load_tiny_config()
+  probe = dict(train.evals.probe)
+  probe.update(solver="jax")
+  data = dict(dataset="synthetic_scenes", config_name="tiny", data_dir=train.data.data_dir)
+  evals = {
+    "svm": probe,
+    "svm_icmlm": {**probe, "feature": "grid", "pooling": "2x2", "costs": (0.01, 1.0, 100.0)},
+    "linear": dict(type="linear_probe", **data, train_split="train", test_split="val", num_classes=10,
+                   pp_train="decode|flip_lr_swap_words(keys=())|normalize|largest_object_label",
+                   pp_eval="decode|normalize|largest_object_label", mode="images", epochs=1, batch_size=16, lr=0.3),
+    "captions": dict(type="captioning", **data, split="val", pp="decode|normalize", decoding="beam", beam_size=2,
+                     max_len=12, batch_size=16),
+  }
+  evals.update(overrides)
+  return ConfigDict({"evals": evals})
+
+
+def test_evaluate_command_writes_every_metric(tiny_run):
+  from vlrep import evaluate
+
+  results = evaluate.evaluate(_tiny_eval_config(), tiny_run)
+  summary = json.loads(open(os.path.join(tiny_run, "summary.json")).read())
+  for key in ("svm/map", "svm_icmlm/map", "linear/top1", "linear/top5", "captions/cider", "captions/bleu4"):
+    assert key in results and key in summary and np.isfinite(summary[key]), key
+  assert 0 <= results["linear/top1"] <= results["linear/top5"] <= 100
+  assert summary["svm/checkpoint_step"] == 6 and "probe/map" in summary  # beside the training metrics
+  # The standalone probe reproduces the training loop's final probe (same checkpoint, same protocol).
+  assert results["svm/map"] == pytest.approx(summary["probe/map"], abs=0.3)
+
+
+def test_evaluate_bad_inputs(tiny_run, tmp_path):
+  from vlrep import evaluate
+
+  with pytest.raises(ValueError, match="Unknown evaluator type"):
+    evaluate.evaluate(ConfigDict({"evals": {"x": {"type": "voc12_svm"}}}), tiny_run)
+  with pytest.raises(ValueError, match="Unknown evaluations"):
+    evaluate.evaluate(_tiny_eval_config(), tiny_run, names=["nope"])
+  bad_split = _tiny_eval_config(svm={**dict(load_tiny_config().evals.probe), "test_split": "probe_valid"})
+  with pytest.raises(ValueError, match="Split 'probe_valid' not in"):
+    evaluate.evaluate(bad_split, tiny_run, names=["svm"])
+  with pytest.raises(FileNotFoundError, match="has no checkpoint"):
+    evaluate.evaluate(_tiny_eval_config(), str(tmp_path))
+  with pytest.raises(ValueError, match="Unknown dataset"):
+    evaluate.evaluate(_tiny_eval_config(svm={**dict(load_tiny_config().evals.probe), "dataset": "no_such_set"}),
+                      tiny_run, names=["svm"])
+
+
+def test_evaluate_cli(tiny_run):
+  proc = subprocess.run(
+    [sys.executable, "-m", "vlrep.evaluate", "--config=configs/eval/voc07_svm.py:runlocal", f"--workdir={tiny_run}",
+     "--config.evals.voc07_svm.config_name=tiny",
+     f"--config.evals.voc07_svm.data_dir={load_tiny_config().data.data_dir}",
+     "--config.evals.voc07_svm.costs=(0.1,1.0)"],
+    cwd=ROOT, capture_output=True, text=True, timeout=600,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "voc07_svm/map:" in proc.stdout
+
+
+def test_caption_tool_writes_captions_and_attention_pngs(tiny_run, tmp_path):
+  from PIL import Image
+
+  from vlrep.tools import caption
+
+  rng = np.random.default_rng(0)
+  paths = []
+  for i, size in enumerate([(50, 40), (32, 64)]):
+    path = tmp_path / f"img{i}.png"
+    Image.fromarray(rng.integers(0, 255, size + (3,), dtype=np.uint8)).save(path)
+    paths.append(str(path))
+  out = caption.caption_files(tiny_run, paths, "latest", "greedy", max_len=8, attention_dir=str(tmp_path / "att"))
+  for p in paths:
+    entry = out[p]
+    assert isinstance(entry["caption"], str)
+    assert len(entry["attention_pngs"]) == len(entry["tokens"])
+    for png in entry["attention_pngs"]:
+      assert Image.open(png).size == (224, 224)  # 32px input upscaled 7x for viewing
+  not_image = tmp_path / "notes.png"
+  not_image.write_text("not an image")
+  with pytest.raises(ValueError, match="not a readable image"):
+    caption.caption_files(tiny_run, [str(not_image)], "latest")
+  with pytest.raises(FileNotFoundError, match="No such image"):
+    caption.caption_files(tiny_run, [str(tmp_path / "missing.jpg")], "latest")
+
+
+def test_captioning_needs_a_forward_model():
+  from vlrep import methods
+  from vlrep.evaluators import captioning
+
+  method = methods.build(load_tiny_config("task=masked_lm").method, 50)
+  with pytest.raises(ValueError, match="forward captioning head"):
+    captioning.captioner_for(method, ConfigDict({"decoding": "beam"}))
+
+
+def test_sweep_tabulates_and_plots(tmp_path):
+  from vlrep.tools import sweep
+
+  for frac, value in ((10, 50.0), (100, 66.5)):
+    os.makedirs(tmp_path / f"fraction{frac}")
+    (tmp_path / f"fraction{frac}" / "summary.json").write_text(json.dumps({"probe/map": value, "preempted": False}))
+  md, png = sweep.sweep("configs/virtex.py:runlocal", "fraction=10 20 100", str(tmp_path), ["probe/map"],
+                        collect_only=True)
+  table = open(md).read()
+  assert "| fraction | probe/map |" in table
+  assert "| 10 | 50.00 |" in table and "| 100 | 66.50 |" in table and "| 20 | — |" in table
+  assert os.path.getsize(png) > 1000
+  assert [v[1] for v in sweep.variants("c.py:runlocal", sweep.parse_vary("a=1 2;b=x"))] == [
+    "c.py:runlocal,a=1,b=x", "c.py:runlocal,a=2,b=x"]
+
+
+def test_inspection_notebook_runs_top_to_bottom(tiny_run):
+  import nbclient
+  import nbformat
+
+  nb = nbformat.read(os.path.join(ROOT, "colab", "inspect.ipynb"), as_version=4)
+  os.environ["VLREP_NOTEBOOK_WORKDIR"] = tiny_run
+  try:
+    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": ROOT}}).execute()
+  finally:
+    del os.environ["VLREP_NOTEBOOK_WORKDIR"]
+  text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+  assert "step 6" in text and "neighbours sharing a class" in text
+  figures = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+  assert len(figures) == 3
