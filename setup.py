@@ -1,35 +1,36 @@
 """vlrep: learning visual representations from textual annotations, in JAX/Flax."""
+
 import setuptools
 
 setuptools.setup(
-    name="vlrep",
-    version="0.1.0",
-    description="Visual representation learning from text annotations (VirTex, LocTex, ICMLM, MCT, VL pretraining) in JAX/Flax.",
-    packages=setuptools.find_packages(include=["vlrep", "vlrep.*"]),
-    python_requires=">=3.10",
-    install_requires=[
-        "jax>=0.10",
-        "flax>=0.10",
-        "optax>=0.2.4",
-        "orbax-checkpoint>=0.11",
-        "tensorflow-cpu>=2.18",  # tf.data only; no TF model code.
-        "tensorflow-datasets>=4.9.8",
-        "sentencepiece>=0.2",
-        "ml-collections>=1.0",
-        "clu>=0.0.12",
-        "tensorboard>=2.18",  # clu.metric_writers imports it without declaring it.
-        "scikit-learn>=1.4",
-        "numpy>=1.26",
-        "pillow>=10",
-        "absl-py>=2",
-        "importlib_resources",  # tensorflow-datasets imports it without declaring it.
-        "etils[epath,epy]",
-        "safetensors>=0.4",  # backbone export
-        "matplotlib>=3.8",  # sweep plots, notebook
-    ],
-    extras_require={
-        # torch (CPU build, found on disk by pip on the CI machines) checks the PyTorch export; nbclient and
-        # ipykernel run the inspection notebook.
-        "test": ["pytest>=8", "ruff>=0.5", "torch==2.13.0", "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"],
-    },
+  name="vlrep",
+  version="0.1.0",
+  description="Visual representation learning from text annotations (VirTex, LocTex, ICMLM, MCT, VL pretraining) in JAX/Flax.",
+  packages=setuptools.find_packages(include=["vlrep", "vlrep.*"]),
+  python_requires=">=3.10",
+  install_requires=[
+    "jax>=0.10",
+    "flax>=0.10",
+    "optax>=0.2.4",
+    "orbax-checkpoint>=0.11",
+    "tensorflow-cpu>=2.18",  # tf.data only; no TF model code.
+    "tensorflow-datasets>=4.9.8",
+    "sentencepiece>=0.2",
+    "ml-collections>=1.0",
+    "clu>=0.0.12",
+    "tensorboard>=2.18",  # clu.metric_writers imports it without declaring it.
+    "scikit-learn>=1.4",
+    "numpy>=1.26",
+    "pillow>=10",
+    "absl-py>=2",
+    "importlib_resources",  # tensorflow-datasets imports it without declaring it.
+    "etils[epath,epy]",
+    "safetensors>=0.4",  # backbone export
+    "matplotlib>=3.8",  # sweep plots, notebook
+  ],
+  extras_require={
+    # torch (CPU build, found on disk by pip on the CI machines) checks the PyTorch export; nbclient and
+    # ipykernel run the inspection notebook.
+    "test": ["pytest>=8", "ruff>=0.5", "torch==2.13.0", "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"],
+  },
 )

@@ -113,23 +113,37 @@ def test_linear_probe_learns_separable_classes_and_not_noise():
 # Caption metrics (reference values computed with pycocoevalcap 1.2's Cider and Bleu on the same text).
 # ------------------------------------------------------------------------------------------------------ #
 REFS = {
-  1: ["a man riding a horse on a beach.", "a person rides a brown horse along the sand.", "man on horseback near the ocean."],
+  1: [
+    "a man riding a horse on a beach.",
+    "a person rides a brown horse along the sand.",
+    "man on horseback near the ocean.",
+  ],
   2: ["two dogs playing with a red ball in the grass.", "a pair of dogs chase a ball on a lawn."],
-  3: ["a plate of food with broccoli and rice.", "a white plate topped with rice and vegetables.", "broccoli and rice on a dish."],
+  3: [
+    "a plate of food with broccoli and rice.",
+    "a white plate topped with rice and vegetables.",
+    "broccoli and rice on a dish.",
+  ],
   4: ["a red double decker bus driving down the street.", "a bus on a city street."],
 }
-CANDS = {1: "a man riding a horse on the beach.", 2: "a dog playing with a ball.", 3: "a plate of rice and broccoli.",
-         4: "a red bus on a street."}
+CANDS = {
+  1: "a man riding a horse on the beach.",
+  2: "a dog playing with a ball.",
+  3: "a plate of rice and broccoli.",
+  4: "a red bus on a street.",
+}
 
 
 def test_cider_and_bleu_match_coco_caption():
   cider, per_image = caption_metrics.cider_d(CANDS, REFS)
   assert cider == pytest.approx(2.2345994444900334, rel=1e-9)
-  assert [per_image[i] for i in CANDS] == pytest.approx([2.904167694202904, 1.37757161495137, 2.318802608202403,
-                                                         2.3378558606034563], rel=1e-9)
+  assert [per_image[i] for i in CANDS] == pytest.approx(
+    [2.904167694202904, 1.37757161495137, 2.318802608202403, 2.3378558606034563], rel=1e-9
+  )
   bleu = caption_metrics.bleu(CANDS, REFS)
-  assert bleu == pytest.approx([0.8244268452831607, 0.6706894456136369, 0.5313140670701283, 0.40743483401842784],
-                               rel=1e-8)
+  assert bleu == pytest.approx(
+    [0.8244268452831607, 0.6706894456136369, 0.5313140670701283, 0.40743483401842784], rel=1e-8
+  )
   # Swapping captions between images ruins CIDEr.
   swapped = {1: CANDS[3], 2: CANDS[4], 3: CANDS[1], 4: CANDS[2]}
   assert caption_metrics.cider_d(swapped, REFS)[0] < 0.3
@@ -196,11 +210,29 @@ def _tiny_eval_config(**overrides):
   evals = {
     "svm": probe,
     "svm_icmlm": {**probe, "feature": "grid", "pooling": "2x2", "costs": (0.01, 1.0, 100.0)},
-    "linear": dict(type="linear_probe", **data, train_split="train", test_split="val", num_classes=10,
-                   pp_train="decode|flip_lr_swap_words(keys=())|normalize|largest_object_label",
-                   pp_eval="decode|normalize|largest_object_label", mode="images", epochs=1, batch_size=16, lr=0.3),
-    "captions": dict(type="captioning", **data, split="val", pp="decode|normalize", decoding="beam", beam_size=2,
-                     max_len=12, batch_size=16),
+    "linear": dict(
+      type="linear_probe",
+      **data,
+      train_split="train",
+      test_split="val",
+      num_classes=10,
+      pp_train="decode|flip_lr_swap_words(keys=())|normalize|largest_object_label",
+      pp_eval="decode|normalize|largest_object_label",
+      mode="images",
+      epochs=1,
+      batch_size=16,
+      lr=0.3,
+    ),
+    "captions": dict(
+      type="captioning",
+      **data,
+      split="val",
+      pp="decode|normalize",
+      decoding="beam",
+      beam_size=2,
+      max_len=12,
+      batch_size=16,
+    ),
   }
   evals.update(overrides)
   return ConfigDict({"evals": evals})
@@ -232,17 +264,27 @@ def test_evaluate_bad_inputs(tiny_run, tmp_path):
   with pytest.raises(FileNotFoundError, match="has no checkpoint"):
     evaluate.evaluate(_tiny_eval_config(), str(tmp_path))
   with pytest.raises(ValueError, match="Unknown dataset"):
-    evaluate.evaluate(_tiny_eval_config(svm={**dict(load_tiny_config().evals.probe), "dataset": "no_such_set"}),
-                      tiny_run, names=["svm"])
+    evaluate.evaluate(
+      _tiny_eval_config(svm={**dict(load_tiny_config().evals.probe), "dataset": "no_such_set"}), tiny_run, names=["svm"]
+    )
 
 
 def test_evaluate_cli(tiny_run):
   proc = subprocess.run(
-    [sys.executable, "-m", "vlrep.evaluate", "--config=configs/eval/voc07_svm.py:runlocal", f"--workdir={tiny_run}",
-     "--config.evals.voc07_svm.config_name=tiny",
-     f"--config.evals.voc07_svm.data_dir={load_tiny_config().data.data_dir}",
-     "--config.evals.voc07_svm.costs=(0.1,1.0)"],
-    cwd=ROOT, capture_output=True, text=True, timeout=600,
+    [
+      sys.executable,
+      "-m",
+      "vlrep.evaluate",
+      "--config=configs/eval/voc07_svm.py:runlocal",
+      f"--workdir={tiny_run}",
+      "--config.evals.voc07_svm.config_name=tiny",
+      f"--config.evals.voc07_svm.data_dir={load_tiny_config().data.data_dir}",
+      "--config.evals.voc07_svm.costs=(0.1,1.0)",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "voc07_svm/map:" in proc.stdout
@@ -289,14 +331,17 @@ def test_sweep_tabulates_and_plots(tmp_path):
   for frac, value in ((10, 50.0), (100, 66.5)):
     os.makedirs(tmp_path / f"fraction{frac}")
     (tmp_path / f"fraction{frac}" / "summary.json").write_text(json.dumps({"probe/map": value, "preempted": False}))
-  md, png = sweep.sweep("configs/virtex.py:runlocal", "fraction=10 20 100", str(tmp_path), ["probe/map"],
-                        collect_only=True)
+  md, png = sweep.sweep(
+    "configs/virtex.py:runlocal", "fraction=10 20 100", str(tmp_path), ["probe/map"], collect_only=True
+  )
   table = open(md).read()
   assert "| fraction | probe/map |" in table
   assert "| 10 | 50.00 |" in table and "| 100 | 66.50 |" in table and "| 20 | — |" in table
   assert os.path.getsize(png) > 1000
   assert [v[1] for v in sweep.variants("c.py:runlocal", sweep.parse_vary("a=1 2;b=x"))] == [
-    "c.py:runlocal,a=1,b=x", "c.py:runlocal,a=2,b=x"]
+    "c.py:runlocal,a=1,b=x",
+    "c.py:runlocal,a=2,b=x",
+  ]
 
 
 def test_inspection_notebook_runs_top_to_bottom(tiny_run):
@@ -311,5 +356,7 @@ def test_inspection_notebook_runs_top_to_bottom(tiny_run):
     del os.environ["VLREP_NOTEBOOK_WORKDIR"]
   text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
   assert "step 6" in text and "neighbours sharing a class" in text
-  figures = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+  figures = [
+    o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if "image/png" in o.get("data", {})
+  ]
   assert len(figures) == 3

@@ -136,3 +136,27 @@ def test_export_bad_inputs(tmp_path):
     export.export(str(tmp_path / "run"), "torchvision", str(tmp_path / "x.bin"))
   with pytest.raises(FileNotFoundError, match="no checkpoint of step 3"):
     evaluate.load_run(str(tmp_path / "run"), "3")
+
+
+def test_coco_subset_is_seeded_nested_and_keeps_annotations():
+  from vlrep.tools import coco_subset
+
+  data = {
+    "info": {"year": 2017},
+    "categories": [{"id": 1, "name": "cat"}],
+    "images": [{"id": i, "file_name": f"{i:012d}.jpg"} for i in range(1, 101)],
+    "annotations": [{"id": 1000 + k, "image_id": 1 + k % 100, "category_id": 1} for k in range(250)],
+  }
+  ten = coco_subset.subset(data, 10)
+  twenty = coco_subset.subset(data, 20)
+  ids10 = {im["id"] for im in ten["images"]}
+  assert len(ids10) == 10 and ids10 <= {im["id"] for im in twenty["images"]}
+  assert ten["categories"] == data["categories"] and ten["info"] == data["info"]
+  assert sorted(a["id"] for a in ten["annotations"]) == sorted(
+    a["id"] for a in data["annotations"] if a["image_id"] in ids10
+  )
+  assert coco_subset.subset(data, 10) == ten and coco_subset.subset(data, 10, seed=1) != ten
+  with pytest.raises(ValueError, match="percent"):
+    coco_subset.subset(data, 0)
+  with pytest.raises(ValueError, match="Not a COCO instances file"):
+    coco_subset.subset({"images": []}, 10)
