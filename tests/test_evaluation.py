@@ -360,3 +360,29 @@ def test_inspection_notebook_runs_top_to_bottom(tiny_run):
     o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if "image/png" in o.get("data", {})
   ]
   assert len(figures) == 3
+
+
+def test_finetune_starts_from_the_pretrained_backbone(tiny_run, tmp_path):
+  from vlrep import evaluate
+
+  proc = run_main(
+    tmp_path / "ft",
+    f"--config.init_from={tiny_run}",
+    "--config.optim.lr_groups=(('.*', 0.0),)",
+    config="tests/tiny_finetune.py",
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "Backbone initialised from" in proc.stderr
+  summary = json.loads((tmp_path / "ft" / "summary.json").read_text())
+  assert 0 <= summary["val/top1"] <= summary["val/top5"] <= 100
+  # With LR 0 the fine-tuned backbone is exactly the pretrained one (and the new classifier exists).
+  src, ft = evaluate.load_run(tiny_run), evaluate.load_run(str(tmp_path / "ft"), "latest")
+  jax.tree.map(np.testing.assert_array_equal, ft.params["backbone"], src.params["backbone"])
+  assert ft.params["classifier"]["kernel"].shape == (64, 10)
+  bad = run_main(
+    tmp_path / "ft_bad",
+    f"--config.init_from={tiny_run}",
+    "--config.method.backbone.depth=18",
+    config="tests/tiny_finetune.py",
+  )
+  assert bad.returncode != 0 and "different model" in bad.stderr

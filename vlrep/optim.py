@@ -86,7 +86,25 @@ def lookahead(inner: optax.GradientTransformation, sync_period: int, alpha: floa
 def build(config: ml_collections.ConfigDict, params, total_steps: int, warmup_steps: int):
   """Returns (optax transformation, {group: schedule}) for `params`."""
   labels, peaks = group_labels(params, config.lr_groups)
-  schedules = {name: warmup_cosine(peak, warmup_steps, total_steps) for name, peak in peaks.items()}
+  if config.get("schedule", "cosine") == "cosine":
+    schedules = {name: warmup_cosine(peak, warmup_steps, total_steps) for name, peak in peaks.items()}
+  elif config.schedule == "step":
+    # Multiply by `step_factor` at each fraction of training in `step_at` (e.g. epochs 70 and 90 of 100).
+    bounds = {int(round(f * total_steps)): config.get("step_factor", 0.1) for f in config.step_at}
+    schedules = {
+      name: optax.join_schedules(
+        [
+          optax.linear_schedule(0.0, peak, max(warmup_steps, 1)),
+          optax.piecewise_constant_schedule(peak, {b - warmup_steps: f for b, f in bounds.items()}),
+        ],
+        [max(warmup_steps, 1)],
+      )
+      if warmup_steps
+      else optax.piecewise_constant_schedule(peak, bounds)
+      for name, peak in peaks.items()
+    }
+  else:
+    raise ValueError(f"Unknown LR schedule {config.schedule!r}; expected 'cosine' or 'step'.")
   no_decay = re.compile(config.no_decay) if config.no_decay else None
   decay_mask = jax.tree.map(lambda p: not (no_decay and no_decay.search(p)), param_paths(params))
 

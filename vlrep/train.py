@@ -106,9 +106,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   )
 
   builder = pipeline.get_builder(config.data.name, config.data.data_dir, config.data.get("config_name"))
-  tokenizer = tokenizers.ensure_tokenizer(config.tokenizer, builder)
+  # Methods without text (e.g. the fine-tuning classifier) have no tokenizer.
+  tokenizer = tokenizers.ensure_tokenizer(config.tokenizer, builder) if config.get("tokenizer") else None
   context = {"tokenizer": tokenizer}
-  method = methods.build(config.method, tokenizer.vocab_size)
+  method = methods.build(config.method, tokenizer.vocab_size if tokenizer else 0)
   context["method"] = method
   split, fraction = pipeline.split_name(config.data.split)
   num_examples = int(builder.info.splits[split].num_examples * fraction)
@@ -154,6 +155,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     logging.info("Resumed from step %d in %s.", start_step, workdir)
   else:
     state = jax.jit(init_state, out_shardings=state_sh)(init_rng, first_batch)
+    if config.get("init_from"):
+      state = init_from_checkpoint(state, config.init_from, tx, state_sh)
   num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
   logging.info(
     "%s: %.2fM parameters, %d steps (%.1f epochs of %d examples), warmup %d.",
@@ -315,6 +318,28 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     write_summary(workdir, summary)
   writer.flush()
   return summary
+
+
+def init_from_checkpoint(state: dict, workdir: str, tx, state_sh) -> dict:
+  """Copies the visual backbone (parameters and BatchNorm statistics) of another run's best checkpoint into a
+  fresh state, then re-initialises the optimizer state from the new parameters (LookAhead keeps a copy)."""
+  from vlrep import evaluate
+
+  run = evaluate.load_run(workdir, "best")
+  src_params, src_stats = evaluate.backbone_of(run)[1]["params"], run.model_state.get("batch_stats", {})
+  if "backbone" not in state["params"]:
+    raise ValueError("init_from needs a model with a 'backbone'; this config's model has none.")
+  want = ckpt_lib.signature(state["params"]["backbone"])
+  ckpt_lib.check_signature(ckpt_lib.signature(src_params), want, run.path)
+  params = dict(state["params"], backbone=jax.tree.map(jnp.asarray, src_params))
+  model_state = dict(state["model_state"])
+  if "backbone" in src_stats:
+    model_state["batch_stats"] = dict(model_state.get("batch_stats", {}), backbone=src_stats["backbone"])
+  new = {**state, "params": params, "model_state": model_state}
+  new = jax.device_put(new, state_sh)
+  new["opt_state"] = jax.jit(tx.init, out_shardings=state_sh["opt_state"])(new["params"])
+  logging.info("Backbone initialised from %s (step %d).", run.path, run.step)
+  return new
 
 
 def make_train_step(method, tx, schedules: dict, base_rng):

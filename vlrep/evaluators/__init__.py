@@ -6,7 +6,7 @@ Each has `.config`, `.feature_key` (which of the method's `features` it needs) a
 
 from __future__ import annotations
 
-KNOWN = ("voc07_svm", "linear_probe", "captioning")
+KNOWN = ("voc07_svm", "linear_probe", "accuracy", "captioning")
 
 
 def build(config, context: dict, host: int = 0, num_hosts: int = 1):
@@ -18,6 +18,10 @@ def build(config, context: dict, host: int = 0, num_hosts: int = 1):
     from vlrep.evaluators.linear_probe import LinearProbe
 
     return LinearProbe(config, context, host, num_hosts)
+  if config.type == "accuracy":
+    from vlrep.evaluators.linear_probe import Accuracy
+
+    return Accuracy(config, context, host, num_hosts)
   if config.type == "captioning":
     from vlrep.evaluators.captioning import Captioning
 

@@ -79,6 +79,25 @@ def topk_accuracy(logits: np.ndarray, labels: np.ndarray, k: int) -> float:
   return float(np.mean(np.any(top == labels[:, None], axis=1)) * 100)
 
 
+def extract_labeled(
+  builder, split, pp, label_key, batch_size, features_fn, host=0, num_hosts=1, context=None
+) -> tuple[np.ndarray, np.ndarray]:
+  """(features [N, D] float32, labels [N] int32) of a split, through features_fn, padding rows dropped."""
+  from vlrep.data import pipeline
+
+  feats, labels = [], []
+  for local in pipeline.eval_batches(
+    builder, split, pp, ("image", label_key), batch_size // num_hosts, host, num_hosts, context
+  ):
+    f, batch = features_fn(local)
+    m = batch["_mask"].astype(bool)
+    feats.append(f[m].reshape(int(m.sum()), -1))
+    labels.append(batch[label_key][m])
+  if not feats:
+    raise ValueError(f"Split {split!r} of {builder.name} yielded no images.")
+  return np.concatenate(feats).astype(np.float32), np.concatenate(labels).astype(np.int32)
+
+
 class LinearProbe:
   """Evaluator: trains a linear classifier on frozen features; reports top-1 / top-5 accuracy (%)."""
 
@@ -96,26 +115,17 @@ class LinearProbe:
       raise ValueError(f"Probe batch_size {config.batch_size} is not divisible by the {jax.device_count()} devices.")
 
   def _extract(self, split: str, pp: str, features_fn) -> tuple[np.ndarray, np.ndarray]:
-    from vlrep.data import pipeline
-
-    feats, labels = [], []
-    for local in pipeline.eval_batches(
+    return extract_labeled(
       self.builder,
       split,
       pp,
-      ("image", self.label_key),
-      self.config.batch_size // self.num_hosts,
+      self.label_key,
+      self.config.batch_size,
+      features_fn,
       self.host,
       self.num_hosts,
       self.context,
-    ):
-      f, batch = features_fn(local)
-      m = batch["_mask"].astype(bool)
-      feats.append(f[m].reshape(int(m.sum()), -1))
-      labels.append(batch[self.label_key][m])
-    if not feats:
-      raise ValueError(f"Split {split!r} of {self.config.dataset} yielded no images for the linear probe.")
-    return np.concatenate(feats).astype(np.float32), np.concatenate(labels).astype(np.int32)
+    )
 
   def run(self, features_fn: Callable) -> dict[str, float]:
     from vlrep.data import pipeline
@@ -174,3 +184,34 @@ class LinearProbe:
       top5,
     )
     return {"top1": top1, "top5": top5}
+
+
+class Accuracy:
+  """Evaluator for classifiers trained end to end: top-1 / top-5 of the model's own 'logits' on a split.
+
+  Config: dataset, data_dir, config_name, split, pp, label_key, batch_size, every_steps.
+  """
+
+  feature_key = "logits"
+
+  def __init__(self, config, context: dict, host: int = 0, num_hosts: int = 1):
+    from vlrep.data import pipeline
+
+    self.config = config
+    self.builder = pipeline.get_builder(config.dataset, config.get("data_dir"), config.get("config_name"))
+    self.context, self.host, self.num_hosts = context, host, num_hosts
+
+  def run(self, features_fn: Callable) -> dict[str, float]:
+    c = self.config
+    logits, labels = extract_labeled(
+      self.builder,
+      c.split,
+      c.pp,
+      c.get("label_key", "label"),
+      c.batch_size,
+      features_fn,
+      self.host,
+      self.num_hosts,
+      self.context,
+    )
+    return {"top1": topk_accuracy(logits, labels, 1), "top5": topk_accuracy(logits, labels, min(5, logits.shape[1]))}

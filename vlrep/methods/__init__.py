@@ -12,4 +12,8 @@ def build(config: ml_collections.ConfigDict, vocab_size: int):
     from vlrep.methods.virtex import VirTex
 
     return VirTex(config, vocab_size)
-  raise ValueError(f"Unknown method {name!r}. Known methods: virtex")
+  if name == "classifier":
+    from vlrep.methods.classifier import Classifier
+
+    return Classifier(config, vocab_size)
+  raise ValueError(f"Unknown method {name!r}. Known methods: virtex, classifier")

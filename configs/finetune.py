@@ -1,0 +1,104 @@
+r"""End-to-end fine-tuning of a pretrained backbone for image classification (VirTex appendix A.3, iNaturalist).
+
+  python -m vlrep.main --config=configs/finetune.py --config.init_from=/runs/virtex_r50 --workdir=/runs/inat_ft
+  python -m vlrep.main --config=configs/finetune.py:runlocal --config.init_from=/tmp/virtex_local \
+      --workdir=/tmp/ft_local
+
+The recipe (torchvision's, as in VirTex): iNaturalist 2018 train -> val (a prepared TFDS dataset with 'image'
+and 'label'), ResNet-50 + linear layer, 100 epochs, SGD momentum 0.9, weight decay 1e-4, batch 256, LR 0.025
+(0.1 from random init: leave init_from empty and pass lr=0.1) multiplied by 0.1 at epochs 70 and 90;
+random-resized crop + flip for training, resize 256 / centre 224 for evaluation. The backbone (weights and
+BatchNorm statistics) comes from `init_from`'s best checkpoint; the loop checks the shapes match.
+Arguments: runlocal (synthetic_scenes, class of the largest object), dataset, num_classes, lr, epochs.
+"""
+
+from ml_collections import ConfigDict
+
+from vlrep.config_utils import parse_arg
+
+
+def get_config(arg=None):
+  arg = parse_arg(arg, runlocal=False, dataset="i_naturalist2018", num_classes=8142, lr=0.025, epochs=100.0)
+  c = ConfigDict()
+  c.seed = 0
+  c.init_from = ""  # a vlrep run directory whose backbone initialises this one
+  c.method = dict(
+    name="classifier",
+    num_classes=arg.num_classes,
+    backbone=dict(depth=50, width=64, bn_group_size=32),
+    dtype="bfloat16",
+    label_smoothing=0.0,
+    head_init_std=0.01,
+  )
+  c.data = dict(
+    name=arg.dataset,
+    config_name="",
+    data_dir="",
+    split="train",
+    prefetch=2,
+    pp="decode|inception_crop(224, area=(0.08, 1.0))|flip_lr_swap_words(keys=())|normalize",
+  )
+  c.batch_size = 256
+  c.total_steps = 0
+  c.total_epochs = arg.epochs
+  c.total_examples = 0
+  c.optim = dict(
+    name="sgd",
+    momentum=0.9,
+    nesterov=False,
+    weight_decay=1e-4,
+    grad_clip_norm=0.0,
+    lookahead_steps=0,
+    lookahead_alpha=0.5,
+    warmup_steps=0,
+    warmup_epochs=0.0,
+    warmup_examples=0,
+    lr_groups=((".*", arg.lr),),
+    no_decay="",
+    b1=0.9,
+    b2=0.999,
+    eps=1e-8,
+    schedule="step",
+    step_at=(0.7, 0.9),
+    step_factor=0.1,
+  )
+  c.sharding = dict(params="replicate", num_devices=0)
+  c.checkpoint = dict(every_steps=5000, keep=2, async_save=True)
+  c.log_every_steps = 100
+  c.evals = dict(
+    val=dict(
+      type="accuracy",
+      dataset=arg.dataset,
+      data_dir="",
+      config_name="",
+      split="validation",
+      pp="decode|resize_small(256)|central_crop(224)|normalize",
+      label_key="label",
+      batch_size=256,
+      every_steps=5000,
+    )
+  )
+  c.best_metric = "val/top1"
+  if arg.runlocal:
+    c.data.update(
+      name="synthetic_scenes",
+      config_name="default",
+      data_dir="~/.cache/vlrep/tensorflow_datasets",
+      pp="decode|inception_crop(64, area=(0.5, 1.0))|flip_lr_swap_words(keys=())|normalize|largest_object_label",
+    )
+    c.method.update(num_classes=10, dtype="float32", backbone=dict(depth=26, width=16, bn_group_size=32))
+    c.batch_size = 64
+    c.total_epochs = arg.epochs if arg.epochs != 100.0 else 4.0
+    c.optim.lr_groups = ((".*", arg.lr if arg.lr != 0.025 else 0.05),)
+    c.checkpoint.every_steps = 200
+    c.log_every_steps = 50
+    c.evals.val.update(
+      dataset="synthetic_scenes",
+      config_name="default",
+      data_dir=c.data.data_dir,
+      split="val",
+      pp="decode|normalize|largest_object_label",
+      batch_size=100,
+      every_steps=0,
+    )
+  return c

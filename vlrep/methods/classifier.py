@@ -1,0 +1,64 @@
+"""Supervised image classification with a ResNet: end-to-end fine-tuning for transfer (VirTex appendix A.3,
+iNaturalist-style), with the backbone initialised from a pretrained run (`config.init_from`).
+
+Config `method`: name='classifier', num_classes, backbone {depth, width, bn_group_size}, dtype,
+label_smoothing, head_init_std.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from vlrep.models import resnet
+
+
+class ClassifierModel(nn.Module):
+  num_classes: int
+  backbone: dict
+  head_init_std: float = 0.01
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, images, train: bool = False):
+    _, aux = resnet.ResNet(**self.backbone, dtype=self.dtype, name="backbone")(images, train)
+    logits = nn.Dense(
+      self.num_classes,
+      kernel_init=nn.initializers.normal(self.head_init_std),
+      param_dtype=jnp.float32,
+      name="classifier",
+    )(aux["pre_logits"])
+    return logits, aux
+
+
+class Classifier:
+  fields = ("image", "label")
+
+  def __init__(self, config: ml_collections.ConfigDict, vocab_size: int = 0):
+    del vocab_size
+    if not config.get("num_classes"):
+      raise ValueError("method.num_classes must be set for the classifier.")
+    self.config = config
+    self.model = ClassifierModel(
+      config.num_classes, dict(config.backbone), config.get("head_init_std", 0.01), jnp.dtype(config.dtype)
+    )
+
+  def init(self, rng, batch) -> dict:
+    return self.model.init(rng, batch["image"], False)
+
+  def loss(self, variables, batch, rng, train: bool = True):
+    del rng
+    (logits, _), new_state = self.model.apply(variables, batch["image"], train, mutable=["batch_stats"])
+    labels = optax.smooth_labels(
+      jax.nn.one_hot(batch["label"], self.config.num_classes), self.config.get("label_smoothing", 0.0)
+    )
+    loss = jnp.mean(optax.softmax_cross_entropy(logits.astype(jnp.float32), labels))
+    accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
+    return loss, {"accuracy": accuracy}, new_state
+
+  def features(self, variables, images) -> dict:
+    logits, aux = self.model.apply(variables, images, False)
+    return {"logits": logits.astype(jnp.float32), "pre_logits": aux["pre_logits"]}
