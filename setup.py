@@ -5,7 +5,7 @@ import setuptools
 setuptools.setup(
   name="vlrep",
   version="0.1.0",
-  description="Visual representation learning from text annotations (VirTex, LocTex, ICMLM, MCT, VL pretraining) in JAX/Flax.",
+  description="Visual representations from text annotations (VirTex, LocTex, ICMLM, MCT, VL pretraining) in JAX.",
   packages=setuptools.find_packages(include=["vlrep", "vlrep.*"]),
   python_requires=">=3.10",
   install_requires=[
