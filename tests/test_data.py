@@ -137,3 +137,18 @@ def test_build_vocab_command(tmp_path):
     tokenizers.Tokenizer(str(path)).decode(tokenizers.Tokenizer(str(path)).encode("a red star.", 10)[0])
     == "a red star."
   )
+
+
+def test_every_split_has_its_own_images(tiny_builder):
+  """Regression: 1.0.0 seeded splits from the first 4 bytes of their names, so probe_trainval == probe_test."""
+  import hashlib
+
+  from vlrep.data import pipeline
+
+  digests = {}
+  for split in tiny_builder.info.splits:
+    digests[split] = {hashlib.sha1(r).hexdigest() for r in pipeline.load_records(tiny_builder, split)}
+  names = sorted(digests)
+  for i, a in enumerate(names):
+    for b in names[i + 1 :]:
+      assert not digests[a] & digests[b], (a, b)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import zlib
 
 import numpy as np
 import tensorflow_datasets as tfds
@@ -41,8 +42,12 @@ _TINY_SPLITS = {"train": 64, "val": 16, "probe_trainval": 40, "probe_test": 40, 
 class SyntheticScenes(tfds.core.GeneratorBasedBuilder):
   """Procedurally generated scenes of coloured shapes with captions, narrations, masks, QA and entailment."""
 
-  VERSION = tfds.core.Version("1.0.0")
-  RELEASE_NOTES = {"1.0.0": "First release."}
+  VERSION = tfds.core.Version("1.1.0")
+  RELEASE_NOTES = {
+    "1.0.0": "First release.",
+    "1.1.0": "Fix: split seeds from the CRC32 of the split name. 1.0.0 took the first 4 bytes of the name, so "
+    "probe_trainval and probe_test (and ood_train and ood_val) were the same images.",
+  }
   BUILDER_CONFIGS = [
     ScenesConfig(
       name="default",
@@ -103,7 +108,7 @@ class SyntheticScenes(tfds.core.GeneratorBasedBuilder):
   def _generate_examples(self, split: str, num_examples: int):
     cfg = self.builder_config
     # Split-specific seed: crc of the split name, so adding a split does not change the others.
-    seed = np.random.SeedSequence([cfg.seed, int.from_bytes(split.encode(), "little") % (2**31)])
+    seed = np.random.SeedSequence([cfg.seed, zlib.crc32(split.encode())])
     style = "sketch" if split.startswith("ood") else "main"
     # One child seed per example: examples do not depend on how generation is parallelised. Workers are
     # spawned (not forked: the parent runs TF/JAX threads) and import only the numpy/PIL scene module.
