@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import tensorflow as tf
+import tensorflow_datasets as tfds
 
 from vlrep.data import ops, pipeline, tokenizers
 from vlrep.data.builders import scenes
@@ -152,3 +153,17 @@ def test_every_split_has_its_own_images(tiny_builder):
   for i, a in enumerate(names):
     for b in names[i + 1 :]:
       assert not digests[a] & digests[b], (a, b)
+
+
+def test_largest_object_label_is_the_most_visible_object(tiny_builder):
+  from vlrep.data import ops
+
+  op = ops.get_largest_object_label()
+  checked = 0
+  for ex in tiny_builder.as_dataset(split="val", decoders={"object_map": tfds.decode.SkipDecoding()}).take(8):
+    ids = tf.io.decode_png(ex["object_map"]).numpy().reshape(-1)
+    counts = np.bincount(ids, minlength=len(ex["objects"]["label"]) + 1)[1:]
+    expected = int(ex["objects"]["label"].numpy()[np.argmax(counts)])
+    assert int(op(ex)["label"]) == expected
+    checked += len(counts) > 1
+  assert checked >= 3  # several scenes with more than one object

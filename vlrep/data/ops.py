@@ -307,14 +307,20 @@ def get_voc_labels(num_classes: int, key: str = "objects", out: str = "labels"):
 
 
 @register
-def get_largest_object_label(key: str = "objects", out: str = "label"):
-  """Single-label classification target from object annotations: the class of the largest box (area)."""
+def get_largest_object_label(key: str = "objects", out: str = "label", object_map: str = "object_map"):
+  """Single-label classification target: the class of the object covering most pixels (its visible area, from
+  the instance map `object_map`, where object k is drawn as k + 1); from box areas when there is no map."""
 
   def op(ex):
     ex = dict(ex)
-    box = ex[key]["bbox"]
-    area = (box[:, 2] - box[:, 0]) * (box[:, 3] - box[:, 1])
-    ex[out] = tf.cast(tf.gather(ex[key]["label"], tf.argmax(area)), tf.int32)
+    labels = ex[key]["label"]
+    if object_map in ex:
+      ids = tf.reshape(tf.io.decode_png(ex[object_map]) if ex[object_map].dtype == tf.string else ex[object_map], [-1])
+      area = tf.math.bincount(tf.cast(ids, tf.int32), minlength=tf.size(labels) + 1)[1 : tf.size(labels) + 1]
+    else:
+      box = ex[key]["bbox"]
+      area = (box[:, 2] - box[:, 0]) * (box[:, 3] - box[:, 1])
+    ex[out] = tf.cast(tf.gather(labels, tf.argmax(area)), tf.int32)
     return ex
 
   return op
