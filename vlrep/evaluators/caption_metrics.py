@@ -5,7 +5,8 @@ document frequencies from the evaluated references, clipped candidate counts, Ga
 sigma 6, times 10; Papineni et al. for BLEU, corpus level with the closest reference length, as coco-caption's
 Bleu scorer computes it). Text is normalised by `normalize` (lower case, punctuation removed), a close stand-in
 for coco-caption's Java PTB tokenizer. METEOR and SPICE need Java and the jars of the `pycocoevalcap` package;
-they are computed only when both are present (SPICE also needs its Stanford models on disk).
+they are computed only when both are present (SPICE also needs `stanford-corenlp-3.6.0.jar` in
+pycocoevalcap/spice/lib/, which pycocoevalcap would download; vlrep never downloads it).
 """
 
 from __future__ import annotations
@@ -111,12 +112,20 @@ def java_metrics(candidates: dict, references: dict) -> dict[str, float]:
     out["meteor"] = float(Meteor().compute_score(gts, res)[0]) * 100
   except Exception as e:  # noqa: BLE001 - a broken Java setup must not lose the other metrics
     out["meteor_error"] = str(e)[:200]
-  try:
-    from pycocoevalcap.spice.spice import Spice
+  # SPICE needs Stanford CoreNLP's jar beside pycocoevalcap's; it would try to download it, so only run it
+  # when a user has put it there.
+  import os
 
-    out["spice"] = float(Spice().compute_score(gts, res)[0]) * 100
-  except Exception:  # noqa: BLE001 - SPICE needs Stanford CoreNLP models that cannot be fetched offline
-    pass
+  import pycocoevalcap
+
+  corenlp = os.path.join(os.path.dirname(pycocoevalcap.__file__), "spice", "lib", "stanford-corenlp-3.6.0.jar")
+  if os.path.exists(corenlp):
+    try:
+      from pycocoevalcap.spice.spice import Spice
+
+      out["spice"] = float(Spice().compute_score(gts, res)[0]) * 100
+    except Exception as e:  # noqa: BLE001 - keep CIDEr/BLEU/METEOR when SPICE's Java side fails
+      out["spice_error"] = str(e)[:200]
   return {k: v for k, v in out.items() if not k.endswith("_error")}
 
 
