@@ -115,10 +115,10 @@ def java_metrics(candidates: dict, references: dict) -> dict[str, float]:
   # SPICE needs Stanford CoreNLP's jar beside pycocoevalcap's; it would try to download it, so only run it
   # when a user has put it there.
   import os
+  import sys
 
-  import pycocoevalcap
-
-  corenlp = os.path.join(os.path.dirname(pycocoevalcap.__file__), "spice", "lib", "stanford-corenlp-3.6.0.jar")
+  package_dir = os.path.dirname(os.path.dirname(sys.modules[Meteor.__module__].__file__))  # a namespace package
+  corenlp = os.path.join(package_dir, "spice", "lib", "stanford-corenlp-3.6.0.jar")
   if os.path.exists(corenlp):
     try:
       from pycocoevalcap.spice.spice import Spice
