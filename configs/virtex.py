@@ -13,7 +13,7 @@ Ablations (arguments combine with commas; any key can also be overridden with --
   backbone=r50|r101|r50w2x                                        visual backbone (Fig. 5b)
   captions=1|5                                                    captions per image used for training
   fraction=10|20|50|100                                           percent of the training images (Fig. 4)
-  head_lr=0.05                                                    textual head LR (0: the paper's 1e-3)
+  head_lr=0.05                                                    textual head LR (0: the default, 1e-3; runlocal 0.05)
 """
 
 from vlrep.config_utils import parse_arg
@@ -139,7 +139,9 @@ def _runlocal(c, arg):
   c.batch_size = 64
   c.total_steps = arg.steps or 250
   c.optim.warmup_steps = 50
-  # The paper's learning rates are kept: a sweep at this budget found none clearly better (README).
+  # Textual head LR 0.05 instead of the paper's 1e-3 (tuned for 500K steps): at 250 steps the head barely
+  # learns to caption with 1e-3 (beam-search CIDEr 0.0 vs 41 with 0.05; README); the backbone keeps 0.2.
+  c.optim.lr_groups = (("^backbone/", 0.2), (".*", arg.head_lr or 0.05))
   c.checkpoint.every_steps = 200
   c.log_every_steps = 50
   c.evals.probe.update(

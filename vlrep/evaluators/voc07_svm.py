@@ -141,9 +141,9 @@ def _all_classes_jax(train_x, train_y, test_x, test_y, fold_ids, costs, folds, t
   class_weight = np.where(y > 0, 2.0, 1.0)
   # The solver works in the eigenbasis of the (bias-augmented) Gram matrix, shared by all problems: its Jacobi
   # preconditioner then captures the features' correlations (see linear_svm.py).
-  xa = jnp.concatenate([jnp.asarray(train_x, jnp.float32), jnp.ones((n, 1), jnp.float32)], axis=1)
-  rot = linear_svm.eigenbasis(xa)
-  xr = xa @ rot
+  xa = np.concatenate([train_x, np.ones((n, 1))], axis=1).astype(np.float32)
+  rot = jnp.asarray(linear_svm.eigenbasis(xa))
+  xr = jnp.asarray(xa) @ rot
   test_xa = jnp.concatenate([jnp.asarray(test_x, jnp.float32), jnp.ones((len(test_x), 1), jnp.float32)], axis=1)
   cv_ap = np.full((len(costs), k), np.nan)
   test_scores = {}
