@@ -127,7 +127,6 @@ def _one_class_sklearn(c, train_x, train_y, test_x, test_y, fold_ids, costs, fol
 
 def _all_classes_jax(train_x, train_y, test_x, test_y, fold_ids, costs, folds, tol) -> list[tuple[float, float]]:
   """Every class x fold (plus the full trainval fit) as one batch of SVMs, per cost, warm-started along costs."""
-  import jax
   import jax.numpy as jnp
 
   from vlrep.evaluators import linear_svm
@@ -136,24 +135,28 @@ def _all_classes_jax(train_x, train_y, test_x, test_y, fold_ids, costs, folds, t
   # Problem p = (class c, fold f); f == folds is the fit on all of trainval.
   cls = np.repeat(np.arange(k), folds + 1)
   fold = np.tile(np.arange(folds + 1), k)
-  y = np.where(train_y[:, cls] > 0, 1.0, -1.0)
+  y = np.where(train_y[:, cls] > 0, 1.0, -1.0).astype(np.float32)
   in_set = (fold_ids[:, cls] >= 0) & (fold_ids[:, cls] != fold[None])
   class_weight = np.where(y > 0, 2.0, 1.0)
   # The solver works in the eigenbasis of the (bias-augmented) Gram matrix, shared by all problems: its Jacobi
   # preconditioner then captures the features' correlations (see linear_svm.py).
+  # Everything but the solver runs in NumPy: eager JAX ops would each compile once, which costs more than
+  # these few products on the host (the first probe of a process pays for compilation).
   xa = np.concatenate([train_x, np.ones((n, 1))], axis=1).astype(np.float32)
-  rot = jnp.asarray(linear_svm.eigenbasis(xa))
-  xr = jnp.asarray(xa) @ rot
-  test_xa = jnp.concatenate([jnp.asarray(test_x, jnp.float32), jnp.ones((len(test_x), 1), jnp.float32)], axis=1)
+  rot = linear_svm.eigenbasis(xa)
+  xr = xa @ rot
+  xr_device = jnp.asarray(xr)
+  test_xa = np.concatenate([test_x, np.ones((len(test_x), 1))], axis=1).astype(np.float32)
+  full = fold == folds
   cv_ap = np.full((len(costs), k), np.nan)
   test_scores = {}
-  w = jnp.zeros((xr.shape[1], len(cls)), jnp.float32)
+  w_host = np.zeros((xr.shape[1], len(cls)), np.float32)
   for i in np.argsort(costs):  # ascending costs: each warm-starts the next
-    w, b, _ = linear_svm.solve(xr, y, costs[i] * class_weight * in_set, tol=tol, append_bias=False, w_init=w)
-    w = jnp.concatenate([w, b[None]], axis=0)
-    train_scores = np.asarray(xr @ w)
-    full = fold == folds
-    test_scores[i] = np.asarray(test_xa @ (rot @ w[:, full]))
+    s = (costs[i] * class_weight * in_set).astype(np.float32)
+    w, b, _ = linear_svm.solve(xr_device, y, s, tol=tol, append_bias=False, w_init=w_host)
+    w_host = np.concatenate([np.asarray(w), np.asarray(b)[None]], axis=0)
+    train_scores = xr @ w_host
+    test_scores[i] = test_xa @ (rot @ w_host[:, full])
     for c in range(k):
       if (fold_ids[:, c] < 0).all():
         continue
@@ -162,7 +165,6 @@ def _all_classes_jax(train_x, train_y, test_x, test_y, fold_ids, costs, folds, t
         va = fold_ids[:, c] == f
         aps.append(voc07_ap(train_scores[va, c * (folds + 1) + f], y[va, c * (folds + 1)]))
       cv_ap[i, c] = np.mean(aps)
-  jax.block_until_ready(w)
   results = []
   for c in range(k):
     if np.isnan(cv_ap[:, c]).all():
