@@ -269,6 +269,13 @@ def test_evaluate_bad_inputs(tiny_run, tmp_path):
     )
 
 
+def test_unprepared_tfds_dataset_names_the_build_command(tmp_path):
+  from vlrep.data import pipeline
+
+  with pytest.raises(FileNotFoundError, match="tfds build imagenet2012"):
+    pipeline.get_builder("imagenet2012", str(tmp_path))
+
+
 def test_evaluate_cli(tiny_run):
   proc = subprocess.run(
     [
