@@ -37,6 +37,9 @@ def test_main_end_to_end_writes_summary(tmp_path):
     assert key in summary, summary
   assert summary["steps"] == 6 and 0 <= summary["probe/map"] <= 100 and np.isfinite(summary["train/loss"])
   assert "probe/map: pretrained" in proc.stdout and "vs random init" in proc.stdout
+  # Whole-model evaluators run in the loop too: captioning on 8 val images at the end.
+  assert 0 <= summary["captioning/cider"] and 0 <= summary["captioning/bleu4"] <= 100
+  assert "captioning/cider:" in proc.stdout
 
 
 def test_sigkill_and_restart_matches_uninterrupted_run(tmp_path):

@@ -20,4 +20,6 @@ def get_config(arg=None):
   c.checkpoint.update(every_steps=2, keep=10, async_save=False)
   c.log_every_steps = 1
   c.evals.probe.update(config_name="tiny", data_dir=data_dir, batch_size=16, every_steps=0, costs=(0.1, 1.0))
+  if "captioning" in c.evals:
+    c.evals.captioning.update(config_name="tiny", data_dir=data_dir, batch_size=8, limit=8, max_len=6)
   return c

@@ -69,6 +69,8 @@ def _print_result(summary: dict) -> None:
   for key in sorted(k for k in summary if k.endswith("/map")):
     base = summary.get(f"{key}_random_init")
     lines.append(f"{key}: pretrained {summary[key]:.2f}" + (f" vs random init {base:.2f}" if base is not None else ""))
+  for key in sorted(k for k in summary if k.endswith(("/cider", "/bleu4", "/top1"))):
+    lines.append(f"{key}: {summary[key]:.2f}")
   print("\n".join(lines), flush=True)
 
 
