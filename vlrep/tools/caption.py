@@ -53,6 +53,7 @@ def caption_files(
   import jax
 
   from vlrep import evaluate, visualize
+  from vlrep.data.tokenizers import EOS_ID
   from vlrep.evaluators.captioning import captioner_for
 
   if not paths:
@@ -72,7 +73,7 @@ def caption_files(
   out = {}
   for i, path in enumerate(paths):
     ids = tokens[i].tolist()
-    n = ids.index(3) if 3 in ids else len(ids)  # up to [EOS]
+    n = ids.index(EOS_ID) if EOS_ID in ids else len(ids)
     entry = {"caption": tok.decode(ids), "tokens": [tok.sp.id_to_piece(t) for t in ids[:n]]}
     if attention_dir:
       name = os.path.splitext(os.path.basename(path))[0]

@@ -25,6 +25,7 @@ flags.DEFINE_string("config", "configs/virtex.py:runlocal", "Config whose backbo
 flags.DEFINE_list("sets", ["voc07_size", "synthetic_scenes"], "Feature sets to benchmark.")
 flags.DEFINE_float("signal", 0.2, "Strength of the label signal in the voc07_size features.")
 flags.DEFINE_string("out", None, "Write the results as JSON here.")
+flags.DEFINE_bool("chance", False, "Only print the chance-level mAP (random scores) of the runlocal probe_test.")
 FLAGS = flags.FLAGS
 
 
@@ -102,11 +103,31 @@ def compare(name: str, train_x, train_y, test_x, test_y) -> dict:
   return out
 
 
+def chance_map(labels: np.ndarray, draws: int = 50, seed: int = 0) -> float:
+  """Mean VOC07 AP of random scores: the probe's chance level for these labels ({1, 0, -1})."""
+  from vlrep.evaluators import voc07_svm
+
+  rng = np.random.default_rng(seed)
+  aps = []
+  for c in range(labels.shape[1]):
+    y = labels[labels[:, c] != 0, c]
+    aps.append(np.mean([voc07_svm.voc07_ap(rng.random(len(y)), y) for _ in range(draws)]))
+  return float(np.mean(aps) * 100)
+
+
 def main(argv):
   del argv
   import os
 
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  if FLAGS.chance:
+    from vlrep.data import pipeline
+
+    b = pipeline.get_builder("synthetic_scenes", "~/.cache/vlrep/tensorflow_datasets", "default")
+    batches = pipeline.eval_batches(b, "probe_test", "voc_labels(10)", ("labels",), 500)
+    labels = np.concatenate([x["labels"][x["_mask"].astype(bool)] for x in batches])
+    print(f"probe_test chance mAP (random scores): {chance_map(labels):.2f}")
+    return
   results = []
   for name in FLAGS.sets:
     if name == "voc07_size":
