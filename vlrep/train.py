@@ -109,7 +109,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   # Methods without text (e.g. the fine-tuning classifier) have no tokenizer.
   tokenizer = tokenizers.ensure_tokenizer(config.tokenizer, builder) if config.get("tokenizer") else None
   context = {"tokenizer": tokenizer}
-  method = methods.build(config.method, tokenizer.vocab_size if tokenizer else 0)
+  method = methods.build(config.method, tokenizer.vocab_size if tokenizer else 0, mesh.shape[sharding.DATA])
   context["method"] = method
   split, fraction = pipeline.split_name(config.data.split)
   num_examples = int(builder.info.splits[split].num_examples * fraction)

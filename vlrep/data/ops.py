@@ -141,6 +141,7 @@ def get_inception_crop(
     ex[key] = tf.cast(
       tf.clip_by_value(tf.image.resize(crop, [size, size], "bilinear", antialias=True), 0, 255), tf.uint8
     )
+    _crop_companions(ex, begin[:2], crop_size[:2], tf.shape(img)[:2], [size, size])
     return ex
 
   return op
@@ -150,7 +151,9 @@ def get_inception_crop(
 def get_resize(size: int, key: str = "image"):
   def op(ex):
     ex = dict(ex)
+    shape = tf.shape(ex[key])[:2]
     ex[key] = tf.cast(tf.clip_by_value(tf.image.resize(ex[key], [size, size], antialias=True), 0, 255), tf.uint8)
+    _crop_companions(ex, [0, 0], shape, shape, [size, size])
     return ex
 
   return op
@@ -167,6 +170,7 @@ def get_resize_small(size: int, key: str = "image"):
     scale = size / tf.minimum(h, w)
     new = tf.cast(tf.round(tf.stack([h * scale, w * scale])), tf.int32)
     ex[key] = tf.cast(tf.clip_by_value(tf.image.resize(img, new, antialias=True), 0, 255), tf.uint8)
+    _crop_companions(ex, [0, 0], tf.shape(img)[:2], tf.shape(img)[:2], new)
     return ex
 
   return op
@@ -179,9 +183,29 @@ def get_central_crop(size: int, key: str = "image"):
     img = ex[key]
     h, w = tf.shape(img)[0], tf.shape(img)[1]
     ex[key] = tf.image.crop_to_bounding_box(img, (h - size) // 2, (w - size) // 2, size, size)
+    _crop_companions(ex, [(h - size) // 2, (w - size) // 2], [size, size], [h, w], [size, size])
     return ex
 
   return op
+
+
+# Fields that move with the image when it is cropped, resized or flipped (if the example has them).
+TRACES, OBJECT_MAP = "traces", "object_map"
+
+
+def _crop_companions(ex: Example, offset_yx, crop_hw, image_hw, out_hw) -> None:
+  """Applies a crop (pixel offset/size in an image of image_hw) resized to out_hw to the mouse traces
+  (normalised coordinates) and the instance map (nearest neighbour), in place."""
+  from vlrep.data import traces as traces_lib
+
+  if TRACES in ex:
+    ex[TRACES] = traces_lib.crop_points(tf.reshape(tf.cast(ex[TRACES], tf.float32), [-1, 3]), offset_yx, crop_hw, image_hw)
+  if OBJECT_MAP in ex:
+    omap = ex[OBJECT_MAP]
+    if omap.dtype == tf.string:
+      omap = tf.io.decode_png(omap, channels=1)
+    omap = tf.slice(omap, tf.stack([offset_yx[0], offset_yx[1], 0]), tf.stack([crop_hw[0], crop_hw[1], 1]))
+    ex[OBJECT_MAP] = tf.cast(tf.image.resize(omap, out_hw, "nearest"), tf.uint8)
 
 
 def _swap_left_right(text: tf.Tensor) -> tf.Tensor:
@@ -191,15 +215,33 @@ def _swap_left_right(text: tf.Tensor) -> tf.Tensor:
 
 
 @register
-def get_flip_lr_swap_words(keys: tuple[str, ...] = ("captions",), prob: float = 0.5, key: str = "image"):
-  """Horizontal flip that also swaps the words 'left' and 'right' in the text fields (VirTex)."""
+def get_flip_lr_swap_words(
+  keys: tuple[str, ...] = ("captions", "narration", "timed_caption/utterance"), prob: float = 0.5, key: str = "image"
+):
+  """Horizontal flip that also swaps the words 'left' and 'right' in the text fields (VirTex, LocTex); `a/b`
+  names a nested field. Mouse traces and the instance map flip with the image."""
 
   def op(ex):
     ex = dict(ex)
     flip = tf.random.stateless_uniform([], _next_rng(ex)) < prob
     ex[key] = tf.cond(flip, lambda: tf.reverse(ex[key], axis=[1]), lambda: ex[key])
+    if TRACES in ex:
+      from vlrep.data import traces as traces_lib
+
+      pts = tf.reshape(tf.cast(ex[TRACES], tf.float32), [-1, 3])
+      ex[TRACES] = tf.cond(flip, lambda: traces_lib.flip_points(pts), lambda: pts)
+    if OBJECT_MAP in ex and ex[OBJECT_MAP].dtype != tf.string:
+      ex[OBJECT_MAP] = tf.cond(flip, lambda: tf.reverse(ex[OBJECT_MAP], axis=[1]), lambda: ex[OBJECT_MAP])
+    elif OBJECT_MAP in ex:
+      omap = tf.io.decode_png(ex[OBJECT_MAP], channels=1)
+      ex[OBJECT_MAP] = tf.cond(flip, lambda: tf.reverse(omap, axis=[1]), lambda: omap)
     for k in keys:
-      if k in ex:
+      outer, _, inner = k.partition("/")
+      if outer in ex and inner and inner in ex[outer]:
+        sub = dict(ex[outer])
+        sub[inner] = tf.cond(flip, lambda: _swap_left_right(sub[inner]), lambda: sub[inner])
+        ex[outer] = sub
+      elif k in ex:
         ex[k] = tf.cond(flip, lambda k=k: _swap_left_right(ex[k]), lambda k=k: ex[k])
     ex["flipped"] = flip
     return ex
@@ -344,3 +386,7 @@ def get_keep(*keys: str):
     return {k: ex[k] for k in keys if k in ex}
 
   return op
+
+
+# Trace ops (clean_traces, trace_words, oracle_word_masks, tokenize_words) register themselves on import.
+from vlrep.data import traces as _traces  # noqa: E402, F401

@@ -90,6 +90,11 @@ class Tokenizer:
     out[: len(ids)] = ids
     return out, truncated
 
+  def encode_words(self, words: list[str]) -> list[list[int]]:
+    """Pieces of each word separately (no specials): the same pieces as in the sentence, since SentencePiece
+    marks each word's start with its whitespace symbol either way."""
+    return self.sp.encode([normalize_text(w) for w in words]) if words else []
+
   def decode(self, ids) -> str:
     ids = [int(i) for i in ids]
     if SOS_ID in ids[:1]:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import ml_collections
 
 
-def build(config: ml_collections.ConfigDict, vocab_size: int):
-  """Instantiates the method named by `config.name`."""
+def build(config: ml_collections.ConfigDict, vocab_size: int, num_data_shards: int = 1):
+  """Instantiates the method named by `config.name`. `num_data_shards` (the mesh's data axis size) is what
+  per-device losses (LocTex's InfoNCE) split the batch by."""
   name = config.name
   if name == "virtex":
     from vlrep.methods.virtex import VirTex
@@ -16,4 +17,8 @@ def build(config: ml_collections.ConfigDict, vocab_size: int):
     from vlrep.methods.classifier import Classifier
 
     return Classifier(config, vocab_size)
-  raise ValueError(f"Unknown method {name!r}. Known methods: virtex, classifier")
+  if name == "loctex":
+    from vlrep.methods.loctex import LocTex
+
+    return LocTex(config, vocab_size, num_data_shards)
+  raise ValueError(f"Unknown method {name!r}. Known methods: virtex, classifier, loctex")

@@ -1,0 +1,104 @@
+"""Localization of words: how well a LocTex model's image-caption attention points at the objects named.
+
+For every token of an object word (a class name, e.g. 'circle' or 'squares') whose ground-truth mask is not
+empty, with the attention softmax over the grid cells of each map the method gives (LocTex: '1x', '2x', ...
+from the localization projections, and 'contrastive' from the contrastive projections):
+  pointing_<map>   the fraction of tokens whose most-attended cell overlaps the named class's visible
+                   instances (the pointing game; a cell counts if any pixel of them lies in it);
+  iou_<map>        mean IoU between the cells attended at least half as much as the top cell and the
+                   ground-truth cells;
+  chance_<map>     the pointing accuracy of a uniformly random cell (mean ground-truth area fraction).
+
+Config: dataset, data_dir, config_name, split, pp (must give 'image', 'tokens' and 'trace_mask_<R>' with the
+ground truth, e.g. via oracle_word_masks(match_traces=False)), grid_sizes (R per map, in the method's scale
+order; the contrastive map uses the first), batch_size, limit (first N images; 0 = all), every_steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from absl import logging
+
+
+def pointing_and_iou(attention: np.ndarray, truth: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """attention [B, T, R, R] (any non-negative map), truth [B, T, R, R] binary. Returns per supervised token
+  (truth not empty): hit (bool), IoU, chance (truth area fraction)."""
+  b, t = attention.shape[:2]
+  att = attention.reshape(b * t, -1)
+  gt = truth.reshape(b * t, -1) > 0
+  keep = gt.any(axis=1)
+  att, gt = att[keep], gt[keep]
+  hit = gt[np.arange(len(att)), att.argmax(axis=1)]
+  attended = att >= 0.5 * att.max(axis=1, keepdims=True)
+  iou = (attended & gt).sum(1) / np.maximum((attended | gt).sum(1), 1)
+  return hit, iou, gt.mean(axis=1)
+
+
+class Localization:
+  feature_key = None  # works on the whole model: run() receives the variables
+
+  def __init__(self, config, context: dict, host: int = 0, num_hosts: int = 1):
+    from vlrep.data import pipeline
+
+    self.config = config
+    self.method = context.get("method")
+    if not hasattr(self.method, "attention"):
+      raise ValueError(
+        "The localization evaluator needs a method with image-caption attention maps (LocTex); this run's is "
+        f"{type(self.method).__name__}."
+      )
+    self.grid_sizes = tuple(config.grid_sizes)
+    self.builder = pipeline.get_builder(config.dataset, config.get("data_dir"), config.get("config_name"))
+    self.host, self.num_hosts, self.context = host, num_hosts, context
+    self.attention = jax.jit(self.method.attention)
+
+  def run(self, features_fn: Callable, variables=None) -> dict[str, float]:
+    from jax.experimental import multihost_utils
+
+    from vlrep.data import pipeline
+
+    del features_fn
+    c = self.config
+    split = c.split
+    if c.get("limit"):
+      total = self.builder.info.splits[c.split].num_examples
+      split = f"{c.split}[:{100.0 * min(c.limit, total) / total}%]"
+    fields = ("image", "tokens", *(f"trace_mask_{r}" for r in self.grid_sizes))
+    t0 = time.time()
+    sums: dict[str, np.ndarray] = {}
+    for batch in pipeline.eval_batches(
+      self.builder, split, c.pp, fields, c.batch_size // self.num_hosts, self.host, self.num_hosts, self.context
+    ):
+      maps = self.attention(variables, batch["image"], batch["tokens"])
+      real = batch["_mask"].astype(bool)
+      for name, att in maps.items():
+        r = np.asarray(att).shape[-1]
+        key = f"trace_mask_{r}"
+        if key not in batch:
+          raise ValueError(f"Map {name!r} is {r}x{r} but the pipeline gives no {key} (grid_sizes {self.grid_sizes}).")
+        hit, iou, chance = pointing_and_iou(np.asarray(att)[real], batch[key][real])
+        acc = sums.setdefault(name, np.zeros(4))
+        acc += [hit.sum(), iou.sum(), chance.sum(), len(hit)]
+    names = sorted(sums)
+    totals = np.stack([sums[n] for n in names])
+    if self.num_hosts > 1:
+      totals = np.asarray(multihost_utils.process_allgather(totals)).sum(0)
+    out = {}
+    for name, (hits, ious, chance, n) in zip(names, totals):
+      n = max(n, 1)
+      out[f"pointing_{name}"] = 100.0 * hits / n
+      out[f"iou_{name}"] = 100.0 * ious / n
+      out[f"chance_{name}"] = 100.0 * chance / n
+    out["tokens"] = float(totals[0, 3]) if len(totals) else 0.0
+    logging.info(
+      "Localization on %s/%s (%.1fs): %s",
+      self.builder.name,
+      split,
+      time.time() - t0,
+      ", ".join(f"{k}={v:.2f}" for k, v in out.items()),
+    )
+    return out

@@ -1,0 +1,141 @@
+"""LocTex (Liu et al., ICCV 2021): contrastive image-caption pretraining plus mouse-trace localization.
+
+  L = contrastive_weight * L_C + localization_weight * sum over scales of L_L(scale)
+
+L_C (eq. 1) is InfoNCE between the pooled, projected image and caption embeddings under cosine similarity
+and temperature tau. The paper computes it on each GPU's own sub-batch (`contrastive='per_device'`: the
+batch is split into as many groups as the mesh has data shards, so negatives never cross devices and no
+all-gather is needed); `contrastive='global'` uses the whole batch as negatives. Both are means over images.
+
+L_L (eq. 3), per example: the L2 distance between the attention maps M (softmax over space of token-region
+products) and the rendered traces, each normalised to unit L2 norm over all (token, cell) pairs, restricted
+to tokens whose trace is non-empty. Examples without any such token are left out; the loss is their mean.
+(The paper writes sums over the batch; means keep the two terms' balance independent of the batch size.)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from vlrep.models.loctex import LocTexModel
+
+CONTRASTIVE = ("per_device", "global")
+
+
+def info_nce(
+  image: jnp.ndarray,
+  text: jnp.ndarray,
+  temperature: float,
+  groups: int = 1,
+  symmetric: bool = False,
+  weights: jnp.ndarray | None = None,
+) -> jnp.ndarray:
+  """Mean InfoNCE of image i against caption i, with the other captions of its group (of `groups` equal,
+  contiguous parts of the batch) as negatives; cosine similarity / temperature. `symmetric` averages in the
+  caption -> image direction. `weights` [B] (0 or 1) drop rows from the mean (they remain negatives)."""
+  b = image.shape[0]
+  if b % groups:
+    raise ValueError(f"Batch {b} does not split into {groups} contrastive groups.")
+  normalize = lambda x: x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)  # noqa: E731
+  img = normalize(image.astype(jnp.float32)).reshape(groups, b // groups, -1)
+  txt = normalize(text.astype(jnp.float32)).reshape(groups, b // groups, -1)
+  logits = jnp.einsum("gid,gjd->gij", img, txt) / temperature
+  diag = jnp.diagonal(logits, axis1=1, axis2=2)
+  per_row = jax.nn.logsumexp(logits, axis=2) - diag
+  if symmetric:
+    per_row = 0.5 * (per_row + jax.nn.logsumexp(logits, axis=1) - diag)
+  w = jnp.ones((b,), jnp.float32) if weights is None else weights.astype(jnp.float32)
+  return jnp.sum(per_row.reshape(b) * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+def localization_loss(logits: jnp.ndarray, target: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+  """Eq. 3 on attention logits [B, T, N] and binary targets [B, T, N]. Returns (mean loss over examples with
+  at least one supervised token, number of such examples)."""
+  target = target.astype(jnp.float32)
+  supervised = (jnp.sum(target, axis=2) > 0).astype(jnp.float32)  # [B, T]
+  attention = jax.nn.softmax(logits.astype(jnp.float32), axis=2) * supervised[..., None]
+
+  def unit(x):
+    return x / jnp.maximum(jnp.sqrt(jnp.sum(jnp.square(x), axis=(1, 2), keepdims=True)), 1e-12)
+
+  diff = unit(attention) - unit(target)
+  per_example = jnp.sqrt(jnp.sum(jnp.square(diff), axis=(1, 2)) + 1e-12)
+  valid = (jnp.sum(supervised, axis=1) > 0).astype(jnp.float32)
+  count = jnp.sum(valid)
+  return jnp.sum(per_example * valid) / jnp.maximum(count, 1.0), count
+
+
+class LocTex:
+  """LocTex behind vlrep's method contract (init / loss / features)."""
+
+  def __init__(self, config: ml_collections.ConfigDict, vocab_size: int, num_data_shards: int = 1):
+    if config.contrastive not in CONTRASTIVE:
+      raise ValueError(f"Unknown contrastive mode {config.contrastive!r}; known: {CONTRASTIVE}")
+    if not (config.contrastive_weight or config.localization_weight):
+      raise ValueError("LocTex needs contrastive_weight or localization_weight above 0.")
+    self.config = config
+    self.groups = num_data_shards if config.contrastive == "per_device" else 1
+    self.scales = tuple(config.scales)
+    self.grid_sizes = tuple(config.grid_sizes)
+    if len(self.grid_sizes) != len(self.scales):
+      raise ValueError(f"grid_sizes {self.grid_sizes} must give one size per scale in {self.scales}.")
+    self.fields = ("image", "tokens", *(f"trace_mask_{r}" for r in self.grid_sizes))
+    self.model = LocTexModel(
+      vocab_size=vocab_size,
+      backbone=dict(config.backbone),
+      text=dict(config.text),
+      embed_dim=config.embed_dim,
+      scales=self.scales,
+      dtype=jnp.dtype(config.dtype),
+    )
+
+  # -- contract -----------------------------------------------------------------------------------------
+  def init(self, rng, batch) -> dict:
+    params_rng, dropout_rng = jax.random.split(rng)
+    return self.model.init({"params": params_rng, "dropout": dropout_rng}, batch["image"], batch["tokens"], False)
+
+  def loss(self, variables, batch, rng, train: bool = True):
+    (out, _), new_state = self.model.apply(
+      variables, batch["image"], batch["tokens"], train, rngs={"dropout": rng}, mutable=["batch_stats"]
+    )
+    cfg = self.config
+    valid_caption = ~batch["stat_empty"] if "stat_empty" in batch else None
+    l_c = info_nce(
+      out["image_embedding"], out["text_embedding"], cfg.temperature, self.groups, cfg.symmetric, valid_caption
+    )
+    metrics = {"contrastive_loss": l_c}
+    l_l = 0.0
+    for s, r in zip(self.scales, self.grid_sizes):
+      logits = out[f"attention_logits_{s}x"]
+      if logits.shape[2] != r * r:
+        raise ValueError(
+          f"Scale {s}x gives a {logits.shape[2]}-cell feature map but grid_sizes says {r}x{r}: set "
+          "method.grid_sizes (and trace_words' sizes) to the input size / 32 * scale."
+        )
+      target = batch[f"trace_mask_{r}"].reshape(logits.shape)
+      loss_s, count = localization_loss(logits, target)
+      metrics[f"localization_loss_{s}x"] = loss_s
+      metrics[f"supervised_examples_{s}x"] = count
+      l_l = l_l + loss_s
+    metrics["localization_loss"] = l_l
+    loss = cfg.contrastive_weight * l_c + cfg.localization_weight * l_l
+    return loss, metrics, new_state
+
+  def features(self, variables, images) -> dict:
+    """Frozen-backbone features for evaluators: pooled 'pre_logits' and the final 'grid'."""
+    grid, aux = self.model.apply(variables, images, False, method=LocTexModel.encode_image)
+    return {"pre_logits": aux["pre_logits"], "grid": grid.astype(jnp.float32)}
+
+  def attention(self, variables, images, tokens) -> dict:
+    """Softmax attention maps [B, T, R, R] per scale ('<s>x') and of the contrastive projections
+    ('contrastive'), with inference BatchNorm: what the localization metric and the figures show."""
+    out, _ = self.model.apply(variables, images, tokens, False)
+    maps = {f"{s}x": out[f"attention_logits_{s}x"] for s in self.scales}
+    maps["contrastive"] = self.model.apply(variables, images, tokens, method=LocTexModel.contrastive_attention)
+    result = {}
+    for k, logits in maps.items():
+      r = int(round(logits.shape[2] ** 0.5))
+      result[k] = jax.nn.softmax(logits, axis=2).reshape(*logits.shape[:2], r, r)
+    return result

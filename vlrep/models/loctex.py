@@ -1,0 +1,99 @@
+"""LocTex's model: a ResNet without pooling, a transformer text encoder, and linear projections.
+
+Contrastive branch: global average pooling of the last stage (visual) or of the tokens (textual), then a
+linear map to `embed_dim` each. Localization branch, per supervised scale s (1 = last stage, 2 = the stage
+before, 4 = the one before that): linear maps of the spatial features and of the token features to
+`embed_dim`, whose products are the image-caption attention logits [B, T, R_s * R_s] (softmax over space).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from vlrep.data import tokenizers
+from vlrep.models import resnet, transformer
+
+SCALE_TO_STAGE = {1: "stage4", 2: "stage3", 4: "stage2"}
+
+
+class TextEncoder(nn.Module):
+  """Bidirectional post-LN transformer encoder with GELU (VirTex's layers without cross-attention)."""
+
+  vocab_size: int
+  hidden: int = 1024
+  num_layers: int = 4
+  num_heads: int = 16
+  mlp_dim: int | None = None
+  max_len: int = 60
+  dropout: float = 0.1
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, tokens, train: bool = False):
+    keep = tokens != tokenizers.PAD_ID
+    mask = keep[:, None, None, :]
+    x = transformer.WordAndPositionEmbedding(
+      self.vocab_size, self.hidden, self.max_len, self.dropout, self.dtype, name="embedding"
+    )(tokens, train)
+    for layer in range(self.num_layers):
+      x, _ = transformer.DecoderLayer(
+        self.num_heads, self.mlp_dim or 4 * self.hidden, self.dropout, False, self.dtype, name=f"layer{layer}"
+      )(x, None, mask, train)
+    return x
+
+
+class LocTexModel(nn.Module):
+  vocab_size: int
+  backbone: dict
+  text: dict  # TextEncoder fields: hidden, num_layers, num_heads, max_len, dropout
+  embed_dim: int = 1024
+  scales: tuple[int, ...] = (1, 2)
+  dtype: Any = jnp.float32
+
+  def setup(self):
+    dense = lambda name: nn.Dense(self.embed_dim, dtype=self.dtype, param_dtype=jnp.float32, name=name)  # noqa: E731
+    self.visual = resnet.ResNet(**self.backbone, dtype=self.dtype, name="backbone")
+    self.textual = TextEncoder(self.vocab_size, **self.text, dtype=self.dtype, name="textual")
+    self.visual_contrastive = dense("visual_contrastive")
+    self.text_contrastive = dense("text_contrastive")
+    for s in self.scales:
+      if s not in SCALE_TO_STAGE:
+        raise ValueError(f"Unknown localization scale {s}; known: {sorted(SCALE_TO_STAGE)}")
+    self.visual_localization = {s: dense(f"visual_localization_{s}x") for s in self.scales}
+    self.text_localization = {s: dense(f"text_localization_{s}x") for s in self.scales}
+
+  def encode_image(self, images, train: bool = False):
+    return self.visual(images, train)
+
+  def __call__(self, images, tokens, train: bool = False) -> tuple[dict, dict]:
+    """Returns ({'image_embedding', 'text_embedding' [B, D], 'attention_logits_<s>x' [B, T, R_s^2]}, aux)."""
+    grid, aux = self.visual(images, train)
+    words = self.textual(tokens, train)
+    keep = (tokens != tokenizers.PAD_ID).astype(jnp.float32)[..., None]
+    text_pooled = jnp.sum(words.astype(jnp.float32) * keep, 1) / jnp.maximum(jnp.sum(keep, 1), 1.0)
+    out = {
+      "image_embedding": self.visual_contrastive(aux["pre_logits"].astype(self.dtype)).astype(jnp.float32),
+      "text_embedding": self.text_contrastive(text_pooled.astype(self.dtype)).astype(jnp.float32),
+    }
+    for s in self.scales:
+      out[f"attention_logits_{s}x"] = self._attention_logits(
+        self.visual_localization[s], self.text_localization[s], aux[SCALE_TO_STAGE[s]], words
+      )
+    return out, aux
+
+  def contrastive_attention(self, images, tokens):
+    """Attention logits [B, T, R^2] of the contrastive projections applied per location and per token (a
+    linear map commutes with average pooling): how a model trained without L_L localizes (inference BN)."""
+    _, aux = self.visual(images, False)
+    words = self.textual(tokens, False)
+    return self._attention_logits(self.visual_contrastive, self.text_contrastive, aux["stage4"], words)
+
+  @staticmethod
+  def _attention_logits(visual_proj, text_proj, grid, words):
+    b, h, w, c = grid.shape
+    v = visual_proj(grid.reshape(b, h * w, c))
+    t = text_proj(words)
+    return jnp.einsum("btd,bnd->btn", t, v).astype(jnp.float32)
