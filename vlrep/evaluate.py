@@ -137,7 +137,8 @@ def backbone_fn(run: Run, mesh=None):
 
 
 def method_and_tokenizer(run: Run) -> dict:
-  """The run's method (whole model) and tokenizer, rebuilt from its config: what captioning needs."""
+  """The run's method (whole model) and tokenizer, rebuilt from its config: what captioning and the
+  localization metric need."""
   from vlrep import methods
   from vlrep.data import pipeline, tokenizers
 
@@ -162,7 +163,8 @@ def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", na
   if unknown:
     raise ValueError(f"Unknown evaluations {unknown}; this config defines {sorted(evals_cfg)}.")
   context = {"run": run}
-  if any(cfg.type == "captioning" for cfg in evals_cfg.values()):
+  # Whole-model evaluators (captioning, localization) need the method and the tokenizer.
+  if any(cfg.type in ("captioning", "localization") for cfg in evals_cfg.values()):
     context.update(method_and_tokenizer(run))
   host, num_hosts = jax.process_index(), jax.process_count()
   features = backbone_fn(run)

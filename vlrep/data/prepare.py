@@ -2,6 +2,7 @@
 
   python -m vlrep.data.prepare --dataset=coco_captions2017 --manual_dir=/data/coco --data_dir=~/tensorflow_datasets
   python -m vlrep.data.prepare --dataset=voc2007 --manual_dir=/data/VOCdevkit --data_dir=~/tensorflow_datasets
+  python -m vlrep.data.prepare --dataset=localized_narratives --manual_dir=/data/coco [--config_name=coco_openimages]
 
 Skipped inputs (undecodable or missing images, empty captions, ...) are counted, printed, and saved to
 DATA_DIR/<dataset>_prepare_report.json.
@@ -14,10 +15,10 @@ import os
 
 from absl import app, flags
 
-flags.DEFINE_string("dataset", None, "coco_captions2017 | voc2007 | synthetic_scenes")
+flags.DEFINE_string("dataset", None, "coco_captions2017 | voc2007 | localized_narratives | synthetic_scenes")
 flags.DEFINE_string("manual_dir", None, "Folder with the local copy (see the builder's docstring for its layout).")
 flags.DEFINE_string("data_dir", "~/tensorflow_datasets", "TFDS data_dir to write to.")
-flags.DEFINE_string("config_name", None, "Builder config (synthetic_scenes: default | tiny).")
+flags.DEFINE_string("config_name", None, "Builder config (synthetic_scenes: default | tiny; localized_narratives: coco | coco_openimages).")
 FLAGS = flags.FLAGS
 
 

@@ -105,9 +105,11 @@ class Tokenizer:
 
 
 def default_path(config, builder) -> str:
-  """Next to the dataset's files, so a vocabulary belongs to one dataset version and corpus split."""
+  """Next to the dataset's files, so a vocabulary belongs to one dataset version, corpus split and field."""
   split = config.corpus_split.replace("[", "_").replace("]", "").replace(":", "").replace("%", "pct")
-  return os.path.join(builder.data_dir, f"vlrep_bpe{config.vocab_size}_{split}.model")
+  # The corpus field is part of the name: a narration vocabulary is not a caption vocabulary.
+  key = "" if config.corpus_key == "captions" else f"_{config.corpus_key}"
+  return os.path.join(builder.data_dir, f"vlrep_bpe{config.vocab_size}_{split}{key}.model")
 
 
 def ensure_tokenizer(config, builder) -> Tokenizer:

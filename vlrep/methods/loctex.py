@@ -57,11 +57,12 @@ def localization_loss(logits: jnp.ndarray, target: jnp.ndarray) -> tuple[jnp.nda
   supervised = (jnp.sum(target, axis=2) > 0).astype(jnp.float32)  # [B, T]
   attention = jax.nn.softmax(logits.astype(jnp.float32), axis=2) * supervised[..., None]
 
+  # Clamped before the square root, so all-zero maps (unsupervised examples) have zero gradients, not NaN.
   def unit(x):
-    return x / jnp.maximum(jnp.sqrt(jnp.sum(jnp.square(x), axis=(1, 2), keepdims=True)), 1e-12)
+    return x * jax.lax.rsqrt(jnp.maximum(jnp.sum(jnp.square(x), axis=(1, 2), keepdims=True), 1e-24))
 
   diff = unit(attention) - unit(target)
-  per_example = jnp.sqrt(jnp.sum(jnp.square(diff), axis=(1, 2)) + 1e-12)
+  per_example = jnp.sqrt(jnp.maximum(jnp.sum(jnp.square(diff), axis=(1, 2)), 1e-24))
   valid = (jnp.sum(supervised, axis=1) > 0).astype(jnp.float32)
   count = jnp.sum(valid)
   return jnp.sum(per_example * valid) / jnp.maximum(count, 1.0), count

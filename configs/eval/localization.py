@@ -1,0 +1,33 @@
+r"""Word localization of a LocTex checkpoint on synthetic_scenes (pointing game and IoU of object words).
+
+  python -m vlrep.evaluate --config=configs/eval/localization.py --workdir=/tmp/loctex_local
+  python -m vlrep.evaluate --config=configs/eval/localization.py:sizes=2+4+8,limit=0 --workdir=DIR
+
+Arguments: sizes (grid side per map, '+'-separated, in the run's scale order: input size / 32 x scale; the
+64x64 runlocal models have 2 at 1x and 4 at 2x), split, limit (first N images; 0 = all).
+Ground truth: the visible instances of the class each object word names (oracle_word_masks without traces).
+"""
+
+from ml_collections import ConfigDict
+
+from vlrep.config_utils import parse_arg
+
+
+def get_config(arg=None):
+  arg = parse_arg(arg, sizes="2+4", split="val", limit=500)
+  sizes = tuple(int(s) for s in str(arg.sizes).split("+"))
+  loc = dict(
+    type="localization",
+    dataset="synthetic_scenes",
+    config_name="default",
+    data_dir="~/.cache/vlrep/tensorflow_datasets",
+    split=arg.split,
+    pp=(
+      f"decode|normalize|trace_words(64, sizes={sizes})|oracle_word_masks(sizes={sizes}, match_traces=False)"
+      f"|tokenize_words(60, sizes={sizes}, random_window=False)"
+    ),
+    grid_sizes=sizes,
+    batch_size=100,
+    limit=arg.limit,
+  )
+  return ConfigDict({"evals": {"localization": loc}})

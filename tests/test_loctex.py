@@ -1,0 +1,365 @@
+"""LocTex: trace rendering, bad narrations, losses against numpy, per-device vs global InfoNCE, Localized
+Narratives from local files, and an end-to-end run."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import ROOT, run_main
+from PIL import Image
+
+from vlrep.data import ops, pipeline, prepare, tokenizers, traces
+
+
+def _narration(words_times, points, caption=None, size=32):
+  """A hand-made example in the synthetic_scenes / localized_narratives layout."""
+  words = [w for w, _, _ in words_times]
+  return {
+    "image": tf.zeros([size, size, 3], tf.uint8),
+    "narration": tf.constant(caption if caption is not None else " ".join(words)),
+    "timed_caption": {
+      "utterance": tf.constant(words, tf.string) if words else tf.zeros([0], tf.string),
+      "start_time": tf.constant([s for _, s, _ in words_times], tf.float32),
+      "end_time": tf.constant([e for _, _, e in words_times], tf.float32),
+    },
+    "traces": tf.constant(np.asarray(points, np.float32).reshape(-1, 3)),
+    "_rng": tf.constant([0, 1], tf.int64),
+  }
+
+
+def _run(pp, example):
+  out = ops.parse(pp).example_fn(dict(example))
+  return {k: (v.numpy() if hasattr(v, "numpy") else v) for k, v in out.items()}
+
+
+# Word 0 'a' (0-1 s): no points. Word 1 'circle' (1-2 s): points in the top-left quadrant. Word 2 'left'
+# (2-3 s): one point bottom-right. A point at t=5 s is spoken during no word.
+WORDS = [("a", 0.0, 1.0), ("circle", 1.0, 2.0), ("left", 2.0, 3.0)]
+POINTS = [(0.1, 0.1, 1.2), (0.3, 0.2, 1.5), (0.9, 0.8, 2.5), (0.5, 0.5, 5.0)]
+
+
+def test_rendered_masks_on_hand_made_traces():
+  out = _run("clean_traces|trace_words(5, sizes=(2, 4))", _narration(WORDS, POINTS))
+  assert [w.decode() for w in out["words"]] == ["a", "circle", "left", "", ""] and out["num_words"] == 3
+  m2, m4 = out["word_masks_2"], out["word_masks_4"]
+  assert m2.shape == (5, 2, 2) and m4.shape == (5, 4, 4)
+  assert m2[0].sum() == 0 and m2[3:].sum() == 0  # no points while 'a' was spoken; padding is empty
+  np.testing.assert_array_equal(m2[1], [[1, 0], [0, 0]])
+  np.testing.assert_array_equal(m2[2], [[0, 0], [0, 1]])
+  expected = np.zeros((4, 4), np.uint8)
+  expected[0, 0] = expected[0, 1] = 1  # (x=0.1, y=0.1) -> row 0 col 0; (x=0.3, y=0.2) -> row 0 col 1
+  np.testing.assert_array_equal(m4[1], expected)
+  assert m4[2, 3, 3] == 1 and m4[2].sum() == 1
+  assert out["stat_trace_points_outside_time"] == 1 and not out["stat_trace_mismatch"]
+
+
+def test_flip_mirrors_masks_and_swaps_left_right():
+  out = _run("clean_traces|flip_lr_swap_words(prob=1.0)|trace_words(5, sizes=(2, 4))", _narration(WORDS, POINTS))
+  assert [w.decode() for w in out["words"][:3]] == ["a", "circle", "right"]
+  assert out["narration"].decode() == "a circle right"
+  np.testing.assert_array_equal(out["word_masks_2"][1], [[0, 1], [0, 0]])
+  np.testing.assert_array_equal(out["word_masks_2"][2], [[0, 0], [1, 0]])
+  expected = np.zeros((4, 4), np.uint8)
+  expected[0, 3] = expected[0, 2] = 1
+  np.testing.assert_array_equal(out["word_masks_4"][1], expected)
+
+
+def test_central_crop_moves_traces_with_the_image():
+  # 32x32 image, centre 16x16 crop: pixels 8..24 -> 0..1. (0.3, 0.3) * 32 = 9.6 -> 0.1 (top-left cell);
+  # (0.7, 0.6) -> (0.9, 0.7) (bottom-right); (0.1, 0.1) and (0.9, 0.8) leave the crop.
+  pts = [(0.1, 0.1, 1.2), (0.3, 0.3, 1.5), (0.7, 0.6, 1.7), (0.9, 0.8, 2.5)]
+  out = _run("clean_traces|central_crop(16)|trace_words(5, sizes=(2,))", _narration(WORDS, pts))
+  np.testing.assert_array_equal(out["word_masks_2"][1], [[1, 0], [0, 1]])
+  assert out["word_masks_2"][2].sum() == 0
+  np.testing.assert_allclose(out["traces"][1:3, :2], [[0.1, 0.1], [0.9, 0.7]], atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_crop_and_flip_keep_traces_on_the_image_content(seed):
+  """A bright pixel drawn under the trace point must stay in the point's grid cell after augmentation."""
+  size = 64
+  img = np.zeros((size, size, 3), np.uint8)
+  x, y = 0.3 + 0.05 * seed, 0.6 - 0.04 * seed
+  img[int(y * size) - 1 : int(y * size) + 2, int(x * size) - 1 : int(x * size) + 2] = 255
+  ex = _narration([("dot", 0.0, 1.0)], [(x, y, 0.5)], size=size)
+  ex["image"] = tf.constant(img)
+  ex["_rng"] = tf.constant([seed, 7], tf.int64)
+  pp = "clean_traces|inception_crop(32, area=(0.6, 1.0))|flip_lr_swap_words|trace_words(2, sizes=(8,))"
+  out = _run(pp, ex)
+  bright = out["image"].astype(float).sum(-1)
+  by, bx = np.unravel_index(np.argmax(bright), bright.shape)
+  mask = out["word_masks_8"][0]
+  assert mask.sum() == 1
+  cy, cx = np.argwhere(mask)[0]
+  assert abs(by // 4 - cy) <= 1 and abs(bx // 4 - cx) <= 1, (by, bx, cy, cx)
+
+
+def test_bad_narrations_follow_the_rules_and_are_counted():
+  # Points outside [0, 1] and NaN are dropped and counted.
+  pts = [(1.2, 0.5, 1.5), (-0.1, 0.5, 1.5), (np.nan, 0.5, 1.5), (0.25, 0.25, 1.5)]
+  out = _run("clean_traces|trace_words(4, sizes=(2,))", _narration(WORDS, pts))
+  assert out["stat_trace_points_outside"] == 3
+  np.testing.assert_array_equal(out["word_masks_2"][1], [[1, 0], [0, 0]])
+  # An utterance ending before it starts gets no points; counted.
+  bad = [("a", 0.0, 1.0), ("circle", 2.0, 1.0), ("left", 2.0, 3.0)]
+  out = _run("clean_traces|trace_words(4, sizes=(2,))", _narration(bad, POINTS))
+  assert out["stat_trace_bad_times"] == 1 and out["word_masks_2"][1].sum() == 0 and out["word_masks_2"][2].sum() == 1
+  # Timestamps outside every utterance: counted, belong to no word.
+  late = [(0.5, 0.5, 10.0), (0.5, 0.5, -1.0)]
+  out = _run("clean_traces|trace_words(4, sizes=(2,))", _narration(WORDS, late))
+  assert out["stat_trace_points_outside_time"] == 2 and out["word_masks_2"].sum() == 0
+  # Empty traces: every mask empty, flagged.
+  out = _run("clean_traces|trace_words(4, sizes=(2,))", _narration(WORDS, np.zeros((0, 3))))
+  assert out["stat_trace_empty"] and out["word_masks_2"].sum() == 0
+  # Timed words that do not spell the caption: the caption's words, no masks, flagged.
+  out = _run("clean_traces|trace_words(6, sizes=(2,))", _narration(WORDS, POINTS, caption="a square on the left"))
+  assert out["stat_trace_mismatch"] and out["word_masks_2"].sum() == 0
+  assert [w.decode() for w in out["words"][:5]] == ["a", "square", "on", "the", "left"]
+  # Case and punctuation do not count as a mismatch; neither do words split differently.
+  out = _run("trace_words(4, sizes=(2,))", _narration(WORDS, POINTS, caption="A circle-left."))
+  assert not out["stat_trace_mismatch"] and out["word_masks_2"].sum() == 2
+  # No timed words at all: a mismatch, not a crash.
+  out = _run("trace_words(4, sizes=(2,))", _narration([], POINTS, caption="a circle"))
+  assert out["stat_trace_mismatch"] and out["num_words"] == 2
+  # More words than max_words: truncated, flagged.
+  out = _run("trace_words(2, sizes=(2,))", _narration(WORDS, POINTS))
+  assert out["stat_trace_words_truncated"] and out["num_words"] == 2
+
+
+def test_tokens_carry_their_words_masks_and_long_captions_get_a_random_window():
+  ids, owner, truncated = traces.assign_tokens([[10], [11, 12], [13]], max_len=8, window_u=0.0)
+  assert ids == [tokenizers.SOS_ID, 10, 11, 12, 13, tokenizers.EOS_ID] and owner == [-1, 0, 1, 1, 2, -1]
+  assert not truncated
+  words = [[100 + k] for k in range(10)]
+  starts = set()
+  for u in np.linspace(0, 0.999, 50):
+    ids, owner, truncated = traces.assign_tokens(words, max_len=6, window_u=u)
+    assert truncated and len(ids) == 6 and ids[0] == tokenizers.SOS_ID and ids[-1] == tokenizers.EOS_ID
+    assert ids[1:-1] == [100 + k for k in owner[1:-1]] and owner[1:-1] == list(range(owner[1], owner[1] + 4))
+    starts.add(owner[1])
+  assert starts == set(range(7))  # every window start 0..n-room is reachable
+
+
+def test_tokenize_words_gathers_masks_per_token(tiny_tokenizer):
+  ex = _narration(WORDS, POINTS)
+  pp = ops.parse("clean_traces|trace_words(5, sizes=(2,))|tokenize_words(12, sizes=(2,))", {"tokenizer": tiny_tokenizer})
+  one = {k: v.numpy() for k, v in pp.example_fn(dict(ex)).items() if k in pp.host_inputs}
+  batch = pp.batch_fn({k: np.stack([v, v]) for k, v in one.items()})
+  tokens, masks = batch["tokens"][0], batch["trace_mask_2"][0]
+  pieces = tiny_tokenizer.encode_words(["a", "circle", "left"])
+  n = sum(map(len, pieces))
+  assert list(tokens[1 : n + 1]) == [i for p in pieces for i in p] and tokens[n + 1] == tokenizers.EOS_ID
+  word_of_token = [k for k, p in enumerate(pieces) for _ in p]
+  for t, k in enumerate(word_of_token, start=1):
+    np.testing.assert_array_equal(masks[t], one["word_masks_2"][k])
+  assert masks[0].sum() == 0 and masks[n + 1 :].sum() == 0
+
+
+def test_oracle_masks_come_from_the_named_objects(tiny_builder):
+  ds = tiny_builder.as_dataset(split="val").take(4)
+  pp = "trace_words(64, sizes=(4,))|oracle_word_masks(sizes=(4,), match_traces=False)"
+  for ex in ds:
+    ex = dict(ex)
+    ex["_rng"] = tf.zeros([2], tf.int64)
+    labels = ex["objects"]["label"].numpy()
+    omap = ex["object_map"].numpy()[..., 0]
+    out = _run(pp, ex)
+    from vlrep.data.builders import scenes
+
+    for w, m in zip(out["words"][: out["num_words"]], out["word_masks_4"]):
+      name = w.decode().strip(".")
+      if name in scenes.SHAPES:
+        k = [i for i, lab in enumerate(labels) if scenes.SHAPES[lab] == name]
+        visible = np.isin(omap, [i + 1 for i in k]).reshape(4, 8, 4, 8).any(axis=(1, 3))
+        np.testing.assert_array_equal(m.astype(bool), visible)
+      else:
+        assert m.sum() == 0
+
+
+# ---------------------------------------------------------------------------------------------------------- #
+# Losses against numpy.
+# ---------------------------------------------------------------------------------------------------------- #
+def _np_info_nce(img, txt, tau, symmetric=False):
+  img = img / np.linalg.norm(img, axis=1, keepdims=True)
+  txt = txt / np.linalg.norm(txt, axis=1, keepdims=True)
+  s = img @ txt.T / tau
+  rows = [-(s[i, i] - np.log(np.exp(s[i]).sum())) for i in range(len(s))]
+  if symmetric:
+    cols = [-(s[i, i] - np.log(np.exp(s[:, i]).sum())) for i in range(len(s))]
+    rows = [(r + c) / 2 for r, c in zip(rows, cols)]
+  return float(np.mean(rows))
+
+
+def _np_localization(logits, target):
+  losses = []
+  for lg, tg in zip(logits, target):
+    sup = tg.sum(1) > 0
+    if not sup.any():
+      continue
+    m = np.exp(lg[sup] - lg[sup].max(1, keepdims=True))
+    m = m / m.sum(1, keepdims=True)
+    t = tg[sup].astype(float)
+    losses.append(np.linalg.norm(m / np.linalg.norm(m) - t / np.linalg.norm(t)))
+  return float(np.mean(losses)), len(losses)
+
+
+def test_losses_match_numpy():
+  from vlrep.methods.loctex import info_nce, localization_loss
+
+  rng = np.random.default_rng(0)
+  img, txt = rng.normal(size=(8, 5)), rng.normal(size=(8, 5))
+  assert float(info_nce(img, txt, 0.1)) == pytest.approx(_np_info_nce(img, txt, 0.1), rel=1e-5)
+  assert float(info_nce(img, txt, 0.1, symmetric=True)) == pytest.approx(_np_info_nce(img, txt, 0.1, True), rel=1e-5)
+  halves = np.mean([_np_info_nce(img[:4], txt[:4], 0.1), _np_info_nce(img[4:], txt[4:], 0.1)])
+  assert float(info_nce(img, txt, 0.1, groups=2)) == pytest.approx(halves, rel=1e-5)
+  assert float(info_nce(img, txt, 0.1, groups=2)) != pytest.approx(float(info_nce(img, txt, 0.1)), rel=1e-3)
+
+  logits = rng.normal(size=(4, 6, 9)) * 3
+  target = (rng.random((4, 6, 9)) < 0.2).astype(np.uint8)
+  target[2] = 0  # an example without supervised tokens is left out
+  target[0, 1] = 0  # a token without trace is ignored
+  loss, count = localization_loss(logits, target)
+  expected, n = _np_localization(logits, target)
+  assert float(loss) == pytest.approx(expected, rel=1e-5) and int(count) == n == 3
+  # Zero when attention spreads evenly over each token's target cells and every supervised token has as many
+  # cells (softmax rows sum to 1, so eq. 3 cannot reach zero when tokens' masks differ in size).
+  even = np.zeros((1, 6, 9), np.uint8)
+  even[0, 0, [1, 2]] = even[0, 3, [4, 8]] = 1
+  one, _ = localization_loss(np.where(even > 0, 30.0, -30.0), even)
+  assert float(one) < 1e-3
+  assert float(localization_loss(np.where(even > 0, -30.0, 30.0), even)[0]) == pytest.approx(np.sqrt(2), rel=1e-3)
+
+
+def test_per_device_vs_global_infonce_on_eight_devices(tmp_path):
+  """Inside one sharded jit over 8 fake devices: per-device InfoNCE is the mean of each device's own
+  InfoNCE; global InfoNCE is the whole batch's; they differ as numpy says."""
+  script = tmp_path / "nce.py"
+  script.write_text(
+    """
+import json, sys
+import jax, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from vlrep import sharding
+from vlrep.methods.loctex import info_nce
+mesh = sharding.make_mesh()
+rng = np.random.default_rng(0)
+img, txt = rng.normal(size=(32, 6)).astype(np.float32), rng.normal(size=(32, 6)).astype(np.float32)
+sh = NamedSharding(mesh, P("data"))
+img_g, txt_g = jax.device_put(img, sh), jax.device_put(txt, sh)
+out = {}
+for name, groups in (("per_device", mesh.shape["data"]), ("global", 1)):
+  f = jax.jit(lambda a, b, g=groups: info_nce(a, b, 0.1, groups=g), in_shardings=(sh, sh))
+  out[name] = float(f(img_g, txt_g))
+  out[name + "_hlo_all_gather"] = "all-gather" in f.lower(img_g, txt_g).compile().as_text()
+out["devices"] = len(jax.devices())
+print(json.dumps(out))
+"""
+  )
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  res = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert res.returncode == 0, res.stderr[-3000:]
+  out = json.loads(res.stdout.strip().splitlines()[-1])
+  rng = np.random.default_rng(0)
+  img, txt = rng.normal(size=(32, 6)).astype(np.float32), rng.normal(size=(32, 6)).astype(np.float32)
+  per_device = np.mean([_np_info_nce(img[4 * d : 4 * d + 4], txt[4 * d : 4 * d + 4], 0.1) for d in range(8)])
+  assert out["devices"] == 8
+  assert out["per_device"] == pytest.approx(per_device, rel=1e-5)
+  assert out["global"] == pytest.approx(_np_info_nce(img, txt, 0.1), rel=1e-5)
+  # Fewer negatives: per-device loss is lower than the global one here (log 4 vs log 32 scale).
+  assert out["per_device"] < out["global"] - 0.5
+  # Per-device needs no cross-device gather of embeddings; the global loss does.
+  assert not out["per_device_hlo_all_gather"] and out["global_hlo_all_gather"]
+
+
+# ---------------------------------------------------------------------------------------------------------- #
+# Localized Narratives from local files in the official format.
+# ---------------------------------------------------------------------------------------------------------- #
+def _write_jpeg(path, size, seed):
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  Image.fromarray(np.random.default_rng(seed).integers(0, 255, size[::-1] + (3,), dtype=np.uint8)).save(path)
+
+
+def _ln_line(dataset_id, image_id, caption, words, segments):
+  return json.dumps(
+    {
+      "dataset_id": dataset_id,
+      "image_id": image_id,
+      "annotator_id": 7,
+      "caption": caption,
+      "timed_caption": [{"utterance": w, "start_time": s, "end_time": e} for w, s, e in words],
+      "traces": [[{"x": x, "y": y, "t": t} for x, y, t in seg] for seg in segments],
+      "voice_recording": "coco_train/coco_train_137576_93.ogg",
+    }
+  )
+
+
+def test_localized_narratives_from_local_files(tmp_path, tiny_tokenizer):
+  root = tmp_path / "ln"
+  words = [("In", 0.0, 0.4), ("this", 0.4, 0.8), ("picture", 0.8, 1.4), ("left.", 1.4, 2.0)]
+  segs = [[(0.1, 0.1, 0.5), (0.2, 0.1, 0.6)], [(0.8, 0.9, 1.5), (1.3, 0.9, 1.6)]]  # one point outside the image
+  lines = [
+    _ln_line("mscoco_train2017", "1", "In this picture left.", words, segs),
+    _ln_line("mscoco_train2017", "1", "In this picture left.", words, []),  # second narration, no trace
+    _ln_line("mscoco_train2017", "2", "   ", words, segs),  # empty caption: skipped
+    "{not json",  # skipped
+    _ln_line("mscoco_train2017", "3", "In this picture left.", words, segs),  # missing image: skipped
+  ]
+  ann = root / "localized_narratives"
+  os.makedirs(ann)
+  (ann / "coco_train_localized_narratives-00000-of-00001.jsonl").write_text("\n".join(lines) + "\n")
+  (ann / "coco_val_localized_narratives.jsonl").write_text(lines[0].replace('"1"', '"5"') + "\n")
+  (ann / "open_images_train_v6_localized_narratives-00000-of-00001.jsonl").write_text(
+    _ln_line("open_images", "0a1b2c3d4e5f6a7b", "In this picture left.", words, segs) + "\n"
+  )
+  _write_jpeg(str(root / "train2017" / f"{1:012d}.jpg"), (40, 30), 1)
+  _write_jpeg(str(root / "val2017" / f"{5:012d}.jpg"), (40, 30), 5)
+  _write_jpeg(str(root / "open_images" / "train" / "0a1b2c3d4e5f6a7b.jpg"), (100, 50), 9)
+
+  report = prepare.prepare("localized_narratives", str(root), str(tmp_path / "tfds"))
+  assert report["splits"] == {"train": 2, "val": 1}
+  assert report["skipped"] == {
+    "empty caption": 1,
+    "line is not valid JSON": 1,
+    "missing image file": 1,
+    "narration without trace points (kept)": 1,
+  }
+  builder = pipeline.get_builder("localized_narratives", str(tmp_path / "tfds"), "coco")
+  ex = next(iter(builder.as_dataset(split="train").take(1)))
+  assert ex["image"].shape == (30, 40, 3) and ex["narration"].numpy().decode() == "In this picture left."
+  np.testing.assert_allclose(ex["traces"].numpy(), np.asarray(segs[0] + segs[1], np.float32))
+  assert [u.decode() for u in ex["timed_caption"]["utterance"].numpy()] == [w for w, _, _ in words]
+
+  # Open Images: added to train and downsampled by 0.6.
+  report = prepare.prepare("localized_narratives", str(root), str(tmp_path / "tfds"), "coco_openimages")
+  assert report["splits"] == {"train": 3, "val": 1}
+  oi = pipeline.get_builder("localized_narratives", str(tmp_path / "tfds"), "coco_openimages")
+  shapes = sorted(tuple(e["image"].shape) for e in oi.as_dataset(split="train"))
+  assert shapes == [(30, 40, 3), (30, 40, 3), (30, 60, 3)]
+
+  # The LocTex pipeline reads it: the word 'left.' gets its trace's cell, the outside point is counted.
+  pp = "decode|clean_traces|resize(32)|normalize|trace_words(8, sizes=(2,))|tokenize_words(16, sizes=(2,))"
+  batch = next(
+    pipeline.eval_batches(builder, "train", pp, ("tokens", "trace_mask_2"), 2, context={"tokenizer": tiny_tokenizer})
+  )
+  assert list(batch["stat_trace_points_outside"]) == [1, 0] and list(batch["stat_trace_empty"]) == [False, True]
+  masks = batch["trace_mask_2"][0].reshape(16, 4)
+  assert masks[:, 0].any() and masks[:, 3].any() and masks.sum(0)[1] == masks.sum(0)[2] == 0
+  assert batch["trace_mask_2"][1].sum() == 0
+
+
+# ---------------------------------------------------------------------------------------------------------- #
+# End to end.
+# ---------------------------------------------------------------------------------------------------------- #
+def test_loctex_main_end_to_end(tmp_path):
+  res = run_main(tmp_path / "run", config="tests/tiny_loctex.py")
+  assert res.returncode == 0, res.stderr[-4000:]
+  summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+  for key in ("probe/map", "localization/pointing_2x", "localization/iou_2x", "localization/chance_2x"):
+    assert key in summary and np.isfinite(summary[key]), key
+  assert 0 < summary["localization/chance_2x"] < 100 and summary["localization/tokens"] > 0
+  assert "localization/pointing_2x_random_init" in summary
+  assert "data/trace_points_outside_count" in res.stderr or "trace_points_outside" in res.stderr

@@ -1,0 +1,181 @@
+"""Localized Narratives (Pont-Tuset et al. 2020) on COCO 2017 (and Open Images) from a local copy (manual_dir):
+
+  MANUAL_DIR/localized_narratives/coco_train_localized_narratives*.jsonl      (the official files, as
+  MANUAL_DIR/localized_narratives/coco_val_localized_narratives*.jsonl         downloaded; shards allowed)
+  MANUAL_DIR/localized_narratives/open_images_train_v6_localized_narratives*.jsonl   (coco_openimages only)
+  MANUAL_DIR/train2017/000000000009.jpg ...   MANUAL_DIR/val2017/...             (COCO images)
+  MANUAL_DIR/open_images/train/0a0b1c2d3e4f5a6b.jpg ...                          (coco_openimages only)
+
+Prepared with `python -m vlrep.data.prepare --dataset=localized_narratives --manual_dir=MANUAL_DIR`
+(`--config_name=coco_openimages` adds Open Images to train). Each JSONL line is one narration:
+{"dataset_id", "image_id", "annotator_id", "caption", "timed_caption": [{"utterance", "start_time",
+"end_time"}], "traces": [[{"x", "y", "t"}, ...], ...]}. Every narration becomes one example; its trace
+segments are concatenated into points [N, 3] (x, y, t) kept as recorded (points outside the image are dropped
+and counted at training time by `clean_traces`). Open Images pictures are downsampled by 0.6 (LocTex: to
+match COCO's resolution).
+
+Skipped and counted (printed by the prepare command and saved in its report): lines that are not valid JSON or
+lack caption/image_id, empty captions, missing or undecodable images. Malformed timed words or trace points
+(missing or non-numeric fields) are dropped and counted; the narration is kept.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+import os
+
+import numpy as np
+import tensorflow_datasets as tfds
+from PIL import Image
+
+from vlrep.data.builders import common
+
+OPEN_IMAGES_SCALE = 0.6
+_NAME = "localized_narratives"
+
+
+class LnConfig(tfds.core.BuilderConfig):
+  def __init__(self, *, open_images: bool, **kwargs):
+    super().__init__(**kwargs)
+    self.open_images = open_images
+
+
+def _float(value) -> float | None:
+  try:
+    f = float(value)
+  except (TypeError, ValueError):
+    return None
+  return f
+
+
+def parse_narration(line: str) -> dict | None:
+  """One JSONL line -> {source, image_id, annotator_id, narration, timed_caption, traces}; None (counted) if
+  the line cannot be used."""
+  try:
+    record = json.loads(line)
+  except json.JSONDecodeError:
+    common.skip(_NAME, "line is not valid JSON", line[:60])
+    return None
+  if not isinstance(record, dict) or "image_id" not in record or "caption" not in record:
+    common.skip(_NAME, "line without image_id or caption", line[:60])
+    return None
+  caption = str(record.get("caption") or "").strip()
+  if not caption:
+    common.skip(_NAME, "empty caption", f"image {record['image_id']}")
+    return None
+  timed = []
+  for word in record.get("timed_caption") or []:
+    word = word if isinstance(word, dict) else {}
+    start, end = _float(word.get("start_time")), _float(word.get("end_time"))
+    if "utterance" not in word or start is None or end is None:
+      common.SKIPPED[(_NAME, "malformed timed word (dropped)")] += 1
+      continue
+    timed.append({"utterance": str(word["utterance"]), "start_time": start, "end_time": end})
+  points = []
+  for segment in record.get("traces") or []:
+    for p in segment if isinstance(segment, list) else []:
+      xyt = [_float(p.get(k)) for k in ("x", "y", "t")] if isinstance(p, dict) else [None]
+      if any(v is None for v in xyt):
+        common.SKIPPED[(_NAME, "malformed trace point (dropped)")] += 1
+        continue
+      points.append(xyt)
+  traces = np.asarray(points, np.float32).reshape(-1, 3)
+  if not len(traces):
+    common.SKIPPED[(_NAME, "narration without trace points (kept)")] += 1
+  return {
+    "source": str(record.get("dataset_id", "")),
+    "image_id": str(record["image_id"]),
+    "annotator_id": int(record.get("annotator_id") or 0),
+    "narration": caption,
+    "timed_caption": timed,
+    "traces": traces,
+  }
+
+
+def _downsampled_jpeg(path: str, scale: float) -> bytes:
+  with Image.open(path) as im:
+    im = im.convert("RGB")
+    size = (max(1, round(im.width * scale)), max(1, round(im.height * scale)))
+    out = io.BytesIO()
+    im.resize(size, Image.BICUBIC).save(out, format="JPEG", quality=95)
+  return out.getvalue()
+
+
+class LocalizedNarratives(tfds.core.GeneratorBasedBuilder):
+  """Localized Narratives: captions spoken while pointing, with per-word times and mouse traces."""
+
+  VERSION = tfds.core.Version("1.0.0")
+  RELEASE_NOTES = {"1.0.0": "First release."}
+  MANUAL_DOWNLOAD_INSTRUCTIONS = __doc__
+  BUILDER_CONFIGS = [
+    LnConfig(name="coco", description="COCO train2017 / val2017 narrations.", open_images=False),
+    LnConfig(name="coco_openimages", description="Train adds Open Images v6 (images x0.6).", open_images=True),
+  ]
+
+  def _info(self):
+    return self.dataset_info_from_configs(
+      features=tfds.features.FeaturesDict(
+        {
+          "image": tfds.features.Image(encoding_format="jpeg"),
+          "image_id": tfds.features.Text(),
+          "source": tfds.features.Text(),
+          "annotator_id": np.int64,
+          "narration": tfds.features.Text(),
+          "timed_caption": tfds.features.Sequence(
+            {"utterance": tfds.features.Text(), "start_time": np.float32, "end_time": np.float32}
+          ),
+          "traces": tfds.features.Tensor(shape=(None, 3), dtype=np.float32),
+        }
+      ),
+      homepage="https://google.github.io/localized-narratives/",
+    )
+
+  def _split_generators(self, dl_manager):
+    root = os.fspath(dl_manager.manual_dir)
+    ann = os.path.join(root, "localized_narratives")
+    sources = {
+      "train": [("coco_train_localized_narratives*.jsonl", os.path.join(root, "train2017"), "coco")],
+      "val": [("coco_val_localized_narratives*.jsonl", os.path.join(root, "val2017"), "coco")],
+    }
+    if self.builder_config.open_images:
+      sources["train"].append(
+        ("open_images_train_v6_localized_narratives*.jsonl", os.path.join(root, "open_images", "train"), "oi")
+      )
+    out = {}
+    for split, parts in sources.items():
+      files = [(sorted(glob.glob(os.path.join(ann, pattern))), images, kind) for pattern, images, kind in parts]
+      if not any(f for f, _, _ in files):
+        continue
+      for (f, _, _), (pattern, _, _) in zip(files, parts):
+        if not f:
+          raise FileNotFoundError(f"No {pattern} in {ann}. Expected layout:\n{__doc__}")
+      out[split] = self._generate_examples(files)
+    if "train" not in out:
+      raise FileNotFoundError(f"No coco_train_localized_narratives*.jsonl in {ann}. Expected layout:\n{__doc__}")
+    return out
+
+  def _generate_examples(self, files):
+    for paths, image_dir, kind in files:
+      for path in paths:
+        with open(path, encoding="utf-8") as f:
+          for line_no, line in enumerate(f):
+            if not line.strip():
+              continue
+            n = parse_narration(line)
+            if n is None:
+              continue
+            if kind == "coco":
+              if not n["image_id"].isdigit():
+                common.skip(_NAME, "COCO image_id is not a number", n["image_id"])
+                continue
+              image_path = os.path.join(image_dir, f"{int(n['image_id']):012d}.jpg")
+            else:
+              image_path = os.path.join(image_dir, f"{n['image_id']}.jpg")
+            if not common.readable_image(image_path, _NAME):
+              continue
+            image = image_path if kind == "coco" else _downsampled_jpeg(image_path, OPEN_IMAGES_SCALE)
+            key = f"{os.path.basename(path)}:{line_no}"
+            yield key, {**n, "image": image}
+
