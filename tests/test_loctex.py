@@ -146,7 +146,9 @@ def test_tokens_carry_their_words_masks_and_long_captions_get_a_random_window():
 
 def test_tokenize_words_gathers_masks_per_token(tiny_tokenizer):
   ex = _narration(WORDS, POINTS)
-  pp = ops.parse("clean_traces|trace_words(5, sizes=(2,))|tokenize_words(12, sizes=(2,))", {"tokenizer": tiny_tokenizer})
+  pp = ops.parse(
+    "clean_traces|trace_words(5, sizes=(2,))|tokenize_words(12, sizes=(2,))", {"tokenizer": tiny_tokenizer}
+  )
   one = {k: v.numpy() for k, v in pp.example_fn(dict(ex)).items() if k in pp.host_inputs}
   batch = pp.batch_fn({k: np.stack([v, v]) for k, v in one.items()})
   tokens, masks = batch["tokens"][0], batch["trace_mask_2"][0]
@@ -170,7 +172,7 @@ def test_oracle_masks_come_from_the_named_objects(tiny_builder):
     out = _run(pp, ex)
     from vlrep.data.builders import scenes
 
-    for w, m in zip(out["words"][: out["num_words"]], out["word_masks_4"]):
+    for w, m in zip(out["words"][: out["num_words"]], out["word_masks_4"], strict=True):
       name = w.decode().strip(".")
       if name in scenes.SHAPES:
         k = [i for i, lab in enumerate(labels) if scenes.SHAPES[lab] == name]
@@ -190,13 +192,13 @@ def _np_info_nce(img, txt, tau, symmetric=False):
   rows = [-(s[i, i] - np.log(np.exp(s[i]).sum())) for i in range(len(s))]
   if symmetric:
     cols = [-(s[i, i] - np.log(np.exp(s[:, i]).sum())) for i in range(len(s))]
-    rows = [(r + c) / 2 for r, c in zip(rows, cols)]
+    rows = [(r + c) / 2 for r, c in zip(rows, cols, strict=True)]
   return float(np.mean(rows))
 
 
 def _np_localization(logits, target):
   losses = []
-  for lg, tg in zip(logits, target):
+  for lg, tg in zip(logits, target, strict=True):
     sup = tg.sum(1) > 0
     if not sup.any():
       continue
@@ -362,4 +364,25 @@ def test_loctex_main_end_to_end(tmp_path):
     assert key in summary and np.isfinite(summary[key]), key
   assert 0 < summary["localization/chance_2x"] < 100 and summary["localization/tokens"] > 0
   assert "localization/pointing_2x_random_init" in summary
-  assert "data/trace_points_outside_count" in res.stderr or "trace_points_outside" in res.stderr
+  assert "data/trace_points_outside_count" in res.stderr
+
+  # Standalone evaluation of the last checkpoint reproduces the training loop's final localization metrics.
+  import tiny_loctex
+  from ml_collections import ConfigDict
+
+  from vlrep import evaluate
+
+  loc = tiny_loctex.get_config().evals.localization
+  results = evaluate.evaluate(ConfigDict({"evals": {"loc_again": loc}}), str(tmp_path / "run"), "latest")
+  assert results["loc_again/checkpoint_step"] == 6
+  for k in ("pointing_2x", "iou_2x", "pointing_contrastive", "tokens"):
+    assert results[f"loc_again/{k}"] == pytest.approx(summary[f"localization/{k}"], abs=1e-4), k
+
+  # Attention maps: one overlay per caption token and a strip per image.
+  from vlrep.tools import attention_maps
+
+  images = np.zeros((2, 32, 32, 3), np.uint8)
+  out = attention_maps.render(str(tmp_path / "run"), str(tmp_path / "att"), images, ["a red circle", "x"], ["a", "b"])
+  assert len(out["a"]["pngs"]) == len(out["a"]["tokens"]) >= 3 and out["a"]["map"] == "2x"
+  assert all(os.path.exists(p) for p in out["a"]["pngs"] + [out["a"]["strip"], out["b"]["strip"]])
+  assert Image.open(out["a"]["strip"]).size == (32 * 4 * (1 + len(out["a"]["tokens"])), 32 * 4 + 14)

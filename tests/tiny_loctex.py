@@ -13,7 +13,9 @@ def get_config(arg=None):
   data_dir = os.environ.get("VLREP_TEST_DATA_DIR", "/tmp/vlrep_test_data")
   sizes = tuple(s // 2 for s in c.method.grid_sizes)
   c.data.update(config_name="tiny", data_dir=data_dir)
-  c.data.pp = c.data.pp.replace("inception_crop(64,", "inception_crop(32,").replace(str(c.method.grid_sizes), str(sizes))
+  c.data.pp = c.data.pp.replace("inception_crop(64,", "inception_crop(32,").replace(
+    str(c.method.grid_sizes), str(sizes)
+  )
   c.method.grid_sizes = sizes
   c.method.update(embed_dim=16)
   c.method.backbone = dict(depth=10, width=8, bn_group_size=4)

@@ -199,7 +199,9 @@ def _crop_companions(ex: Example, offset_yx, crop_hw, image_hw, out_hw) -> None:
   from vlrep.data import traces as traces_lib
 
   if TRACES in ex:
-    ex[TRACES] = traces_lib.crop_points(tf.reshape(tf.cast(ex[TRACES], tf.float32), [-1, 3]), offset_yx, crop_hw, image_hw)
+    ex[TRACES] = traces_lib.crop_points(
+      tf.reshape(tf.cast(ex[TRACES], tf.float32), [-1, 3]), offset_yx, crop_hw, image_hw
+    )
   if OBJECT_MAP in ex:
     omap = ex[OBJECT_MAP]
     if omap.dtype == tf.string:

@@ -18,7 +18,11 @@ from absl import app, flags
 flags.DEFINE_string("dataset", None, "coco_captions2017 | voc2007 | localized_narratives | synthetic_scenes")
 flags.DEFINE_string("manual_dir", None, "Folder with the local copy (see the builder's docstring for its layout).")
 flags.DEFINE_string("data_dir", "~/tensorflow_datasets", "TFDS data_dir to write to.")
-flags.DEFINE_string("config_name", None, "Builder config (synthetic_scenes: default | tiny; localized_narratives: coco | coco_openimages).")
+flags.DEFINE_string(
+  "config_name",
+  None,
+  "Builder config (synthetic_scenes: default | tiny; localized_narratives: coco | coco_openimages).",
+)
 FLAGS = flags.FLAGS
 
 

@@ -256,7 +256,7 @@ def get_tokenize_words(
       owners[i, : len(owner)] = owner
     batch[out] = tokens
     rows = np.arange(b)[:, None]
-    for size, key in zip(sizes, mask_keys):
+    for size, key in zip(sizes, mask_keys, strict=True):
       masks = np.asarray(batch[key])[rows, np.maximum(owners, 0)]
       batch[f"trace_mask_{size}"] = masks * (owners >= 0)[..., None, None].astype(masks.dtype)
     batch["stat_truncated"] = truncated

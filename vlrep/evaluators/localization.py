@@ -88,7 +88,7 @@ class Localization:
     if self.num_hosts > 1:
       totals = np.asarray(multihost_utils.process_allgather(totals)).sum(0)
     out = {}
-    for name, (hits, ious, chance, n) in zip(names, totals):
+    for name, (hits, ious, chance, n) in zip(names, totals, strict=True):
       n = max(n, 1)
       out[f"pointing_{name}"] = 100.0 * hits / n
       out[f"iou_{name}"] = 100.0 * ious / n

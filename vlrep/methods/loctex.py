@@ -108,7 +108,7 @@ class LocTex:
     )
     metrics = {"contrastive_loss": l_c}
     l_l = 0.0
-    for s, r in zip(self.scales, self.grid_sizes):
+    for s, r in zip(self.scales, self.grid_sizes, strict=True):
       logits = out[f"attention_logits_{s}x"]
       if logits.shape[2] != r * r:
         raise ValueError(

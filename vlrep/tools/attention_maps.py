@@ -41,7 +41,7 @@ def strip(image: np.ndarray, maps: np.ndarray, words: list[str], label_height: i
   labels = ["image"] + words
   out = Image.new("RGB", (w * len(tiles), h + label_height), "white")
   draw = ImageDraw.Draw(out)
-  for k, (tile, label) in enumerate(zip(tiles, labels)):
+  for k, (tile, label) in enumerate(zip(tiles, labels, strict=True)):
     out.paste(Image.fromarray(tile), (k * w, 0))
     draw.text((k * w + 2, h + 1), label[: max(1, w // 6)], fill="black")
   return out
@@ -75,7 +75,9 @@ def render(
   if map_name not in maps:
     raise ValueError(f"Unknown map {map_name!r}; this run has {sorted(maps)}.")
   att = np.asarray(maps[map_name])
-  big = np.stack([np.asarray(Image.fromarray(im).resize((im.shape[1] * upscale, im.shape[0] * upscale))) for im in images])
+  big = np.stack(
+    [np.asarray(Image.fromarray(im).resize((im.shape[1] * upscale, im.shape[0] * upscale))) for im in images]
+  )
   out = {}
   for i, name in enumerate(names):
     ids = tokens[i].tolist()

@@ -148,7 +148,7 @@ class LocalizedNarratives(tfds.core.GeneratorBasedBuilder):
       files = [(sorted(glob.glob(os.path.join(ann, pattern))), images, kind) for pattern, images, kind in parts]
       if not any(f for f, _, _ in files):
         continue
-      for (f, _, _), (pattern, _, _) in zip(files, parts):
+      for (f, _, _), (pattern, _, _) in zip(files, parts, strict=True):
         if not f:
           raise FileNotFoundError(f"No {pattern} in {ann}. Expected layout:\n{__doc__}")
       out[split] = self._generate_examples(files)
@@ -178,4 +178,3 @@ class LocalizedNarratives(tfds.core.GeneratorBasedBuilder):
             image = image_path if kind == "coco" else _downsampled_jpeg(image_path, OPEN_IMAGES_SCALE)
             key = f"{os.path.basename(path)}:{line_no}"
             yield key, {**n, "image": image}
-
