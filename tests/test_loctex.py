@@ -386,3 +386,26 @@ def test_loctex_main_end_to_end(tmp_path):
   assert len(out["a"]["pngs"]) == len(out["a"]["tokens"]) >= 3 and out["a"]["map"] == "2x"
   assert all(os.path.exists(p) for p in out["a"]["pngs"] + [out["a"]["strip"], out["b"]["strip"]])
   assert Image.open(out["a"]["strip"]).size == (32 * 4 * (1 + len(out["a"]["tokens"])), 32 * 4 + 14)
+
+
+@pytest.mark.parametrize("arg", ["scales=1+2+4,oracle=True", "loss=contrastive,contrastive=global,scales=1"])
+def test_ablation_configs_build_and_give_a_finite_loss(arg, tiny_builder):
+  """Every ablation's pipeline feeds its method: mask sizes match the feature maps at every scale."""
+  import jax
+  import tiny_loctex
+
+  from vlrep import methods
+
+  c = tiny_loctex.get_config(arg)
+  tok = tokenizers.ensure_tokenizer(c.tokenizer, tiny_builder)
+  method = methods.build(c.method, tok.vocab_size, num_data_shards=2)
+  stream = pipeline.train_stream(tiny_builder, "train", c.data.pp, method.fields, 4, 0, context={"tokenizer": tok})
+  batch = next(stream)
+  assert set(method.fields) <= set(batch)
+  variables = method.init(jax.random.PRNGKey(0), batch)
+  loss, metrics, _ = method.loss(variables, batch, jax.random.PRNGKey(1))
+  assert np.isfinite(float(loss))
+  scales = c.method.scales
+  assert {f"localization_loss_{s}x" for s in scales} <= set(metrics)
+  if "oracle" in arg:  # shape words name visible objects, so some examples are supervised
+    assert "oracle_word_masks" in c.data.pp and int(metrics["supervised_examples_4x"]) >= 1
