@@ -59,16 +59,20 @@ def benchmark(config, steps: int, image_size: int, vocab_size: int) -> dict:
   mesh = sharding.make_mesh(config.sharding.num_devices or None)
   bs = config.batch_size
   rng = np.random.default_rng(0)
+  max_len = config.method.get("max_len") or config.method.text.max_len
   local = {
     "image": rng.normal(size=(bs, image_size, image_size, 3)).astype(np.float32),
-    "tokens": rng.integers(5, vocab_size, size=(bs, config.method.max_len)).astype(np.int32),
+    "tokens": rng.integers(5, vocab_size, size=(bs, max_len)).astype(np.int32),
     "stat_empty": np.zeros((bs,), bool),
   }
   local["tokens"][:, 0] = 2
   local["tokens"][:, -1] = 3
+  # LocTex: rendered traces at each supervised grid size (about 10% of the cells per token).
+  for r in config.method.get("grid_sizes", ()):
+    local[f"trace_mask_{r}"] = (rng.random((bs, max_len, r, r)) < 0.1).astype(np.uint8)
   batch_sh = sharding.batch_sharding(mesh)
   batch = sharding.global_batch(local, batch_sh)
-  method = methods.build(config.method, vocab_size)
+  method = methods.build(config.method, vocab_size, mesh.shape[sharding.DATA])
   key = jax.random.PRNGKey(0)
   tx, schedules = optim.build(config.optim, jax.eval_shape(method.init, key, batch)["params"], 1000, 10)
   init = functools.partial(train.init_train_state, method, tx)
