@@ -172,7 +172,7 @@ def test_oracle_masks_come_from_the_named_objects(tiny_builder):
     out = _run(pp, ex)
     from vlrep.data.builders import scenes
 
-    for w, m in zip(out["words"][: out["num_words"]], out["word_masks_4"], strict=True):
+    for w, m in zip(out["words"][: out["num_words"]], out["word_masks_4"][: out["num_words"]], strict=True):
       name = w.decode().strip(".")
       if name in scenes.SHAPES:
         k = [i for i, lab in enumerate(labels) if scenes.SHAPES[lab] == name]
