@@ -30,6 +30,7 @@ def define_flags():
   flags.DEFINE_integer("num_examples", 4, "How many dataset examples to render when no image files are given.")
   flags.DEFINE_integer("size", 0, "Input size (0: the training crop size of the run's config).")
   flags.DEFINE_integer("upscale", 4, "Upsampling of the saved overlays (small images).")
+  flags.DEFINE_list("words", [], "Show only these tokens (e.g. the object words) in the strips and PNGs.")
 
 
 def strip(image: np.ndarray, maps: np.ndarray, words: list[str], label_height: int = 14) -> Image.Image:
@@ -56,8 +57,10 @@ def render(
   checkpoint: str = "best",
   map_name: str = "",
   upscale: int = 4,
+  words: list[str] | None = None,
 ) -> dict[str, dict]:
-  """uint8 images [B, S, S, 3] and their captions -> {name: {'tokens', 'pngs', 'strip'}}."""
+  """uint8 images [B, S, S, 3] and their captions -> {name: {'tokens', 'pngs', 'strip'}} (only the tokens
+  in `words`, if given)."""
   import jax
 
   from vlrep import evaluate, visualize
@@ -82,6 +85,8 @@ def render(
   for i, name in enumerate(names):
     ids = tokens[i].tolist()
     keep = [t for t, x in enumerate(ids) if x >= tokenizers.NUM_SPECIAL or x == tokenizers.UNK_ID]
+    if words:
+      keep = [t for t in keep if tok.sp.id_to_piece(ids[t]).replace("\u2581", "") in words]
     pieces = [tok.sp.id_to_piece(ids[t]).replace("\u2581", "") for t in keep]
     flat = att[i][keep].reshape(len(keep), -1)
     pngs = visualize.save_token_overlays(big[i], flat, pieces, os.path.join(out_dir, name))
@@ -118,7 +123,7 @@ def main(argv):
     images = batch["image"][batch["_mask"]]
     captions = [c.decode("utf-8") for c in batch["narration"][batch["_mask"]]]
     names = [f"{f.split}_{i:03d}" for i in range(len(images))]
-  results = render(f.workdir, f.out_dir, images, captions, names, f.checkpoint, f.map, f.upscale)
+  results = render(f.workdir, f.out_dir, images, captions, names, f.checkpoint, f.map, f.upscale, f.words)
   for name, entry in results.items():
     print(f"{name} ({entry['map']}): {' '.join(entry['tokens'])}\n  -> {entry['strip']} and {len(entry['pngs'])} maps")
 
