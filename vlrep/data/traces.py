@@ -169,8 +169,8 @@ def get_oracle_word_masks(
 ):
   """Ground-truth word masks from instance masks (LocTex's oracle; also the localization metric's targets).
 
-  A word naming a class (`class_names`, default synthetic_scenes' shapes, singular or plural, punctuation
-  ignored) gets the cells covered by that class's visible instances; with `match_traces`, only the instances
+  A word naming a class (`class_names` and their plurals; by default synthetic_scenes' shapes with the
+  synonyms its texts use, e.g. 'box'/'boxes' for square; case and punctuation ignored) gets the cells covered by that class's visible instances; with `match_traces`, only the instances
   its rendered trace touches (the paper matches instances to traces by IoU), or all of them if it touches
   none. Other words get empty masks. Needs `trace_words` before it and the instance map (`object_map`, value
   k + 1 where object k is visible), cropped and flipped with the image.
@@ -178,12 +178,11 @@ def get_oracle_word_masks(
   if class_names is None:
     from vlrep.data.builders import scenes
 
-    class_names = tuple(scenes.SHAPES)
-    plural = scenes.plural
+    words_of = [scenes.shape_words(shape) for shape in scenes.SHAPES]
   else:
-    plural = lambda s: s + "s"  # noqa: E731
-  keys = [n for n in class_names] + [plural(n) for n in class_names]
-  values = list(range(len(class_names))) * 2
+    words_of = [(n, n + "s") for n in class_names]
+  keys = [w for words in words_of for w in words]
+  values = [c for c, words in enumerate(words_of) for _ in words]
   table = tf.lookup.StaticHashTable(
     tf.lookup.KeyValueTensorInitializer(tf.constant(keys), tf.constant(values, tf.int64)), default_value=-1
   )

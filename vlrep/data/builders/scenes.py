@@ -45,6 +45,12 @@ def plural(word: str) -> str:
   return _PLURAL.get(word, word + "s")
 
 
+def shape_words(shape: str) -> tuple[str, ...]:
+  """Every word the captions and narrations use for `shape`: its synonyms and their plurals."""
+  names = _SHAPE_SYNONYMS.get(shape, (shape,))
+  return tuple(names) + tuple(plural(n) for n in names)
+
+
 def _shape_polygon(shape: str, cx: float, cy: float, r: float, angle: float) -> list[tuple[float, float]]:
   """Vertices of a polygonal shape (circle, ring and heart are drawn separately)."""
 
