@@ -170,10 +170,11 @@ def get_oracle_word_masks(
   """Ground-truth word masks from instance masks (LocTex's oracle; also the localization metric's targets).
 
   A word naming a class (`class_names` and their plurals; by default synthetic_scenes' shapes with the
-  synonyms its texts use, e.g. 'box'/'boxes' for square; case and punctuation ignored) gets the cells covered by that class's visible instances; with `match_traces`, only the instances
-  its rendered trace touches (the paper matches instances to traces by IoU), or all of them if it touches
-  none. Other words get empty masks. Needs `trace_words` before it and the instance map (`object_map`, value
-  k + 1 where object k is visible), cropped and flipped with the image.
+  synonyms its texts use, e.g. 'box'/'boxes' for square; case and punctuation ignored) gets the cells
+  covered by that class's visible instances; with `match_traces`, only the instances its rendered trace
+  touches (the paper matches instances to traces by IoU), or all of them if it touches none. Other words get
+  empty masks. Needs `trace_words` before it and the instance map (`object_map`, value k + 1 where object k
+  is visible), cropped and flipped with the image.
   """
   if class_names is None:
     from vlrep.data.builders import scenes
