@@ -21,6 +21,7 @@ from clu import metric_writers
 from vlrep import checkpoint as ckpt_lib
 from vlrep import evaluators, methods, optim, sharding
 from vlrep.data import pipeline, tokenizers
+from vlrep.train_step import init_train_state, make_train_step
 
 
 class NonFiniteLossError(RuntimeError):
@@ -340,58 +341,6 @@ def init_from_checkpoint(state: dict, workdir: str, tx, state_sh) -> dict:
   new["opt_state"] = jax.jit(tx.init, out_shardings=state_sh["opt_state"])(new["params"])
   logging.info("Backbone initialised from %s (step %d).", run.path, run.step)
   return new
-
-
-def make_train_step(method, tx, schedules: dict, base_rng):
-  """The step the loop jits: loss and gradients from the method, optimizer update, metrics."""
-
-  def train_step(state, batch):
-    rng = jax.random.fold_in(base_rng, state["step"])
-
-    def loss_fn(params):
-      loss, metrics, new_model_state = method.loss({"params": params, **state["model_state"]}, batch, rng, True)
-      return loss, (metrics, new_model_state)
-
-    (loss, (metrics, new_model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
-    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    params = jax.tree.map(jnp.add, state["params"], updates)
-    new = {
-      "step": state["step"] + 1,
-      "params": params,
-      "model_state": {**state["model_state"], **new_model_state},
-      "opt_state": opt_state,
-    }
-    # A non-finite loss leaves the state untouched (the loop stops at the next check), so no NaN ever
-    # reaches a checkpoint.
-    finite = jnp.isfinite(loss)
-    new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, {**state, "step": state["step"] + 1})
-    metrics = {f"train/{k}": v for k, v in metrics.items()}
-    metrics["train/loss"] = loss
-    metrics["train/grad_norm"] = optax_global_norm(grads)
-    for name, schedule in schedules.items():
-      metrics[f"train/lr_{name}"] = schedule(state["step"])
-    for k, v in batch.items():
-      if k.startswith("stat_"):
-        metrics[f"data/{k[5:]}_count"] = jnp.sum(v.astype(jnp.int32))
-    return new, metrics
-
-  return train_step
-
-
-def init_train_state(method, tx, rng, batch) -> dict:
-  """The train state: step, params, other model state (BatchNorm statistics), optimizer state."""
-  variables = method.init(rng, batch)
-  params = variables["params"]
-  return {
-    "step": jnp.zeros([], jnp.int32),
-    "params": params,
-    "model_state": {k: v for k, v in variables.items() if k != "params"},
-    "opt_state": tx.init(params),
-  }
-
-
-def optax_global_norm(tree) -> jax.Array:
-  return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
 def _hms(seconds: float) -> str:

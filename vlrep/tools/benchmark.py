@@ -2,9 +2,17 @@
 utilisation (FLOPs from XLA's cost analysis of the compiled step, against the device's peak).
 
   python -m vlrep.tools.benchmark --config=configs/virtex.py --config.batch_size=256 --steps=20
+  python -m vlrep.tools.benchmark --config=configs/virtex.py --torch_reference   # + PyTorch, same device, one run
 
-Inputs are random arrays of the config's shapes (the input pipeline is timed separately), so the figure is
-the step itself. Peak FLOP/s are dense bf16 numbers from vendor specs; unknown devices (CPUs) report no MFU.
+Inputs are random arrays of the config's shapes (the input pipeline is timed separately by
+`vlrep.tools.pipeline_benchmark`). `--input=device` reuses one batch already on the device: the step alone.
+`--input=host` cycles through 4 distinct batches held in host memory (what the in-memory cache of decoded
+images gives the loop) and transfers each step's batch as the loop does, overlapped with the previous step.
+Peak FLOP/s are dense bf16 numbers from vendor specs; unknown devices (CPUs) report no MFU.
+
+`--torch_reference` first runs `vlrep.tools.torch_reference` (the same VirTex model and step in PyTorch) in a
+subprocess on the same device, before JAX takes the device's memory, then this step, and reports the ratio.
+Only TensorFlow-free modules are imported, so this runs where JAX and PyTorch are installed without TF.
 """
 
 from __future__ import annotations
@@ -23,6 +31,9 @@ flags.DEFINE_integer("steps", 20, "Timed steps (after 3 warm-up steps).")
 flags.DEFINE_integer("image_size", 0, "Image size (default: from the config's preprocessing, else 224).")
 flags.DEFINE_integer("vocab_size", 0, "Vocabulary size of the textual head (default: config.tokenizer.vocab_size).")
 flags.DEFINE_string("output", None, "Optional JSON file for the results.")
+flags.DEFINE_enum("input", "device", ["device", "host"], "Where batches come from (see the module docstring).")
+flags.DEFINE_bool("torch_reference", False, "Also time the PyTorch VirTex reference on the same device (VirTex only).")
+flags.DEFINE_bool("torch_compile", True, "torch.compile the PyTorch reference.")
 FLAGS = flags.FLAGS
 
 # Dense bf16 peak FLOP/s per device.
@@ -53,8 +64,8 @@ def _image_size(config) -> int:
   return FLAGS.image_size or (int(m.group(1)) if m else 224)
 
 
-def benchmark(config, steps: int, image_size: int, vocab_size: int) -> dict:
-  from vlrep import methods, optim, sharding, train
+def benchmark(config, steps: int, image_size: int, vocab_size: int, input_mode: str = "device") -> dict:
+  from vlrep import methods, optim, sharding, train_step
 
   mesh = sharding.make_mesh(config.sharding.num_devices or None)
   bs = config.batch_size
@@ -72,15 +83,17 @@ def benchmark(config, steps: int, image_size: int, vocab_size: int) -> dict:
     local[f"trace_mask_{r}"] = (rng.random((bs, max_len, r, r)) < 0.1).astype(np.uint8)
   batch_sh = sharding.batch_sharding(mesh)
   batch = sharding.global_batch(local, batch_sh)
+  # Host mode: 4 distinct host batches (images differ; the rest is shared), transferred every step.
+  host_batches = [dict(local, image=rng.normal(size=local["image"].shape).astype(np.float32)) for _ in range(4)]
   method = methods.build(config.method, vocab_size, mesh.shape[sharding.DATA])
   key = jax.random.PRNGKey(0)
   tx, schedules = optim.build(config.optim, jax.eval_shape(method.init, key, batch)["params"], 1000, 10)
-  init = functools.partial(train.init_train_state, method, tx)
+  init = functools.partial(train_step.init_train_state, method, tx)
   abstract = jax.eval_shape(init, key, batch)
   state_sh = sharding.state_shardings(mesh, abstract, config.sharding.params)
   state = jax.jit(init, out_shardings=state_sh)(key, batch)
   step = jax.jit(
-    train.make_train_step(method, tx, schedules, key),
+    train_step.make_train_step(method, tx, schedules, key),
     in_shardings=(state_sh, batch_sh),
     out_shardings=(state_sh, None),
     donate_argnums=(0,),
@@ -91,13 +104,21 @@ def benchmark(config, steps: int, image_size: int, vocab_size: int) -> dict:
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   flops = float(cost.get("flops", 0.0)) if cost else 0.0
-  for _ in range(3):
-    state, metrics = compiled(state, batch)
-  jax.block_until_ready(metrics)
+
+  def run(n):
+    nonlocal state
+    metrics = None
+    next_batch = batch if input_mode == "device" else sharding.global_batch(host_batches[0], batch_sh)
+    for i in range(n):
+      state, metrics = compiled(state, next_batch)
+      if input_mode == "host":  # dispatch the next transfer while the step runs, as the loop does
+        next_batch = sharding.global_batch(host_batches[(i + 1) % len(host_batches)], batch_sh)
+    jax.block_until_ready(metrics)
+    return metrics
+
+  run(3)
   t0 = time.time()
-  for _ in range(steps):
-    state, metrics = compiled(state, batch)
-  jax.block_until_ready(metrics)
+  metrics = run(steps)
   step_s = (time.time() - t0) / steps
   device = jax.devices()[0]
   peak = peak_flops(device)
@@ -108,7 +129,10 @@ def benchmark(config, steps: int, image_size: int, vocab_size: int) -> dict:
     "num_devices": int(mesh.devices.size),
     "batch_size": bs,
     "image_size": image_size,
+    "method": config.method.name,
+    "input": input_mode,
     "dtype": config.method.dtype,
+    "final_loss": float(metrics["train/loss"]),
     "step_seconds": step_s,
     "images_per_second": bs / step_s,
     "tflops_per_step": flops / 1e12,
@@ -118,15 +142,41 @@ def benchmark(config, steps: int, image_size: int, vocab_size: int) -> dict:
   }
 
 
+def torch_reference(config, steps: int, image_size: int, vocab_size: int) -> dict:
+  """Times the PyTorch reference in a subprocess (it frees the device's memory before JAX takes it)."""
+  import subprocess
+  import sys
+  import tempfile
+
+  m = config.method
+  if m.name != "virtex" or m.task != "bicaptioning" or m.backbone.depth != 50 or m.backbone.width != 64:
+    raise ValueError("--torch_reference mirrors VirTex bicaptioning with a ResNet-50 backbone only.")
+  with tempfile.NamedTemporaryFile(suffix=".json") as f:
+    cmd = [sys.executable, "-m", "vlrep.tools.torch_reference", f"--batch_size={config.batch_size}"]
+    cmd += [f"--image_size={image_size}", f"--vocab_size={vocab_size}", f"--hidden={m.hidden}"]
+    cmd += [f"--layers={m.num_layers}", f"--max_len={m.max_len}", f"--steps={steps}", f"--output={f.name}"]
+    cmd += [] if FLAGS.torch_compile else ["--nocompile"]
+    subprocess.run(cmd, check=True)
+    with open(f.name) as fh:
+      return json.load(fh)
+
+
 def main(argv):
   del argv
-  import tensorflow as tf
+  try:  # tf.data must not take accelerator memory; TensorFlow is not needed here at all.
+    import tensorflow as tf
 
-  tf.config.set_visible_devices([], "GPU")
-  result = benchmark(
-    FLAGS.config, FLAGS.steps, _image_size(FLAGS.config), FLAGS.vocab_size or FLAGS.config.tokenizer.vocab_size
-  )
-  print(json.dumps(result, indent=2))
+    tf.config.set_visible_devices([], "GPU")
+  except ImportError:
+    pass
+  config, image_size = FLAGS.config, _image_size(FLAGS.config)
+  vocab_size = FLAGS.vocab_size or config.tokenizer.vocab_size
+  reference = torch_reference(config, FLAGS.steps, image_size, vocab_size) if FLAGS.torch_reference else None
+  result = benchmark(config, FLAGS.steps, image_size, vocab_size, FLAGS.input)
+  if reference:
+    result["torch_reference"] = reference
+    result["speedup_vs_torch"] = result["images_per_second"] / reference["images_per_second"]
+  print(json.dumps(result, indent=2), flush=True)
   if FLAGS.output:
     with open(FLAGS.output, "w") as f:
       json.dump(result, f, indent=2)
