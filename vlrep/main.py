@@ -2,13 +2,19 @@
 
 Multi-host (TPU pods, SLURM, several processes on one machine): pass --multihost to call
 jax.distributed.initialize(), which reads the cluster's environment; or give --coordinator_address,
---num_processes and --process_id explicitly.
+--num_processes and --process_id explicitly. Failures are bounded in time: a runtime that does not form within
+--init_timeout seconds (a wrong process count or coordinator address, an unreachable coordinator) is a clear
+error, and when a process dies the others stop within about --heartbeat_timeout seconds. Rerunning the same
+command on all hosts resumes from the last checkpoint.
 """
 
 from __future__ import annotations
 
 import logging as pylogging
 import os
+import socket
+import threading
+import time
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -19,6 +25,8 @@ flags.DEFINE_bool("multihost", False, "Call jax.distributed.initialize() from th
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (explicit multi-process setup).")
 flags.DEFINE_integer("num_processes", None, "Number of processes (explicit multi-process setup).")
 flags.DEFINE_integer("process_id", None, "This process's id (explicit multi-process setup).")
+flags.DEFINE_integer("init_timeout", 300, "Seconds to wait for all processes to join the distributed runtime.")
+flags.DEFINE_integer("heartbeat_timeout", 100, "Seconds without a heartbeat after which a process counts as dead.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 FLAGS = flags.FLAGS
@@ -42,10 +50,12 @@ def main(argv):
   tf.config.set_visible_devices([], "GPU")
   import jax
 
-  if FLAGS.coordinator_address:
-    jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
-  elif FLAGS.multihost:
-    jax.distributed.initialize()
+  if FLAGS.coordinator_address or FLAGS.multihost:
+    try:
+      initialize_distributed(jax)
+      check_hosts_agree(jax, FLAGS.config)
+    except DistributedSetupError as e:
+      raise SystemExit(f"ERROR: {e}") from e
   from vlrep import train
 
   logging.info(
@@ -56,9 +66,98 @@ def main(argv):
     jax.local_device_count(),
     jax.device_count(),
   )
-  summary = train.run(FLAGS.config, FLAGS.workdir)
+  try:
+    summary = train.run(FLAGS.config, FLAGS.workdir)
+  except Exception as e:
+    if jax.process_count() > 1 and "NonFinite" not in type(e).__name__:
+      # A collective failing mid-run almost always means another process died; the runtime then stops this
+      # one within --heartbeat_timeout seconds.
+      print(
+        f"ERROR: process {jax.process_index()} stopped: {type(e).__name__}: {str(e)[:300]}\n"
+        "If another process died, rerun the same command on every host: the run resumes from its last "
+        f"checkpoint in {FLAGS.workdir}/checkpoints.",
+        flush=True,
+      )
+    raise
   if jax.process_index() == 0:
     _print_result(summary)
+
+
+class DistributedSetupError(RuntimeError):
+  pass
+
+
+def initialize_distributed(jax) -> None:
+  """jax.distributed.initialize from the flags (explicit) or the cluster's environment (--multihost), with
+  bounded waits and an error that says what to check."""
+  explicit = bool(FLAGS.coordinator_address)
+  if explicit:
+    n, i = FLAGS.num_processes, FLAGS.process_id
+    if n is None or i is None or n < 1 or not 0 <= i < n:
+      raise app.UsageError(
+        f"--coordinator_address needs --num_processes >= 1 and 0 <= --process_id < --num_processes (got "
+        f"num_processes={n}, process_id={i})."
+      )
+  where = FLAGS.coordinator_address or "the address the cluster's environment gives"
+  advice = (
+    f"The distributed runtime did not form within --init_timeout={FLAGS.init_timeout}s (coordinator {where}, "
+    f"{FLAGS.num_processes or 'auto'} processes, this is process {FLAGS.process_id if explicit else 'auto'}). "
+    "Check that every host runs the same command with the same --num_processes and --coordinator_address, "
+    "that each --process_id is used once, and that process 0 is running and its port is reachable."
+  )
+  if explicit and FLAGS.process_id != 0:
+    _wait_for_coordinator(FLAGS.coordinator_address, FLAGS.init_timeout, advice)
+  # A runtime that does not form ends in a C++ abort that Python cannot catch; say what to check just before.
+  watchdog = threading.Timer(max(FLAGS.init_timeout - 1, 0.5), lambda: print(f"ERROR: {advice}", flush=True))
+  watchdog.daemon = True
+  watchdog.start()
+  try:
+    jax.distributed.initialize(
+      FLAGS.coordinator_address,
+      FLAGS.num_processes,
+      FLAGS.process_id,
+      initialization_timeout=FLAGS.init_timeout,
+      heartbeat_timeout_seconds=FLAGS.heartbeat_timeout,
+    )
+  except Exception as e:  # the runtime raises various XlaRuntimeError/ValueError/RuntimeError kinds
+    raise DistributedSetupError(f"{advice} Cause: {type(e).__name__}: {e}") from e
+  finally:
+    watchdog.cancel()
+
+
+def check_hosts_agree(jax, config) -> None:
+  """Every process must claim the same process count (the runtime takes process 0's word for it) and run the
+  same config; otherwise each would shard data and parameters differently without noticing."""
+  import zlib
+
+  import numpy as np
+  from jax.experimental import multihost_utils
+
+  claimed = FLAGS.num_processes or jax.process_count()
+  mine = np.array([claimed, zlib.crc32(config.to_json(sort_keys=True).encode())], np.int64)
+  every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), 2)
+  if (every[:, 0] != jax.process_count()).any():
+    raise DistributedSetupError(
+      f"Mismatched process counts: the runtime has {jax.process_count()} processes, and processes 0..N-1 were "
+      f"launched with --num_processes={every[:, 0].tolist()}. Launch every process with the same count."
+    )
+  if (every[:, 1] != every[0, 1]).any():
+    differ = [i for i in range(len(every)) if every[i, 1] != every[0, 1]]
+    raise DistributedSetupError(f"Processes {differ} run a different config from process 0; launch all alike.")
+
+
+def _wait_for_coordinator(address: str, timeout: float, advice: str) -> None:
+  """Polls the coordinator's port until it accepts a connection, so an unreachable one is a Python error."""
+  host, _, port = address.rpartition(":")
+  deadline = time.time() + timeout
+  while True:
+    try:
+      with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+        return
+    except OSError as e:
+      if time.time() > deadline:
+        raise DistributedSetupError(f"{advice} The coordinator {address} never accepted a connection: {e}") from e
+      time.sleep(0.5)
 
 
 def _print_result(summary: dict) -> None:
