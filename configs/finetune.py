@@ -36,6 +36,7 @@ def get_config(arg=None):
     data_dir="",
     split="train",
     prefetch=2,
+    cache_image_size=0,
     pp="decode|inception_crop(224, area=(0.08, 1.0))|flip_lr_swap_words(keys=())|normalize",
   )
   c.batch_size = 256

@@ -132,6 +132,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     num_hosts,
     context,
     config.data.prefetch,
+    config.data.get("cache_image_size", 0),
   )
   batch_sharding = sharding.batch_sharding(mesh)
   first_batch = sharding.global_batch(next(stream), batch_sharding)

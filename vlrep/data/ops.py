@@ -109,8 +109,12 @@ def _next_rng(example: Example) -> tf.Tensor:
 
 @register
 def get_decode(key: str = "image"):
+  """Decodes an encoded image; pixels that are already decoded (the in-memory image cache) pass through."""
+
   def op(ex):
     ex = dict(ex)
+    if ex[key].dtype == tf.uint8:
+      return ex
     img = tf.io.decode_image(ex[key], channels=3, expand_animations=False)
     img.set_shape([None, None, 3])
     ex[key] = img
