@@ -68,6 +68,7 @@ def get_config(arg=None):
     split="train",
     prefetch=2,
     cache_image_size=0,
+    device_prefetch=2,
     pp=(
       f"decode|clean_traces|inception_crop({image_size}, area=(0.2, 1.0))|flip_lr_swap_words"
       f"|color_jitter(0.4, 0.4, 0.4, 0.1)|normalize|trace_words(256, sizes={sizes}){masks}"

@@ -63,6 +63,7 @@ def get_config(arg=None):
     split=split,
     prefetch=2,  # batches prepared ahead on each host
     cache_image_size=0,  # >0: decode every image once into host memory at this shorter side (README, "Speed")
+    device_prefetch=2,  # global batches transferred to the devices ahead of the step
     pp=(
       "decode|inception_crop(224, area=(0.2, 1.0))|flip_lr_swap_words|color_jitter(0.4, 0.4, 0.4, 0.1)"
       f"|normalize|choose_caption({arg.captions})|tokenize(30)"

@@ -57,3 +57,50 @@ def state_shardings(mesh: Mesh, abstract_state: Any, strategy: str = "replicate"
 def global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
   """Assembles each host's local batch into global arrays sharded along the data axis."""
   return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+
+
+def device_prefetch(batches, sharding: NamedSharding, size: int = 2):
+  """Yields global device batches while a thread assembles and transfers up to `size` more ahead, so the
+  host-to-device copy overlaps the running step. `.close()` stops the thread (and closes `batches`)."""
+  import queue
+  import threading
+
+  buffer: queue.Queue = queue.Queue(maxsize=max(1, size))
+  stop = threading.Event()
+  done = object()
+
+  def produce():
+    try:
+      for local in batches:
+        item = global_batch(local, sharding)
+        while not stop.is_set():
+          try:
+            buffer.put(item, timeout=0.1)
+            break
+          except queue.Full:
+            continue
+        if stop.is_set():
+          return
+      buffer.put(done)
+    except BaseException as e:  # surfaced in the consumer, with its traceback
+      buffer.put(e)
+
+  thread = threading.Thread(target=produce, name="device_prefetch", daemon=True)
+  thread.start()
+
+  def consume():
+    try:
+      while True:
+        item = buffer.get()
+        if item is done:
+          return
+        if isinstance(item, BaseException):
+          raise item
+        yield item
+    finally:
+      stop.set()
+      thread.join(timeout=60)
+      if hasattr(batches, "close") and not thread.is_alive():
+        batches.close()
+
+  return consume()

@@ -135,7 +135,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     config.data.get("cache_image_size", 0),
   )
   batch_sharding = sharding.batch_sharding(mesh)
-  first_batch = sharding.global_batch(next(stream), batch_sharding)
+  # A thread assembles global batches and starts their transfer while the previous step runs.
+  device_batches = sharding.device_prefetch(stream, batch_sharding, config.data.get("device_prefetch", 2))
+  first_batch = next(device_batches)
 
   # ---------------------------------------------------------------------------------------------------- #
   # Train state, created directly in its sharded layout (or restored into it).
@@ -251,9 +253,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     pending.append(metrics)
     step += 1
     if step < total_steps:
-      batch = sharding.global_batch(next(stream), batch_sharding)
+      batch = next(device_batches)
     else:
-      stream.close()  # stop the input workers before the final evaluation and checkpoint
+      device_batches.close()  # stop the input workers before the final evaluation and checkpoint
 
     if step % config.log_every_steps == 0 or step == total_steps:
       fetched = pending_fetched()

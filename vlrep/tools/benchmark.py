@@ -7,7 +7,8 @@ utilisation (FLOPs from XLA's cost analysis of the compiled step, against the de
 Inputs are random arrays of the config's shapes (the input pipeline is timed separately by
 `vlrep.tools.pipeline_benchmark`). `--input=device` reuses one batch already on the device: the step alone.
 `--input=host` cycles through 4 distinct batches held in host memory (what the in-memory cache of decoded
-images gives the loop) and transfers each step's batch as the loop does, overlapped with the previous step.
+images gives the loop) and transfers each step's batch with the loop's device prefetch thread, overlapped with
+the running step.
 Peak FLOP/s are dense bf16 numbers from vendor specs; unknown devices (CPUs) report no MFU.
 
 `--torch_reference` first runs `vlrep.tools.torch_reference` (the same VirTex model and step in PyTorch) in a
@@ -141,11 +142,11 @@ def benchmark(config, steps: int, image_size: int, vocab_size: int, input_mode: 
   def run(n):
     nonlocal state
     metrics = None
-    next_batch = batch if input_mode == "device" else sharding.global_batch(host_batches[0], batch_sh)
-    for i in range(n):
+    # Host mode: the loop's device prefetch thread transfers the next batches while a step runs.
+    cycle = (host_batches[i % len(host_batches)] for i in range(n))
+    batches = sharding.device_prefetch(cycle, batch_sh, 2) if input_mode == "host" else (batch for _ in range(n))
+    for next_batch in batches:
       state, metrics = compiled(state, next_batch)
-      if input_mode == "host":  # dispatch the next transfer while the step runs, as the loop does
-        next_batch = sharding.global_batch(host_batches[(i + 1) % len(host_batches)], batch_sh)
     jax.block_until_ready(metrics)
     return metrics
 
