@@ -100,6 +100,66 @@ def test_stream_resumes_at_the_exact_batch(tiny_builder, tiny_tokenizer):
   assert not np.array_equal(batches[0]["image"], batches[8]["image"])
 
 
+def test_decoded_image_cache_gives_the_same_batches_and_resizes(tiny_builder):
+  pp = "decode|inception_crop(32, area=(0.5, 1.0))|flip_lr_swap_words|normalize"
+  plain = pipeline.train_stream(tiny_builder, "train", pp, ("image",), 8, seed=1, start_step=5)
+  # Cached at the images' own size (32): the very same pixels, augmentations and order, resumed mid-run too.
+  cached = pipeline.train_stream(tiny_builder, "train", pp, ("image",), 8, seed=1, start_step=5, cache_image_size=32)
+  for _ in range(3):
+    np.testing.assert_array_equal(next(plain)["image"], next(cached)["image"])
+  records = pipeline.load_records(tiny_builder, "train")[:5]
+  deserialize = lambda r: tiny_builder.info.features.deserialize_example(  # noqa: E731
+    r, decoders=pipeline._skip_image_decoding(tiny_builder.info.features)
+  )
+  buffer, offsets, shapes = pipeline.decoded_image_cache(records, deserialize, 16)
+  assert (
+    buffer.dtype == np.uint8 and shapes.tolist() == [[16, 16, 3]] * 5 and offsets.tolist() == [0, 768, 1536, 2304, 3072]
+  )
+  lookup = pipeline._cached_lookup_fn((buffer, offsets, shapes))
+  third = tf.image.resize(tf.io.decode_image(deserialize(records[2])["image"]), [16, 16], antialias=True)
+  np.testing.assert_allclose(lookup(tf.constant(2, tf.int64)).numpy(), np.clip(third.numpy(), 0, 255), atol=1)
+  with pytest.raises(ValueError, match="caches the image alone"):
+    pipeline.train_stream(tiny_builder, "train", pp + "|oracle_word_masks((2,))", ("image",), 8, 0, cache_image_size=32)
+
+
+def test_device_prefetch_keeps_order_surfaces_errors_and_closes():
+  import jax
+
+  from vlrep import sharding
+
+  mesh = sharding.make_mesh()
+  sh = sharding.batch_sharding(mesh)
+  n = mesh.devices.size
+  batches = ({"x": np.full((n, 2), i, np.float32)} for i in range(7))
+  got = [float(b["x"][0, 0]) for b in sharding.device_prefetch(batches, sh, 2)]
+  assert got == list(map(float, range(7)))
+
+  def failing():
+    yield {"x": np.zeros((n, 2), np.float32)}
+    raise RuntimeError("broken record")
+
+  it = sharding.device_prefetch(failing(), sh, 2)
+  assert isinstance(next(it)["x"], jax.Array)
+  with pytest.raises(RuntimeError, match="broken record"):
+    next(it)
+
+  closed = []
+
+  def endless():
+    try:
+      i = 0
+      while True:
+        yield {"x": np.full((n, 2), i, np.float32)}
+        i += 1
+    finally:
+      closed.append(True)
+
+  it = sharding.device_prefetch(endless(), sh, 2)
+  next(it), next(it)
+  it.close()
+  assert closed == [True]
+
+
 def test_hosts_read_disjoint_shards(tiny_builder):
   a = pipeline.load_records(tiny_builder, "train", 0, 2)
   b = pipeline.load_records(tiny_builder, "train", 1, 2)
