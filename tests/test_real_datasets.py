@@ -23,6 +23,12 @@ def test_coco_captions_from_local_files(tmp_path):
   os.makedirs(root / "annotations")
   with open(root / "annotations" / "captions_train2017.json", "w") as f:
     json.dump({"images": images, "annotations": anns + [{"id": 998, "image_id": 5, "caption": "a cat"}]}, f)
+  # Instances: COCO's sparse category ids (1, 3, 90) map to contiguous labels in id order; 7 is unknown.
+  categories = [{"id": 90, "name": "toothbrush"}, {"id": 1, "name": "person"}, {"id": 3, "name": "car"}]
+  inst = [{"id": 1, "image_id": 1, "category_id": 3}, {"id": 2, "image_id": 1, "category_id": 90}]
+  inst += [{"id": 3, "image_id": 2, "category_id": 7}]
+  with open(root / "annotations" / "instances_train2017.json", "w") as f:
+    json.dump({"images": images, "categories": categories, "annotations": inst}, f)
   for i in (1, 2, 3, 4):
     _jpeg(str(root / "train2017" / f"{i:012d}.jpg"), i)
   (root / "train2017" / f"{5:012d}.jpg").write_bytes(b"not a jpeg")  # undecodable
@@ -32,10 +38,14 @@ def test_coco_captions_from_local_files(tmp_path):
     "empty caption": 1,
     "image without captions": 1,
     "undecodable image (UnidentifiedImageError)": 1,
+    "instance with unknown category": 1,
   }
   builder = pipeline.get_builder("coco_captions2017", str(tmp_path / "tfds"))
-  ex = next(iter(builder.as_dataset(split="train").take(1)))
-  assert ex["image"].shape == (24, 32, 3) and len(ex["captions"]) == 5
+  examples = {int(e["image_id"]): e for e in builder.as_dataset(split="train")}
+  assert examples[1]["image"].shape == (24, 32, 3) and len(examples[1]["captions"]) == 5
+  assert (
+    sorted(examples[1]["objects"]["label"].numpy().tolist()) == [1, 2] and len(examples[2]["objects"]["label"]) == 0
+  )
 
 
 def test_voc2007_from_local_files(tmp_path):

@@ -25,6 +25,9 @@ flags.DEFINE_bool("multihost", False, "Call jax.distributed.initialize() from th
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (explicit multi-process setup).")
 flags.DEFINE_integer("num_processes", None, "Number of processes (explicit multi-process setup).")
 flags.DEFINE_integer("process_id", None, "This process's id (explicit multi-process setup).")
+flags.DEFINE_list(
+  "local_device_ids", None, "This process's accelerators (default: all, or on SLURM the task's SLURM_LOCALID)."
+)
 flags.DEFINE_integer("init_timeout", 300, "Seconds to wait for all processes to join the distributed runtime.")
 flags.DEFINE_integer("heartbeat_timeout", 100, "Seconds without a heartbeat after which a process counts as dead.")
 flags.mark_flags_as_required(["config", "workdir"])
@@ -116,6 +119,7 @@ def initialize_distributed(jax) -> None:
       FLAGS.coordinator_address,
       FLAGS.num_processes,
       FLAGS.process_id,
+      local_device_ids=[int(i) for i in FLAGS.local_device_ids] if FLAGS.local_device_ids else None,
       initialization_timeout=FLAGS.init_timeout,
       heartbeat_timeout_seconds=FLAGS.heartbeat_timeout,
     )

@@ -43,15 +43,23 @@ def _fsdp_spec(shape, axis_size: int, min_size: int) -> P:
 
 
 def state_shardings(mesh: Mesh, abstract_state: Any, strategy: str = "replicate", fsdp_min_size: int = 2**14):
-  """Shardings for every leaf of the (abstract) train state: params and optimizer state alike."""
-  if strategy == "replicate":
-    return jax.tree.map(lambda _: replicated(mesh), abstract_state)
-  if strategy == "fsdp":
-    size = mesh.shape[DATA]
-    return jax.tree.map(
-      lambda x: NamedSharding(mesh, _fsdp_spec(getattr(x, "shape", ()), size, fsdp_min_size)), abstract_state
-    )
-  raise ValueError(f"Unknown parameter sharding {strategy!r}; expected 'replicate' or 'fsdp'.")
+  """Shardings for every leaf of the (abstract) train state: params and optimizer state alike.
+
+  Whatever the strategy, arrays under a `queues` key (MoCo-style key queues in the model state) are split
+  along their first (queue) dimension over `data`: each device holds 1/N of the keys."""
+  if strategy not in ("replicate", "fsdp"):
+    raise ValueError(f"Unknown parameter sharding {strategy!r}; expected 'replicate' or 'fsdp'.")
+  size = mesh.shape[DATA]
+
+  def rule(path, x):
+    shape = getattr(x, "shape", ())
+    if any(getattr(k, "key", None) == "queues" for k in path) and shape and shape[0] % size == 0:
+      return NamedSharding(mesh, P(DATA, *([None] * (len(shape) - 1))))
+    if strategy == "fsdp":
+      return NamedSharding(mesh, _fsdp_spec(shape, size, fsdp_min_size))
+    return replicated(mesh)
+
+  return jax.tree_util.tree_map_with_path(rule, abstract_state)
 
 
 def global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:

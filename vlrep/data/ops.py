@@ -380,7 +380,7 @@ def get_copy(src: str, dst: str):
 
   def op(ex):
     ex = dict(ex)
-    ex[dst] = tf.cast(ex[src], tf.int32) if ex[src].dtype.is_integer else ex[src]
+    ex[dst] = tf.cast(ex[src], tf.int32) if ex[src].dtype == tf.int64 else ex[src]  # class labels -> int32
     return ex
 
   return op
@@ -388,8 +388,104 @@ def get_copy(src: str, dst: str):
 
 @register
 def get_keep(*keys: str):
+  """Keeps only `keys` (and the per-example seed `_rng`): later ops then never touch unused fields."""
+
   def op(ex):
-    return {k: ex[k] for k in keys if k in ex}
+    return {k: ex[k] for k in (*keys, "_rng") if k in ex}
+
+  return op
+
+
+@register
+def get_random_grayscale(prob: float = 0.2, key: str = "image"):
+  """With probability `prob`, the image's luma in all three channels (MoCo-v2's RandomGrayscale)."""
+
+  def op(ex):
+    ex = dict(ex)
+    img = ex[key]
+    gray = tf.cast(tf.round(tf.image.rgb_to_grayscale(tf.cast(img, tf.float32))), img.dtype)
+    apply = tf.random.stateless_uniform([], _next_rng(ex)) < prob
+    ex[key] = tf.where(apply, tf.tile(gray, [1, 1, 3]), img)
+    return ex
+
+  return op
+
+
+@register
+def get_gaussian_blur(
+  prob: float = 0.5, sigma: tuple[float, float] = (0.1, 2.0), size_fraction: float = 0.1, key="image"
+):
+  """With probability `prob`, a Gaussian blur with sigma ~ U(sigma) in pixels of a 224 image, scaled to this
+  image's size (MoCo-v2 / SimCLR: kernel 10% of the side). Separable, reflect-padded."""
+
+  def op(ex):
+    ex = dict(ex)
+    img = ex[key]
+    seeds = tf.random.experimental.stateless_split(_next_rng(ex), num=2)
+    side = tf.cast(tf.shape(img)[1], tf.float32)
+    s = tf.random.stateless_uniform([], seeds[0], sigma[0], sigma[1]) * side / 224.0
+    radius = tf.maximum(tf.cast(side * size_fraction / 2, tf.int32), 1)
+    x = tf.cast(tf.range(-radius, radius + 1), tf.float32)
+    k = tf.exp(-0.5 * tf.square(x / tf.maximum(s, 1e-3)))
+    k = k / tf.reduce_sum(k)
+    f = tf.pad(tf.cast(img, tf.float32)[None], [[0, 0], [radius, radius], [radius, radius], [0, 0]], "REFLECT")
+    kh = tf.tile(tf.reshape(k, [-1, 1, 1, 1]), [1, 1, 3, 1])
+    kw = tf.tile(tf.reshape(k, [1, -1, 1, 1]), [1, 1, 3, 1])
+    f = tf.nn.depthwise_conv2d(f, kh, [1, 1, 1, 1], "VALID")
+    f = tf.nn.depthwise_conv2d(f, kw, [1, 1, 1, 1], "VALID")[0]
+    blurred = tf.cast(tf.clip_by_value(tf.round(f), 0, 255), img.dtype)
+    apply = tf.random.stateless_uniform([], seeds[1]) < prob
+    ex[key] = tf.where(apply, blurred, img)
+    return ex
+
+  return op
+
+
+@register
+def get_caption_views(drop: float = 0.1, swap: float = 0.1, key: str = "caption", outs=("caption_q", "caption_k")):
+  """Two augmented views of a caption for contrastive text training, offline (no translation models): each
+  word dropped with probability `drop` (at least one kept) and each adjacent pair swapped with probability
+  `swap`, independently per view. Empty captions stay empty."""
+
+  def view(words, seed):
+    seeds = tf.random.experimental.stateless_split(seed, num=2)
+    n = tf.shape(words)[0]
+    u = tf.random.stateless_uniform([n], seeds[0])
+    keep = (u >= drop) | (tf.range(n) == tf.cast(tf.argmax(u), tf.int32))  # the highest draw always stays
+    words = tf.boolean_mask(words, keep)
+    n = tf.shape(words)[0]
+    # Swap pair (i, i+1) for the even i whose draw falls under `swap` (non-overlapping pairs).
+    s = tf.random.stateless_uniform([n], seeds[1]) < swap
+    idx = tf.range(n)
+    even = (idx % 2 == 0) & (idx + 1 < n)
+    swap_here = even & s
+    swap_prev = tf.concat([[False], swap_here[:-1]], 0)
+    src = tf.where(swap_here, idx + 1, tf.where(swap_prev, idx - 1, idx))
+    return tf.strings.reduce_join(tf.gather(words, src), separator=" ")
+
+  def op(ex):
+    ex = dict(ex)
+    words = tf.strings.split(tf.strings.strip(ex[key]))
+    seeds = tf.random.experimental.stateless_split(_next_rng(ex), num=2)
+    for out, seed in zip(outs, tf.unstack(seeds), strict=True):
+      ex[out] = tf.cond(tf.size(words) > 0, lambda seed=seed: view(words, seed), lambda: tf.constant(""))
+    return ex
+
+  return op
+
+
+@register
+def get_tags(fields=(("objects", "label", 0),), num_tags: int = 0, out: str = "tags"):
+  """Multi-hot tag vector (uint8[num_tags]) from class-label fields: each (outer, inner, offset) adds the labels
+  `ex[outer][inner] + offset` (e.g. shapes at 0 and colours at 10). Repeated labels count once."""
+
+  def op(ex):
+    ex = dict(ex)
+    ids = [tf.reshape(tf.cast(ex[o][i], tf.int32), [-1]) + off for o, i, off in fields]
+    ids = tf.concat(ids, 0)
+    hot = tf.concat([tf.zeros([1, num_tags], tf.int32), tf.one_hot(ids, num_tags, dtype=tf.int32)], 0)
+    ex[out] = tf.cast(tf.reduce_max(hot, axis=0), tf.uint8)  # the zero row: images without objects
+    return ex
 
   return op
 

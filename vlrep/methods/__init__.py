@@ -21,4 +21,8 @@ def build(config: ml_collections.ConfigDict, vocab_size: int, num_data_shards: i
     from vlrep.methods.loctex import LocTex
 
     return LocTex(config, vocab_size, num_data_shards)
-  raise ValueError(f"Unknown method {name!r}. Known methods: virtex, classifier, loctex")
+  if name == "mct":
+    from vlrep.methods.mct import MCT
+
+    return MCT(config, vocab_size)
+  raise ValueError(f"Unknown method {name!r}. Known methods: virtex, classifier, loctex, mct")

@@ -2,6 +2,8 @@
 
   MANUAL_DIR/annotations/captions_train2017.json   MANUAL_DIR/train2017/000000000009.jpg ...
   MANUAL_DIR/annotations/captions_val2017.json     MANUAL_DIR/val2017/...
+  MANUAL_DIR/annotations/instances_{train,val}2017.json   optional: the 80 object categories per image
+                                                         ('objects/label', MCT's tags; empty without it)
 
 Prepared with `python -m vlrep.data.prepare --dataset=coco_captions2017 --manual_dir=MANUAL_DIR`.
 Images that are missing or do not decode, empty captions, and images left without captions are skipped and
@@ -25,8 +27,8 @@ _SPLITS = {"train": "train2017", "val": "val2017"}
 class CocoCaptions2017(tfds.core.GeneratorBasedBuilder):
   """COCO Captions (Chen et al. 2015), 2017 splits: images with their (usually five) captions."""
 
-  VERSION = tfds.core.Version("1.0.0")
-  RELEASE_NOTES = {"1.0.0": "First release."}
+  VERSION = tfds.core.Version("1.1.0")
+  RELEASE_NOTES = {"1.0.0": "First release.", "1.1.0": "Object categories from the instance annotations."}
   MANUAL_DOWNLOAD_INSTRUCTIONS = __doc__
 
   def _info(self):
@@ -36,6 +38,8 @@ class CocoCaptions2017(tfds.core.GeneratorBasedBuilder):
           "image": tfds.features.Image(encoding_format="jpeg"),
           "image_id": np.int64,
           "captions": tfds.features.Sequence(tfds.features.Text()),
+          # Category index 0..79 (COCO's category ids in increasing order), one entry per instance.
+          "objects": tfds.features.Sequence({"label": tfds.features.ClassLabel(num_classes=80)}),
         }
       ),
       homepage="https://cocodataset.org",
@@ -47,14 +51,25 @@ class CocoCaptions2017(tfds.core.GeneratorBasedBuilder):
     for split, folder in _SPLITS.items():
       ann = os.path.join(root, "annotations", f"captions_{folder}.json")
       if os.path.exists(ann):
-        out[split] = self._generate_examples(ann, os.path.join(root, folder))
+        instances = os.path.join(root, "annotations", f"instances_{folder}.json")
+        out[split] = self._generate_examples(ann, os.path.join(root, folder), instances)
     if not out:
       raise FileNotFoundError(f"No annotations/captions_*2017.json under {root}. Expected layout:\n{__doc__}")
     return out
 
-  def _generate_examples(self, annotation_file: str, image_dir: str):
+  def _generate_examples(self, annotation_file: str, image_dir: str, instances_file: str = ""):
     with open(annotation_file) as f:
       data = json.load(f)
+    labels = collections.defaultdict(list)
+    if instances_file and os.path.exists(instances_file):
+      with open(instances_file) as f:
+        instances = json.load(f)
+      index = {cat["id"]: i for i, cat in enumerate(sorted(instances["categories"], key=lambda c: c["id"]))}
+      for ann in instances["annotations"]:
+        if ann.get("category_id") in index:
+          labels[ann["image_id"]].append(index[ann["category_id"]])
+        else:
+          common.skip("coco_captions2017", "instance with unknown category", f"annotation {ann.get('id')}")
     captions = collections.defaultdict(list)
     for ann in data["annotations"]:
       text = (ann.get("caption") or "").strip()
@@ -70,4 +85,5 @@ class CocoCaptions2017(tfds.core.GeneratorBasedBuilder):
       path = os.path.join(image_dir, image["file_name"])
       if not common.readable_image(path, "coco_captions2017"):
         continue
-      yield image_id, {"image": path, "image_id": image_id, "captions": captions[image_id]}
+      objects = {"label": labels.get(image_id, [])}
+      yield image_id, {"image": path, "image_id": image_id, "captions": captions[image_id], "objects": objects}

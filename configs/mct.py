@@ -1,0 +1,188 @@
+r"""MCT: multimodal contrastive training of visual representations (Yuan et al., CVPR 2021).
+
+Paper recipe (COCO Captions train2017 with the 80 instance categories as tags, prepared with
+`python -m vlrep.data.prepare --dataset=coco_captions2017 --manual_dir=PATH` where PATH/annotations also holds
+instances_{train,val}2017.json; probe on VOC07):
+  python -m vlrep.main --config=configs/mct.py --workdir=gs://BUCKET/mct_r50
+
+On the embedded synthetic_scenes (captions; tags = the scene's shapes and colours), sized for a 2-core CPU:
+  python -m vlrep.main --config=configs/mct.py:runlocal --workdir=/tmp/mct_local
+
+Variants (arguments combine with commas; any key can also be overridden with --config.KEY=VALUE):
+  loss=full|moco|tags|inter   all five losses with tags (the paper's 'with tag'), J_ii alone (MoCo-v2),
+                              J_ii + J_tag, the inter-modal rankings alone (J_ic + J_ci)
+  tags=True|False             lambda_tag 1 or 0 for loss=full (the paper's method without tags)
+  steps=N                     training steps instead of the recipe's epochs
+The text tower is trained from scratch (the paper's 'scratch' variant); caption views come from offline word
+dropout and swaps (`caption_views`), since back-translation models cannot be fetched here.
+"""
+
+from vlrep.config_utils import parse_arg
+
+# (lambda_ii, lambda_tag, lambda_cc, lambda_ic, lambda_ci)
+LOSSES = {
+  "full": (1.0, 1.0, 1.0, 1e-4, 1e-4),
+  "moco": (1.0, 0.0, 0.0, 0.0, 0.0),
+  "tags": (1.0, 1.0, 0.0, 0.0, 0.0),
+  "inter": (0.0, 0.0, 0.0, 1e-4, 1e-4),
+}
+
+
+def get_config(arg=None):
+  arg = parse_arg(arg, runlocal=False, loss="full", tags=True, steps=0)
+  from ml_collections import ConfigDict
+
+  if arg.loss not in LOSSES:
+    raise ValueError(f"Unknown loss={arg.loss!r}; known: {sorted(LOSSES)}")
+  weights = dict(zip(("j_ii", "j_tag", "j_cc", "j_ic", "j_ci"), LOSSES[arg.loss], strict=True))
+  if arg.loss == "full" and not arg.tags:
+    weights["j_tag"] = 0.0
+  image_size = 64 if arg.runlocal else 224
+
+  c = ConfigDict()
+  c.seed = 0
+  c.method = dict(
+    name="mct",
+    dtype="bfloat16",
+    # Per-GPU BatchNorm in the paper (512 images on 8 GPUs); the key encoder's batch is shuffled first.
+    backbone=dict(depth=50, width=64, bn_group_size=64),
+    text=dict(hidden=768, num_layers=12, num_heads=12, max_len=40, dropout=0.1),  # BERT-base sized
+    head_hidden=2048,
+    intra_dim=128,
+    inter_dim=1024,
+    momentum=0.999,
+    queue_size=32768,
+    temperature=0.07,
+    tag_threshold=2.0,  # epsilon: a queue entry sharing more than this many tags is a positive (J_tag)
+    margin=0.2,
+    weights=weights,
+  )
+  view = (
+    "inception_crop({size}, area=(0.2, 1.0), key='{k}')|color_jitter(0.4, 0.4, 0.4, 0.1, prob=0.8, key='{k}')"
+    "|random_grayscale(0.2, key='{k}')|gaussian_blur(0.5, key='{k}')|flip_lr_swap_words(keys=(), key='{k}')"
+    "|normalize(key='{k}')"
+  )
+  c.data = dict(
+    name="coco_captions2017",
+    config_name="",
+    data_dir="",
+    split="train",
+    prefetch=2,
+    cache_image_size=0,
+    device_prefetch=2,
+    pp=(
+      "keep('image', 'captions', 'objects')|decode|copy('image', 'image_q')|copy('image', 'image_k')"
+      f"|{view.format(size=image_size, k='image_q')}|{view.format(size=image_size, k='image_k')}"
+      "|choose_caption(5)|caption_views(0.1, 0.1)|tags(num_tags=80)"
+      "|tokenize(40, key='caption_q', out='tokens_q')|tokenize(40, key='caption_k', out='tokens_k')"
+    ),
+  )
+  c.tokenizer = dict(path="", vocab_size=10000, corpus_split="train", corpus_key="captions", build_if_missing=True)
+
+  c.batch_size = 512
+  c.total_steps = arg.steps
+  c.total_epochs = 0.0 if arg.steps else 200.0
+  c.total_examples = 0
+  c.optim = dict(
+    name="sgd",
+    momentum=0.9,
+    nesterov=False,
+    weight_decay=1e-4,
+    grad_clip_norm=0.0,
+    lookahead_steps=0,
+    lookahead_alpha=0.5,
+    warmup_steps=0,
+    warmup_epochs=0.0,
+    warmup_examples=0,
+    # Image tower 0.03, text tower 4e-5 (the paper); heads follow their tower.
+    lr_groups=(("^(textual|text_pooler|text_intra|text_inter)/", 4e-5), (".*", 0.03)),
+    no_decay="",
+    b1=0.9,
+    b2=0.999,
+    eps=1e-8,
+  )
+  c.sharding = dict(params="replicate", num_devices=0)
+  c.checkpoint = dict(every_steps=2000, keep=2, async_save=True)
+  c.log_every_steps = 100
+
+  c.evals = dict(
+    probe=dict(
+      type="voc07_svm",
+      dataset="voc2007",
+      data_dir="",
+      config_name="",
+      train_split="trainval",
+      test_split="test",
+      pp="decode|resize_small(256)|central_crop(224)|normalize|voc_labels(20)",
+      batch_size=256,
+      feature="pre_logits",
+      l2_normalize=True,
+      costs=(0.01, 0.1, 1.0, 10.0),
+      folds=3,
+      every_steps=10_000,
+      random_init=True,
+    ),
+    # COCO 1K retrieval with the towers as trained (5 folds of the first 5000 val images; val2017 has 5000).
+    retrieval=dict(
+      type="retrieval",
+      dataset="coco_captions2017",
+      data_dir="",
+      config_name="",
+      split="val",
+      pp="decode|resize_small(256)|central_crop(224)|normalize",
+      captions_key="captions",
+      num_captions=5,
+      max_len=40,
+      batch_size=250,
+      limit=5000,
+      fold_size=1000,
+      every_steps=0,
+    ),
+  )
+  c.best_metric = "probe/map"
+  if arg.runlocal:
+    _runlocal(c, arg)
+  return c
+
+
+def _runlocal(c, arg):
+  """synthetic_scenes at 64x64 on a 2-core CPU budget; tags are the 10 shapes and the colours present."""
+  data_dir = "~/.cache/vlrep/tensorflow_datasets"
+  c.data.update(name="synthetic_scenes", config_name="default", data_dir=data_dir)
+  c.data.pp = c.data.pp.replace(
+    "tags(num_tags=80)", "tags(fields=(('objects', 'label', 0), ('objects', 'color', 10)), num_tags=20)"
+  ).replace("area=(0.2, 1.0)", "area=(0.5, 1.0)")
+  c.method.update(dtype="float32", head_hidden=256, queue_size=1024)
+  c.method.backbone = dict(depth=26, width=16, bn_group_size=16)
+  c.method.text = dict(hidden=128, num_layers=2, num_heads=4, max_len=40, dropout=0.1)
+  c.tokenizer.vocab_size = 1000
+  c.batch_size = 64
+  c.total_steps = arg.steps or 500
+  c.total_epochs = 0.0
+  c.optim.warmup_steps = 50
+  # 0.03 / 4e-5 are tuned for 200 epochs of COCO; at a few hundred steps both towers need more.
+  c.optim.lr_groups = (("^(textual|text_pooler|text_intra|text_inter)/", 0.05), (".*", 0.1))
+  # Momentum 0.999 follows the query encoder over thousands of steps; 500 steps need a faster key encoder.
+  c.method.momentum = 0.99
+  c.checkpoint.every_steps = 250
+  c.log_every_steps = 50
+  c.evals.probe.update(
+    dataset="synthetic_scenes",
+    config_name="default",
+    data_dir=data_dir,
+    train_split="probe_trainval",
+    test_split="probe_test",
+    pp="decode|normalize|voc_labels(10)",
+    every_steps=0,
+    batch_size=200,
+  )
+  c.evals.retrieval.update(
+    dataset="synthetic_scenes",
+    config_name="default",
+    data_dir=data_dir,
+    pp="decode|normalize",
+    batch_size=100,
+    limit=500,
+    fold_size=0,
+    random_init=True,
+  )

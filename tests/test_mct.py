@@ -1,0 +1,220 @@
+"""MCT: queues under sharding, the momentum update, the five losses against numpy, loss subsets for missing
+captions/tags, retrieval metrics, and an end-to-end run whose resume restores the queues."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ROOT, run_main
+
+from vlrep.evaluators import retrieval
+from vlrep.methods import mct
+
+
+def _tiny_method_and_batch(batch_size=8, seed=0):
+  import tiny_mct
+
+  from vlrep import methods
+
+  config = tiny_mct.get_config()
+  method = methods.build(config.method, 50)
+  rng = np.random.default_rng(seed)
+  batch = {
+    "image_q": rng.normal(size=(batch_size, 32, 32, 3)).astype(np.float32),
+    "image_k": rng.normal(size=(batch_size, 32, 32, 3)).astype(np.float32),
+    "tokens_q": rng.integers(5, 50, (batch_size, 12)).astype(np.int32),
+    "tokens_k": rng.integers(5, 50, (batch_size, 12)).astype(np.int32),
+    "tags": (rng.random((batch_size, 20)) < 0.3).astype(np.uint8),
+    "stat_empty": np.zeros((batch_size,), bool),
+  }
+  return config, method, batch
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Losses against numpy.
+# ---------------------------------------------------------------------------------------------------------
+def _unit(x):
+  return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def test_losses_match_numpy():
+  rng = np.random.default_rng(0)
+  b, k, d, tau, alpha = 3, 7, 5, 0.07, 0.2
+  q, kp, queue = _unit(rng.normal(size=(b, d))), _unit(rng.normal(size=(b, d))), _unit(rng.normal(size=(k, d)))
+  valid = np.array([1, 1, 0, 1, 1, 1, 0], bool)
+  extra = rng.random((b, k)) < 0.4
+  nce, _ = mct.info_nce(jnp.asarray(q), jnp.asarray(kp), jnp.asarray(queue), jnp.asarray(valid), tau)
+  tag, count = mct.info_nce(jnp.asarray(q), jnp.asarray(kp), jnp.asarray(queue), jnp.asarray(valid), tau, extra)
+  rank = mct.margin_ranking(jnp.asarray(q), jnp.asarray(kp), jnp.asarray(queue), jnp.asarray(valid), alpha)
+  for i in range(b):
+    pos = q[i] @ kp[i]
+    negs = [q[i] @ queue[j] for j in range(k) if valid[j]]
+    denom = np.exp(pos / tau) + sum(np.exp(s / tau) for s in negs)
+    np.testing.assert_allclose(nce[i], -np.log(np.exp(pos / tau) / denom), rtol=1e-5)
+    # Eq. 5: the positives are k+ and the valid queue entries marked as sharing tags.
+    positives = [pos] + [q[i] @ queue[j] for j in range(k) if valid[j] and extra[i, j]]
+    want = -np.mean([np.log(np.exp(s / tau) / denom) for s in positives])
+    np.testing.assert_allclose(tag[i], want, rtol=1e-5)
+    assert count[i] == len(positives)
+    # Eq. 11/14: hinge over the valid queue entries.
+    want = sum(max(0.0, alpha - pos + q[i] @ queue[j]) for j in range(k) if valid[j])
+    np.testing.assert_allclose(rank[i], want, rtol=1e-5)
+
+
+def test_loss_subsets_for_missing_captions_and_tags_never_nan():
+  config, method, batch = _tiny_method_and_batch()
+  variables = method.init(jax.random.PRNGKey(0), batch)
+  # Rows 0-1: caption and tags; 2-3: tags only; 4-5: caption only; 6-7: neither. Row 3's tags repeat one label
+  # (a multi-hot vector counts it once).
+  batch["stat_empty"] = np.array([0, 0, 1, 1, 0, 0, 1, 1], bool)
+  batch["tags"][4:] = 0
+  batch["tags"][3] = 0
+  batch["tags"][3, 7] = 1
+  loss, metrics, _ = method.loss(variables, batch, jax.random.PRNGKey(1), True)
+  assert np.isfinite(float(loss)) and all(np.isfinite(float(v)) for v in metrics.values())
+  w = config.method.weights
+  want = sum(w[n] * metrics[n] for n in ("j_ii", "j_tag", "j_cc", "j_ic", "j_ci"))
+  np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
+  # No image has a caption or tags: the loss is lambda_ii J_ii alone.
+  batch["stat_empty"][:] = True
+  batch["tags"][:] = 0
+  loss, metrics, state = method.loss(variables, batch, jax.random.PRNGKey(1), True)
+  np.testing.assert_allclose(float(loss), w["j_ii"] * float(metrics["j_ii"]), rtol=1e-6)
+  assert float(metrics["j_cc"]) == float(metrics["j_tag"]) == 0.0
+  # Their captions enter the queue as invalid: never negatives later.
+  assert not np.asarray(state["queues"]["text_valid"][:8]).any() and np.asarray(state["queues"]["text_valid"][8:]).all()
+
+
+def test_momentum_update_is_exact():
+  config, method, batch = _tiny_method_and_batch()
+  variables = method.init(jax.random.PRNGKey(0), batch)
+  # Make the key encoder differ from the query encoder first.
+  variables["momentum"]["params"] = jax.tree.map(lambda x: x * 0.5 + 0.01, variables["momentum"]["params"])
+  _, _, state = jax.jit(lambda v, b: method.loss(v, b, jax.random.PRNGKey(2), True))(variables, batch)
+  m = np.float32(config.method.momentum)
+  want = jax.tree.map(
+    lambda k, q: m * np.asarray(k) + (np.float32(1) - m) * np.asarray(q),
+    variables["momentum"]["params"],
+    variables["params"],
+  )
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(np.asarray(a), b, rtol=1e-6, atol=1e-8), state["momentum"]["params"], want
+  )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Queues under sharding: 1 and 8 (fake) devices give a plain ring buffer.
+# ---------------------------------------------------------------------------------------------------------
+QUEUE_SCRIPT = r"""
+import json, sys
+import jax, numpy as np
+sys.path.insert(0, "tests")
+from test_mct import _tiny_method_and_batch
+from vlrep import sharding
+config, method, batch = _tiny_method_and_batch()
+mesh = sharding.make_mesh()
+k = config.method.queue_size
+variables = method.init(jax.random.PRNGKey(0), batch)
+state_sh = sharding.state_shardings(mesh, variables, "replicate")
+variables = jax.device_put(variables, state_sh)
+batch_sh = sharding.batch_sharding(mesh)
+step = jax.jit(lambda v, b, r: {**v, **method.loss(v, b, r, True)[2]}, in_shardings=(state_sh, batch_sh, None),
+               out_shardings=state_sh)
+rng = np.random.default_rng(1)
+tags_ring, valid_ring = np.zeros((k, 20), np.uint8), np.ones((k,), bool)
+ptr = 0
+for t in range(7):  # 7 batches of 8 into 32 slots: wraps around once
+  batch["tags"] = (rng.random((8, 20)) < 0.3).astype(np.uint8)
+  batch["stat_empty"] = rng.random(8) < 0.3
+  variables = step(variables, sharding.global_batch(batch, batch_sh), jax.random.PRNGKey(t))
+  tags_ring[ptr:ptr + 8], valid_ring[ptr:ptr + 8] = batch["tags"], ~batch["stat_empty"]
+  ptr = (ptr + 8) % k
+q = variables["queues"]
+np.testing.assert_array_equal(np.asarray(q["tags"]), tags_ring)
+np.testing.assert_array_equal(np.asarray(q["text_valid"]), valid_ring)
+assert int(q["ptr"]) == ptr == 24
+shard_rows = sorted({s.data.shape[0] for s in q["image_intra"].addressable_shards})
+print(json.dumps({"devices": jax.device_count(), "rows_per_device": shard_rows,
+                  "spec": str(q["image_intra"].sharding.spec),
+                  "image_intra": np.asarray(q["image_intra"]).round(5).tolist()}))
+"""
+
+
+def test_queue_order_and_wraparound_on_1_and_8_devices():
+  results = []
+  for n in (1, 8):
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", QUEUE_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+  one, eight = results
+  assert one["devices"] == 1 and eight["devices"] == 8
+  # On 8 devices each holds 32 / 8 keys of every queue.
+  assert one["rows_per_device"] == [32] and eight["rows_per_device"] == [4] and "data" in eight["spec"]
+  # The keys themselves agree across device counts (BatchNorm groups of 4 are device-count independent).
+  np.testing.assert_allclose(np.array(one["image_intra"]), np.array(eight["image_intra"]), atol=2e-4)
+
+
+def test_queue_size_must_be_a_multiple_of_the_batch():
+  _, method, batch = _tiny_method_and_batch(batch_size=6)
+  with pytest.raises(ValueError, match="multiple of the global batch size 6"):
+    method.init(jax.random.PRNGKey(0), batch)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Retrieval metrics.
+# ---------------------------------------------------------------------------------------------------------
+def test_retrieval_metrics_by_hand():
+  images = np.eye(3, dtype=np.float32)
+  # Captions 0,1 of image 0; 2 of image 1; 3 of image 2 — caption 2 points at image 2, caption 3 at image 1.
+  texts = np.array([[1, 0, 0], [0.9, 0.1, 0], [0, 0.2, 0.9], [0, 0.9, 0.2]], np.float32)
+  owner = np.array([0, 0, 1, 2])
+  m = retrieval.retrieval_metrics(images, texts, owner)
+  # t2i ranks: 1, 1, 2, 2 -> R@1 50%; i2t: image 0 rank 1; image 1's caption 2 ranks 2nd; image 2's caption 3
+  # ranks 2nd.
+  assert m["t2i_r1"] == 50.0 and m["t2i_r5"] == 100.0 and m["t2i_medr"] == 1.5
+  assert m["i2t_r1"] == pytest.approx(100 / 3) and m["i2t_medr"] == 2.0 and m["chance_r1"] == pytest.approx(100 / 3)
+  folded = retrieval.folded_metrics(np.concatenate([images, images]), np.concatenate([texts, texts]),
+                                    np.concatenate([owner, owner + 3]), 3)  # fmt: skip
+  assert folded == pytest.approx(m)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# End to end: main, summary, and a resume that restores the queues.
+# ---------------------------------------------------------------------------------------------------------
+def _restore(workdir, step):
+  import orbax.checkpoint as ocp
+
+  path = os.path.join(workdir, "checkpoints", str(step), "state")
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  checkpointer = ocp.StandardCheckpointer()
+  meta = checkpointer.metadata(path).item_metadata
+  return checkpointer.restore(
+    path, jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), meta)
+  )
+
+
+def test_main_end_to_end_and_resume_restores_queues(tmp_path):
+  proc = run_main(tmp_path / "run", config="tests/tiny_mct.py")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+  for key in ("probe/map", "retrieval/i2t_r1", "retrieval/t2i_r10", "retrieval/rsum", "retrieval/i2t_r1_random_init"):
+    assert key in summary, sorted(summary)
+  assert "retrieval/chance_r1" in summary and summary["steps"] == 6
+  final = _restore(tmp_path / "run", 6)
+  queues = final["model_state"]["queues"]
+  assert int(queues["ptr"]) == 6 * 8 % 32 and np.asarray(queues["tags"]).any()
+  # Resume from step 3 (drop the step-6 checkpoint): the same final queues, momentum and parameters.
+  shutil.copytree(tmp_path / "run", tmp_path / "resumed", ignore=shutil.ignore_patterns("6", "best"))
+  os.remove(tmp_path / "resumed" / "summary.json")
+  again = run_main(tmp_path / "resumed", "--config.evals={}", config="tests/tiny_mct.py")
+  assert again.returncode == 0 and "Resumed from step 3" in again.stderr, again.stderr[-3000:]
+  resumed = _restore(tmp_path / "resumed", 6)
+  jax.tree.map(np.testing.assert_array_equal, resumed["model_state"], final["model_state"])
+  jax.tree.map(np.testing.assert_array_equal, resumed["params"], final["params"])

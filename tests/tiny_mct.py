@@ -1,0 +1,27 @@
+"""A tiny MCT run for tests: 32x32 synthetic scenes, one-block ResNet, a queue of 32 keys."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs"))
+
+import mct  # noqa: E402
+
+
+def get_config(arg=None):
+  c = mct.get_config("runlocal" + ("," + arg if arg else ""))
+  data_dir = os.environ.get("VLREP_TEST_DATA_DIR", "/tmp/vlrep_test_data")
+  c.data.update(config_name="tiny", data_dir=data_dir)
+  c.data.pp = c.data.pp.replace("inception_crop(64,", "inception_crop(32,")
+  c.method.update(head_hidden=32, intra_dim=8, inter_dim=16, queue_size=32)
+  c.method.backbone = dict(depth=10, width=8, bn_group_size=4)
+  c.method.text = dict(hidden=32, num_layers=1, num_heads=2, max_len=40, dropout=0.1)
+  c.tokenizer.vocab_size = 200
+  c.batch_size = 8
+  c.total_steps = 6
+  c.optim.warmup_steps = 2
+  c.checkpoint.update(every_steps=3, keep=10, async_save=False)
+  c.log_every_steps = 1
+  c.evals.probe.update(config_name="tiny", data_dir=data_dir, batch_size=16, every_steps=0, costs=(0.1, 1.0))
+  c.evals.retrieval.update(config_name="tiny", data_dir=data_dir, batch_size=8, limit=16)
+  return c

@@ -1,0 +1,126 @@
+"""Cross-modal retrieval with a method's own towers (MCT's inter-modal embeddings), no fine-tuning.
+
+For N test images with up to C captions each, both embedded in the common space (`method.embed`):
+  i2t_r{1,5,10}   % of images whose best-ranked correct caption is among the top K of all captions
+  t2i_r{1,5,10}   % of captions whose image is among the top K of all images
+  i2t_medr, t2i_medr   median rank (1 = first)
+  rsum            the sum of the six recalls
+  chance_r1, chance_r10   100 K / N: a random ranking's t2i recall (i2t's is about the same for small K)
+With `fold_size` > 0 the images are split into consecutive folds of that size (COCO's 1K protocol: 5 folds of
+the 5K test images) and the metrics are averaged; 0 ranks against the whole split (COCO 5K).
+
+Config: dataset, data_dir, config_name, split, pp (must give 'image'; captions come from `captions_key`),
+captions_key, num_captions (C: the first C captions of each image; fewer are padded and ignored), max_len,
+batch_size, limit (first N images; 0 = all), fold_size, every_steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from absl import logging
+
+RECALL_AT = (1, 5, 10)
+
+
+def retrieval_metrics(image_emb: np.ndarray, text_emb: np.ndarray, text_image: np.ndarray) -> dict[str, float]:
+  """image_emb [N, D], text_emb [M, D] (l2-normalised), text_image [M] the index of each caption's image."""
+  sim = image_emb @ text_emb.T  # [N, M]
+  n = len(image_emb)
+  # i2t: rank of the best correct caption for each image.
+  order = np.argsort(-sim, axis=1)
+  correct = text_image[order] == np.arange(n)[:, None]
+  i2t_rank = correct.argmax(axis=1) + 1
+  # t2i: rank of each caption's image.
+  img_order = np.argsort(-sim.T, axis=1)
+  t2i_rank = (img_order == text_image[:, None]).argmax(axis=1) + 1
+  out = {}
+  for k in RECALL_AT:
+    out[f"i2t_r{k}"] = 100.0 * np.mean(i2t_rank <= k)
+    out[f"t2i_r{k}"] = 100.0 * np.mean(t2i_rank <= k)
+  out["i2t_medr"] = float(np.median(i2t_rank))
+  out["t2i_medr"] = float(np.median(t2i_rank))
+  out["rsum"] = sum(out[f"{d}_r{k}"] for d in ("i2t", "t2i") for k in RECALL_AT)
+  for k in (1, 10):
+    out[f"chance_r{k}"] = 100.0 * min(k, n) / n
+  return out
+
+
+def folded_metrics(image_emb, text_emb, text_image, fold_size: int) -> dict[str, float]:
+  n = len(image_emb)
+  if not fold_size or fold_size >= n:
+    return retrieval_metrics(image_emb, text_emb, text_image)
+  folds = []
+  for start in range(0, n - fold_size + 1, fold_size):
+    sel = (text_image >= start) & (text_image < start + fold_size)
+    folds.append(retrieval_metrics(image_emb[start : start + fold_size], text_emb[sel], text_image[sel] - start))
+  return {k: float(np.mean([f[k] for f in folds])) for k in folds[0]}
+
+
+class Retrieval:
+  feature_key = None  # works on the whole model: run() receives the variables
+
+  def __init__(self, config, context: dict, host: int = 0, num_hosts: int = 1):
+    from vlrep.data import pipeline
+
+    self.config = config
+    self.method = context.get("method")
+    if not hasattr(self.method, "embed"):
+      raise ValueError(
+        f"The retrieval evaluator needs a method with image and caption towers (MCT); this run's is "
+        f"{type(self.method).__name__}."
+      )
+    self.tokenizer = context.get("tokenizer")
+    self.builder = pipeline.get_builder(config.dataset, config.get("data_dir"), config.get("config_name"))
+    self.host, self.num_hosts, self.context = host, num_hosts, context
+    self.embed_images = jax.jit(lambda v, x: self.method.embed(v, images=x)["image"])
+    self.embed_texts = jax.jit(lambda v, t: self.method.embed(v, tokens=t)["text"])
+
+  def run(self, features_fn: Callable, variables=None) -> dict[str, float]:
+    from jax.experimental import multihost_utils
+
+    from vlrep.data import pipeline
+
+    del features_fn
+    c = self.config
+    split = c.split
+    if c.get("limit"):
+      total = self.builder.info.splits[c.split].num_examples
+      split = f"{c.split}[:{100.0 * min(c.limit, total) / total}%]"
+    t0 = time.time()
+    images, texts, owners, real_images = [], [], [], []
+    local_bs = c.batch_size // self.num_hosts
+    for batch in pipeline.eval_batches(
+      self.builder, split, c.pp, ("image", c.captions_key), local_bs, self.host, self.num_hosts, self.context
+    ):
+      images.append(np.asarray(self.embed_images(variables, batch["image"])))
+      real_images.append(batch["_mask"].astype(bool))
+      caps = np.asarray(batch[c.captions_key], dtype=object).reshape(len(batch["_mask"]), -1)[:, : c.num_captions]
+      caps = np.concatenate([caps, np.full((len(caps), c.num_captions - caps.shape[1]), b"", object)], axis=1)
+      strings = [s.decode("utf-8") if isinstance(s, bytes) else ("" if s == 0 else str(s)) for s in caps.reshape(-1)]
+      tokens = np.stack([self.tokenizer.encode(s, c.max_len)[0] for s in strings])
+      texts.append(np.asarray(self.embed_texts(variables, tokens)).reshape(len(caps), c.num_captions, -1))
+      owners.append(np.array([[bool(s.strip()) for s in strings]]).reshape(len(caps), c.num_captions))
+    # Every host's shard, in host order, then only real images and non-empty captions.
+    gather = (
+      lambda x: np.asarray(multihost_utils.process_allgather(np.concatenate(x))).reshape(  # noqa: E731
+        (-1,) + np.concatenate(x).shape[1:]
+      )
+    )
+    image_emb, text_emb, has_text, real = gather(images), gather(texts), gather(owners), gather(real_images)
+    image_emb, text_emb, has_text = image_emb[real], text_emb[real], has_text[real]
+    text_image = np.repeat(np.arange(len(image_emb)), c.num_captions).reshape(len(image_emb), c.num_captions)
+    out = folded_metrics(image_emb, text_emb[has_text], text_image[has_text], c.get("fold_size", 0))
+    logging.info(
+      "Retrieval on %d images, %d captions (%.1fs): i2t R@1 %.1f, t2i R@1 %.1f (chance %.1f)",
+      len(image_emb),
+      int(has_text.sum()),
+      time.time() - t0,
+      out["i2t_r1"],
+      out["t2i_r1"],
+      out["chance_r1"],
+    )
+    return out

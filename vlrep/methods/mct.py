@@ -1,0 +1,210 @@
+"""Multimodal contrastive training, MCT (Yuan et al., CVPR 2021): MoCo-v2 within each modality, tag-supervised
+positives, and margin ranking between modalities against the other modality's queue (eq. 3-15).
+
+State beyond the parameters lives in the model state, so the loop checkpoints, shards and restores it like
+BatchNorm statistics:
+  momentum   the key encoders' parameters and BatchNorm statistics (updated in the step, before the keys are
+             computed, as MoCo does: k <- m k + (1 - m) q)
+  queues     K keys per path (image_intra, text_intra, image_inter, text_inter), the keys' tags and validity
+             flags, and the write pointer; enqueued from the global batch in order, sharded along `data`.
+
+Losses per example (means over the examples each applies to):
+  J_ii   InfoNCE of the image query against its key and the image queue            all images
+  J_tag  J_ii with positives extended to queue entries sharing more than eps tags   images with tags
+  J_cc   InfoNCE of the caption query against its key and the caption queue        images with a caption
+  J_ic   sum_j [alpha - q_ic.k_ic+ + q_ic.k_j]_+ over the caption (inter) queue     images with a caption
+  J_ci   the same, caption query against the image (inter) queue                   images with a caption
+So an image with only tags trains on lambda_ii J_ii + lambda_tag J_tag, one with only a caption on
+lambda_ii J_ii + lambda_cc J_cc + lambda_ic J_ic + lambda_ci J_ci, and one with neither on J_ii: the paper's subsets.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from vlrep.models.mct import MCTModel
+
+PATHS = ("image_intra", "text_intra", "image_inter", "text_inter")
+
+
+def l2_normalize(x, eps: float = 1e-12):
+  x = x.astype(jnp.float32)
+  return x * jax.lax.rsqrt(jnp.maximum(jnp.sum(x * x, -1, keepdims=True), eps))
+
+
+def info_nce(q, k_pos, queue, queue_valid, tau: float, extra_positives=None):
+  """Per-example -mean_{p in P} log softmax_p over [q.k+, q.queue] / tau (eq. 3, 5, 8). Invalid queue entries
+  are no negatives. `extra_positives` [B, K] adds queue entries to P (J_tag); None gives P = {k+}."""
+  logits = jnp.concatenate([jnp.sum(q * k_pos, -1, keepdims=True), q @ queue.T], axis=1) / tau
+  logits = jnp.where(jnp.concatenate([jnp.ones((q.shape[0], 1), bool), queue_valid[None].repeat(q.shape[0], 0)], 1),
+                     logits, -1e9)  # fmt: skip
+  logp = jax.nn.log_softmax(logits, axis=1)
+  if extra_positives is None:
+    return -logp[:, 0], jnp.ones(q.shape[:1])
+  pos = jnp.concatenate([jnp.ones((q.shape[0], 1), bool), extra_positives & queue_valid[None]], axis=1)
+  count = jnp.sum(pos, 1)
+  return -jnp.sum(jnp.where(pos, logp, 0.0), 1) / count, count.astype(jnp.float32)
+
+
+def margin_ranking(q, k_pos, queue, queue_valid, alpha: float):
+  """Per-example sum_j [alpha - q.k+ + q.queue_j]_+ over the valid queue entries (eq. 11, 14)."""
+  hinge = jax.nn.relu(alpha - jnp.sum(q * k_pos, -1, keepdims=True) + q @ queue.T)
+  return jnp.sum(jnp.where(queue_valid[None], hinge, 0.0), 1)
+
+
+def enqueue(queue, keys, ptr):
+  """Writes the batch's keys at `ptr` (the queue size is a multiple of the batch, so no write wraps)."""
+  return jax.lax.dynamic_update_slice_in_dim(queue, keys.astype(queue.dtype), ptr, axis=0)
+
+
+def _masked_mean(values, mask):
+  mask = mask.astype(jnp.float32)
+  return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+class MCT:
+  """MCT behind vlrep's method contract (init / loss / features), plus `embed` for retrieval."""
+
+  fields = ("image_q", "image_k", "tokens_q", "tokens_k", "tags")
+
+  def __init__(self, config: ml_collections.ConfigDict, vocab_size: int):
+    self.config = config
+    self.model = MCTModel(
+      vocab_size=vocab_size,
+      backbone=dict(config.backbone),
+      text=dict(config.text),
+      head_hidden=config.head_hidden,
+      intra_dim=config.intra_dim,
+      inter_dim=config.inter_dim,
+      dtype=jnp.dtype(config.dtype),
+    )
+
+  # -- contract -----------------------------------------------------------------------------------------
+  def init(self, rng, batch) -> dict:
+    params_rng, dropout_rng, queue_rng = jax.random.split(rng, 3)
+    b, k = batch["image_q"].shape[0], self.config.queue_size
+    if k % b:
+      raise ValueError(f"method.queue_size {k} must be a multiple of the global batch size {b} (MoCo's rule).")
+    variables = self.model.init(
+      {"params": params_rng, "dropout": dropout_rng}, batch["image_q"], batch["tokens_q"], train=False
+    )
+    params, stats = variables["params"], variables.get("batch_stats", {})
+    dims = {"image_intra": self.config.intra_dim, "text_intra": self.config.intra_dim}
+    dims.update(image_inter=self.config.inter_dim, text_inter=self.config.inter_dim)
+    # Random unit keys as initial negatives, as MoCo starts; they carry no tags.
+    queues = {
+      p: l2_normalize(jax.random.normal(r, (k, dims[p])))
+      for p, r in zip(PATHS, jax.random.split(queue_rng, 4), strict=True)
+    }
+    queues.update(
+      tags=jnp.zeros((k, batch["tags"].shape[-1]), jnp.uint8),
+      image_valid=jnp.ones((k,), bool),
+      text_valid=jnp.ones((k,), bool),
+      ptr=jnp.zeros((), jnp.int32),
+    )
+    copy = lambda t: jax.tree.map(jnp.array, t)  # noqa: E731
+    return {"params": params, "batch_stats": stats, "momentum": {"params": copy(params), "batch_stats": copy(stats)},
+            "queues": queues}  # fmt: skip
+
+  def loss(self, variables, batch, rng, train: bool = True):
+    c = self.config
+    params, queues = variables["params"], variables["queues"]
+    q_rng, k_rng, shuffle_rng = jax.random.split(rng, 3)
+    b = batch["image_q"].shape[0]
+
+    # Queries, from the encoder being trained.
+    (img_q, txt_q), new_stats = self.model.apply(
+      {"params": params, "batch_stats": variables["batch_stats"]},
+      batch["image_q"],
+      batch["tokens_q"],
+      train,
+      rngs={"dropout": q_rng},
+      mutable=["batch_stats"],
+    )
+    # Momentum update first, then keys from the updated key encoder (no gradient). Shuffled BatchNorm: the
+    # key images are permuted before the encoder and put back after, so BatchNorm groups of the key encoder
+    # never hold a query's own positive in the same positions (MoCo's guard against BN leakage).
+    m = c.momentum
+    mom_params = jax.tree.map(
+      lambda k, q: m * k + (1 - m) * jax.lax.stop_gradient(q), variables["momentum"]["params"], params
+    )
+    perm = jax.random.permutation(shuffle_rng, b)
+    (img_k, txt_k), mom_stats = self.model.apply(
+      {"params": mom_params, "batch_stats": variables["momentum"]["batch_stats"]},
+      batch["image_k"][perm],
+      batch["tokens_k"],
+      train,
+      rngs={"dropout": k_rng},
+      mutable=["batch_stats"],
+    )
+    inverse = jnp.argsort(perm)
+    img_k = jax.tree.map(lambda x: jax.lax.stop_gradient(x[inverse]), img_k)
+    txt_k = jax.tree.map(jax.lax.stop_gradient, txt_k)
+
+    q = {"ii": l2_normalize(img_q["intra"]), "ic": l2_normalize(img_q["inter"])}
+    q.update(cc=l2_normalize(txt_q["intra"]), ci=l2_normalize(txt_q["inter"]))
+    # Keys by queue path: image keys for image queues, the momentum text encoder's for caption queues.
+    keys = {"image_intra": l2_normalize(img_k["intra"]), "text_intra": l2_normalize(txt_k["intra"])}
+    keys.update(image_inter=l2_normalize(img_k["inter"]), text_inter=l2_normalize(txt_k["inter"]))
+
+    tags = batch["tags"].astype(jnp.float32)
+    has_tags = jnp.sum(tags, -1) > 0
+    has_caption = ~batch["stat_empty"] if "stat_empty" in batch else jnp.ones((b,), bool)
+    img_valid, txt_valid = queues["image_valid"], queues["text_valid"]
+
+    j_ii, _ = info_nce(q["ii"], keys["image_intra"], queues["image_intra"], img_valid, c.temperature)
+    overlap = tags @ queues["tags"].astype(jnp.float32).T  # [B, K]: shared tags with each queue entry
+    j_tag, num_pos = info_nce(
+      q["ii"], keys["image_intra"], queues["image_intra"], img_valid, c.temperature, overlap > c.tag_threshold
+    )
+    j_cc, _ = info_nce(q["cc"], keys["text_intra"], queues["text_intra"], txt_valid, c.temperature)
+    # Image query in the common space against the caption keys, and the converse.
+    j_ic = margin_ranking(q["ic"], keys["text_inter"], queues["text_inter"], txt_valid, c.margin)
+    j_ci = margin_ranking(q["ci"], keys["image_inter"], queues["image_inter"], img_valid, c.margin)
+
+    terms = {
+      "j_ii": _masked_mean(j_ii, jnp.ones((b,), bool)),
+      "j_tag": _masked_mean(j_tag, has_tags),
+      "j_cc": _masked_mean(j_cc, has_caption),
+      "j_ic": _masked_mean(j_ic, has_caption),
+      "j_ci": _masked_mean(j_ci, has_caption),
+    }
+    weights = dict(c.weights)
+    loss = sum(weights[name] * terms[name] for name in terms if weights[name])
+
+    # Enqueue this batch's keys (the global batch, in order) and advance the pointer.
+    ptr = queues["ptr"]
+    new_queues = {p: enqueue(queues[p], keys[p], ptr) for p in PATHS}
+    new_queues.update(
+      tags=enqueue(queues["tags"], batch["tags"].astype(jnp.uint8), ptr),
+      image_valid=enqueue(queues["image_valid"], jnp.ones((b,), bool), ptr),
+      text_valid=enqueue(queues["text_valid"], has_caption, ptr),
+      ptr=(ptr + b) % c.queue_size,
+    )
+    metrics = dict(terms)
+    metrics["tag_positives"] = _masked_mean(num_pos, has_tags)
+    metrics["positive_similarity"] = jnp.mean(jnp.sum(q["ii"] * keys["image_intra"], -1))
+    new_state = {
+      "batch_stats": new_stats["batch_stats"],
+      "momentum": {"params": mom_params, "batch_stats": mom_stats["batch_stats"]},
+      "queues": new_queues,
+    }
+    return loss, metrics, new_state
+
+  def features(self, variables, images) -> dict:
+    """Frozen query-encoder features for evaluators: pooled 'pre_logits' and the final 'grid'."""
+    v = {"params": variables["params"], "batch_stats": variables["batch_stats"]}
+    grid, aux = self.model.apply(v, images, False, method=MCTModel.encode_image)
+    return {"pre_logits": aux["pre_logits"], "grid": grid.astype(jnp.float32)}
+
+  def embed(self, variables, images=None, tokens=None) -> dict:
+    """l2-normalised inter-modal (common space) embeddings of images and/or captions, for retrieval."""
+    v = {"params": variables["params"], "batch_stats": variables["batch_stats"]}
+    out = {}
+    if images is not None:
+      out["image"] = l2_normalize(self.model.apply(v, images, False, method=MCTModel.embed_images)["inter"])
+    if tokens is not None:
+      out["text"] = l2_normalize(self.model.apply(v, tokens, False, method=MCTModel.embed_texts)["inter"])
+    return out
