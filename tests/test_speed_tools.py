@@ -42,12 +42,20 @@ def test_resnet50_forward_flops_match_the_published_count():
   macs = benchmark.jaxpr_flops(jax.make_jaxpr(lambda v, x: model.apply(v, x, False))(variables, x)) / 2
   # torchvision's ResNet-50: 4.09 GMACs at 224 (its 2048x1000 classifier, 2 MMACs, is not part of ours).
   assert abs(macs - 4.089e9) / 4.089e9 < 0.005, macs
+  # Forward + backward: 3x, less the stem's input gradient (images need none); strided convolutions' input
+  # gradients count only the products that touch non-zeros.
+  grad = jax.grad(lambda p, s, x: model.apply({"params": p, "batch_stats": s}, x, False)[0].sum())
+  step_macs = benchmark.jaxpr_flops(jax.make_jaxpr(grad)(variables["params"], variables["batch_stats"], x)) / 2
+  assert 2.95 < step_macs / macs < 3.0, step_macs / macs
 
 
-@pytest.mark.parametrize("input_mode", ["host"])  # host: the device prefetch path too
-def test_benchmark_times_the_real_step_on_cpu(input_mode):
-  config = load_tiny_config()
+@pytest.mark.parametrize("method,input_mode", [("virtex", "host"), ("mct", "device")])  # host: the prefetch path
+def test_benchmark_times_the_real_step_on_cpu(method, input_mode):
+  import tiny_mct
+
+  config = load_tiny_config() if method == "virtex" else tiny_mct.get_config()
   result = benchmark.benchmark(config, 2, 32, 200, input_mode)
+  assert result["method"] == method
   assert result["input"] == input_mode and result["images_per_second"] > 0 and math.isfinite(result["final_loss"])
   assert result["mfu"] is None  # CPUs have no peak in the table
   # 3x the forward FLOPs of the loss, counted from the model: at least the backbone's convolutions.

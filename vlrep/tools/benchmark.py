@@ -32,6 +32,7 @@ flags.DEFINE_integer("steps", 20, "Timed steps (after 3 warm-up steps).")
 flags.DEFINE_integer("image_size", 0, "Image size (default: from the config's preprocessing, else 224).")
 flags.DEFINE_integer("vocab_size", 0, "Vocabulary size of the textual head (default: config.tokenizer.vocab_size).")
 flags.DEFINE_string("output", None, "Optional JSON file for the results.")
+flags.DEFINE_integer("num_tags", 80, "Tag vocabulary size for methods with tags (MCT; COCO has 80).")
 flags.DEFINE_enum("input", "device", ["device", "host"], "Where batches come from (see the module docstring).")
 flags.DEFINE_bool("torch_reference", False, "Also time the PyTorch VirTex reference on the same device (VirTex only).")
 flags.DEFINE_bool("torch_compile", True, "torch.compile the PyTorch reference.")
@@ -75,7 +76,10 @@ def jaxpr_flops(closed_jaxpr) -> float:
     elif name == "conv_general_dilated":
       rhs, out = eqn.invars[1].aval.shape, eqn.outvars[0].aval.shape
       out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
-      total += 2.0 * np.prod(out) * np.prod(rhs) / out_features
+      # A gradient of a strided convolution dilates its input: only 1 / prod(dilation) of the products
+      # touch non-zeros, and only those are the model's.
+      dilation = np.prod(eqn.params.get("lhs_dilation") or (1,))
+      total += 2.0 * np.prod(out) * np.prod(rhs) / out_features / dilation
     multiplier = eqn.params.get("length", 1) if name == "scan" else 1
     for value in eqn.params.values():
       for sub in value if isinstance(value, (tuple, list)) else (value,):
@@ -85,9 +89,15 @@ def jaxpr_flops(closed_jaxpr) -> float:
 
 
 def model_flops_per_step(method, variables, batch, rng) -> float:
-  """Training FLOPs of one step: 3x the forward pass of the loss (forward + two backward products)."""
-  fwd = jax.make_jaxpr(lambda v, b: method.loss(v, b, rng, True)[0])(variables, batch)
-  return 3.0 * jaxpr_flops(fwd)
+  """Model FLOPs of one step: the loss's forward and backward products, counted from the jaxpr of its
+  gradient. For a plain network that is about 3x the forward pass; forward-only parts (MCT's momentum key
+  encoders) count once."""
+
+  def loss(params, rest, batch):
+    return method.loss({"params": params, **rest}, batch, rng, True)[0]
+
+  rest = {k: v for k, v in variables.items() if k != "params"}
+  return jaxpr_flops(jax.make_jaxpr(jax.grad(loss))(variables["params"], rest, batch))
 
 
 def _image_size(config) -> int:
@@ -104,21 +114,30 @@ def benchmark(config, steps: int, image_size: int, vocab_size: int, input_mode: 
   bs = config.batch_size
   rng = np.random.default_rng(0)
   max_len = config.method.get("max_len") or config.method.text.max_len
-  local = {
-    "image": rng.normal(size=(bs, image_size, image_size, 3)).astype(np.float32),
-    "tokens": rng.integers(5, vocab_size, size=(bs, max_len)).astype(np.int32),
-    "stat_empty": np.zeros((bs,), bool),
-  }
-  local["tokens"][:, 0] = 2
-  local["tokens"][:, -1] = 3
-  # LocTex: rendered traces at each supervised grid size (about 10% of the cells per token).
-  for r in config.method.get("grid_sizes", ()):
-    local[f"trace_mask_{r}"] = (rng.random((bs, max_len, r, r)) < 0.1).astype(np.uint8)
+  method = methods.build(config.method, vocab_size, mesh.shape[sharding.DATA])
+  # A random batch of every field the method reads: images ('image', MCT's 'image_q'/'image_k'), token
+  # sequences ('tokens*'), LocTex's rendered traces (about 10% of the cells per token), MCT's tags.
+  local = {"stat_empty": np.zeros((bs,), bool)}
+  for field in method.fields:
+    if field.startswith("image"):
+      local[field] = rng.normal(size=(bs, image_size, image_size, 3)).astype(np.float32)
+    elif field.startswith("tokens"):
+      local[field] = rng.integers(5, vocab_size, size=(bs, max_len)).astype(np.int32)
+      local[field][:, 0], local[field][:, -1] = 2, 3
+    elif field.startswith("trace_mask_"):
+      r = int(field.rsplit("_", 1)[1])
+      local[field] = (rng.random((bs, max_len, r, r)) < 0.1).astype(np.uint8)
+    elif field == "tags":
+      local[field] = (rng.random((bs, FLAGS.num_tags if FLAGS.is_parsed() else 80)) < 0.05).astype(np.uint8)
+    else:
+      raise ValueError(f"The benchmark does not know how to make field {field!r} of {config.method.name}.")
   batch_sh = sharding.batch_sharding(mesh)
   batch = sharding.global_batch(local, batch_sh)
   # Host mode: 4 distinct host batches (images differ; the rest is shared), transferred every step.
-  host_batches = [dict(local, image=rng.normal(size=local["image"].shape).astype(np.float32)) for _ in range(4)]
-  method = methods.build(config.method, vocab_size, mesh.shape[sharding.DATA])
+  images = [f for f in local if f.startswith("image")]
+  host_batches = [
+    dict(local, **{f: rng.normal(size=local[f].shape).astype(np.float32) for f in images}) for _ in range(4)
+  ]
   key = jax.random.PRNGKey(0)
   tx, schedules = optim.build(config.optim, jax.eval_shape(method.init, key, batch)["params"], 1000, 10)
   init = functools.partial(train_step.init_train_state, method, tx)
