@@ -27,15 +27,22 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-config_flags.DEFINE_config_file("config", None, "Run config.", lock_config=True)
-flags.DEFINE_integer("steps", 20, "Timed steps (after 3 warm-up steps).")
-flags.DEFINE_integer("image_size", 0, "Image size (default: from the config's preprocessing, else 224).")
-flags.DEFINE_integer("vocab_size", 0, "Vocabulary size of the textual head (default: config.tokenizer.vocab_size).")
-flags.DEFINE_string("output", None, "Optional JSON file for the results.")
-flags.DEFINE_integer("num_tags", 80, "Tag vocabulary size for methods with tags (MCT; COCO has 80).")
-flags.DEFINE_enum("input", "device", ["device", "host"], "Where batches come from (see the module docstring).")
-flags.DEFINE_bool("torch_reference", False, "Also time the PyTorch VirTex reference on the same device (VirTex only).")
-flags.DEFINE_bool("torch_compile", True, "torch.compile the PyTorch reference.")
+
+def _define_flags() -> None:
+  """Defined when run as a program only, so importing this module (tests, other tools) defines no flags."""
+  config_flags.DEFINE_config_file("config", None, "Run config.", lock_config=True)
+  flags.DEFINE_integer("steps", 20, "Timed steps (after 3 warm-up steps).")
+  flags.DEFINE_integer("image_size", 0, "Image size (default: from the config's preprocessing, else 224).")
+  flags.DEFINE_integer("vocab_size", 0, "Vocabulary size of the textual head (default: config.tokenizer.vocab_size).")
+  flags.DEFINE_string("output", None, "Optional JSON file for the results.")
+  flags.DEFINE_integer("num_tags", 80, "Tag vocabulary size for methods with tags (MCT; COCO has 80).")
+  flags.DEFINE_enum("input", "device", ["device", "host"], "Where batches come from (see the module docstring).")
+  flags.DEFINE_bool(
+    "torch_reference", False, "Also time the PyTorch VirTex reference on the same device (VirTex only)."
+  )
+  flags.DEFINE_bool("torch_compile", True, "torch.compile the PyTorch reference.")
+
+
 FLAGS = flags.FLAGS
 
 # Dense bf16 peak FLOP/s per device.
@@ -107,7 +114,9 @@ def _image_size(config) -> int:
   return FLAGS.image_size or (int(m.group(1)) if m else 224)
 
 
-def benchmark(config, steps: int, image_size: int, vocab_size: int, input_mode: str = "device") -> dict:
+def benchmark(
+  config, steps: int, image_size: int, vocab_size: int, input_mode: str = "device", num_tags: int = 80
+) -> dict:
   from vlrep import methods, optim, sharding, train_step
 
   mesh = sharding.make_mesh(config.sharding.num_devices or None)
@@ -128,7 +137,7 @@ def benchmark(config, steps: int, image_size: int, vocab_size: int, input_mode: 
       r = int(field.rsplit("_", 1)[1])
       local[field] = (rng.random((bs, max_len, r, r)) < 0.1).astype(np.uint8)
     elif field == "tags":
-      local[field] = (rng.random((bs, FLAGS.num_tags if FLAGS.is_parsed() else 80)) < 0.05).astype(np.uint8)
+      local[field] = (rng.random((bs, num_tags)) < 0.05).astype(np.uint8)
     else:
       raise ValueError(f"The benchmark does not know how to make field {field!r} of {config.method.name}.")
   batch_sh = sharding.batch_sharding(mesh)
@@ -226,7 +235,7 @@ def main(argv):
   config, image_size = FLAGS.config, _image_size(FLAGS.config)
   vocab_size = FLAGS.vocab_size or config.tokenizer.vocab_size
   reference = torch_reference(config, FLAGS.steps, image_size, vocab_size) if FLAGS.torch_reference else None
-  result = benchmark(config, FLAGS.steps, image_size, vocab_size, FLAGS.input)
+  result = benchmark(config, FLAGS.steps, image_size, vocab_size, FLAGS.input, FLAGS.num_tags)
   if reference:
     result["torch_reference"] = reference
     result["speedup_vs_torch"] = result["images_per_second"] / reference["images_per_second"]
@@ -237,5 +246,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  _define_flags()
   flags.mark_flags_as_required(["config"])
   app.run(main)
