@@ -218,3 +218,26 @@ def test_main_end_to_end_and_resume_restores_queues(tmp_path):
   resumed = _restore(tmp_path / "resumed", 6)
   jax.tree.map(np.testing.assert_array_equal, resumed["model_state"], final["model_state"])
   jax.tree.map(np.testing.assert_array_equal, resumed["params"], final["params"])
+
+
+def test_shuffled_batchnorm_keys_come_back_in_order():
+  """With BatchNorm over the whole batch (permutation-invariant) and key encoder = query encoder, the enqueued
+  keys equal the encoder's output on the unshuffled key images: the permutation is undone exactly."""
+  _, method, batch = _tiny_method_and_batch()
+  method.model = method.model.clone(backbone={**method.model.backbone, "bn_group_size": 0})
+  v = method.init(jax.random.PRNGKey(0), batch)
+  v["momentum"] = {"params": v["params"], "batch_stats": v["batch_stats"]}
+  _, _, state = method.loss(v, batch, jax.random.PRNGKey(3), True)
+  (img, _), _ = method.model.apply(
+    {"params": v["params"], "batch_stats": v["batch_stats"]}, batch["image_k"], batch["tokens_k"], True,
+    rngs={"dropout": jax.random.PRNGKey(0)}, mutable=["batch_stats"],
+  )  # fmt: skip
+  want = np.asarray(mct.l2_normalize(img["intra"]))
+  np.testing.assert_allclose(np.asarray(state["queues"]["image_intra"][:8]), want, atol=1e-5)
+  # With groups of 4 the shuffle changes the key statistics (it is not a no-op).
+  _, method4, _ = _tiny_method_and_batch()
+  v4 = method4.init(jax.random.PRNGKey(0), batch)
+  v4["momentum"] = {"params": v4["params"], "batch_stats": v4["batch_stats"]}
+  a = method4.loss(v4, batch, jax.random.PRNGKey(3), True)[2]["queues"]["image_intra"][:8]
+  b = method4.loss(v4, batch, jax.random.PRNGKey(4), True)[2]["queues"]["image_intra"][:8]
+  assert np.abs(np.asarray(a) - np.asarray(b)).max() > 1e-4
