@@ -107,6 +107,16 @@ def split_name(split: str) -> tuple[str, float]:
   return name, float(sl[1:-1]) / 100.0
 
 
+def first_examples(builder, split: str, limit: int = 0) -> str:
+  """`split`, or the slice of it holding its first `limit` examples (evaluators' `limit`); 0 keeps all."""
+  if not limit:
+    return split
+  if split not in builder.info.splits:
+    raise ValueError(f"Split {split!r} not in {builder.name}; splits: {sorted(builder.info.splits)}")
+  total = builder.info.splits[split].num_examples
+  return f"{split}[:{100.0 * min(limit, total) / total}%]"
+
+
 def load_records(
   builder: tfds.core.DatasetBuilder, split: str, host_index: int = 0, host_count: int = 1
 ) -> list[bytes]:

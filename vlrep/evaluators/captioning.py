@@ -61,12 +61,7 @@ class Captioning:
 
     del features_fn
     c = self.config
-    split = c.split
-    if c.get("limit"):
-      if c.split not in self.builder.info.splits:
-        raise ValueError(f"Split {c.split!r} not in {self.builder.name}; splits: {sorted(self.builder.info.splits)}")
-      total = self.builder.info.splits[c.split].num_examples
-      split = f"{c.split}[:{100.0 * min(c.limit, total) / total}%]"
+    split = pipeline.first_examples(self.builder, c.split, c.get("limit", 0))
     t0 = time.time()
     refs_all = pipeline.read_example_texts(self.builder, split, c.get("references", "captions"))
     rng = jax.random.PRNGKey(c.get("seed", 0))

@@ -63,10 +63,7 @@ class Localization:
 
     del features_fn
     c = self.config
-    split = c.split
-    if c.get("limit"):
-      total = self.builder.info.splits[c.split].num_examples
-      split = f"{c.split}[:{100.0 * min(c.limit, total) / total}%]"
+    split = pipeline.first_examples(self.builder, c.split, c.get("limit", 0))
     fields = ("image", "tokens", *(f"trace_mask_{r}" for r in self.grid_sizes))
     t0 = time.time()
     sums: dict[str, np.ndarray] = {}

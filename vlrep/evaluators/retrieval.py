@@ -74,6 +74,8 @@ class Retrieval:
         f"{type(self.method).__name__}."
       )
     self.tokenizer = context.get("tokenizer")
+    if self.tokenizer is None:
+      raise ValueError("The retrieval evaluator needs the run's tokenizer (config.tokenizer) to encode captions.")
     self.builder = pipeline.get_builder(config.dataset, config.get("data_dir"), config.get("config_name"))
     self.host, self.num_hosts, self.context = host, num_hosts, context
     self.embed_images = jax.jit(lambda v, x: self.method.embed(v, images=x)["image"])
@@ -86,10 +88,7 @@ class Retrieval:
 
     del features_fn
     c = self.config
-    split = c.split
-    if c.get("limit"):
-      total = self.builder.info.splits[c.split].num_examples
-      split = f"{c.split}[:{100.0 * min(c.limit, total) / total}%]"
+    split = pipeline.first_examples(self.builder, c.split, c.get("limit", 0))
     t0 = time.time()
     images, texts, owners, real_images = [], [], [], []
     local_bs = c.batch_size // self.num_hosts

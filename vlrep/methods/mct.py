@@ -165,7 +165,7 @@ class MCT:
     j_ci = margin_ranking(q["ci"], keys["image_inter"], queues["image_inter"], img_valid, c.margin)
 
     terms = {
-      "j_ii": _masked_mean(j_ii, jnp.ones((b,), bool)),
+      "j_ii": jnp.mean(j_ii),
       "j_tag": _masked_mean(j_tag, has_tags),
       "j_cc": _masked_mean(j_cc, has_caption),
       "j_ic": _masked_mean(j_ic, has_caption),
