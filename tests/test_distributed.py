@@ -56,9 +56,12 @@ def test_two_processes_train_together_survive_a_dead_host_and_resume(tmp_path):
   for f in logs:
     f.close()
   log0 = (tmp_path / "a0.log").read_text()
-  # The survivor stops by itself, within the heartbeat timeout and some slack, and says how to resume.
+  # The survivor stops by itself, within the heartbeat timeout and some slack. How it stops is a race: a failing
+  # collective raises in Python (our message), a missed heartbeat aborts in C++ (the runtime's message); either
+  # way its log says how to resume, since every multi-process run states that at startup.
   assert procs[0].returncode != 0 and survivor_s < 60, (survivor_s, log0[-3000:])
-  assert "rerun the same command on every host" in log0, log0[-3000:]
+  assert "rerun the same command on every host: the run resumes from its last checkpoint" in log0, log0[:3000]
+  assert "another task died" in log0 or "ERROR: process 0 stopped" in log0, log0[-3000:]
   saved = max(int(p) for p in os.listdir(workdir / "checkpoints") if p.isdigit())
   assert 8 <= saved < 16
 

@@ -59,6 +59,15 @@ def main(argv):
       check_hosts_agree(jax, FLAGS.config)
     except DistributedSetupError as e:
       raise SystemExit(f"ERROR: {e}") from e
+    # When a peer dies the runtime usually ends this process with a C++ abort ("another task died") that Python
+    # cannot intercept (jaxlib's missed-heartbeat callback cannot carry its status to Python), so say up front
+    # what to do then.
+    logging.info(
+      "If any process dies, the others stop within about --heartbeat_timeout=%ds; then rerun the same command on "
+      "every host: the run resumes from its last checkpoint in %s/checkpoints.",
+      FLAGS.heartbeat_timeout,
+      FLAGS.workdir,
+    )
   from vlrep import train
 
   logging.info(
