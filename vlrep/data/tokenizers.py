@@ -117,6 +117,14 @@ def ensure_tokenizer(config, builder) -> Tokenizer:
   `config.build_if_missing` (only process 0 writes; the others wait)."""
   from vlrep.data import pipeline
 
+  if config.get("kind", "bpe") == "wordpiece":
+    # A pretrained BERT's own vocabulary (ICMLM): config.path is the checkpoint folder ('' = the packaged MiniLM).
+    from vlrep.data.wordpiece import WordPieceTokenizer
+    from vlrep.models.bert import resolve_path
+
+    return WordPieceTokenizer(resolve_path(config.path))
+  if config.get("kind", "bpe") != "bpe":
+    raise ValueError(f"Unknown tokenizer kind {config.kind!r}; known: bpe, wordpiece.")
   path = config.path or default_path(config, builder)
   if not os.path.exists(path):
     if not config.build_if_missing:

