@@ -7,6 +7,7 @@ Config (`config.optim`):
   no_decay        regex of parameters without weight decay.
   warmup_steps / total_steps come from the loop (converted from epochs there).
   lookahead_steps k (0 disables) and lookahead_alpha.
+  frozen_steps    [(lr_groups regex, N), ...]: that group does not move for the first N steps.
 """
 
 from __future__ import annotations
@@ -105,6 +106,15 @@ def build(config: ml_collections.ConfigDict, params, total_steps: int, warmup_st
     }
   else:
     raise ValueError(f"Unknown LR schedule {config.schedule!r}; expected 'cosine' or 'step'.")
+  # frozen_steps [(lr_groups regex, N)]: that group's LR is 0 for the first N steps (ICMLM warms its attention
+  # heads up with the backbone frozen). With LR 0 neither the gradient nor the weight decay moves the group.
+  group_names = list(peaks)
+  for rx, n in config.get("frozen_steps", ()):
+    matches = [name for name, (grx, _) in zip(group_names, config.lr_groups, strict=True) if grx == rx]
+    if not matches:
+      raise ValueError(f"optim.frozen_steps names {rx!r}, which is not one of optim.lr_groups' regexes.")
+    sched = schedules[matches[0]]
+    schedules[matches[0]] = lambda step, sched=sched, n=n: jnp.where(step < n, 0.0, sched(step))
   no_decay = re.compile(config.no_decay) if config.no_decay else None
   decay_mask = jax.tree.map(lambda p: not (no_decay and no_decay.search(p)), param_paths(params))
 

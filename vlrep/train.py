@@ -20,6 +20,7 @@ from clu import metric_writers
 
 from vlrep import checkpoint as ckpt_lib
 from vlrep import evaluators, methods, optim, sharding
+from vlrep.data import concepts as concepts_lib
 from vlrep.data import pipeline, tokenizers
 from vlrep.train_step import init_train_state, make_train_step
 
@@ -110,7 +111,15 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   # Methods without text (e.g. the fine-tuning classifier) have no tokenizer.
   tokenizer = tokenizers.ensure_tokenizer(config.tokenizer, builder) if config.get("tokenizer") else None
   context = {"tokenizer": tokenizer}
-  method = methods.build(config.method, tokenizer.vocab_size if tokenizer else 0, mesh.shape[sharding.DATA])
+  # Concept sets (ICMLM's tags and maskable words), built from the training captions on first use.
+  concepts = None
+  if config.get("concepts"):
+    bert_path = config.method.get("bert_path", "")
+    concepts = concepts_lib.ensure_concepts(config.concepts, builder, tokenizer, bert_path)
+  context["concepts"] = concepts
+  method = methods.build(
+    config.method, tokenizer.vocab_size if tokenizer else 0, mesh.shape[sharding.DATA], concepts=concepts
+  )
   context["method"] = method
   split, fraction = pipeline.split_name(config.data.split)
   num_examples = int(builder.info.splits[split].num_examples * fraction)
@@ -159,6 +168,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     logging.info("Resumed from step %d in %s.", start_step, workdir)
   else:
     state = jax.jit(init_state, out_shardings=state_sh)(init_rng, first_batch)
+    if hasattr(method, "pretrained_variables"):
+      state = load_pretrained_variables(state, method.pretrained_variables(), tx, state_sh)
     if config.get("init_from"):
       state = init_from_checkpoint(state, config.init_from, tx, state_sh)
   num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
@@ -334,6 +345,31 @@ def params_fingerprint(params) -> str:
   for leaf in jax.tree.leaves(params):
     digest.update(np.asarray(leaf.addressable_shards[0].data).tobytes())
   return digest.hexdigest()[:16]
+
+
+def load_pretrained_variables(state: dict, pretrained: dict, tx, state_sh) -> dict:
+  """Writes a method's pretrained values (numpy trees under 'params' / 'model_state', e.g. ICMLM's frozen BERT)
+  into a fresh state, in its sharding, after checking every shape; then re-initialises the optimizer state."""
+  if not pretrained:
+    return state
+  new = dict(state)
+  for part, trees in pretrained.items():
+    new[part] = dict(state[part])
+    for name, tree in trees.items():
+      if name not in state[part]:
+        raise ValueError(f"Pretrained values for {part}/{name}, which this model does not have.")
+      want = ckpt_lib.signature(state[part][name])
+      ckpt_lib.check_signature(ckpt_lib.signature(tree), want, f"pretrained {part}/{name}")
+
+      def put(a, s):
+        a = np.asarray(a, np.float32)
+        return jax.make_array_from_callback(a.shape, s, lambda idx, a=a: a[idx])
+
+      new[part][name] = jax.tree.map(put, tree, state_sh[part][name])
+      logging.info("Loaded pretrained %s/%s (%d tensors).", part, name, len(jax.tree.leaves(tree)))
+  if "params" in pretrained:
+    new["opt_state"] = jax.jit(tx.init, out_shardings=state_sh["opt_state"])(new["params"])
+  return new
 
 
 def init_from_checkpoint(state: dict, workdir: str, tx, state_sh) -> dict:

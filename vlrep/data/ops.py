@@ -338,6 +338,42 @@ def get_tokenize(max_len: int, key: str = "caption", out: str = "tokens", contex
 
 
 @register
+def get_fixed_captions(num_captions: int = 5, key: str = "captions", out: str = "captions"):
+  """The first `num_captions` captions, padded with empty strings: a fixed shape that batches (COCO images have
+  5 to 7 captions)."""
+
+  def op(ex):
+    ex = dict(ex)
+    caps = ex[key][:num_captions]
+    ex[out] = tf.concat([caps, tf.fill([num_captions - tf.shape(caps)[0]], "")], 0)
+    ex[out].set_shape([num_captions])
+    return ex
+
+  return op
+
+
+@register_host
+def get_concept_tags(key: str = "captions", out: str = "tags", context=None):
+  """Tag-prediction targets (float32[B, K] multi-hot) from the run's concept set (`context['concepts']`, see
+  vlrep.data.concepts): the concepts that the example's captions mention, or their caption clusters. Images whose
+  captions mention no concept get an all-zero row, which the loss skips and `stat_no_tags` counts."""
+  concepts = (context or {}).get("concepts")
+  if concepts is None:
+    raise ValueError("concept_tags() needs the run's concept set; set config.concepts (kind=postag|cluster).")
+
+  def fn(batch):
+    batch = dict(batch)
+    caps = np.asarray(batch[key], dtype=object)
+    caps = caps.reshape(len(caps), -1)
+    texts = [[c.decode("utf-8") if isinstance(c, bytes) else str(c) for c in row] for row in caps]
+    batch[out] = np.stack([concepts.tags(row) for row in texts]) if texts else np.zeros((0, len(concepts)), np.float32)
+    batch["stat_no_tags"] = batch[out].sum(1) == 0
+    return batch
+
+  return HostOp((key,), (out, "stat_no_tags"), fn)
+
+
+@register
 def get_voc_labels(num_classes: int, key: str = "objects", out: str = "labels"):
   """VOC07 classification targets from object annotations: 1 present, 0 only difficult, -1 absent."""
 

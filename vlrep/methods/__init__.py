@@ -5,9 +5,9 @@ from __future__ import annotations
 import ml_collections
 
 
-def build(config: ml_collections.ConfigDict, vocab_size: int, num_data_shards: int = 1):
+def build(config: ml_collections.ConfigDict, vocab_size: int, num_data_shards: int = 1, concepts=None):
   """Instantiates the method named by `config.name`. `num_data_shards` (the mesh's data axis size) is what
-  per-device losses (LocTex's InfoNCE) split the batch by."""
+  per-device losses (LocTex's InfoNCE) split the batch by; `concepts` is the run's concept set (ICMLM)."""
   name = config.name
   if name == "virtex":
     from vlrep.methods.virtex import VirTex
@@ -25,4 +25,8 @@ def build(config: ml_collections.ConfigDict, vocab_size: int, num_data_shards: i
     from vlrep.methods.mct import MCT
 
     return MCT(config, vocab_size)
-  raise ValueError(f"Unknown method {name!r}. Known methods: virtex, classifier, loctex, mct")
+  if name == "icmlm":
+    from vlrep.methods.icmlm import ICMLM
+
+    return ICMLM(config, vocab_size, concepts)
+  raise ValueError(f"Unknown method {name!r}. Known methods: virtex, classifier, loctex, mct, icmlm")

@@ -317,9 +317,7 @@ def load_pretrained(path: str = "") -> tuple[BertConfig, dict, dict | None, str]
       raise FileNotFoundError(f"BERT folder {folder!r} lacks {required}.")
   config = BertConfig.from_json(os.path.join(folder, "config.json"))
   enc, head = convert_state_dict(read_state_dict(folder), config)
-  want = jax.eval_shape(
-    lambda: BertEncoder(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32))["params"]
-  )
+  want = jax.eval_shape(lambda: BertEncoder(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32))["params"])
   enc = jax.tree.map(lambda a: np.asarray(a, np.float32), enc)
   flat_want = dict(jax.tree_util.tree_flatten_with_path(want)[0])
   for key, arr in jax.tree_util.tree_flatten_with_path(enc)[0]:

@@ -61,7 +61,10 @@ class DecoderLayer(nn.Module):
   def __call__(self, x, memory, self_mask, train: bool = False):
     ln = lambda name: nn.LayerNorm(epsilon=1e-8, dtype=self.dtype, param_dtype=jnp.float32, name=name)  # noqa: E731
     drop = nn.Dropout(self.dropout)
-    y, _ = MultiHeadAttention(self.num_heads, self.dtype, self.dropout, name="self_attention")(x, x, self_mask, train)
+    y, weights = MultiHeadAttention(self.num_heads, self.dtype, self.dropout, name="self_attention")(
+      x, x, self_mask, train
+    )
+    self.sow("intermediates", "self_attention", weights)  # kept only when 'intermediates' is mutable (maps)
     x = ln("ln_self")(x + drop(y, deterministic=not train))
     cross = None
     if self.cross_attention:

