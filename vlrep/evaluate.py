@@ -145,8 +145,15 @@ def method_and_tokenizer(run: Run) -> dict:
   data = run.config.data
   builder = pipeline.get_builder(data.name, data.data_dir, data.get("config_name"))
   tokenizer = tokenizers.ensure_tokenizer(run.config.tokenizer, builder)
-  method = methods.build(run.config.method, tokenizer.vocab_size)
-  return {"method": method, "tokenizer": tokenizer}
+  concepts = None
+  if run.config.get("concepts"):  # ICMLM: the concept set the run was trained with (cached next to the data)
+    from vlrep.data import concepts as concepts_lib
+
+    concepts = concepts_lib.ensure_concepts(
+      run.config.concepts, builder, tokenizer, run.config.method.get("bert_path", "")
+    )
+  method = methods.build(run.config.method, tokenizer.vocab_size, concepts=concepts)
+  return {"method": method, "tokenizer": tokenizer, "concepts": concepts}
 
 
 def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", names=None) -> dict[str, float]:

@@ -1,0 +1,280 @@
+"""ICMLM: Flax BERT against Hugging Face's PyTorch BERT on the packaged MiniLM, pickle-free checkpoint reading,
+bad BERT folders, concept sets, the losses and att-fc pooling, masking, and end-to-end runs whose frozen BERT
+stays bit-identical."""
+
+import json
+import os
+import pickle
+import shutil
+import zipfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import run_main
+
+from vlrep.data import concepts as concepts_lib
+from vlrep.data.wordpiece import WordPieceTokenizer
+from vlrep.methods import icmlm
+from vlrep.models import bert
+from vlrep.models.icmlm import AttentionPooling
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+CAPTIONS = [
+  "A man riding a large brown horse.",
+  "Two dogs are sitting on a green bench near the horse!",
+  "the man is holding a red umbrella",
+]
+
+
+@pytest.fixture(scope="module")
+def minilm():
+  return bert.load_pretrained("")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# BERT and its tokenizer against Hugging Face's implementations.
+# ---------------------------------------------------------------------------------------------------------
+def test_flax_bert_reproduces_the_packaged_checkpoint_in_pytorch(minilm):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  config, params, head, folder = minilm
+  assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (384, 6, 30522)
+  assert head is None  # MiniLM is fine-tuned for sentence embeddings: no MLM head
+  tok = WordPieceTokenizer(folder)
+  ids = np.stack([tok.encode(t, 20)[0] for t in CAPTIONS])
+  mask = ids != 0
+  assert mask.sum(1).min() < 20  # padding present, so the attention mask matters
+  ref = transformers.BertModel.from_pretrained(folder).eval()
+  with torch.no_grad():
+    out = ref(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask, dtype=torch.long),
+              output_hidden_states=True)
+  hidden, aux = bert.BertEncoder(config).apply({"params": params}, jnp.asarray(ids))
+  np.testing.assert_allclose(np.asarray(hidden)[mask], out.last_hidden_state.numpy()[mask], atol=2e-5)
+  np.testing.assert_allclose(np.asarray(aux["pooled"]), out.pooler_output.numpy(), atol=2e-5)
+  for ours, theirs in zip(aux["hidden_states"], out.hidden_states, strict=True):
+    np.testing.assert_allclose(np.asarray(ours)[mask], theirs.numpy()[mask], atol=2e-5)
+  # Not trivially equal: different captions give different states.
+  assert np.abs(np.asarray(hidden)[0, 1] - np.asarray(hidden)[1, 1]).max() > 0.1
+
+
+def test_wordpiece_tokenizer_matches_bert_tokenizer(minilm):
+  transformers = pytest.importorskip("transformers")
+  folder = minilm[3]
+  ours, ref = WordPieceTokenizer(folder), transformers.BertTokenizer.from_pretrained(folder)
+  texts = CAPTIONS + ["Unaffable café-goers, naïve 東京 tower\tover\u200bthere $5^2", "x" * 120, "", "don't stop!!"]
+  for t in texts:
+    assert ours.tokenize(t) == ref.tokenize(t), t
+    ids, truncated = ours.encode(t, 16)
+    want = ref(t, max_length=16, truncation=True, padding="max_length")["input_ids"]
+    assert ids.tolist() == want, t
+  assert ours.tokenize("unaffable") == ["una", "##ffa", "##ble"]
+  assert ours.decode(ours.encode("a red umbrella", 8)[0]) == "a red umbrella"
+
+
+def test_pytorch_bin_is_read_without_executing_pickles(tmp_path, minilm):
+  torch = pytest.importorskip("torch")
+  config, params, _, folder = minilm
+  from safetensors.numpy import load_file
+
+  sd = load_file(os.path.join(folder, "model.safetensors"))
+  sd["cls.predictions.transform.dense.weight"] = np.eye(384, dtype=np.float32)[::-1].copy()
+  sd["cls.predictions.transform.dense.bias"] = np.arange(384, dtype=np.float32)
+  sd["cls.predictions.transform.LayerNorm.weight"] = np.ones(384, np.float32)
+  sd["cls.predictions.transform.LayerNorm.bias"] = np.zeros(384, np.float32)
+  sd["cls.predictions.bias"] = np.linspace(-1, 1, 30522).astype(np.float32)
+  out = tmp_path / "bert_bin"
+  out.mkdir()
+  for f in ("config.json", "vocab.txt"):
+    shutil.copy(os.path.join(folder, f), out / f)
+  # A transposed (non-contiguous) tensor and a half-precision one exercise strides and dtypes.
+  state = {("bert." + k if not k.startswith("cls.") else k): torch.from_numpy(v.copy()) for k, v in sd.items()}
+  state["bert.pooler.dense.weight"] = torch.from_numpy(sd["pooler.dense.weight"].T.copy()).t()
+  torch.save(state, out / "pytorch_model.bin")
+  config2, params2, head2, _ = bert.load_pretrained(str(out))
+  assert config2 == config
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2), strict=True):
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(head2["transform"]["kernel"], sd["cls.predictions.transform.dense.weight"].T)
+  np.testing.assert_array_equal(head2["bias"], sd["cls.predictions.bias"])
+
+  # A pickle that would run code is refused, not executed.
+  class Evil:
+    def __reduce__(self):
+      return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+  evil = tmp_path / "evil.bin"
+  with zipfile.ZipFile(evil, "w") as z:
+    z.writestr("archive/data.pkl", pickle.dumps({"x": Evil()}, protocol=2))
+  with pytest.raises(pickle.UnpicklingError, match="refusing to load"):
+    bert.read_torch_zip(str(evil))
+  assert not (tmp_path / "pwned").exists()
+
+
+def test_bad_bert_folders_are_clear_errors(tmp_path, minilm):
+  folder = minilm[3]
+  good = tmp_path / "good"
+  shutil.copytree(folder, good)
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    bert.load_pretrained(str(tmp_path / "nowhere"))
+  for missing, message in (("vocab.txt", "lacks vocab.txt"), ("config.json", "lacks config.json")):
+    d = tmp_path / f"no_{missing}"
+    shutil.copytree(good, d)
+    os.remove(d / missing)
+    with pytest.raises(FileNotFoundError, match=message):
+      bert.load_pretrained(str(d))
+  d = tmp_path / "no_weights"
+  shutil.copytree(good, d)
+  os.remove(d / "model.safetensors")
+  with pytest.raises(FileNotFoundError, match="neither model.safetensors nor pytorch_model.bin"):
+    bert.load_pretrained(str(d))
+  # config.json that does not match the weights.
+  d = tmp_path / "mismatch"
+  shutil.copytree(good, d)
+  cfg = json.loads((d / "config.json").read_text())
+  (d / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 1024}))
+  with pytest.raises(ValueError, match=r"\['intermediate'\]\['bias'\] has shape \(1536,\) but config.json implies \(1024,\)"):
+    bert.load_pretrained(str(d))
+  (d / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 7}))
+  with pytest.raises(ValueError, match="lacks tensor 'encoder.layer.6"):
+    bert.load_pretrained(str(d))
+  (d / "config.json").write_text(json.dumps(cfg))
+  (d / "vocab.txt").write_text("[PAD]\n[UNK]\n")
+  with pytest.raises(ValueError, match="vocab.txt has 2 entries but config.json says 30522"):
+    bert.load_pretrained(str(d))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Concept sets.
+# ---------------------------------------------------------------------------------------------------------
+def test_concept_sets_from_hand_written_captions(minilm):
+  tok = WordPieceTokenizer(minilm[3])
+  captions = CAPTIONS + ["A brown horse and a man.", "a horse"]
+  nouns = concepts_lib.postag_concepts(captions, 10, ("NOUN",), tok)
+  # horse 4x, man 3x, then the single ones alphabetically.
+  assert nouns.words == ["horse", "man", "bench", "dogs", "umbrella"]
+  assert nouns.token_ids.tolist() == [tok.ids[w] for w in nouns.words]
+  adj = concepts_lib.postag_concepts(captions, 10, ("NOUN", "ADJ"), tok)
+  assert set(adj.words) == {"horse", "man", "bench", "dogs", "umbrella", "brown", "large", "green", "red"}
+  assert adj.words[:3] == ["horse", "man", "brown"]
+  every = concepts_lib.postag_concepts(captions, 3, ("NOUN", "ADJ", "VERB"), tok)
+  assert every.words == ["horse", "man", "brown"]  # K caps the set
+  verbs = concepts_lib.postag_concepts(captions, 10, ("VERB",), tok)
+  assert verbs.words == ["holding", "riding", "sitting"]
+  np.testing.assert_array_equal(nouns.tags(["two dogs near a horse", "nothing here"]), [1, 0, 0, 1, 0])
+  # Words that are not one WordPiece cannot be masked as one token: dropped and counted.
+  rare = concepts_lib.postag_concepts(["a zebroid and a horse"], 10, ("NOUN",), tok)
+  assert rare.words == ["horse"] and rare.meta["not_one_piece"] == 1
+  with pytest.raises(ValueError, match="concept set is empty"):
+    concepts_lib.postag_concepts(["the and of a", ""], 10, ("NOUN",), tok)
+  with pytest.raises(ValueError, match="non-empty subset"):
+    concepts_lib.postag_concepts(captions, 10, ("ADVERB",), tok)
+
+
+def test_cluster_concepts_group_similar_captions():
+  # A fake embedder with two obvious groups: k-means must split them, and tags follow the captions' clusters.
+  def embed(texts):
+    return np.array([[1.0, 0.0] if "dog" in t else [0.0, 1.0] for t in texts]) + 0.01 * np.arange(len(texts))[:, None]
+
+  caps = ["a dog runs", "the dog sleeps", "a dog!", "a red car", "the car is parked", "car"]
+  clusters = concepts_lib.cluster_concepts(caps, 2, embed)
+  k_dog, k_car = clusters.caption_cluster["a dog runs"], clusters.caption_cluster["car"]
+  assert k_dog != k_car and clusters.caption_cluster["the dog sleeps"] == k_dog
+  tags = clusters.tags(["A dog!", "a red car", "never seen"])  # normalised like the builder's keys
+  assert tags.tolist() == [1.0, 1.0]
+  assert clusters.tags(["a dog runs"])[k_car] == 0
+  with pytest.raises(ValueError, match="cannot make 10 clusters"):
+    concepts_lib.cluster_concepts(caps, 10, embed)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Losses, masking and att-fc pooling.
+# ---------------------------------------------------------------------------------------------------------
+def test_normalized_tag_loss_matches_numpy_and_skips_untagged_images():
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(4, 6)).astype(np.float32)
+  tags = np.array([[1, 1, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0], [0] * 6, [1, 0, 0, 0, 0, 1]], np.float32)
+  logp = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+  want = np.mean([-(logp[i] * tags[i]).sum() / tags[i].sum() for i in (0, 1, 3)])
+  np.testing.assert_allclose(float(icmlm.normalized_tag_loss(jnp.asarray(logits), jnp.asarray(tags))), want, rtol=1e-5)
+
+
+def test_masking_picks_concepts_uniformly_and_flags_captions_without_one():
+  concept = jnp.zeros((20,), bool).at[jnp.array([7, 9])].set(True)
+  tokens = jnp.array([[101, 7, 3, 9, 102, 0], [101, 4, 5, 102, 0, 0]] * 500)
+  picks, has = [], []
+  for i in range(4):
+    pos, h = icmlm.choose_masked_concepts(tokens, concept, jax.random.PRNGKey(i))
+    picks.append(np.asarray(pos)[::2])
+    has.append(np.asarray(h))
+  picks, has = np.concatenate(picks), np.concatenate(has)
+  assert set(np.unique(picks)) == {1, 3}  # only concept positions
+  assert abs(np.mean(picks == 1) - 0.5) < 0.05  # uniform among them
+  assert has[::2].all() and not has[1::2].any()
+
+
+def test_att_fc_pooling_weights_sum_to_one_and_ignore_padding():
+  rng = np.random.default_rng(0)
+  grid = jnp.asarray(rng.normal(size=(3, 12, 8)), jnp.float32)
+  words = jnp.asarray(rng.normal(size=(3, 5, 6)), jnp.float32)
+  mask = jnp.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], bool)
+  module = AttentionPooling(dim=4, num_heads=3)
+  params = module.init(jax.random.PRNGKey(0), grid, words, mask)
+  pooled, p = module.apply(params, grid, words, mask)
+  np.testing.assert_allclose(np.asarray(p).sum(1), 1.0, rtol=1e-6)
+  assert (np.asarray(p) > 0).all() and np.asarray(p).std() > 0  # not uniform
+  np.testing.assert_allclose(np.asarray(pooled), np.einsum("bn,bnd->bd", np.asarray(p), np.asarray(grid)), rtol=1e-5)
+  # Padded token features do not change the attention.
+  noisy = words.at[0, 3:].set(100.0)
+  np.testing.assert_allclose(np.asarray(module.apply(params, grid, noisy, mask)[1]), np.asarray(p), rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# End to end.
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", ["att_fc", "tfm"])
+def test_icmlm_trains_with_a_frozen_bert_and_evaluates_masked_tokens(tmp_path, variant, minilm):
+  workdir = tmp_path / variant
+  proc = run_main(workdir, config=f"tests/tiny_icmlm.py:variant={variant}")
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert summary["steps"] == 6
+  assert 0 <= summary["masked_tokens/top1"] <= summary["masked_tokens/top5"] <= 100
+  assert summary["masked_tokens/count"] > 8  # several concept occurrences per caption
+  assert "probe/map" in summary and np.isfinite(summary["train/loss"])
+  # The frozen BERT in the final checkpoint is bit-identical to the packaged weights; the heads moved.
+  from vlrep import evaluate
+
+  run = evaluate.load_run(str(workdir), "latest")
+  saved = run.model_state["bert"]
+  for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(minilm[1]), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), b)
+  assert "bert" not in run.params
+  assert "captions_without_concept" in proc.stderr
+
+
+def test_tp_variants_and_warmup_with_a_frozen_backbone(tmp_path):
+  # TP_Cluster builds k-means clusters of MiniLM [CLS] vectors of the tiny captions; TP_Label uses object labels.
+  for tags in ("cluster", "label"):
+    workdir = tmp_path / tags
+    proc = run_main(workdir, config=f"tests/tiny_icmlm.py:variant=tp,tags={tags}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert "probe/map" in summary and "masked_tokens/top1" not in summary
+  # warmup_frozen=4: the backbone does not move during the first 4 steps (the heads do), then it does.
+  from vlrep import evaluate
+
+  workdir = tmp_path / "warm"
+  proc = run_main(
+    workdir, "--config.checkpoint.every_steps=1", config="tests/tiny_icmlm.py:variant=att_fc,warmup_frozen=4"
+  )
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  runs = {s: evaluate.load_run(str(workdir), str(s)) for s in (1, 4, 6)}
+  leaves = {s: (jax.tree.leaves(r.params["backbone"]), jax.tree.leaves(r.params["att"])) for s, r in runs.items()}
+  # Step 1's backbone is the initialisation (step 0 has LR 0 too), and step 4's is still the same.
+  assert all(np.array_equal(a, b) for a, b in zip(leaves[1][0], leaves[4][0], strict=True))
+  assert not all(np.array_equal(a, b) for a, b in zip(leaves[1][1], leaves[4][1], strict=True))
+  assert not all(np.array_equal(a, b) for a, b in zip(leaves[4][0], leaves[6][0], strict=True))

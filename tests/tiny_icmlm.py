@@ -1,0 +1,28 @@
+"""A tiny ICMLM run for tests: 32x32 synthetic scenes, one-block ResNet, the packaged MiniLM as frozen BERT."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs"))
+
+import icmlm  # noqa: E402
+
+
+def get_config(arg=None):
+  c = icmlm.get_config("runlocal" + ("," + arg if arg else ""))
+  data_dir = os.environ.get("VLREP_TEST_DATA_DIR", "/tmp/vlrep_test_data")
+  c.data.update(config_name="tiny", data_dir=data_dir)
+  c.data.pp = c.data.pp.replace("inception_crop(64,", "inception_crop(32,")
+  c.method.update(tp_hidden=16, tfm_mlp_dim=64, att_dim=16, att_heads=2)
+  c.method.backbone = dict(depth=10, width=8, bn_group_size=0)
+  if "concepts" in c:
+    c.concepts.size = 30
+  c.batch_size = 8
+  c.total_steps = 6
+  c.optim.warmup_steps = 2
+  c.checkpoint.update(every_steps=3, keep=10, async_save=False)
+  c.log_every_steps = 1
+  c.evals.probe.update(config_name="tiny", data_dir=data_dir, batch_size=16, every_steps=0, costs=(0.1, 1.0))
+  if "masked_tokens" in c.evals:
+    c.evals.masked_tokens.update(config_name="tiny", data_dir=data_dir, batch_size=16, limit=8)
+  return c
