@@ -143,6 +143,9 @@ def get_config(arg=None):
     eps=1e-8,
   )
   c.sharding = dict(params="replicate", num_devices=0)
+  if arg.variant == "text_only":
+    # The backbone is unused: LR 0 keeps it at its initialisation (weight decay would otherwise shrink it).
+    c.optim.lr_groups = (("^backbone/", 0.0), (".*", 3e-2))
   c.checkpoint = dict(every_steps=5000, keep=2, async_save=True)
   c.log_every_steps = 100
   c.init_from = ""
@@ -197,7 +200,7 @@ def _runlocal(c, arg, icmlm):
   c.batch_size = 64
   c.total_steps = arg.steps or 300
   c.optim.warmup_steps = 30
-  c.optim.lr_groups = (("^backbone/", 0.2), (".*", 0.05))
+  c.optim.lr_groups = (("^backbone/", 0.0 if arg.variant == "text_only" else 0.2), (".*", 0.05))
   c.checkpoint.every_steps = 150
   c.log_every_steps = 50
   c.evals.probe.update(

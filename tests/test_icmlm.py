@@ -236,6 +236,42 @@ def test_att_fc_pooling_weights_sum_to_one_and_ignore_padding():
   np.testing.assert_allclose(np.asarray(module.apply(params, grid, noisy, mask)[1]), np.asarray(p), rtol=1e-6)
 
 
+def test_captions_without_a_concept_are_skipped_and_counted(minilm):
+  import tiny_icmlm
+
+  from vlrep import methods
+
+  tok = WordPieceTokenizer(minilm[3])
+  concepts = concepts_lib.postag_concepts(CAPTIONS, 10, ("NOUN", "ADJ"), tok)
+  config = tiny_icmlm.get_config("variant=tfm")
+  method = methods.build(config.method, tok.vocab_size, concepts=concepts)
+  rng = np.random.default_rng(0)
+  captions = ["a man on a horse", "of the and it", "a red bench", ""]
+  batch = {
+    "image": rng.normal(size=(4, 32, 32, 3)).astype(np.float32),
+    "tokens": np.stack([tok.encode(c, 12)[0] for c in captions]),
+    "tags": np.stack([concepts.tags([c]) for c in captions]),
+    "stat_empty": np.array([False, False, False, True]),
+  }
+  variables = jax.jit(method.init)(jax.random.PRNGKey(0), batch)
+  variables["bert"] = minilm[1]
+  loss_fn = jax.jit(method.loss, static_argnames="train")
+  loss, metrics, _ = loss_fn(variables, batch, jax.random.PRNGKey(1), train=False)
+  # Caption 1 has no concept (counted); caption 3 is empty (counted as empty by the pipeline, not here).
+  assert float(metrics["captions_without_concept"]) == 1.0
+  # l_mlm averages over captions 0 and 2 only: replacing the skipped captions changes nothing.
+  other = dict(batch, tokens=batch["tokens"].copy())
+  other["tokens"][1] = tok.encode("the of it", 12)[0]
+  other["tokens"][3] = tok.encode("and", 12)[0]
+  _, metrics2, _ = loss_fn(variables, other, jax.random.PRNGKey(1), train=False)
+  np.testing.assert_allclose(float(metrics["mlm_loss"]), float(metrics2["mlm_loss"]), rtol=1e-6)
+  assert np.isfinite(float(loss)) and float(metrics["mlm_loss"]) > 0
+  # ICMLM without a concept set (or an empty one) is a clear error.
+  config.method.num_tags = 0
+  with pytest.raises(ValueError, match="non-empty postag concept set"):
+    methods.build(config.method, tok.vocab_size, concepts=None)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # End to end.
 # ---------------------------------------------------------------------------------------------------------

@@ -207,6 +207,7 @@ class ICMLM:
       words, token_mask = jnp.zeros((b, 2, dw)), jnp.ones((b, 2), bool)
       positions, embeddings = jnp.zeros((b,), jnp.int32), jnp.zeros((vocab, dw))
     else:
+      tokens = jnp.asarray(tokens)
       frozen = jax.lax.stop_gradient(variables["bert"])
       masked = tokens.at[jnp.arange(tokens.shape[0]), positions].set(self.mask_id)
       token_mask = masked != 0

@@ -124,6 +124,8 @@ class ICMLMModel(nn.Module):
     word_embeddings [V, dw]. Returns {'tag_logits', 'mlm_logits', 'attention' [B, h, w] over the grid}."""
     out = {}
     b = images.shape[0]
+    if self.variant == "text_only" and self.is_initializing():
+      self.visual(images, False)  # the (unused) backbone still exists, so the probe reports random init
     if self.variant != "text_only":
       grid, _ = self.visual(images, train)
       gh, gw = grid.shape[1:3]
