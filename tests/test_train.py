@@ -44,10 +44,10 @@ def test_main_end_to_end_writes_summary(tmp_path):
 
 def test_sigkill_and_restart_matches_uninterrupted_run(tmp_path):
   overrides = [
-    "--config.total_steps=40",
+    "--config.total_steps=24",
     "--config.checkpoint.every_steps=5",
     "--config.evals={}",
-    "--config.log_every_steps=40",
+    "--config.log_every_steps=24",
   ]
   ref = run_main(tmp_path / "ref", *overrides)
   assert ref.returncode == 0, ref.stderr[-3000:]
@@ -61,14 +61,14 @@ def test_sigkill_and_restart_matches_uninterrupted_run(tmp_path):
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   steps = sorted(int(p) for p in os.listdir(workdir / "checkpoints") if p.isdigit())
-  assert steps and steps[-1] < 40, f"the run finished before it could be killed: {steps}"
+  assert steps and steps[-1] < 24, f"the run finished before it could be killed: {steps}"
 
   again = run_main(workdir, *overrides)
   assert again.returncode == 0, again.stderr[-3000:]
   assert "Resumed from step" in again.stderr
   step_a, params_a = _final_params(tmp_path / "ref")
   step_b, params_b = _final_params(workdir)
-  assert step_a == step_b == 40
+  assert step_a == step_b == 24
   jax.tree.map(np.testing.assert_array_equal, params_a, params_b)
 
 

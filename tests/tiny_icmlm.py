@@ -22,7 +22,9 @@ def get_config(arg=None):
   c.optim.warmup_steps = 2
   c.checkpoint.update(every_steps=3, keep=10, async_save=False)
   c.log_every_steps = 1
-  c.evals.probe.update(config_name="tiny", data_dir=data_dir, batch_size=16, every_steps=0, costs=(0.1, 1.0))
+  c.evals.probe.update(
+    config_name="tiny", data_dir=data_dir, batch_size=16, every_steps=0, costs=(0.1, 1.0), random_init=False
+  )
   if "masked_tokens" in c.evals:
     c.evals.masked_tokens.update(config_name="tiny", data_dir=data_dir, batch_size=16, limit=8)
   return c
