@@ -35,6 +35,8 @@ setuptools.setup(
     # nbclient and ipykernel run the inspection notebook.
     "test": [
       "pytest>=8",
+      "pytest-xdist>=3.5",  # the suite runs on 2 workers (README's test command)
+      "filelock>=3.12",  # tests/conftest.py: one worker generates the tiny dataset
       "ruff>=0.5",
       "torch==2.13.0",
       "transformers>=4.40",

@@ -22,6 +22,8 @@ Arguments (comma-separated; any key can also be set with --config.KEY=VALUE):
   pos=NOUN-ADJ-VERB                 parts of speech of the postag set ('NOUN', 'NOUN-ADJ', 'NOUN-ADJ-VERB')
   tp_weight=L                       lambda of eq. (8) (0.1 for ResNet-50; 0 = l_mlm alone)
   warmup_frozen=N                   first N steps train only the ICMLM heads (backbone LR 0): the paper's warm-up
+  backbone=r50|vgg16                VGG16 (BatchNorm, no FC layers) with the paper's VGG settings: 4-layer CNN tp
+                                    module, 12 attention heads in tfm and att, lambda = 1
   bert=PATH                         a local Hugging Face BERT folder ('' = the packaged MiniLM)
   steps=N                           training steps instead of the recipe's
 ICMLM masks only postag concepts; with tags=cluster or label its l_tp uses those tags instead.
@@ -43,6 +45,7 @@ def get_config(arg=None):
     pos="NOUN-ADJ-VERB",
     tp_weight=0.1,
     warmup_frozen=0,
+    backbone="r50",
     bert="",
     steps=0,
   )
@@ -50,6 +53,8 @@ def get_config(arg=None):
 
   if arg.variant not in VARIANTS:
     raise ValueError(f"Unknown variant={arg.variant!r}; known: {VARIANTS}")
+  if arg.backbone not in ("r50", "vgg16"):
+    raise ValueError(f"Unknown backbone={arg.backbone!r}; known: r50, vgg16")
   if arg.tags not in TAGS:
     raise ValueError(f"Unknown tags={arg.tags!r}; known: {TAGS}")
   image_size = 64 if arg.runlocal else 224
@@ -182,6 +187,11 @@ def get_config(arg=None):
       limit=1000,
       every_steps=0,
     )
+  if arg.backbone == "vgg16":
+    c.method.backbone = dict(arch="vgg16", width=64)
+    c.method.update(tp_head="cnn", tp_hidden=512, tfm_heads=12, att_heads=12)
+    if icmlm and arg.tp_weight == 0.1:
+      c.method.tp_weight = 1.0  # the paper's lambda with VGG16
   c.best_metric = "probe/map"
   if arg.runlocal:
     _runlocal(c, arg, icmlm)
@@ -192,8 +202,9 @@ def _runlocal(c, arg, icmlm):
   data_dir = "~/.cache/vlrep/tensorflow_datasets"
   c.data.update(name="synthetic_scenes", config_name="default", data_dir=data_dir)
   c.data.pp = c.data.pp.replace("area=(0.2, 1.0)", "area=(0.5, 1.0)")
-  c.method.update(dtype="float32", tp_hidden=256, tfm_mlp_dim=768, att_dim=384)
-  c.method.backbone = dict(depth=26, width=16, bn_group_size=0)
+  c.method.update(dtype="float32", tfm_mlp_dim=768, att_dim=384)
+  c.method.backbone = dict(arch="vgg16", width=16) if arg.backbone == "vgg16" else dict(depth=26, width=16)
+  c.method.tp_hidden = 64 if arg.backbone == "vgg16" else 256
   if "concepts" in c and not arg.size:
     # synthetic_scenes' captions use about 60 content words; cluster them into 100 caption types.
     c.concepts.size = 100

@@ -10,6 +10,19 @@ sys.path.insert(0, TESTS)
 import pytest  # noqa: E402
 
 
+def pytest_sessionstart(session):
+  """Generates the tiny dataset once, under a file lock: with pytest-xdist (`-n 2`) the workers start together
+  and would otherwise race to write the same TFDS directory."""
+  from filelock import FileLock
+
+  data_dir = os.environ["VLREP_TEST_DATA_DIR"]
+  os.makedirs(data_dir, exist_ok=True)
+  with FileLock(os.path.join(data_dir, ".generate.lock")):
+    from vlrep.data import pipeline
+
+    pipeline.get_builder("synthetic_scenes", data_dir, "tiny")
+
+
 def load_tiny_config(arg=None):
   import tiny_virtex
 

@@ -273,6 +273,32 @@ def test_captions_without_a_concept_are_skipped_and_counted(minilm):
     methods.build(config.method, tok.vocab_size, concepts=None)
 
 
+def test_vgg16_backbone_option_builds_every_variant(minilm):
+  import tiny_icmlm
+
+  from vlrep import methods
+
+  tok = WordPieceTokenizer(minilm[3])
+  concepts = concepts_lib.postag_concepts(CAPTIONS, 10, ("NOUN", "ADJ"), tok)
+  recipe = tiny_icmlm.icmlm.get_config("variant=att_fc,backbone=vgg16")
+  assert recipe.method.backbone.arch == "vgg16" and recipe.method.tp_head == "cnn" and recipe.method.tp_weight == 1
+  config = tiny_icmlm.get_config("variant=att_fc,backbone=vgg16")
+  config.method.backbone = dict(arch="vgg16", width=8)
+  method = methods.build(config.method, tok.vocab_size, concepts=concepts)
+  batch = {
+    "image": np.zeros((2, 64, 64, 3), np.float32),
+    "tokens": np.stack([tok.encode(c, 12)[0] for c in CAPTIONS[:2]]),
+    "tags": np.ones((2, len(concepts)), np.float32),
+  }
+  variables = jax.jit(method.init)(jax.random.PRNGKey(0), batch)
+  assert sorted(variables["params"]["backbone"])[:2] == ["bn1_1", "bn1_2"]
+  assert variables["params"]["tp"]["conv4"]["kernel"].shape[-1] == config.method.tp_hidden  # 4-layer CNN tp
+  feats = jax.jit(method.features)(variables, batch["image"])
+  assert feats["grid"].shape == (2, 2, 2, 64)  # pool5: stride 32, 512 * 8 / 64 channels
+  with pytest.raises(ValueError, match="Unknown backbone"):
+    tiny_icmlm.get_config("backbone=vgg19")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # End to end.
 # ---------------------------------------------------------------------------------------------------------

@@ -406,8 +406,8 @@ def test_ablation_configs_build_and_give_a_finite_loss(arg, tiny_builder):
   stream = pipeline.train_stream(tiny_builder, "train", c.data.pp, method.fields, 4, 0, context={"tokenizer": tok})
   batch = next(stream)
   assert set(method.fields) <= set(batch)
-  variables = method.init(jax.random.PRNGKey(0), batch)
-  loss, metrics, _ = method.loss(variables, batch, jax.random.PRNGKey(1))
+  variables = jax.jit(method.init)(jax.random.PRNGKey(0), batch)
+  loss, metrics, _ = jax.jit(method.loss)(variables, batch, jax.random.PRNGKey(1))
   assert np.isfinite(float(loss))
   scales = c.method.scales
   assert {f"localization_loss_{s}x" for s in scales} <= set(metrics)

@@ -69,14 +69,15 @@ def test_losses_match_numpy():
 
 def test_loss_subsets_for_missing_captions_and_tags_never_nan():
   config, method, batch = _tiny_method_and_batch()
-  variables = method.init(jax.random.PRNGKey(0), batch)
+  variables = jax.jit(method.init)(jax.random.PRNGKey(0), batch)
+  loss_fn = jax.jit(method.loss, static_argnums=3)
   # Rows 0-1: caption and tags; 2-3: tags only; 4-5: caption only; 6-7: neither. Row 3's tags repeat one label
   # (a multi-hot vector counts it once).
   batch["stat_empty"] = np.array([0, 0, 1, 1, 0, 0, 1, 1], bool)
   batch["tags"][4:] = 0
   batch["tags"][3] = 0
   batch["tags"][3, 7] = 1
-  loss, metrics, _ = method.loss(variables, batch, jax.random.PRNGKey(1), True)
+  loss, metrics, _ = loss_fn(variables, batch, jax.random.PRNGKey(1), True)
   assert np.isfinite(float(loss)) and all(np.isfinite(float(v)) for v in metrics.values())
   w = config.method.weights
   want = sum(w[n] * metrics[n] for n in ("j_ii", "j_tag", "j_cc", "j_ic", "j_ci"))
@@ -84,7 +85,7 @@ def test_loss_subsets_for_missing_captions_and_tags_never_nan():
   # No image has a caption or tags: the loss is lambda_ii J_ii alone.
   batch["stat_empty"][:] = True
   batch["tags"][:] = 0
-  loss, metrics, state = method.loss(variables, batch, jax.random.PRNGKey(1), True)
+  loss, metrics, state = loss_fn(variables, batch, jax.random.PRNGKey(1), True)
   np.testing.assert_allclose(float(loss), w["j_ii"] * float(metrics["j_ii"]), rtol=1e-6)
   assert float(metrics["j_cc"]) == float(metrics["j_tag"]) == 0.0
   # Their captions enter the queue as invalid: never negatives later.

@@ -100,7 +100,12 @@ def backbone_of(run: Run) -> tuple[Any, dict]:
       "transfer evaluation and export need a model with a 'backbone' ResNet."
     )
   cfg = dict(run.config.method.get("backbone", {}))
-  module = resnet.ResNet(depth=cfg.get("depth", 50), width=cfg.get("width", 64), bn_group_size=0)
+  if cfg.get("arch", "resnet") == "vgg16":
+    from vlrep.models import vgg
+
+    module = vgg.VGG16(width=cfg.get("width", 64))
+  else:
+    module = resnet.ResNet(depth=cfg.get("depth", 50), width=cfg.get("width", 64), bn_group_size=0)
   variables = {"params": run.params["backbone"]}
   stats = run.model_state.get("batch_stats", {}).get("backbone")
   if stats is not None:

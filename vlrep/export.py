@@ -81,6 +81,8 @@ def export(workdir: str, fmt: str, out: str, checkpoint: str = "best") -> dict:
   if fmt not in FORMATS:
     raise ValueError(f"Unknown export format {fmt!r}; expected one of {FORMATS}.")
   run = evaluate.load_run(workdir, checkpoint)
+  if run.config.method.get("backbone", {}).get("arch", "resnet") != "resnet":
+    raise ValueError(f"{run.path}: export to torchvision/Detectron2 supports ResNet backbones only (this is a VGG16).")
   _, variables = evaluate.backbone_of(run)
   sd = torchvision_state_dict(variables["params"], variables.get("batch_stats"))
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

@@ -22,11 +22,22 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from vlrep.models import resnet
+from vlrep.models import resnet, vgg
 from vlrep.models.bert import BertConfig, BertMLMHead
 from vlrep.models.transformer import DecoderLayer
 
 VARIANTS = ("tp", "tfm", "att_fc", "text_only")
+
+
+def make_backbone(config: dict, dtype=jnp.float32, name: str = "backbone") -> nn.Module:
+  """`arch` 'resnet' (default; depth, width, bn_group_size) or 'vgg16' (width): the paper uses both."""
+  config = dict(config)
+  arch = config.pop("arch", "resnet")
+  if arch == "vgg16":
+    return vgg.VGG16(**config, dtype=dtype, name=name)
+  if arch != "resnet":
+    raise ValueError(f"Unknown backbone arch {arch!r}; known: resnet, vgg16.")
+  return resnet.ResNet(**config, dtype=dtype, name=name)
 
 
 class TagHead(nn.Module):
@@ -94,7 +105,7 @@ class ICMLMModel(nn.Module):
   def setup(self):
     if self.variant not in VARIANTS:
       raise ValueError(f"Unknown ICMLM variant {self.variant!r}; known: {VARIANTS}")
-    self.visual = resnet.ResNet(**self.backbone, dtype=self.dtype, name="backbone")
+    self.visual = make_backbone(self.backbone, self.dtype)
     if self.num_tags:
       self.tp = TagHead(self.num_tags, self.tp_head, self.tp_hidden, self.dtype, name="tp")
     dw = self.bert.hidden_size
