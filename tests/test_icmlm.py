@@ -320,6 +320,16 @@ def test_icmlm_tfm_trains_with_a_frozen_bert_and_evaluates_masked_tokens(tmp_pat
     np.testing.assert_array_equal(np.asarray(a), b)
   assert "bert" not in run.params
   assert "captions_without_concept" in proc.stderr
+  # The masked-token attention maps (the paper's figures 1 and 3): one PNG per concept word of the caption.
+  from vlrep.tools import masked_attention
+
+  images = np.random.default_rng(0).integers(0, 255, (1, 32, 32, 3), dtype=np.uint8)
+  out = masked_attention.render(
+    str(workdir), str(tmp_path / "maps"), images, ["a red square left of a circle"], ["x"], "latest", upscale=2
+  )
+  assert set(out["x"]["words"]) <= {"red", "square", "left", "circle"} and out["x"]["words"]
+  assert all(os.path.exists(p) for p in out["x"]["pngs"]) and len(out["x"]["pngs"]) == len(out["x"]["words"])
+  assert all(len(p) == 5 for p in out["x"]["predictions"]) and os.path.exists(out["x"]["strip"])
 
 
 def test_tp_variants_and_att_fc_warmup_with_a_frozen_backbone(tmp_path, minilm):

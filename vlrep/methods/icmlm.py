@@ -172,7 +172,7 @@ class ICMLM:
       return out["attention"]
     if self.variant != "tfm":
       raise ValueError(f"Variant {self.variant!r} has no attention over the image.")
-    weights = state["intermediates"][f"tfm_{self.config.tfm_layers - 1}"]["self_attention"][0]  # [B, H, S, S]
+    weights = state["intermediates"][f"tfm_{self.config.tfm_layers - 1}"]["self_attention_weights"][0]  # [B, H, S, S]
     grid, _ = self.model.apply(
       {"params": variables["params"], "batch_stats": variables["batch_stats"]},
       images,

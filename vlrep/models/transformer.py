@@ -64,7 +64,7 @@ class DecoderLayer(nn.Module):
     y, weights = MultiHeadAttention(self.num_heads, self.dtype, self.dropout, name="self_attention")(
       x, x, self_mask, train
     )
-    self.sow("intermediates", "self_attention", weights)  # kept only when 'intermediates' is mutable (maps)
+    self.sow("intermediates", "self_attention_weights", weights)  # kept only when 'intermediates' is mutable (maps)
     x = ln("ln_self")(x + drop(y, deterministic=not train))
     cross = None
     if self.cross_attention:
