@@ -179,7 +179,7 @@ def test_concept_sets_from_hand_written_captions(minilm):
     concepts_lib.postag_concepts(captions, 10, ("ADVERB",), tok)
 
 
-def test_cluster_concepts_group_similar_captions():
+def test_cluster_concepts_group_similar_captions(tmp_path):
   # A fake embedder with two obvious groups: k-means must split them, and tags follow the captions' clusters.
   def embed(texts):
     return np.array([[1.0, 0.0] if "dog" in t else [0.0, 1.0] for t in texts]) + 0.01 * np.arange(len(texts))[:, None]
@@ -193,6 +193,14 @@ def test_cluster_concepts_group_similar_captions():
   assert clusters.tags(["a dog runs"])[k_car] == 0
   with pytest.raises(ValueError, match="cannot make 10 clusters"):
     concepts_lib.cluster_concepts(caps, 10, embed)
+  # A cached file round-trips; a corrupt one is a clear error.
+  path = str(tmp_path / "clusters.json")
+  clusters.save(path)
+  assert concepts_lib.ConceptSet.load(path).caption_cluster == clusters.caption_cluster
+  with open(path, "w") as f:
+    f.write('{"kind": "cluster", "wor')
+  with pytest.raises(ValueError, match="corrupt.*delete it to rebuild"):
+    concepts_lib.ConceptSet.load(path)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -153,9 +153,12 @@ class ConceptSet:
 
   @classmethod
   def load(cls, path: str) -> ConceptSet:
-    with open(path) as f:
-      blob = json.load(f)
-    return cls(blob["kind"], blob["words"], blob["token_ids"], blob.get("caption_cluster"), blob.get("meta"))
+    try:
+      with open(path) as f:
+        blob = json.load(f)
+      return cls(blob["kind"], blob["words"], blob["token_ids"], blob.get("caption_cluster"), blob.get("meta"))
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+      raise ValueError(f"Concept file {path} is corrupt ({type(e).__name__}: {e}); delete it to rebuild it.") from e
 
 
 def postag_concepts(

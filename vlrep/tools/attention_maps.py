@@ -96,33 +96,47 @@ def render(
   return out
 
 
-def main(argv):
-  from vlrep import evaluate, visualize
+def load_inputs(
+  paths: list[str],
+  caption: str | None,
+  run_config,
+  split: str,
+  num_examples: int,
+  size: int,
+  text_pp: str = "",
+  text_field: str = "narration",
+):
+  """(uint8 images, captions, names): image files with one --caption, or the first examples of the run's dataset
+  (`text_pp` then `text_field` gives each example's caption). Shared by the attention tools."""
+  from vlrep import visualize
   from vlrep.data import pipeline
-  from vlrep.tools.caption import training_size
 
-  f = flags.FLAGS
-  paths = argv[1:]
-  run_config = evaluate.load_run(f.workdir, f.checkpoint).config
-  size = f.size or training_size(run_config)
   if paths:
-    if not f.caption:
+    if not caption:
       raise app.UsageError("Give --caption with image files (or no files, to use the run's dataset).")
     missing = [p for p in paths if not os.path.exists(p)]
     if missing:
       raise FileNotFoundError(f"No such image file(s): {missing}")
     images = np.stack([visualize.load_image(p, size) for p in paths])
-    captions = [f.caption] * len(paths)
-    names = [os.path.splitext(os.path.basename(p))[0] for p in paths]
-  else:
-    d = run_config.data
-    builder = pipeline.get_builder(d.name, d.data_dir, d.get("config_name"))
-    batch = next(
-      pipeline.eval_batches(builder, f.split, f"decode|resize({size})", ("image", "narration"), f.num_examples)
-    )
-    images = batch["image"][batch["_mask"]]
-    captions = [c.decode("utf-8") for c in batch["narration"][batch["_mask"]]]
-    names = [f"{f.split}_{i:03d}" for i in range(len(images))]
+    return images, [caption] * len(paths), [os.path.splitext(os.path.basename(p))[0] for p in paths]
+  d = run_config.data
+  builder = pipeline.get_builder(d.name, d.data_dir, d.get("config_name"))
+  pp = f"decode|resize({size}){text_pp}"
+  batch = next(pipeline.eval_batches(builder, split, pp, ("image", text_field), num_examples))
+  images = batch["image"][batch["_mask"]]
+  texts = np.asarray(batch[text_field])[batch["_mask"]]
+  captions = [(t.reshape(-1)[0] if isinstance(t, np.ndarray) else t).decode("utf-8") for t in texts]
+  return images, captions, [f"{split}_{i:03d}" for i in range(len(images))]
+
+
+def main(argv):
+  from vlrep import evaluate
+  from vlrep.tools.caption import training_size
+
+  f = flags.FLAGS
+  run_config = evaluate.load_run(f.workdir, f.checkpoint).config
+  size = f.size or training_size(run_config)
+  images, captions, names = load_inputs(argv[1:], f.caption, run_config, f.split, f.num_examples, size)
   results = render(f.workdir, f.out_dir, images, captions, names, f.checkpoint, f.map, f.upscale, f.words)
   for name, entry in results.items():
     print(f"{name} ({entry['map']}): {' '.join(entry['tokens'])}\n  -> {entry['strip']} and {len(entry['pngs'])} maps")

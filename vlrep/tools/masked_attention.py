@@ -71,31 +71,16 @@ def render(workdir, out_dir, images, captions, names, checkpoint="best", upscale
 
 
 def main(argv):
-  from vlrep import evaluate, visualize
-  from vlrep.data import pipeline
+  from vlrep import evaluate
+  from vlrep.tools.attention_maps import load_inputs
   from vlrep.tools.caption import training_size
 
   f = flags.FLAGS
-  paths = argv[1:]
   run_config = evaluate.load_run(f.workdir, f.checkpoint).config
   size = f.size or training_size(run_config)
-  if paths:
-    if not f.caption:
-      raise app.UsageError("Give --caption with image files (or no files, to use the run's dataset).")
-    missing = [p for p in paths if not os.path.exists(p)]
-    if missing:
-      raise FileNotFoundError(f"No such image file(s): {missing}")
-    images = np.stack([visualize.load_image(p, size) for p in paths])
-    captions = [f.caption] * len(paths)
-    names = [os.path.splitext(os.path.basename(p))[0] for p in paths]
-  else:
-    d = run_config.data
-    builder = pipeline.get_builder(d.name, d.data_dir, d.get("config_name"))
-    pp = f"decode|resize({size})|fixed_captions(1)"
-    batch = next(pipeline.eval_batches(builder, f.split, pp, ("image", "captions"), f.num_examples))
-    images = batch["image"][batch["_mask"]]
-    captions = [c[0].decode("utf-8") for c in np.asarray(batch["captions"])[batch["_mask"]]]
-    names = [f"{f.split}_{i:03d}" for i in range(len(images))]
+  images, captions, names = load_inputs(
+    argv[1:], f.caption, run_config, f.split, f.num_examples, size, "|fixed_captions(1)", "captions"
+  )
   results = render(f.workdir, f.out_dir, images, captions, names, f.checkpoint, f.upscale)
   for name, entry in results.items():
     print(f"{name}: {entry['caption']}")
