@@ -24,4 +24,6 @@ def get_config(arg=None):
   c.log_every_steps = 1
   c.evals.probe.update(config_name="tiny", data_dir=data_dir, batch_size=16, every_steps=0, costs=(0.1, 1.0))
   c.evals.retrieval.update(config_name="tiny", data_dir=data_dir, batch_size=8, limit=16)
+  c.evals.vsepp.update(config_name="tiny", data_dir=data_dir, batch_size=8, train_limit=16, test_limit=16)
+  c.evals.vsepp.update(embed_dim=16, word_dim=8, epochs=2, lr_update_epochs=1, train_batch_size=16)
   return c

@@ -175,8 +175,8 @@ def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", na
   if unknown:
     raise ValueError(f"Unknown evaluations {unknown}; this config defines {sorted(evals_cfg)}.")
   context = {"run": run}
-  # Whole-model evaluators (captioning, localization) need the method and the tokenizer.
-  if any(cfg.type in ("captioning", "localization") for cfg in evals_cfg.values()):
+  # Whole-model evaluators (captioning, localization, retrieval) need the method; they and vsepp the tokenizer.
+  if any(cfg.type in ("captioning", "localization", "retrieval", "vsepp") for cfg in evals_cfg.values()):
     context.update(method_and_tokenizer(run))
   host, num_hosts = jax.process_index(), jax.process_count()
   features = backbone_fn(run)

@@ -186,6 +186,12 @@ class MCT:
     metrics = dict(terms)
     metrics["tag_positives"] = _masked_mean(num_pos, has_tags)
     metrics["positive_similarity"] = jnp.mean(jnp.sum(q["ii"] * keys["image_intra"], -1))
+    # Collapse diagnostics: a query's mean similarity to the queue's keys, and the norm of the queue's mean key
+    # (1 when every key points the same way, ~1/sqrt(K) for spread-out keys).
+    metrics["negative_similarity"] = _masked_mean(
+      q["ii"] @ queues["image_intra"].T, jnp.broadcast_to(img_valid, (b, c.queue_size))
+    )
+    metrics["queue_mean_norm"] = jnp.linalg.norm(jnp.mean(queues["image_intra"], 0))
     new_state = {
       "batch_stats": new_stats["batch_stats"],
       "momentum": {"params": mom_params, "batch_stats": mom_stats["batch_stats"]},
