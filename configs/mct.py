@@ -65,6 +65,8 @@ def get_config(arg=None):
     backbone=dict(depth=50, width=64, bn_group_size=64),
     text=dict(hidden=768, num_layers=12, num_heads=12, max_len=40, dropout=0.1),  # BERT-base sized
     head_hidden=2048,
+    text_pool="cls",  # BERT's pooled output; 'mean' averages the tokens (see _runlocal)
+    head_batchnorm=(),  # the paper's heads: Linear-ReLU-Linear; ('inter',) adds BatchNorm (see _runlocal)
     intra_dim=128,
     inter_dim=1024,
     momentum=0.999,
@@ -176,6 +178,14 @@ def _runlocal(c, arg):
     "tags(num_tags=80)", "tags(fields=(('objects', 'label', 0), ('objects', 'color', 10)), num_tags=20)"
   ).replace("area=(0.2, 1.0)", "area=(0.5, 1.0)")
   c.method.update(dtype="float32", head_hidden=256, queue_size=1024)
+  # J_ic and J_ci are sums over the queue: keep the paper's weight per hinge (1e-4 for 32768 keys) at 1024 keys.
+  for name in ("j_ic", "j_ci"):
+    c.method.weights[name] *= 32768 / c.method.queue_size
+  # Without BatchNorm in the inter-modal heads both towers' 1024-d embeddings collapse to one point within a few
+  # hundred steps here (retrieval at chance); see README, MCT.
+  c.method.head_batchnorm = ("inter",)
+  # The from-scratch text encoder's first-token state is the same for every caption at init and stays so.
+  c.method.text_pool = "mean"
   c.method.backbone = dict(depth=26, width=16, bn_group_size=16)
   c.method.text = dict(hidden=128, num_layers=2, num_heads=4, max_len=40, dropout=0.1)
   c.tokenizer.vocab_size = 1000

@@ -243,3 +243,27 @@ def test_shuffled_batchnorm_keys_come_back_in_order():
   a = method4.loss(v4, batch, jax.random.PRNGKey(3), True)[2]["queues"]["image_intra"][:8]
   b = method4.loss(v4, batch, jax.random.PRNGKey(4), True)[2]["queues"]["image_intra"][:8]
   assert np.abs(np.asarray(a) - np.asarray(b)).max() > 1e-4
+
+
+def test_text_pooling_mean_ignores_padding_and_separates_captions_cls_does_not():
+  """'mean' averages the non-padding tokens (more padding changes nothing); at init 'cls' gives nearly the
+  same embedding for unrelated captions (the runlocal collapse), 'mean' clearly different ones."""
+  from vlrep.models.mct import MCTModel
+
+  text = dict(hidden=32, num_layers=2, num_heads=2, max_len=24, dropout=0.0)
+  rng = np.random.default_rng(0)
+  a, b = rng.integers(5, 50, 10), rng.integers(5, 50, 10)
+  tokens = np.zeros((3, 24), np.int32)
+  tokens[0, :10], tokens[1, :10], tokens[2, :7] = a, b, a[:7]
+  tokens[:, 0] = 2  # every caption starts with [SOS], as the tokenizer writes them
+  cos = {}
+  for pool in ("cls", "mean"):
+    model = MCTModel(50, dict(depth=10, width=8), text, head_hidden=32, intra_dim=8, inter_dim=16, text_pool=pool)
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)), tokens)
+    emb = np.asarray(model.apply(variables, tokens, method=MCTModel.embed_texts)["inter"])
+    # The same caption with 14 padding tokens or 22 (a shorter max_len) embeds identically.
+    short = np.asarray(model.apply(variables, tokens[:1, :10], method=MCTModel.embed_texts)["inter"])
+    np.testing.assert_allclose(short[0], emb[0], rtol=1e-4, atol=1e-5)
+    cos[pool] = float(_unit(emb[0]) @ _unit(emb[1]))
+    assert float(_unit(emb[0]) @ _unit(emb[2])) < 1 - 1e-6  # a truncated caption is a different caption
+  assert cos["cls"] > 0.99 and cos["mean"] < cos["cls"] - 0.01, cos

@@ -64,6 +64,14 @@ def _masked_mean(values, mask):
   return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
+def _age_gap(q, queue, ptr, b: int):
+  """mean q.(newest b keys) - mean q.(oldest b keys); the queue is written in batches of b at ptr."""
+  k = queue.shape[0]
+  newest = jax.lax.dynamic_slice_in_dim(queue, (ptr - b) % k, b, axis=0)
+  oldest = jax.lax.dynamic_slice_in_dim(queue, ptr, b, axis=0)
+  return jnp.mean(q @ newest.T) - jnp.mean(q @ oldest.T)
+
+
 class MCT:
   """MCT behind vlrep's method contract (init / loss / features), plus `embed` for retrieval."""
 
@@ -76,6 +84,8 @@ class MCT:
       backbone=dict(config.backbone),
       text=dict(config.text),
       head_hidden=config.head_hidden,
+      head_batchnorm=tuple(config.get("head_batchnorm", ())),
+      text_pool=config.get("text_pool", "cls"),
       intra_dim=config.intra_dim,
       inter_dim=config.inter_dim,
       dtype=jnp.dtype(config.dtype),
@@ -192,6 +202,10 @@ class MCT:
       q["ii"] @ queues["image_intra"].T, jnp.broadcast_to(img_valid, (b, c.queue_size))
     )
     metrics["queue_mean_norm"] = jnp.linalg.norm(jnp.mean(queues["image_intra"], 0))
+    # Staleness shortcut: a query's similarity to the newest queued batch minus that to the oldest. Positive and
+    # growing when all embeddings drift together, so the freshest key (the positive) wins on recency alone.
+    metrics["queue_age_gap"] = _age_gap(q["ii"], queues["image_intra"], ptr, b)
+    metrics["inter_age_gap"] = _age_gap(q["ic"], queues["text_inter"], ptr, b)
     new_state = {
       "batch_stats": new_stats["batch_stats"],
       "momentum": {"params": mom_params, "batch_stats": mom_stats["batch_stats"]},

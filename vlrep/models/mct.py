@@ -9,20 +9,25 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from vlrep.data import tokenizers
 from vlrep.models import resnet
 from vlrep.models.loctex import TextEncoder
 
 
 class MLPHead(nn.Module):
-  """Linear -> ReLU -> linear (MoCo-v2's projection head)."""
+  """Linear -> ReLU -> linear (MoCo-v2's projection head); `batchnorm` adds BatchNorm before the ReLU (SimCLR's
+  and MoCo-v3's heads), which removes the component every input shares (see MCTModel.head_batchnorm)."""
 
   hidden: int
   out: int
   dtype: Any = jnp.float32
+  batchnorm: bool = False
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, train: bool = False):
     x = nn.Dense(self.hidden, dtype=self.dtype, param_dtype=jnp.float32, name="fc1")(x)
+    if self.batchnorm:
+      x = nn.BatchNorm(use_running_average=not train, momentum=0.9, dtype=self.dtype, name="bn1")(x)
     x = nn.relu(x)
     return nn.Dense(self.out, dtype=self.dtype, param_dtype=jnp.float32, name="fc2")(x).astype(jnp.float32)
 
@@ -34,17 +39,30 @@ class MCTModel(nn.Module):
   head_hidden: int = 2048
   intra_dim: int = 128
   inter_dim: int = 1024
+  # Heads ('intra', 'inter') with BatchNorm in the hidden layer. The paper's heads have none. Pooled backbone
+  # features share a large common component; under the inter-modal hinge summed over the whole queue, a head
+  # without normalisation grows that component until every embedding is the same (measured on runlocal).
+  head_batchnorm: tuple = ()
+  # 'cls': BERT's pooled output (the first token's final state); 'mean': the mean of the non-padding tokens'
+  # final states. A post-LN encoder trained from scratch starts with nearly the same first-token state for every
+  # caption (cosine 0.999 between unrelated captions at init, measured) and runlocal never leaves it.
+  text_pool: str = "cls"
   dtype: Any = jnp.float32
 
   def setup(self):
     self.visual = resnet.ResNet(**self.backbone, dtype=self.dtype, name="backbone")
     self.textual = TextEncoder(self.vocab_size, **self.text, dtype=self.dtype, name="textual")
     self.text_pooler = nn.Dense(self.text["hidden"], dtype=self.dtype, param_dtype=jnp.float32, name="text_pooler")
-    head = lambda out, name: MLPHead(self.head_hidden, out, self.dtype, name=name)  # noqa: E731
-    self.image_intra = head(self.intra_dim, "image_intra")
-    self.image_inter = head(self.inter_dim, "image_inter")
-    self.text_intra = head(self.intra_dim, "text_intra")
-    self.text_inter = head(self.inter_dim, "text_inter")
+    for kind in self.head_batchnorm:
+      if kind not in ("intra", "inter"):
+        raise ValueError(f"Unknown head_batchnorm entry {kind!r}; expected 'intra' and/or 'inter'.")
+    head = lambda out, kind, name: MLPHead(  # noqa: E731
+      self.head_hidden, out, self.dtype, kind in self.head_batchnorm, name=name
+    )
+    self.image_intra = head(self.intra_dim, "intra", "image_intra")
+    self.image_inter = head(self.inter_dim, "inter", "image_inter")
+    self.text_intra = head(self.intra_dim, "intra", "text_intra")
+    self.text_inter = head(self.inter_dim, "inter", "text_inter")
 
   def encode_image(self, images, train: bool = False):
     return self.visual(images, train)
@@ -53,12 +71,20 @@ class MCTModel(nn.Module):
     """{'intra' [B, 128], 'inter' [B, 1024]}, not yet l2-normalised."""
     _, aux = self.visual(images, train)
     pooled = aux["pre_logits"].astype(self.dtype)
-    return {"intra": self.image_intra(pooled), "inter": self.image_inter(pooled)}
+    return {"intra": self.image_intra(pooled, train), "inter": self.image_inter(pooled, train)}
 
   def embed_texts(self, tokens, train: bool = False) -> dict:
-    # BERT's pooled output: the first token's ([SOS]) final state through a dense layer and tanh.
-    pooled = jnp.tanh(self.text_pooler(self.textual(tokens, train)[:, 0]))
-    return {"intra": self.text_intra(pooled), "inter": self.text_inter(pooled)}
+    # BERT's pooled output: the first token's ([SOS]) final state (or the tokens' mean) through dense and tanh.
+    states = self.textual(tokens, train)
+    if self.text_pool == "cls":
+      pooled = states[:, 0]
+    elif self.text_pool == "mean":
+      keep = (tokens != tokenizers.PAD_ID)[..., None].astype(states.dtype)
+      pooled = jnp.sum(states * keep, 1) / jnp.maximum(jnp.sum(keep, 1), 1.0)
+    else:
+      raise ValueError(f"Unknown text_pool {self.text_pool!r}; expected 'cls' or 'mean'.")
+    pooled = jnp.tanh(self.text_pooler(pooled))
+    return {"intra": self.text_intra(pooled, train), "inter": self.text_inter(pooled, train)}
 
   def __call__(self, images, tokens, train: bool = False):
     return self.embed_images(images, train), self.embed_texts(tokens, train)
