@@ -26,4 +26,9 @@ def get_config(arg=None):
   c.evals.retrieval.update(config_name="tiny", data_dir=data_dir, batch_size=8, limit=16)
   c.evals.vsepp.update(config_name="tiny", data_dir=data_dir, batch_size=8, train_limit=16, test_limit=16)
   c.evals.vsepp.update(embed_dim=16, word_dim=8, epochs=2, lr_update_epochs=1, train_batch_size=16)
+  from vlrep.evaluators import tagging
+
+  c.evals.tagging = dict(tagging.COCO_PROTOCOL, **tagging.RUNLOCAL)
+  c.evals.tagging.update(config_name="tiny", data_dir=data_dir, batch_size=8, train_limit=24, test_limit=16)
+  c.evals.tagging.update(hidden=16, epochs=2, train_batch_size=8)
   return c

@@ -6,7 +6,17 @@ Each has `.config`, `.feature_key` (which of the method's `features` it needs) a
 
 from __future__ import annotations
 
-KNOWN = ("voc07_svm", "linear_probe", "accuracy", "captioning", "localization", "retrieval", "vsepp", "masked_tokens")
+KNOWN = (
+  "voc07_svm",
+  "linear_probe",
+  "accuracy",
+  "captioning",
+  "localization",
+  "retrieval",
+  "vsepp",
+  "tagging",
+  "masked_tokens",
+)
 
 
 def build(config, context: dict, host: int = 0, num_hosts: int = 1):
@@ -38,6 +48,10 @@ def build(config, context: dict, host: int = 0, num_hosts: int = 1):
     from vlrep.evaluators.vsepp import VsePP
 
     return VsePP(config, context, host, num_hosts)
+  if config.type == "tagging":
+    from vlrep.evaluators.tagging import Tagging
+
+    return Tagging(config, context, host, num_hosts)
   if config.type == "masked_tokens":
     from vlrep.evaluators.masked_tokens import MaskedTokens
 
