@@ -15,6 +15,10 @@ Variants (arguments combine with commas; any key can also be overridden with --c
   steps=N                     training steps instead of the recipe's epochs
   aug=mocov2|crop             image views: MoCo-v2's (crop, colour jitter, grayscale, blur, flip; the recipe's
                               default) or crops and flips only (runlocal's default, see AUGMENTATIONS)
+  pool=cls|mean               the text tower's pooled output: BERT's first token (recipe) or the tokens' mean
+                              (runlocal; see vlrep/models/mct.py)
+  head_bn=none|inter|all      BatchNorm in the hidden layer of no heads (the paper's), the inter-modal heads
+                              (runlocal) or all four
 The text tower is trained from scratch (the paper's 'scratch' variant); caption views come from offline word
 dropout and swaps (`caption_views`), since back-translation models cannot be fetched here.
 """
@@ -46,7 +50,7 @@ AUGMENTATIONS = {
 
 
 def get_config(arg=None):
-  arg = parse_arg(arg, runlocal=False, loss="full", tags=True, steps=0, aug="")
+  arg = parse_arg(arg, runlocal=False, loss="full", tags=True, steps=0, aug="", pool="", head_bn="")
   from ml_collections import ConfigDict
 
   if arg.loss not in LOSSES:
@@ -165,6 +169,16 @@ def get_config(arg=None):
   c.best_metric = "probe/map"
   if arg.runlocal:
     _runlocal(c, arg)
+  # Explicit pool= / head_bn= arguments override both the recipe's and runlocal's choice.
+  if arg.pool:
+    if arg.pool not in ("cls", "mean"):
+      raise ValueError(f"Unknown pool={arg.pool!r}; expected 'cls' or 'mean'.")
+    c.method.text_pool = arg.pool
+  if arg.head_bn:
+    heads = {"none": (), "inter": ("inter",), "all": ("intra", "inter")}
+    if arg.head_bn not in heads:
+      raise ValueError(f"Unknown head_bn={arg.head_bn!r}; expected one of {sorted(heads)}.")
+    c.method.head_batchnorm = heads[arg.head_bn]
   return c
 
 
