@@ -157,8 +157,13 @@ def method_and_tokenizer(run: Run) -> dict:
     concepts = concepts_lib.ensure_concepts(
       run.config.concepts, builder, tokenizer, run.config.method.get("bert_path", "")
     )
-  method = methods.build(run.config.method, tokenizer.vocab_size, concepts=concepts)
-  return {"method": method, "tokenizer": tokenizer, "concepts": concepts}
+  answer_vocab = None
+  if run.config.get("answers"):  # VQA runs: the answer vocabulary they were trained with (rebuilt from the data)
+    from vlrep.data import vl_ops
+
+    answer_vocab = vl_ops.answer_vocab(run.config.answers, builder)
+  method = methods.build(run.config.method, tokenizer.vocab_size, concepts=concepts, answer_vocab=answer_vocab)
+  return {"method": method, "tokenizer": tokenizer, "concepts": concepts, "answer_vocab": answer_vocab}
 
 
 def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", names=None) -> dict[str, float]:
@@ -176,7 +181,7 @@ def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", na
     raise ValueError(f"Unknown evaluations {unknown}; this config defines {sorted(evals_cfg)}.")
   context = {"run": run}
   # Whole-model evaluators (captioning, localization, retrieval) need the method; they and vsepp the tokenizer.
-  if any(cfg.type in ("captioning", "localization", "retrieval", "vsepp") for cfg in evals_cfg.values()):
+  if any(cfg.type in ("captioning", "localization", "retrieval", "vsepp", "vl_task") for cfg in evals_cfg.values()):
     context.update(method_and_tokenizer(run))
   host, num_hosts = jax.process_index(), jax.process_count()
   features = backbone_fn(run)

@@ -117,8 +117,17 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     bert_path = config.method.get("bert_path", "")
     concepts = concepts_lib.ensure_concepts(config.concepts, builder, tokenizer, bert_path)
   context["concepts"] = concepts
+  # VQA's answer vocabulary (the most frequent answers of the training questions).
+  if config.get("answers"):
+    from vlrep.data import vl_ops
+
+    context["answer_vocab"] = vl_ops.answer_vocab(config.answers, builder)
   method = methods.build(
-    config.method, tokenizer.vocab_size if tokenizer else 0, mesh.shape[sharding.DATA], concepts=concepts
+    config.method,
+    tokenizer.vocab_size if tokenizer else 0,
+    mesh.shape[sharding.DATA],
+    concepts=concepts,
+    answer_vocab=context.get("answer_vocab"),
   )
   context["method"] = method
   split, fraction = pipeline.split_name(config.data.split)

@@ -526,5 +526,7 @@ def get_tags(fields=(("objects", "label", 0),), num_tags: int = 0, out: str = "t
   return op
 
 
-# Trace ops (clean_traces, trace_words, oracle_word_masks, tokenize_words) register themselves on import.
+# Trace ops (clean_traces, trace_words, oracle_word_masks, tokenize_words) and the vision-and-language ops
+# (regions_from_objects, vl_pairs, tokenize_pairs, answer_targets, ...) register themselves on import.
 from vlrep.data import traces as _traces  # noqa: E402, F401
+from vlrep.data import vl_ops as _vl_ops  # noqa: E402, F401

@@ -16,6 +16,7 @@ KNOWN = (
   "vsepp",
   "tagging",
   "masked_tokens",
+  "vl_task",
 )
 
 
@@ -56,6 +57,10 @@ def build(config, context: dict, host: int = 0, num_hosts: int = 1):
     from vlrep.evaluators.masked_tokens import MaskedTokens
 
     return MaskedTokens(config, context, host, num_hosts)
+  if config.type == "vl_task":
+    from vlrep.evaluators.vl_task import VLTask
+
+    return VLTask(config, context, host, num_hosts)
   raise ValueError(f"Unknown evaluator type {config.type!r}. Known evaluators: {', '.join(KNOWN)}")
 
 

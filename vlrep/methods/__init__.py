@@ -5,9 +5,12 @@ from __future__ import annotations
 import ml_collections
 
 
-def build(config: ml_collections.ConfigDict, vocab_size: int, num_data_shards: int = 1, concepts=None):
+def build(
+  config: ml_collections.ConfigDict, vocab_size: int, num_data_shards: int = 1, concepts=None, answer_vocab=None
+):
   """Instantiates the method named by `config.name`. `num_data_shards` (the mesh's data axis size) is what
-  per-device losses (LocTex's InfoNCE) split the batch by; `concepts` is the run's concept set (ICMLM)."""
+  per-device losses (LocTex's InfoNCE) split the batch by; `concepts` is the run's concept set (ICMLM);
+  `answer_vocab` its VQA answers (vlbert)."""
   name = config.name
   if name == "virtex":
     from vlrep.methods.virtex import VirTex
@@ -29,4 +32,8 @@ def build(config: ml_collections.ConfigDict, vocab_size: int, num_data_shards: i
     from vlrep.methods.icmlm import ICMLM
 
     return ICMLM(config, vocab_size, concepts)
-  raise ValueError(f"Unknown method {name!r}. Known methods: virtex, classifier, loctex, mct, icmlm")
+  if name == "vlbert":
+    from vlrep.methods.vlbert import VLBert
+
+    return VLBert(config, vocab_size, answer_vocab)
+  raise ValueError(f"Unknown method {name!r}. Known methods: virtex, classifier, loctex, mct, icmlm, vlbert")

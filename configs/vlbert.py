@@ -1,0 +1,228 @@
+r"""VisualBERT / ViLBERT pretraining and downstream fine-tuning: the study of Singh et al., "Are we pretraining it
+right? Digging deeper into visio-linguistic pretraining" (arXiv 2004.08744).
+
+A study is two stages, each a run:
+  # 1. pretraining (MLM for VisualBERT, MMM for ViLBERT) on one source
+  python -m vlrep.main --config=configs/vlbert.py:arch=visual_bert,stage=pretrain,data=captions --workdir=$W/vb_coco
+  # 2. a downstream task, fine-tuned or with the base frozen, from that run (or from BERT alone: no pretraining)
+  python -m vlrep.main --config=configs/vlbert.py:arch=visual_bert,stage=finetune,task=vqa \
+      --config.method.pretrained_run=$W/vb_coco --workdir=$W/vb_coco_vqa
+
+The paper's recipe: both models start from bert-base-uncased (pass `bert=/path/to/folder`; '' = the packaged
+MiniLM-L6-H384), AdamW (eps 1e-8, betas 0.9/0.999), LR 5e-5, 2000 warmup steps then cosine, batch 1024, 88K
+updates; 15% of the tokens masked as BERT (80% [MASK], 10% random, 10% kept); ViLBERT also masks 15% of the
+regions (zeroed 90% of the time) and predicts their class distribution. Regions here come from a frozen vlrep
+ResNet (`visual.init_from`: any vlrep run with a backbone; the 7x7 grid at 224 px, or RoIAlign over given boxes).
+
+On the embedded synthetic_scenes (the study's analogues: in-domain captions = `train` captions, questions =
+`train` question/answer pairs, out-of-domain captions = the sketch-style `ood_train` captions, generated
+captions = a VirTex captioner's captions of the `ood_train` images; every source clipped to 500 images):
+  python -m vlrep.main --config=configs/vlbert.py:runlocal,arch=visual_bert,stage=pretrain,data=questions \
+      --workdir=/tmp/vb_q
+  python -m vlrep.main --config=configs/vlbert.py:runlocal,arch=visual_bert,stage=finetune,task=vqa,frozen \
+      --config.method.pretrained_run=/tmp/vb_q --workdir=/tmp/vb_q_vqa_frozen
+
+Arguments (comma-separated; any key can also be set with --config.KEY=VALUE):
+  arch=visual_bert|vilbert
+  stage=pretrain|finetune
+  data=captions|questions|ood_captions|generated   the pretraining source (stage=pretrain)
+  generated=PATH       the generated-caption file (JSON {image_id: [captions]}) for data=generated
+  task=vqa|ve          the downstream task (stage=finetune): VQA (answer vocabulary, soft scores, BCE) or visual
+                       entailment (3-way softmax)
+  frozen               train only the task head (the paper's "frozen base", Table 2)
+  bert=PATH            a local Hugging Face BERT folder ('' = the packaged MiniLM)
+  steps=N              training steps instead of the recipe's
+"""
+
+import re
+
+from vlrep.config_utils import parse_arg
+
+ARCHS = ("visual_bert", "vilbert")
+STAGES = ("pretrain", "finetune")
+SOURCES = ("captions", "questions", "ood_captions", "generated")
+TASKS = ("vqa", "ve")
+
+
+def get_config(arg=None):
+  arg = parse_arg(
+    arg,
+    runlocal=False,
+    arch="visual_bert",
+    stage="pretrain",
+    data="captions",
+    generated="",
+    task="vqa",
+    frozen=False,
+    bert="",
+    steps=0,
+  )
+  from ml_collections import ConfigDict
+
+  for name, value, known in (("arch", arg.arch, ARCHS), ("stage", arg.stage, STAGES), ("task", arg.task, TASKS)):
+    if value not in known:
+      raise ValueError(f"Unknown {name}={value!r}; known: {known}")
+  if arg.data not in SOURCES:
+    raise ValueError(f"Unknown data={arg.data!r}; known: {SOURCES}")
+  if arg.data == "generated" and arg.stage == "pretrain" and not arg.generated:
+    raise ValueError("data=generated needs generated=PATH (made by `python -m vlrep.tools.caption --output=PATH`).")
+  pretrain = arg.stage == "pretrain"
+  image_size = 64 if arg.runlocal else 224
+
+  c = ConfigDict()
+  c.seed = 0
+  c.method = dict(
+    name="vlbert",
+    arch=arg.arch,
+    bert_path=arg.bert,
+    bert_layers=0,
+    task="pretrain" if pretrain else "classify",
+    loss="bce" if arg.task == "vqa" else "softmax",
+    num_labels=3 if arg.task == "ve" else -1,  # -1: the answer vocabulary's size
+    pretrained_run="",
+    freeze_base=arg.frozen,
+    mask_rate=0.15,
+    region_mask_rate=0.15,
+    region_classes=1601,  # Visual Genome's classes in the paper's detector; runlocal: synthetic_scenes' 10 shapes
+    region_weight=1.0,
+    # ViLBERT's visual stream and co-attention (the paper's sizes).
+    v_layers=6,
+    v_hidden=1024,
+    v_heads=8,
+    v_intermediate=1024,
+    bi_hidden=1024,
+    bi_heads=8,
+    dtype="bfloat16",
+    visual=dict(
+      backbone=dict(depth=50, width=64, bn_group_size=0),
+      init_from="",
+      seed=0,
+      mode="grid",
+      roi_size=7,
+      crop_size=32,
+    ),
+  )
+  c.tokenizer = dict(kind="wordpiece", path=arg.bert)
+  c.data = dict(name="coco_captions2017", config_name="", data_dir="", split="train", prefetch=2, device_prefetch=2)
+  image_pp = f"decode|resize_small({image_size})|central_crop({image_size})|normalize|regions_from_objects(36)"
+  if pretrain:
+    source = {"captions": "captions", "questions": "qa", "ood_captions": "captions", "generated": "captions"}[arg.data]
+    pairs = f"vl_pairs('{source}', 1, answer_as_text_b=True)" if source == "qa" else f"vl_pairs('{source}', 1)"
+    host = f"|generated_captions('{arg.generated}')" if arg.data == "generated" else ""
+    c.data.pp = f"{image_pp}|{pairs}{host}|tokenize_pairs(36)"
+    c.data.name = {"captions": "coco_captions2017", "questions": "vqa2"}.get(arg.data, "conceptual_captions")
+  elif arg.task == "vqa":
+    c.data.name = "vqa2"
+    c.data.pp = f"{image_pp}|vl_pairs('qa', 1)|tokenize_pairs(24)|answer_targets"
+    c.answers = dict(split="train", size=3129, min_count=1)
+  else:
+    c.data.name = "snli_ve"
+    c.data.pp = f"{image_pp}|vl_pairs('entailment', 1)|onehot_targets(3)|tokenize_pairs(48)"
+  c.batch_size = 1024 if pretrain else 512
+  c.total_steps = arg.steps or (88_000 if pretrain else 22_000)
+  c.total_epochs = 0.0
+  c.total_examples = 0
+  c.optim = dict(
+    name="adamw",
+    momentum=0.9,
+    nesterov=False,
+    weight_decay=0.01,
+    grad_clip_norm=1.0,
+    lookahead_steps=0,
+    lookahead_alpha=0.5,
+    warmup_steps=2000,
+    warmup_epochs=0.0,
+    warmup_examples=0,
+    # Frozen base: LR 0 for everything but the head (neither gradient nor weight decay moves it).
+    lr_groups=(("^task_head", 5e-5), (".*", 0.0)) if arg.frozen else ((".*", 5e-5),),
+    frozen_steps=(),
+    no_decay="(bias|LayerNorm|scale)",
+    b1=0.9,
+    b2=0.999,
+    eps=1e-8,
+  )
+  c.sharding = dict(params="replicate", num_devices=0)
+  c.checkpoint = dict(every_steps=2000, keep=2, async_save=True)
+  c.log_every_steps = 100
+  c.init_from = ""
+  eval_pp_pairs = {
+    "vqa": "vl_pairs('qa', 10, sample=False)|tokenize_pairs(24)|answer_targets",
+    "ve": "vl_pairs('entailment', 10, sample=False)|onehot_targets(3)|tokenize_pairs(48)",
+  }
+  if pretrain:
+    c.evals = dict(
+      mlm=dict(
+        type="vl_task",
+        metric="mlm",
+        dataset=c.data.name,
+        data_dir="",
+        config_name="",
+        split="val",
+        # Held-out text of the same source (the real captions where the training text was generated).
+        pp=c.data.pp.replace(", 1", ", 5, sample=False", 1).replace(f"|generated_captions('{arg.generated}')", ""),
+        batch_size=128,
+        limit=2000,
+        every_steps=0,
+      )
+    )
+    c.best_metric = ""
+  else:
+    c.evals = dict(
+      task=dict(
+        type="vl_task",
+        metric="vqa" if arg.task == "vqa" else "accuracy",
+        dataset=c.data.name,
+        data_dir="",
+        config_name="",
+        split="val",
+        pp=f"{image_pp}|{eval_pp_pairs[arg.task]}",
+        batch_size=128,
+        limit=0,
+        every_steps=2000,
+      )
+    )
+    c.best_metric = "task/vqa" if arg.task == "vqa" else "task/accuracy"
+  if arg.runlocal:
+    _runlocal(c, arg, pretrain)
+  return c
+
+
+def _runlocal(c, arg, pretrain):
+  """synthetic_scenes at 64 px; a frozen ResNet-26 w16 over box crops; MiniLM's first 2 layers; sized for a 2-core
+  CPU."""
+  data_dir = "~/.cache/vlrep/tensorflow_datasets"
+  c.data.update(name="synthetic_scenes", config_name="default", data_dir=data_dir)
+  c.method.update(dtype="float32", bert_layers=2, region_classes=10)
+  c.method.update(v_layers=2, v_hidden=256, v_heads=4, v_intermediate=512, bi_hidden=256, bi_heads=4)
+  c.method.visual.update(backbone=dict(depth=26, width=16, bn_group_size=0), mode="crops", crop_size=32)
+  image_pp = "decode|normalize|regions_from_objects(4)"
+  old_pp = "decode|resize_small(64)|central_crop(64)|normalize|regions_from_objects(36)"
+  # Text lengths that fit synthetic_scenes' texts (WordPiece pieces: captions <= 45, question + answer <= 16,
+  # statements <= 10); longer ones are cut and counted (data/truncated_count).
+  length = {"captions": 32, "questions": 20}.get(arg.data, 32) if pretrain else {"vqa": 16, "ve": 14}[arg.task]
+
+  def local(pp):
+    pp = pp.replace("'qa', 10,", "'qa', 5,").replace("'entailment', 10,", "'entailment', 4,")  # their most per image
+    return re.sub(r"tokenize_pairs\(\d+\)", f"tokenize_pairs({length})", pp.replace(old_pp, image_pp))
+
+  c.data.pp = local(c.data.pp)
+  for ev in c.evals.values():
+    ev.update(dataset="synthetic_scenes", config_name="default", data_dir=data_dir, pp=local(ev.pp))
+  if pretrain:
+    # Every source clipped to 500 images (the size of ood_train), as the study clips VQA and CC to COCO's size.
+    c.data.split = "ood_train" if arg.data in ("ood_captions", "generated") else "train[:12.5%]"
+    c.evals.mlm.update(limit=200)
+    if arg.data in ("ood_captions", "generated"):
+      c.evals.mlm.split = "ood_val"
+  else:
+    c.data.split = "train"
+    if arg.task == "vqa":
+      c.answers.update(size=100)
+  c.batch_size = 64
+  c.total_steps = arg.steps or 200
+  c.optim.warmup_steps = 20
+  c.optim.lr_groups = (("^task_head", 1e-3), (".*", 0.0)) if arg.frozen else ((".*", 1e-4),)
+  c.checkpoint.every_steps = 200
+  c.log_every_steps = 50
+  for ev in c.evals.values():
+    ev.update(batch_size=64, every_steps=0 if pretrain else 100)

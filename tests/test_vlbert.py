@@ -1,0 +1,284 @@
+"""VisualBERT / ViLBERT (the pretraining study): metrics, masking, region sampling, BERT loading, weight
+distances, bad inputs, and pretrain -> fine-tune end to end."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import run_main
+from ml_collections import ConfigDict
+
+from vlrep.evaluators import vl_metrics
+from vlrep.methods import vlbert
+from vlrep.models import bert as bert_lib
+from vlrep.models import vl_bert
+from vlrep.tools import weight_distance
+
+
+@pytest.fixture(scope="module")
+def minilm():
+  return bert_lib.load_pretrained("")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Metrics.
+# ---------------------------------------------------------------------------------------------------------
+def test_vqa_accuracy_and_soft_scores_on_hand_made_annotations():
+  humans = ["yes"] * 3 + ["no"] * 7
+  # Leaving out one of the 3 'yes' humans leaves 2 matches (2/3); leaving out a 'no' leaves 3 (1).
+  assert vl_metrics.answer_score(humans, "yes") == pytest.approx((3 * 2 / 3 + 7 * 1.0) / 10)
+  assert vl_metrics.answer_score(humans, "no") == 1.0
+  assert vl_metrics.answer_score(humans, "maybe") == 0.0
+  one = ["two"] + ["red"] * 9  # a single 'two': 0 when its human is left out, 1/3 otherwise
+  assert vl_metrics.answer_score(one, "2") == pytest.approx(9 / 10 * (1 / 3))
+  # Official normalisation: number words, articles, punctuation, case.
+  assert vl_metrics.normalize_answer("The Dog.") == "dog"
+  assert vl_metrics.normalize_answer("Two") == "2"
+  assert vl_metrics.vqa_accuracy(["no", "yes"], [humans, humans]) == pytest.approx(100 * (1.0 + 0.9) / 2)
+  vocab = vl_metrics.build_answer_vocab([humans, one, ["Yes", "blue"]], size=3)
+  assert vocab == ["red", "no", "yes"]  # by count (9, 7, 4), ties alphabetical
+  scores, known = vl_metrics.soft_scores(humans, {a: i for i, a in enumerate(vocab)})
+  np.testing.assert_allclose(scores, [0.0, 1.0, 0.9], rtol=1e-6)
+  assert known
+  scores, known = vl_metrics.soft_scores(["purple"] * 10, {a: i for i, a in enumerate(vocab)})
+  assert not known and not scores.any()  # out of vocabulary: an all-zero row, counted by the op
+
+
+def test_f1_scores_match_scikit_learn():
+  metrics = pytest.importorskip("sklearn.metrics")
+  rng = np.random.default_rng(0)
+  y = rng.random((200, 23)) < 0.15
+  p = rng.random((200, 23)) < 0.2
+  y[:, 5] = False  # a class with no positives: F1 0 with zero_division=0
+  p[:, 5] = False
+  got = vl_metrics.f1_scores(p, y)
+  assert got["micro_f1"] == pytest.approx(100 * metrics.f1_score(y, p, average="micro", zero_division=0))
+  assert got["macro_f1"] == pytest.approx(100 * metrics.f1_score(y, p, average="macro", zero_division=0))
+
+
+def test_weight_distances_on_known_matrices():
+  a = np.array([[1.0, 0.0], [0.0, 0.0]])
+  assert weight_distance.l1_distance(a, a + 0.5) == pytest.approx(0.5)
+  assert weight_distance.angular_distance(a, 3 * a) == pytest.approx(0.0, abs=1e-7)
+  assert weight_distance.angular_distance(a, np.array([[0.0, 1.0], [0.0, 0.0]])) == pytest.approx(0.5)
+  assert weight_distance.angular_distance(a, -a) == pytest.approx(1.0)
+
+  def layer(scale):
+    return {k: {"kernel": np.full((2, 2), scale)} for k in weight_distance.ATTENTION}
+
+  pre = {"bert": {"layer_0": layer(1.0), "layer_1": layer(1.0)}, "v_layer_0": layer(1.0)}
+  fine = {"bert": {"layer_0": layer(1.0), "layer_1": layer(3.0)}, "v_layer_0": layer(-1.0)}
+  d = weight_distance.layer_distances(pre, fine)
+  assert list(d) == ["t0", "t1", "v0"]
+  assert d["t0"] == {"l1": 0.0, "angular": 0.0}
+  assert d["t1"]["l1"] == pytest.approx(2.0) and d["t1"]["angular"] == pytest.approx(0.0, abs=1e-7)
+  assert d["v0"]["l1"] == pytest.approx(2.0) and d["v0"]["angular"] == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Masking and regions.
+# ---------------------------------------------------------------------------------------------------------
+def test_bert_masking_rates():
+  tokens = jnp.asarray(np.random.default_rng(0).integers(1000, 2000, (400, 128)), jnp.int32)
+  special = jnp.zeros(tokens.shape, bool).at[:, 0].set(True).at[:, 100:].set(True)  # [CLS] and padding
+  out, picked = vlbert.bert_mask(jax.random.PRNGKey(0), tokens, special, 0.15, 30522, 103)
+  out, picked, tokens, special = (np.asarray(x) for x in (out, picked, tokens, special))
+  assert not (picked & special).any() and (out[special] == tokens[special]).all()
+  assert (out[~picked] == tokens[~picked]).all()
+  assert picked[~special].mean() == pytest.approx(0.15, abs=0.005)  # 39600 eligible tokens
+  assert (picked.sum(1) <= vlbert.max_predictions(128, 0.15)).all()
+  masked = (out == 103)[picked].mean()
+  kept = (out == tokens)[picked].mean()
+  replaced = 1 - masked - kept  # a random token equal to the original (1 in 30522) counts as kept
+  assert masked == pytest.approx(0.8, abs=0.02)
+  assert kept == pytest.approx(0.1, abs=0.015) and replaced == pytest.approx(0.1, abs=0.015)
+
+
+def test_roi_sample_is_bilinear_in_box_coordinates():
+  h, w = 6, 8
+  ys, xs = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+  maps = jnp.asarray(np.stack([ys, xs], -1)[None].astype(np.float32))  # channel 0 = row, 1 = column
+  boxes = jnp.asarray([[[0.25, 0.25, 0.75, 0.75]]])
+  out = np.asarray(vl_bert.roi_sample(maps, boxes, 2))[0, 0]  # samples at box fractions 1/4 and 3/4
+  # Pixel-centre coordinates: y = (0.25 + 0.5 * f) * 6 - 0.5 for f in (0.25, 0.75) -> 1.75, 3.25.
+  np.testing.assert_allclose(out[:, 0, 0], [1.75, 3.25], atol=1e-6)
+  np.testing.assert_allclose(out[0, :, 1], [2.5, 4.5], atol=1e-6)
+  whole = np.asarray(vl_bert.roi_sample(maps, jnp.asarray([[[0.0, 0.0, 1.0, 1.0]]]), h))[0, 0]
+  np.testing.assert_allclose(whole[:, 0, 0], np.arange(h), atol=1e-6)  # a full-image box at native size: identity
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Models and BERT loading.
+# ---------------------------------------------------------------------------------------------------------
+def _model(arch, cfg, **kw):
+  return vl_bert.VLBertModel(
+    arch=arch,
+    bert=cfg,
+    v_layers=1,
+    v_hidden=32,
+    v_heads=2,
+    v_intermediate=64,
+    bi_hidden=32,
+    bi_heads=2,
+    region_dim=16,
+    **kw,
+  )
+
+
+def _inputs(rng, b=2, t=7, n=3):
+  tokens = np.zeros((b, t), np.int32)
+  tokens[:, :5] = [101, 1037, 2417, 2675, 102]  # [CLS] a red square [SEP]
+  tokens[1, 3] = 4418  # a different word in the second caption
+  regions = rng.normal(size=(b, n, 16)).astype(np.float32)
+  boxes = np.tile(np.array([0.1, 0.2, 0.5, 0.7], np.float32), (b, n, 1))
+  return jnp.asarray(tokens), jnp.zeros((b, t), jnp.int32), jnp.asarray(regions), jnp.asarray(boxes)
+
+
+def test_visual_bert_without_regions_is_exactly_the_loaded_bert(minilm):
+  cfg, enc, _, _ = minilm
+  model = _model("visual_bert", cfg)
+  tokens, types, regions, boxes = _inputs(np.random.default_rng(0))
+  mask = jnp.ones(regions.shape[:2], bool)
+  params = dict(model.init(jax.random.PRNGKey(0), tokens, types, regions, boxes, mask)["params"])
+  random_bert = params["bert"]
+  params["bert"] = jax.tree.map(jnp.asarray, enc)
+  encode = lambda p, m: model.apply({"params": p}, tokens, types, regions, boxes, m, method=model.encode)[0]  # noqa: E731
+  # With every region masked out, the text states are BERT's hidden states, to float tolerance.
+  want, _ = bert_lib.BertEncoder(cfg).apply({"params": enc}, tokens, tokens != 0, types)
+  got = encode(params, jnp.zeros_like(mask))
+  keep = np.asarray(tokens != 0)
+  np.testing.assert_allclose(np.asarray(got)[keep], np.asarray(want)[keep], atol=2e-5)
+  # The regions are read (visible regions change the text states), and the loaded weights matter.
+  assert np.abs(np.asarray(encode(params, mask) - got))[keep].max() > 1e-3
+  unloaded = encode(dict(params, bert=random_bert), mask)
+  assert np.abs(np.asarray(unloaded - encode(params, mask)))[keep].max() > 0.1
+
+
+def test_vilbert_uses_the_loaded_bert_and_co_attention(minilm):
+  cfg, enc, _, _ = minilm
+  cfg2 = bert_lib.BertConfig(**{**cfg.__dict__, "num_hidden_layers": 2})
+  # Its first 2 layers; ViLBERT pools the text with its own t_pooler, so BERT's pooler is not part of it.
+  enc2 = {k: v for k, v in enc.items() if k not in {"pooler", *(f"layer_{i}" for i in range(2, cfg.num_hidden_layers))}}
+  model = _model("vilbert", cfg2, region_classes=5, num_labels=3)
+  tokens, types, regions, boxes = _inputs(np.random.default_rng(1))
+  mask = jnp.ones(regions.shape[:2], bool)
+  params = dict(model.init(jax.random.PRNGKey(0), tokens, types, regions, boxes, mask)["params"])
+  assert set(params) >= {"bert", "v_layer_0", "co_layer_0", "t_pooler", "v_pooler", "mlm_head", "region_head_2"}
+  assert jax.tree.structure(params["bert"]) == jax.tree.structure(enc2)
+  loaded = dict(params, bert=jax.tree.map(jnp.asarray, enc2))
+  run = lambda p, r: model.apply({"params": p}, tokens, types, r, boxes, mask)  # noqa: E731
+  a, b = run(loaded, regions), run(params, regions)
+  assert np.abs(np.asarray(a["mlm_logits"] - b["mlm_logits"])).max() > 0.1  # the BERT weights are used
+  c = run(loaded, regions + 1.0)
+  assert np.abs(np.asarray(a["mlm_logits"] - c["mlm_logits"])).max() > 1e-3  # text sees the regions
+  assert a["region_outputs"].shape == (2, 4, 5) and a["task_logits"].shape == (2, 3)  # [IMG] + 3 regions
+  # An image without regions ([IMG] only, mean over nothing = 0) stays finite.
+  empty = model.apply({"params": loaded}, tokens, types, regions, boxes, jnp.zeros_like(mask))
+  assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(empty))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Data ops and bad inputs.
+# ---------------------------------------------------------------------------------------------------------
+def test_pair_tokenization_answer_targets_and_counted_skips():
+  from vlrep.data import ops as ops_lib
+  from vlrep.data import vl_ops
+  from vlrep.data.wordpiece import WordPieceTokenizer
+
+  tok = WordPieceTokenizer(bert_lib.resolve_path(""))
+  ids, types, truncated = vl_ops.encode_pair(tok, "is there a cube?", "yes", 12)
+  pieces = [tok.pieces[i] for i in ids if i]
+  assert pieces == ["[CLS]", "is", "there", "a", "cube", "?", "[SEP]", "yes", "[SEP]"] and not truncated
+  np.testing.assert_array_equal(types[:9], [0] * 7 + [1] * 2)
+  ids, _, truncated = vl_ops.encode_pair(tok, "one two three four five six", "seven eight", 8)
+  assert truncated  # the longer segment (a) loses pieces first
+  assert [tok.pieces[i] for i in ids] == ["[CLS]", "one", "two", "three", "[SEP]", "seven", "eight", "[SEP]"]
+
+  context = {"tokenizer": tok, "answer_vocab": ["yes", "no", "2"]}
+  pp = ops_lib.parse("tokenize_pairs(10)|answer_targets", context)
+  batch = {
+    "text_a": np.array([["is it red?", ""], ["", "how many?"]], object),
+    "text_b": np.array([["", ""], ["", ""]], object),
+    "answers": np.array([[["yes"], [""]], [["no"], ["purple"]]], object),
+    "pair_mask": np.array([[True, False], [True, True]]),
+  }
+  out = pp.batch_fn(batch)
+  assert out["tokens"].shape == (2, 2, 10) and out["targets"].shape == (2, 2, 3)
+  # The empty question of image 1 is skipped (mask cleared) and counted; the padded pair is neither.
+  np.testing.assert_array_equal(out["pair_mask"], [[True, False], [False, True]])
+  assert out["stat_empty"].sum() == 1
+  np.testing.assert_array_equal(out["targets"][0, 0], [1, 0, 0])
+  # 'purple' is outside the vocabulary: an all-zero target, counted.
+  assert out["stat_answer_oov"].sum() == 1 and not out["targets"][1, 1].any()
+
+
+def test_regions_and_pairs_ops_on_an_image_without_objects_or_questions():
+  import tensorflow as tf
+
+  from vlrep.data import ops as ops_lib
+
+  pp = ops_lib.parse("regions_from_objects(3)|vl_pairs('qa', 2, sample=False)")
+  ex = {
+    "objects": {"bbox": tf.zeros([0, 4]), "label": tf.zeros([0], tf.int64)},
+    "questions": {"question": tf.zeros([0], tf.string), "answer": tf.zeros([0], tf.string)},
+    "_rng": tf.zeros([2], tf.int64),
+  }
+  out = pp.example_fn(ex)
+  assert not out["box_mask"].numpy().any() and (out["region_labels"].numpy() == -1).all()
+  assert not out["pair_mask"].numpy().any() and out["text_a"].shape == (2,)
+
+
+def test_num_labels_from_the_answer_vocabulary_and_clear_errors():
+  cfg = ConfigDict(
+    {
+      "task": "classify",
+      "loss": "bce",
+      "num_labels": -1,
+      "arch": "visual_bert",
+      "bert_path": "",
+      "bert_layers": 1,
+    }
+  )
+  with pytest.raises(ValueError, match="answer vocabulary"):
+    vlbert.VLBert(cfg, 30522)
+  with pytest.raises(ValueError, match="tokenizer has 100 tokens"):
+    vlbert.VLBert(cfg, 100, ["yes"])
+  with pytest.raises(ValueError, match="Unknown vlbert task"):
+    vlbert.VLBert(ConfigDict({**cfg.to_dict(), "task": "nsp"}), 30522)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# End to end: pretrain (MMM) -> fine-tune with the base frozen -> weight distances.
+# ---------------------------------------------------------------------------------------------------------
+def test_vilbert_pretrain_then_frozen_vqa_end_to_end(tmp_path):
+  pre = tmp_path / "vilbert_questions"
+  proc = run_main(pre, config="tests/tiny_vlbert.py:arch=vilbert,stage=pretrain,data=questions")
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  summary = json.loads((pre / "summary.json").read_text())
+  assert summary["steps"] == 4 and np.isfinite(summary["train/loss"])
+  assert 0 <= summary["mlm/mlm_accuracy"] <= 100 and summary["mlm/masked_tokens"] > 0
+  assert "region_loss" in proc.stderr  # ViLBERT's masked-region term (MMM)
+
+  ft = tmp_path / "vilbert_questions_vqa_frozen"
+  proc = run_main(
+    ft, f"--config.method.pretrained_run={pre}", config="tests/tiny_vlbert.py:arch=vilbert,stage=finetune,frozen"
+  )
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  summary = json.loads((ft / "summary.json").read_text())
+  assert 0 <= summary["task/vqa"] <= 100 and summary["task/pairs"] > 8  # several questions per image
+  from vlrep import evaluate
+
+  start, end = evaluate.load_run(str(pre), "latest"), evaluate.load_run(str(ft), "latest")
+  # The frozen base is bit-identical to the pretraining run's after training; the task head moved.
+  for name in ("bert", "v_layer_0", "co_layer_0", "regions_embed"):
+    for a, b in zip(jax.tree.leaves(start.params[name]), jax.tree.leaves(end.params[name]), strict=True):
+      np.testing.assert_array_equal(a, b)
+  visual = zip(jax.tree.leaves(start.model_state["visual"]), jax.tree.leaves(end.model_state["visual"]), strict=True)
+  for a, b in visual:
+    np.testing.assert_array_equal(a, b)
+  d = weight_distance.layer_distances(start.params, end.params)
+  assert set(d) == {"t0", "v0"} and all(v["l1"] == 0.0 and v["angular"] < 1e-6 for v in d.values())
+  assert os.path.exists(ft / "summary.json")

@@ -1,0 +1,287 @@
+"""VisualBERT / ViLBERT pretraining (MLM; ViLBERT's MMM) and downstream fine-tuning (VQA, visual entailment,
+multi-label) behind vlrep's method contract: the pretraining study of Singh et al.
+
+Config (`configs/vlbert.py`):
+  arch            'visual_bert' | 'vilbert'; bert_path: the pretrained BERT folder ('' = packaged MiniLM);
+                  bert_layers: keep only its first N layers (0 = all).
+  task            'pretrain' (MLM, plus masked-region prediction for ViLBERT: MMM) | 'classify' (a head on the
+                  pooled output; `loss`: 'bce' for VQA soft scores and multi-label, 'softmax' for entailment).
+  visual          the frozen region-feature extractor: a vlrep ResNet (`backbone`), its weights from the run
+                  `init_from` ('' = random init with `seed`), `mode` roi_align | crops | grid.
+  pretrained_run  a pretraining run whose best checkpoint initialises the transformer (and the extractor).
+  freeze_base     train only the task head (the study's "frozen base"): gradients stop at the pooled output.
+  mask_rate, region_mask_rate: BERT's 15% (of which 80% [MASK], 10% random, 10% kept); ViLBERT's regions are
+                  zeroed 90% of the time they are picked.
+
+BERT's weights enter the fresh state through `pretrained_variables` (the loop checks every shape); the region
+extractor is frozen state (`model_state['visual']`), never a parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+
+from vlrep.models import bert as bert_lib
+from vlrep.models import vl_bert
+
+TASKS = ("pretrain", "classify")
+LOSSES = ("bce", "softmax")
+# Parameters that belong to one task and are never copied from a pretraining run.
+_TASK_PARAMS = ("task_head", "region_head")
+
+
+def max_predictions(length: int, rate: float) -> int:
+  """Scored positions per sequence (BERT's max_predictions_per_seq): twice the expected count, at least 2."""
+  return max(2, int(np.ceil(2 * rate * length)))
+
+
+def bert_mask(rng, tokens, special, rate: float, vocab_size: int, mask_id: int):
+  """BERT's masking: each non-special token is picked with probability `rate`; a picked token becomes [MASK]
+  80% of the time, a uniformly random token 10%, and stays 10%. At most `max_predictions` per sequence are
+  picked (the first ones; more is rare at twice the expected count). -> (input tokens, picked bool)."""
+  pick_rng, how_rng, rand_rng = jax.random.split(rng, 3)
+  picked = (jax.random.uniform(pick_rng, tokens.shape) < rate) & ~special
+  picked &= jnp.cumsum(picked, axis=1) <= max_predictions(tokens.shape[1], rate)
+  how = jax.random.uniform(how_rng, tokens.shape)
+  random_tokens = jax.random.randint(rand_rng, tokens.shape, 0, vocab_size)
+  out = jnp.where(picked & (how < 0.8), mask_id, tokens)
+  out = jnp.where(picked & (how >= 0.8) & (how < 0.9), random_tokens, out)
+  return out, picked
+
+
+class VLBert:
+  def __init__(self, config: ml_collections.ConfigDict, vocab_size: int, answer_vocab=None):
+    if config.task not in TASKS:
+      raise ValueError(f"Unknown vlbert task {config.task!r}; known: {TASKS}")
+    if config.task == "classify" and config.loss not in LOSSES:
+      raise ValueError(f"Unknown vlbert loss {config.loss!r}; known: {LOSSES}")
+    self.config = config
+    self.task = config.task
+    self.bert_config, self._bert, self._mlm_head, folder = bert_lib.load_pretrained(config.bert_path)
+    n_layers = int(config.get("bert_layers", 0))
+    if n_layers:  # the checkpoint's first n layers (small runs); its embeddings, pooler and MLM head as they are
+      if n_layers > self.bert_config.num_hidden_layers:
+        raise ValueError(f"bert_layers={n_layers} but {folder} has {self.bert_config.num_hidden_layers} layers.")
+      self.bert_config = dataclasses.replace(self.bert_config, num_hidden_layers=n_layers)
+      self._bert = {k: v for k, v in self._bert.items() if not (k.startswith("layer_") and int(k[6:]) >= n_layers)}
+    if config.arch == "vilbert":  # ViLBERT pools its text stream with its own layer (t_pooler), not BERT's
+      self._bert = {k: v for k, v in self._bert.items() if k != "pooler"}
+    if vocab_size != self.bert_config.vocab_size:
+      raise ValueError(
+        f"The tokenizer has {vocab_size} tokens but BERT ({folder}) has {self.bert_config.vocab_size}: set "
+        "tokenizer.kind='wordpiece' with the same folder as method.bert_path."
+      )
+    with open(f"{folder}/vocab.txt", encoding="utf-8") as f:
+      vocab = {line.rstrip("\n"): i for i, line in enumerate(f)}
+    self.mask_id, self.cls_id, self.sep_id = vocab["[MASK]"], vocab["[CLS]"], vocab["[SEP]"]
+    self.region_classes = int(config.region_classes) if (self.task == "pretrain" and config.arch == "vilbert") else 0
+    self.num_labels = int(config.num_labels) if self.task == "classify" else 0
+    if self.num_labels == -1:  # VQA: one output per answer of the run's vocabulary
+      if not answer_vocab:
+        raise ValueError("method.num_labels=-1 takes the answer vocabulary's size, but the run has none (set answers).")
+      self.num_labels = len(answer_vocab)
+    if self.task == "classify" and self.num_labels <= 0:
+      raise ValueError("method.num_labels must be > 0 (or -1: the answer vocabulary) for task='classify'.")
+    v = config.visual
+    self.regions = vl_bert.RegionFeatures(
+      backbone=dict(v.backbone), mode=v.mode, roi_size=v.get("roi_size", 7), crop_size=v.get("crop_size", 32)
+    )
+    self.model = vl_bert.VLBertModel(
+      arch=config.arch,
+      bert=self.bert_config,
+      v_layers=config.v_layers,
+      v_hidden=config.v_hidden,
+      v_heads=config.v_heads,
+      v_intermediate=config.v_intermediate,
+      bi_hidden=config.bi_hidden,
+      bi_heads=config.bi_heads,
+      region_classes=self.region_classes,
+      region_dim=self.regions_dim(),
+      num_labels=self.num_labels,
+      dtype=jnp.dtype(config.dtype),
+    )
+    self.fields = ("image", "boxes", "box_mask", "region_labels", "tokens", "type_ids", "pair_mask")
+    if self.task == "classify":
+      self.fields = self.fields + ("targets",)
+
+  def regions_dim(self) -> int:
+    from vlrep.models import resnet
+
+    return resnet.ResNet(**dict(self.config.visual.backbone)).num_features
+
+  # -- contract -----------------------------------------------------------------------------------------
+  def init(self, rng, batch) -> dict:
+    params_rng = rng
+    # The extractor's random init depends on visual.seed alone: every run of a study sees the same regions.
+    visual = self.regions.init(
+      jax.random.PRNGKey(self.config.visual.seed), batch["image"][:1], batch["boxes"][:1], batch["box_mask"][:1]
+    )
+    feats, boxes, mask = self.regions.apply(visual, batch["image"][:1], batch["boxes"][:1], batch["box_mask"][:1])
+    t = batch["tokens"].shape[-1]
+    params = self.model.init(
+      params_rng, jnp.zeros((1, t), jnp.int32), jnp.zeros((1, t), jnp.int32), feats, boxes, mask
+    )["params"]
+    return {"params": params, "visual": dict(visual)}
+
+  def pretrained_variables(self) -> dict:
+    """BERT's weights (and its MLM head when the checkpoint has one); or, with `pretrained_run`, everything that
+    run learned except its task heads, and its region extractor; plus the extractor of `visual.init_from`."""
+    out = {"params": {"bert": self._bert}}
+    if self._mlm_head is not None:
+      out["params"]["mlm_head"] = self._mlm_head
+    if self.config.get("pretrained_run"):
+      from vlrep import evaluate
+
+      run = evaluate.load_run(self.config.pretrained_run, "best")
+      out["params"] = {k: v for k, v in run.params.items() if not k.startswith(_TASK_PARAMS)}
+      if "visual" not in run.model_state:
+        raise ValueError(f"{run.path} is not a vlbert run (its state has no region extractor).")
+      out["model_state"] = {"visual": run.model_state["visual"]}
+      logging.info("Transformer and region extractor from %s (step %d).", run.path, run.step)
+    elif self.config.visual.get("init_from"):
+      from vlrep import evaluate
+
+      run = evaluate.load_run(self.config.visual.init_from, "best")
+      _, variables = evaluate.backbone_of(run)
+      visual = {"params": {"backbone": variables["params"]}}
+      if "batch_stats" in variables:
+        visual["batch_stats"] = {"backbone": variables["batch_stats"]}
+      out["model_state"] = {"visual": visual}
+      logging.info("Region extractor: the backbone of %s (step %d).", run.path, run.step)
+    return out
+
+  def loss(self, variables, batch, rng, train: bool = True):
+    mask_rng, region_rng = jax.random.split(rng)
+    feats, boxes, region_mask = self._regions(variables, batch)
+    tokens, type_ids, pair_mask = self._flatten_pairs(batch)
+    q = batch["tokens"].shape[1]
+    rep = lambda x: jnp.repeat(x, q, axis=0)  # noqa: E731  one copy of the image's regions per text
+    params = variables["params"]
+    metrics = {"pairs": jnp.sum(pair_mask).astype(jnp.float32)}
+    if self.task == "pretrain":
+      special = (tokens == 0) | (tokens == self.cls_id) | (tokens == self.sep_id) | ~pair_mask[:, None]
+      inputs, picked = bert_mask(
+        mask_rng, tokens, special, self.config.mask_rate, self.bert_config.vocab_size, self.mask_id
+      )
+      r_feats, r_boxes, r_mask = rep(feats), rep(boxes), rep(region_mask)
+      region_picked = jnp.zeros(r_mask.shape, bool)
+      if self.region_classes:
+        pick_rng, zero_rng = jax.random.split(region_rng)
+        region_picked = (jax.random.uniform(pick_rng, r_mask.shape) < self.config.region_mask_rate) & r_mask
+        region_picked &= pair_mask[:, None]
+        zeroed = region_picked & (jax.random.uniform(zero_rng, r_mask.shape) < 0.9)
+        r_input = jnp.where(zeroed[..., None], 0.0, r_feats)
+      else:
+        r_input = r_feats
+      t_states, v_states, _, _ = self.model.apply(
+        {"params": params}, inputs, type_ids, r_input, r_boxes, r_mask, method=vl_bert.VLBertModel.encode
+      )
+      logits, targets, w = self._mlm_at_picked(params, t_states, tokens, picked)
+      nll = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), targets[..., None], -1)[..., 0]
+      mlm = jnp.sum(nll * w) / jnp.maximum(w.sum(), 1.0)
+      metrics.update(
+        mlm_loss=mlm,
+        mlm_accuracy=jnp.sum((jnp.argmax(logits, -1) == targets) * w) / jnp.maximum(w.sum(), 1.0),
+        masked_tokens=w.sum(),
+      )
+      loss = mlm
+      if self.region_classes:
+        out = self.model.apply({"params": params}, v_states[:, 1:], method=vl_bert.VLBertModel.region_outputs)
+        rw = region_picked.astype(jnp.float32)
+        if self.region_classes > 0:  # the region's class distribution (one-hot here: ground-truth labels)
+          labels = rep(batch["region_labels"])
+          in_range = (labels >= 0) & (labels < self.region_classes)
+          # A label the head has no class for is left out of the loss and counted (check method.region_classes).
+          metrics["region_labels_out_of_range"] = jnp.sum(region_picked & (labels >= self.region_classes)).astype(
+            jnp.float32
+          )
+          safe = jnp.where(in_range, labels, 0)
+          region_nll = -jnp.take_along_axis(jax.nn.log_softmax(out, -1), safe[..., None], -1)[..., 0]
+          rw = rw * in_range
+          region_loss = jnp.sum(region_nll * rw) / jnp.maximum(rw.sum(), 1.0)
+        else:  # the region's feature
+          region_loss = jnp.sum(jnp.mean((out - r_feats) ** 2, -1) * rw) / jnp.maximum(rw.sum(), 1.0)
+        metrics.update(region_loss=region_loss, masked_regions=rw.sum())
+        loss = loss + self.config.region_weight * region_loss
+      return loss, metrics, {}
+    logits = self.classify(variables, batch, feats=(feats, boxes, region_mask))
+    targets = batch["targets"].reshape(-1, self.num_labels).astype(jnp.float32)
+    w = pair_mask.astype(jnp.float32)
+    if self.config.loss == "bce":  # MMF's logit BCE: summed over labels, averaged over pairs
+      per = jnp.sum(jnp.maximum(logits, 0) - logits * targets + jnp.log1p(jnp.exp(-jnp.abs(logits))), axis=-1)
+    else:
+      per = -jnp.sum(targets * jax.nn.log_softmax(logits, -1), -1)
+    loss = jnp.sum(per * w) / jnp.maximum(w.sum(), 1.0)
+    # Score of the top answer under the targets: VQA accuracy for soft scores, accuracy for one-hot.
+    top = jnp.take_along_axis(targets, jnp.argmax(logits, -1)[:, None], -1)[:, 0]
+    metrics.update(task_loss=loss, train_score=jnp.sum(top * w) / jnp.maximum(w.sum(), 1.0))
+    return loss, metrics, {}
+
+  def classify(self, variables, batch, feats=None) -> jax.Array:
+    """Task logits float32[B * Q, num_labels] for every (image, text) pair of the batch."""
+    feats, boxes, region_mask = feats if feats is not None else self._regions(variables, batch)
+    tokens, type_ids, _ = self._flatten_pairs(batch)
+    q = batch["tokens"].shape[1]
+    rep = lambda x: jnp.repeat(x, q, axis=0)  # noqa: E731
+    params = variables["params"]
+    if self.config.freeze_base:
+      params = {k: (v if k.startswith("task_head") else jax.lax.stop_gradient(v)) for k, v in params.items()}
+    _, _, pooled, _ = self.model.apply(
+      {"params": params}, tokens, type_ids, rep(feats), rep(boxes), rep(region_mask), method=vl_bert.VLBertModel.encode
+    )
+    return self.model.apply({"params": params}, pooled, method=vl_bert.VLBertModel.task_logits)
+
+  def mlm_predictions(self, variables, batch, rng):
+    """(masked-token predictions, targets, picked) for evaluation of the pretraining objective."""
+    feats, boxes, region_mask = self._regions(variables, batch)
+    tokens, type_ids, pair_mask = self._flatten_pairs(batch)
+    q = batch["tokens"].shape[1]
+    rep = lambda x: jnp.repeat(x, q, axis=0)  # noqa: E731
+    special = (tokens == 0) | (tokens == self.cls_id) | (tokens == self.sep_id) | ~pair_mask[:, None]
+    inputs, picked = bert_mask(rng, tokens, special, self.config.mask_rate, self.bert_config.vocab_size, self.mask_id)
+    params = variables["params"]
+    t_states, _, _, _ = self.model.apply(
+      {"params": params}, inputs, type_ids, rep(feats), rep(boxes), rep(region_mask), method=vl_bert.VLBertModel.encode
+    )
+    logits, targets, w = self._mlm_at_picked(params, t_states, tokens, picked)
+    return jnp.argmax(logits, -1), targets, w > 0
+
+  def features(self, variables, images) -> dict:
+    """The frozen region extractor's backbone on whole images ('pre_logits', 'grid'), for backbone evaluators."""
+    from vlrep.models import resnet
+
+    v = variables["visual"]
+    net_vars = {"params": v["params"]["backbone"]}
+    if "batch_stats" in v:
+      net_vars["batch_stats"] = v["batch_stats"]["backbone"]
+    grid, aux = resnet.ResNet(**dict(self.config.visual.backbone)).apply(net_vars, images, train=False)
+    return {"pre_logits": aux["pre_logits"], "grid": grid.astype(jnp.float32)}
+
+  # -- helpers ------------------------------------------------------------------------------------------
+  def _regions(self, variables, batch):
+    feats, boxes, mask = self.regions.apply(variables["visual"], batch["image"], batch["boxes"], batch["box_mask"])
+    return jax.lax.stop_gradient(feats).astype(jnp.float32), boxes, mask
+
+  def _mlm_at_picked(self, params, t_states, tokens, picked):
+    """MLM logits at the picked positions only (the vocabulary projection dominates the cost otherwise):
+    -> (logits [B, K, V], target ids [B, K], weights [B, K] (0 for unused slots))."""
+    k = max_predictions(tokens.shape[1], self.config.mask_rate)
+    # Positions of the picked tokens first (in order), then the others.
+    order = jnp.argsort(~picked, axis=1, stable=True)[:, :k]
+    states = jnp.take_along_axis(t_states, order[..., None], axis=1)
+    logits = self.model.apply({"params": params}, states, method=vl_bert.VLBertModel.mlm_logits)
+    targets = jnp.take_along_axis(tokens, order, axis=1)
+    w = jnp.take_along_axis(picked, order, axis=1).astype(jnp.float32)
+    return logits, targets, w
+
+  @staticmethod
+  def _flatten_pairs(batch):
+    tokens = batch["tokens"]
+    b, q, t = tokens.shape
+    return tokens.reshape(b * q, t), batch["type_ids"].reshape(b * q, t), batch["pair_mask"].reshape(b * q)

@@ -1,0 +1,276 @@
+"""VisualBERT (one stream) and ViLBERT (two streams with co-attention) over image regions: the models of the
+visio-linguistic pretraining study (Singh et al., "Are we pretraining it right?").
+
+Both hold a standard BERT (`vlrep.models.bert.BertEncoder`) under the name `bert`, whose parameter tree is exactly
+a Hugging Face BERT's after conversion, so a pretrained checkpoint drops in (`pretrained_variables` of the method).
+
+- VisualBERT: [CLS] text [SEP] (text_b [SEP]) followed by the regions, one sequence through BERT's layers. A
+  region's embedding is a projection of its feature plus a projection of its box (x1, y1, x2, y2, area, as
+  ViLBERT's spatial embedding), plus a learned "visual segment" vector, then LayerNorm.
+- ViLBERT: the text runs through BERT's layers, the regions (with a leading whole-image [IMG] region whose feature
+  is the mean of the regions') through their own `v_layers` transformer layers, and `co-attention` blocks
+  exchange the two streams: block k runs before text layer (L - v_layers + k) and visual layer k, as
+  ViLBERT's t_biattention_id = [6..11] / v_biattention_id = [0..5] for L = 12, v_layers = 6.
+
+Regions: float [B, N, D] features, boxes [B, N, 4] (ymin, xmin, ymax, xmax in [0, 1], TFDS order), and a bool
+mask [B, N] (False = padding, never attended to).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vlrep.models import bert as bert_lib
+
+ARCHS = ("visual_bert", "vilbert")
+
+
+def box_features(boxes: jax.Array) -> jax.Array:
+  """[..., 4] (ymin, xmin, ymax, xmax) -> [..., 5] (x1, y1, x2, y2, area): ViLBERT's 5-d location input."""
+  y0, x0, y1, x1 = jnp.moveaxis(boxes.astype(jnp.float32), -1, 0)
+  return jnp.stack([x0, y0, x1, y1, (x1 - x0) * (y1 - y0)], axis=-1)
+
+
+class RegionEmbeddings(nn.Module):
+  hidden: int
+  eps: float = 1e-12
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, regions, boxes):
+    x = nn.Dense(self.hidden, dtype=self.dtype, name="feature")(regions)
+    x = x + nn.Dense(self.hidden, dtype=self.dtype, name="location")(box_features(boxes))
+    x = x + self.param("segment", nn.initializers.normal(0.02), (self.hidden,)).astype(self.dtype)
+    return nn.LayerNorm(epsilon=self.eps, dtype=self.dtype, name="LayerNorm")(x)
+
+
+def _attend(q, k, v, mask, heads):
+  """Multi-head attention of q [B, Tq, D] over k/v [B, Tk, D] with key mask [B, Tk]."""
+  b, tq, d = q.shape
+  tk = k.shape[1]
+  split = lambda y, t: y.reshape(b, t, heads, d // heads)  # noqa: E731
+  q, k, v = split(q, tq), split(k, tk), split(v, tk)
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(d // heads)
+  scores = jnp.where(mask[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
+  weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+  return jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, tq, d)
+
+
+class CoAttentionBlock(nn.Module):
+  """ViLBERT's connection layer: each stream attends to the other (bi_hidden wide), adds & norms, then runs its
+  own feed-forward block."""
+
+  text_hidden: int
+  visual_hidden: int
+  bi_hidden: int
+  bi_heads: int
+  text_intermediate: int
+  visual_intermediate: int
+  eps: float = 1e-12
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, t, t_mask, v, v_mask):
+    dense = lambda n, name: nn.Dense(n, dtype=self.dtype, name=name)  # noqa: E731
+    norm = lambda name: nn.LayerNorm(epsilon=self.eps, dtype=self.dtype, name=name)  # noqa: E731
+    bi = self.bi_hidden
+    t_ctx = _attend(dense(bi, "t_query")(t), dense(bi, "v_key")(v), dense(bi, "v_value")(v), v_mask, self.bi_heads)
+    v_ctx = _attend(dense(bi, "v_query")(v), dense(bi, "t_key")(t), dense(bi, "t_value")(t), t_mask, self.bi_heads)
+    t = norm("t_attention_LayerNorm")(t + dense(self.text_hidden, "t_attention_output")(t_ctx))
+    v = norm("v_attention_LayerNorm")(v + dense(self.visual_hidden, "v_attention_output")(v_ctx))
+    t_h = jax.nn.gelu(dense(self.text_intermediate, "t_intermediate")(t), approximate=False)
+    v_h = jax.nn.gelu(dense(self.visual_intermediate, "v_intermediate")(v), approximate=False)
+    t = norm("t_output_LayerNorm")(t + dense(self.text_hidden, "t_output")(t_h))
+    v = norm("v_output_LayerNorm")(v + dense(self.visual_hidden, "v_output")(v_h))
+    return t, v
+
+
+class VLBertModel(nn.Module):
+  """VisualBERT or ViLBERT with its pretraining heads (MLM; ViLBERT's masked-region head) and a task head.
+
+  Attributes:
+    arch: 'visual_bert' or 'vilbert'.
+    bert: the text BERT's config (from the checkpoint's config.json).
+    v_layers, v_hidden, v_heads, v_intermediate, bi_hidden, bi_heads: ViLBERT's visual stream and co-attention.
+    region_classes: > 0 adds the masked-region class head (KL to the region's class distribution); -1 a
+      regression head to the region's feature (MSE); 0 none.
+    num_labels: > 0 adds the downstream classifier on the pooled output.
+  """
+
+  arch: str
+  bert: bert_lib.BertConfig
+  v_layers: int = 6
+  v_hidden: int = 1024
+  v_heads: int = 8
+  v_intermediate: int = 1024
+  bi_hidden: int = 1024
+  bi_heads: int = 8
+  region_classes: int = 0
+  region_dim: int = 2048
+  num_labels: int = 0
+  dtype: Any = jnp.float32
+
+  def setup(self):
+    if self.arch not in ARCHS:
+      raise ValueError(f"Unknown arch {self.arch!r}; known: {ARCHS}")
+    c = self.bert
+    self.text = bert_lib.BertEncoder(c, self.dtype, name="bert")
+    if self.arch == "visual_bert":
+      self.regions_embed = RegionEmbeddings(c.hidden_size, c.layer_norm_eps, self.dtype)
+      pooled_dim = c.hidden_size
+    else:
+      if not 0 < self.v_layers <= c.num_hidden_layers:
+        raise ValueError(f"vilbert needs 1 <= v_layers <= the text layers ({c.num_hidden_layers}), got {self.v_layers}")
+      self.regions_embed = RegionEmbeddings(self.v_hidden, c.layer_norm_eps, self.dtype)
+      v_cfg = dataclasses.replace(
+        c, hidden_size=self.v_hidden, num_attention_heads=self.v_heads, intermediate_size=self.v_intermediate
+      )
+      self.v_stream = [bert_lib.BertLayer(v_cfg, self.dtype, name=f"v_layer_{i}") for i in range(self.v_layers)]
+      self.co_attention = [
+        CoAttentionBlock(
+          c.hidden_size,
+          self.v_hidden,
+          self.bi_hidden,
+          self.bi_heads,
+          c.intermediate_size,
+          self.v_intermediate,
+          c.layer_norm_eps,
+          self.dtype,
+          name=f"co_layer_{i}",
+        )
+        for i in range(self.v_layers)
+      ]
+      self.t_pooler = nn.Dense(self.bi_hidden, dtype=self.dtype)
+      self.v_pooler = nn.Dense(self.bi_hidden, dtype=self.dtype)
+      pooled_dim = self.bi_hidden
+    self.mlm_head = bert_lib.BertMLMHead(c, self.dtype)
+    if self.region_classes:
+      v_width = c.hidden_size if self.arch == "visual_bert" else self.v_hidden
+      out = self.region_classes if self.region_classes > 0 else self.region_dim
+      self.region_head = [nn.Dense(v_width, dtype=self.dtype), nn.LayerNorm(c.layer_norm_eps), nn.Dense(out)]
+    if self.num_labels:
+      hidden = nn.Dense(2 * pooled_dim, dtype=self.dtype)
+      self.task_head = [hidden, nn.LayerNorm(c.layer_norm_eps), nn.Dense(self.num_labels)]
+
+  def encode(self, tokens, type_ids, regions, boxes, region_mask):
+    """-> (text states [B, T, H], region states [B, N', Hv], pooled [B, P], aux).
+
+    ViLBERT's region states include the leading [IMG] region (N' = N + 1)."""
+    t_mask = tokens != 0
+    t = self.text.embeddings(tokens, type_ids)
+    if self.arch == "visual_bert":
+      v = self.regions_embed(regions, boxes)
+      x = jnp.concatenate([t, v.astype(t.dtype)], axis=1)
+      mask = jnp.concatenate([t_mask, region_mask], axis=1)
+      for layer in self.text.layers:
+        x = layer(x, mask)
+      n_text = tokens.shape[1]
+      pooled = jnp.tanh(self.text.pooler(x[:, 0]))
+      return x[:, :n_text], x[:, n_text:], pooled, {}
+    # ViLBERT: the [IMG] region is the mean feature over the real regions, boxed as the whole image.
+    w = region_mask[..., None].astype(regions.dtype)
+    mean = jnp.sum(regions * w, axis=1, keepdims=True) / jnp.maximum(jnp.sum(w, axis=1, keepdims=True), 1.0)
+    whole = jnp.broadcast_to(jnp.array([0.0, 0.0, 1.0, 1.0], boxes.dtype), boxes[:, :1].shape)
+    v = self.regions_embed(jnp.concatenate([mean, regions], 1), jnp.concatenate([whole, boxes], 1))
+    v_mask = jnp.concatenate([jnp.ones_like(region_mask[:, :1]), region_mask], axis=1)
+    n_text_layers = len(self.text.layers)
+    first_co = n_text_layers - self.v_layers
+    for i in range(first_co):
+      t = self.text.layers[i](t, t_mask)
+    for k in range(self.v_layers):
+      t, v = self.co_attention[k](t, t_mask, v, v_mask)
+      t = self.text.layers[first_co + k](t, t_mask)
+      v = self.v_stream[k](v, v_mask)
+    t_pool = nn.relu(self.t_pooler(t[:, 0]))
+    v_pool = nn.relu(self.v_pooler(v[:, 0]))
+    return t, v, t_pool * v_pool, {"t_pooled": t_pool, "v_pooled": v_pool}
+
+  def mlm_logits(self, text_states):
+    return self.mlm_head(text_states, self.text.embeddings.word_embeddings.embedding)
+
+  def region_outputs(self, region_states):
+    h = self.region_head[0](region_states)
+    h = self.region_head[1](jax.nn.gelu(h, approximate=False))
+    return self.region_head[2](h).astype(jnp.float32)
+
+  def task_logits(self, pooled):
+    h = self.task_head[1](jax.nn.gelu(self.task_head[0](pooled), approximate=False))
+    return self.task_head[2](h).astype(jnp.float32)
+
+  def __call__(self, tokens, type_ids, regions, boxes, region_mask):
+    """Touches every head (for init)."""
+    t, v, pooled, aux = self.encode(tokens, type_ids, regions, boxes, region_mask)
+    out = {"mlm_logits": self.mlm_logits(t), "pooled": pooled, **aux}
+    if self.region_classes:
+      out["region_outputs"] = self.region_outputs(v)
+    if self.num_labels:
+      out["task_logits"] = self.task_logits(pooled)
+    return out
+
+
+def roi_sample(maps: jax.Array, boxes: jax.Array, size: int) -> jax.Array:
+  """Bilinear samples of maps [B, H, W, C] on a size x size grid inside each box [B, N, 4] (normalised ymin,
+  xmin, ymax, xmax) -> [B, N, size, size, C]. RoIAlign samples bin centres the same way (aligned=True)."""
+  b, h, w, c = maps.shape
+  frac = (jnp.arange(size, dtype=jnp.float32) + 0.5) / size
+  y0, x0, y1, x1 = jnp.moveaxis(boxes.astype(jnp.float32), -1, 0)  # [B, N]
+  ys = (y0[..., None] + (y1 - y0)[..., None] * frac) * h - 0.5  # [B, N, S] in pixel-centre coordinates
+  xs = (x0[..., None] + (x1 - x0)[..., None] * frac) * w - 0.5
+
+  def corners(coord, limit):
+    lo = jnp.floor(coord)
+    frac_hi = coord - lo
+    lo_i = jnp.clip(lo.astype(jnp.int32), 0, limit - 1)
+    hi_i = jnp.clip(lo.astype(jnp.int32) + 1, 0, limit - 1)
+    return lo_i, hi_i, frac_hi
+
+  ylo, yhi, fy = corners(ys, h)
+  xlo, xhi, fx = corners(xs, w)
+  bidx = jnp.arange(b)[:, None, None, None]
+
+  def gather(yi, xi):  # [B, N, S, S, C]
+    return maps[bidx, yi[:, :, :, None], xi[:, :, None, :]]
+
+  fy, fx = fy[..., :, None, None], fx[..., None, :, None]
+  top = gather(ylo, xlo) * (1 - fx) + gather(ylo, xhi) * fx
+  bottom = gather(yhi, xlo) * (1 - fx) + gather(yhi, xhi) * fx
+  return top * (1 - fy) + bottom * fy
+
+
+class RegionFeatures(nn.Module):
+  """Region features from a (frozen) vlrep ResNet: 'roi_align' averages bilinear samples of the last stage inside
+  each box (RoIAlign + average pooling, as Faster R-CNN's box head input), 'crops' runs the backbone on each box
+  cropped and resized to `crop_size` (for small images whose last stage is a few cells), 'grid' takes the last
+  stage's cells as regions with their cell boxes (boxes and mask ignored)."""
+
+  backbone: dict
+  mode: str = "roi_align"
+  roi_size: int = 7
+  crop_size: int = 32
+
+  @nn.compact
+  def __call__(self, images, boxes, mask):
+    from vlrep.models import resnet
+
+    net = resnet.ResNet(**self.backbone, name="backbone")
+    if self.mode == "crops":
+      b, n = boxes.shape[:2]
+      crops = roi_sample(images, boxes, self.crop_size).reshape(b * n, self.crop_size, self.crop_size, -1)
+      _, aux = net(crops, train=False)
+      return aux["pre_logits"].reshape(b, n, -1), boxes, mask
+    grid, _ = net(images, train=False)
+    grid = grid.astype(jnp.float32)
+    if self.mode == "grid":
+      b, h, w, c = grid.shape
+      ys, xs = jnp.meshgrid(jnp.arange(h) / h, jnp.arange(w) / w, indexing="ij")
+      cells = jnp.stack([ys, xs, ys + 1 / h, xs + 1 / w], -1).reshape(1, h * w, 4)
+      return grid.reshape(b, h * w, c), jnp.broadcast_to(cells, (b, h * w, 4)), jnp.ones((b, h * w), bool)
+    if self.mode == "roi_align":
+      return roi_sample(grid, boxes, self.roi_size).mean(axis=(2, 3)), boxes, mask
+    raise ValueError(f"Unknown region mode {self.mode!r}; known: roi_align, crops, grid")

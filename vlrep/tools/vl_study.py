@@ -1,0 +1,132 @@
+r"""The pretraining study's grid (Singh et al., tables 1 and 2): pretrain each model on each source, fine-tune every
+pretrained model (and BERT alone: no pretraining) on each task with the base fine-tuned or frozen, and tabulate.
+
+  python -m vlrep.tools.vl_study --config=configs/vlbert.py:runlocal --root=/tmp/vl_study \
+      --archs=visual_bert,vilbert --sources=none,captions,questions,ood_captions,generated --tasks=vqa,ve \
+      --generated=/tmp/ood_generated.json
+
+Runs go to ROOT/<arch>_<source> (pretraining) and ROOT/<arch>_<source>_<task>_<finetune|frozen>; finished ones are
+skipped and interrupted ones resume (as `vlrep.tools.sweep`). The tables, ROOT/study.md, have the paper's layout:
+one per mode (fine-tuned, frozen base), rows = model x pretraining data, columns = tasks, each cell the task's
+best validation score over the run's evaluations. ROOT/study.png plots them.
+--collect_only tabulates what exists (runs trained elsewhere).
+"""
+
+from __future__ import annotations
+
+import os
+
+from absl import app, flags, logging
+
+from vlrep.tools import sweep
+
+METRIC = {"vqa": "task/vqa_best", "ve": "task/accuracy_best"}
+TASK_NAMES = {"vqa": "VQA acc", "ve": "entailment acc"}
+MODES = ("finetune", "frozen")
+
+
+def grid(archs, sources, tasks):
+  """[(workdir name, config argument, pretraining run name or '')] in dependency order."""
+  runs = []
+  for arch in archs:
+    for source in sources:
+      if source != "none":
+        runs.append((f"{arch}_{source}", f"arch={arch},stage=pretrain,data={source}", ""))
+    for source in sources:
+      for task in tasks:
+        for mode in MODES:
+          arg = f"arch={arch},stage=finetune,task={task}" + (",frozen" if mode == "frozen" else "")
+          runs.append((f"{arch}_{source}_{task}_{mode}", arg, "" if source == "none" else f"{arch}_{source}"))
+  return runs
+
+
+def tables(root: str, archs, sources, tasks) -> str:
+  out = []
+  for mode in MODES:
+    title = "fine-tuned" if mode == "finetune" else "frozen base (only the head trains)"
+    out.append(f"**{title}**\n")
+    rows = []
+    for arch in archs:
+      for source in sources:
+        row = {"model": arch, "pretrained on": source}
+        for task in tasks:
+          summary = sweep.collect([("", {}, os.path.join(root, f"{arch}_{source}_{task}_{mode}"))], [METRIC[task]])
+          row[TASK_NAMES[task]] = summary[0][METRIC[task]]
+        rows.append(row)
+    out.append(sweep.markdown(rows, ["model", "pretrained on", *[TASK_NAMES[t] for t in tasks]]))
+  return "\n".join(out)
+
+
+def plot(root: str, archs, sources, tasks, path: str) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import numpy as np
+
+  fig, axes = plt.subplots(len(tasks), len(MODES), figsize=(5 * len(MODES), 3 * len(tasks)), dpi=110, squeeze=False)
+  width = 0.8 / max(len(archs), 1)
+  for i, task in enumerate(tasks):
+    for j, mode in enumerate(MODES):
+      ax = axes[i][j]
+      for k, arch in enumerate(archs):
+        vals = []
+        for source in sources:
+          s = sweep.collect([("", {}, os.path.join(root, f"{arch}_{source}_{task}_{mode}"))], [METRIC[task]])
+          vals.append(np.nan if s[0][METRIC[task]] is None else s[0][METRIC[task]])
+        ax.bar(np.arange(len(sources)) + k * width, vals, width, label=arch)
+      ax.set_xticks(np.arange(len(sources)) + width * (len(archs) - 1) / 2, sources, fontsize=7)
+      ax.set_title(f"{TASK_NAMES[task]}, {mode}", fontsize=9)
+      ax.grid(axis="y", alpha=0.3)
+      ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+
+
+def study(config, root, archs, sources, tasks, generated="", collect_only=False, overrides=()):
+  path, _, base_arg = config.partition(":")
+  if "generated" in sources and not generated:
+    raise ValueError("--sources has 'generated': give --generated=PATH (vlrep.tools.generate_captions).")
+  for name, arg, pretrained in grid(archs, sources, tasks):
+    workdir = os.path.join(root, name)
+    if collect_only or sweep.finished(workdir):
+      continue
+    extra = list(overrides)
+    if pretrained:
+      extra.append(f"method.pretrained_run={os.path.join(root, pretrained)}")
+    if name.endswith("_generated"):
+      arg += f",generated={generated}"
+    sweep.run_variant(f"{path}:{','.join(filter(None, [base_arg, arg]))}", workdir, extra, None)
+  md = tables(root, archs, sources, tasks)
+  os.makedirs(root, exist_ok=True)
+  md_path, png_path = os.path.join(root, "study.md"), os.path.join(root, "study.png")
+  with open(md_path, "w") as f:
+    f.write(f"Study of `{config}`: best validation score per run\n\n{md}")
+  plot(root, archs, sources, tasks, png_path)
+  logging.info("Wrote %s and %s", md_path, png_path)
+  return md_path, png_path
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  f = flags.FLAGS
+  md_path, _ = study(
+    f.config, f.root, f.archs, f.sources, f.tasks, f.generated, f.collect_only, [o for o in f.overrides if o]
+  )
+  with open(md_path) as fh:
+    print(fh.read())
+
+
+if __name__ == "__main__":
+  flags.DEFINE_string("config", "configs/vlbert.py:runlocal", "Base config (the study's arguments are added).")
+  flags.DEFINE_string("root", None, "Directory of the study's runs.")
+  flags.DEFINE_list("archs", ["visual_bert", "vilbert"], "Models.")
+  flags.DEFINE_list("sources", ["none", "captions", "questions", "ood_captions", "generated"], "Pretraining data.")
+  flags.DEFINE_list("tasks", ["vqa", "ve"], "Downstream tasks.")
+  flags.DEFINE_string("generated", "", "Generated-caption JSON for the 'generated' source.")
+  flags.DEFINE_bool("collect_only", False, "Do not train; tabulate the runs found under --root.")
+  flags.DEFINE_list("overrides", [], "Extra --config.KEY=VALUE flags for every run (without the prefix).")
+  flags.mark_flags_as_required(["root"])
+  app.run(main)
