@@ -30,6 +30,9 @@ Arguments (comma-separated; any key can also be set with --config.KEY=VALUE):
   task=vqa|ve          the downstream task (stage=finetune): VQA (answer vocabulary, soft scores, BCE) or visual
                        entailment (3-way softmax)
   frozen               train only the task head (the paper's "frozen base", Table 2)
+  regions=DIR          precomputed region features (DIR/<image_id>.npz; `python -m vlrep.tools.convert_regions`
+                       converts MMF's Faster R-CNN dumps) instead of the frozen vlrep ResNet; set
+                       --config.method.visual.dim to their width (2048 by default)
   bert=PATH            a local Hugging Face BERT folder ('' = the packaged MiniLM)
   steps=N              training steps instead of the recipe's
 """
@@ -52,6 +55,7 @@ def get_config(arg=None):
     stage="pretrain",
     data="captions",
     generated="",
+    regions="",
     task="vqa",
     frozen=False,
     bert="",
@@ -184,7 +188,20 @@ def get_config(arg=None):
     c.best_metric = "task/vqa" if arg.task == "vqa" else "task/accuracy"
   if arg.runlocal:
     _runlocal(c, arg, pretrain)
+  if arg.regions:
+    _region_files(c, arg.regions)
   return c
+
+
+def _region_files(c, directory):
+  """Precomputed region features (DIR/<image_id>.npz, vlrep.data.region_files) instead of the frozen ResNet: no
+  image is decoded; the host op looks each image's regions up by image_id."""
+  c.method.visual.update(mode="file", dim=2048)
+  op = f"region_features('{directory}', 36)"
+  for holder in [c.data, *c.evals.values()]:
+    parts = [p for p in holder.pp.split("|") if not p.startswith(("decode", "resize", "central_crop", "normalize"))]
+    parts = [p for p in parts if not p.startswith("regions_from_objects")]
+    holder.pp = "|".join(parts + [op])
 
 
 def _runlocal(c, arg, pretrain):

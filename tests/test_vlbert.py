@@ -282,3 +282,77 @@ def test_vilbert_pretrain_then_frozen_vqa_end_to_end(tmp_path):
   d = weight_distance.layer_distances(start.params, end.params)
   assert set(d) == {"t0", "v0"} and all(v["l1"] == 0.0 and v["angular"] < 1e-6 for v in d.values())
   assert os.path.exists(ft / "summary.json")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Region features from files.
+# ---------------------------------------------------------------------------------------------------------
+def test_region_files_lookup_normalises_boxes_and_counts_missing_images(tmp_path):
+  from vlrep.data import ops as ops_lib
+  from vlrep.data import region_files
+
+  feats = np.arange(12, dtype=np.float32).reshape(3, 4)
+  region_files.write_regions(
+    str(tmp_path / "7.npz"), feats, [[0, 0, 50, 100], [10, 20, 30, 40], [0, 0, 1, 1]], 100, 200, [4, 1, 2]
+  )
+  region_files.write_regions(str(tmp_path / "9.npz"), feats[:1], [[50, 100, 100, 200]], 100, 200)
+  pp = ops_lib.parse(f"region_features('{tmp_path}', 2)")
+  out = pp.batch_fn({"image_id": np.array([7, 8, 9])})
+  assert out["regions"].shape == (3, 2, 4)
+  np.testing.assert_array_equal(out["regions"][0], feats[:2])  # the first 2 regions
+  np.testing.assert_allclose(out["boxes"][0, 0], [0.0, 0.0, 0.5, 0.5])  # x1 y1 x2 y2 px -> ymin xmin ymax xmax
+  np.testing.assert_allclose(out["boxes"][0, 1], [0.1, 0.1, 0.2, 0.3])
+  np.testing.assert_array_equal(out["box_mask"], [[True, True], [False, False], [True, False]])
+  np.testing.assert_array_equal(out["region_labels"], [[4, 1], [-1, -1], [-1, -1]])  # no labels in 9.npz
+  np.testing.assert_array_equal(out["stat_no_features"], [False, True, False])  # image 8 has no file
+
+
+def test_convert_mmf_dumps_and_refuse_code_in_their_pickles(tmp_path):
+  from vlrep.data import region_files
+
+  src, dst = tmp_path / "mmf", tmp_path / "out"
+  src.mkdir()
+  cls_prob = np.eye(3, 5, dtype=np.float32)
+  info = {
+    "bbox": np.array([[0, 0, 10, 10], [5, 5, 20, 20], [1, 1, 2, 2]], np.float32),
+    "num_boxes": 2,
+    "image_width": 20,
+    "image_height": 40,
+    "cls_prob": cls_prob,
+  }
+  np.save(src / "42.npy", np.ones((3, 8), np.float32))
+  np.save(src / "42_info.npy", info, allow_pickle=True)
+  np.save(src / "43.npy", np.ones((3, 8), np.float32))  # no info file
+
+  class Evil:
+    def __reduce__(self):
+      return (os.system, ("echo pwned",))
+
+  np.save(src / "44.npy", np.ones((1, 8), np.float32))
+  np.save(src / "44_info.npy", np.array(Evil(), dtype=object), allow_pickle=True)
+  counts = region_files.convert_mmf(str(src), str(dst))
+  assert counts == {"converted": 1, "skipped_no_info": 1, "skipped_bad": 1}
+  with np.load(dst / "42.npz") as z:
+    assert z["features"].shape == (2, 8) and z["boxes"].shape == (2, 4)  # num_boxes = 2
+    np.testing.assert_array_equal(z["labels"], [0, 1])  # argmax of cls_prob
+    assert float(z["image_height"]) == 40
+
+
+def test_visual_bert_entailment_from_region_files_end_to_end(tmp_path):
+  from vlrep.data import region_files
+
+  regions = tmp_path / "regions"
+  regions.mkdir()
+  rng = np.random.default_rng(0)
+  for image_id in range(60):  # the tiny splits' ids are 0..63 (train) and 0..15 (val): 60..63 have no file
+    region_files.write_regions(str(regions / f"{image_id}.npz"), rng.normal(size=(3, 16)), [[0, 0, 16, 16]] * 3, 32, 32)
+  workdir = tmp_path / "vb_ve"
+  proc = run_main(
+    workdir,
+    "--config.method.visual.dim=16",
+    config=f"tests/tiny_vlbert.py:arch=visual_bert,stage=finetune,task=ve,regions={regions}",
+  )
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert 0 <= summary["task/accuracy"] <= 100 and summary["task/pairs"] == 8 * 4  # 8 images x 4 statements
+  assert "no_features_count" in proc.stderr  # images without a region file are counted, not fatal

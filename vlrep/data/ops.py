@@ -528,5 +528,6 @@ def get_tags(fields=(("objects", "label", 0),), num_tags: int = 0, out: str = "t
 
 # Trace ops (clean_traces, trace_words, oracle_word_masks, tokenize_words) and the vision-and-language ops
 # (regions_from_objects, vl_pairs, tokenize_pairs, answer_targets, ...) register themselves on import.
+from vlrep.data import region_files as _region_files  # noqa: E402, F401
 from vlrep.data import traces as _traces  # noqa: E402, F401
 from vlrep.data import vl_ops as _vl_ops  # noqa: E402, F401

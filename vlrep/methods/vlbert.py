@@ -7,7 +7,8 @@ Config (`configs/vlbert.py`):
   task            'pretrain' (MLM, plus masked-region prediction for ViLBERT: MMM) | 'classify' (a head on the
                   pooled output; `loss`: 'bce' for VQA soft scores and multi-label, 'softmax' for entailment).
   visual          the frozen region-feature extractor: a vlrep ResNet (`backbone`), its weights from the run
-                  `init_from` ('' = random init with `seed`), `mode` roi_align | crops | grid.
+                  `init_from` ('' = random init with `seed`), `mode` roi_align | crops | grid; or `mode='file'`:
+                  precomputed features of `dim` dims from the `region_features` op (vlrep.data.region_files).
   pretrained_run  a pretraining run whose best checkpoint initialises the transformer (and the extractor).
   freeze_base     train only the task head (the study's "frozen base"): gradients stop at the pooled output.
   mask_rate, region_mask_rate: BERT's 15% (of which 80% [MASK], 10% random, 10% kept); ViLBERT's regions are
@@ -89,6 +90,7 @@ class VLBert:
     if self.task == "classify" and self.num_labels <= 0:
       raise ValueError("method.num_labels must be > 0 (or -1: the answer vocabulary) for task='classify'.")
     v = config.visual
+    self.from_files = v.mode == "file"  # precomputed region features (vlrep.data.region_files), no extractor
     self.regions = vl_bert.RegionFeatures(
       backbone=dict(v.backbone), mode=v.mode, roi_size=v.get("roi_size", 7), crop_size=v.get("crop_size", 32)
     )
@@ -106,28 +108,35 @@ class VLBert:
       num_labels=self.num_labels,
       dtype=jnp.dtype(config.dtype),
     )
-    self.fields = ("image", "boxes", "box_mask", "region_labels", "tokens", "type_ids", "pair_mask")
+    visual_field = "regions" if self.from_files else "image"
+    self.fields = (visual_field, "boxes", "box_mask", "region_labels", "tokens", "type_ids", "pair_mask")
     if self.task == "classify":
       self.fields = self.fields + ("targets",)
 
   def regions_dim(self) -> int:
     from vlrep.models import resnet
 
+    if self.config.visual.mode == "file":
+      return int(self.config.visual.dim)
     return resnet.ResNet(**dict(self.config.visual.backbone)).num_features
 
   # -- contract -----------------------------------------------------------------------------------------
   def init(self, rng, batch) -> dict:
     params_rng = rng
-    # The extractor's random init depends on visual.seed alone: every run of a study sees the same regions.
-    visual = self.regions.init(
-      jax.random.PRNGKey(self.config.visual.seed), batch["image"][:1], batch["boxes"][:1], batch["box_mask"][:1]
-    )
-    feats, boxes, mask = self.regions.apply(visual, batch["image"][:1], batch["boxes"][:1], batch["box_mask"][:1])
+    if self.from_files:
+      visual = None
+      feats, boxes, mask = batch["regions"][:1], batch["boxes"][:1], batch["box_mask"][:1]
+    else:
+      # The extractor's random init depends on visual.seed alone: every run of a study sees the same regions.
+      visual = self.regions.init(
+        jax.random.PRNGKey(self.config.visual.seed), batch["image"][:1], batch["boxes"][:1], batch["box_mask"][:1]
+      )
+      feats, boxes, mask = self.regions.apply(visual, batch["image"][:1], batch["boxes"][:1], batch["box_mask"][:1])
     t = batch["tokens"].shape[-1]
     params = self.model.init(
       params_rng, jnp.zeros((1, t), jnp.int32), jnp.zeros((1, t), jnp.int32), feats, boxes, mask
     )["params"]
-    return {"params": params, "visual": dict(visual)}
+    return {"params": params} if visual is None else {"params": params, "visual": dict(visual)}
 
   def pretrained_variables(self) -> dict:
     """BERT's weights (and its MLM head when the checkpoint has one); or, with `pretrained_run`, everything that
@@ -140,11 +149,12 @@ class VLBert:
 
       run = evaluate.load_run(self.config.pretrained_run, "best")
       out["params"] = {k: v for k, v in run.params.items() if not k.startswith(_TASK_PARAMS)}
-      if "visual" not in run.model_state:
-        raise ValueError(f"{run.path} is not a vlbert run (its state has no region extractor).")
-      out["model_state"] = {"visual": run.model_state["visual"]}
+      if "visual" in run.model_state and not self.from_files:
+        out["model_state"] = {"visual": run.model_state["visual"]}
+      elif not self.from_files:
+        raise ValueError(f"{run.path} has no region extractor (a file-features run?); this config extracts regions.")
       logging.info("Transformer and region extractor from %s (step %d).", run.path, run.step)
-    elif self.config.visual.get("init_from"):
+    elif self.config.visual.get("init_from") and not self.from_files:
       from vlrep import evaluate
 
       run = evaluate.load_run(self.config.visual.init_from, "best")
@@ -256,6 +266,8 @@ class VLBert:
     """The frozen region extractor's backbone on whole images ('pre_logits', 'grid'), for backbone evaluators."""
     from vlrep.models import resnet
 
+    if self.from_files:
+      raise ValueError("This run reads region features from files: it has no backbone for image evaluators.")
     v = variables["visual"]
     net_vars = {"params": v["params"]["backbone"]}
     if "batch_stats" in v:
@@ -265,6 +277,8 @@ class VLBert:
 
   # -- helpers ------------------------------------------------------------------------------------------
   def _regions(self, variables, batch):
+    if self.from_files:
+      return batch["regions"].astype(jnp.float32), batch["boxes"], batch["box_mask"]
     feats, boxes, mask = self.regions.apply(variables["visual"], batch["image"], batch["boxes"], batch["box_mask"])
     return jax.lax.stop_gradient(feats).astype(jnp.float32), boxes, mask
 

@@ -1,0 +1,183 @@
+"""Region features read from files: the Faster R-CNN feature dumps that VisualBERT / ViLBERT studies train on.
+
+vlrep's format (one file per image, written by `python -m vlrep.tools.convert_regions`):
+  DIR/<image_id>.npz   features      float16/float32 [N, D]  (D = 2048 for the paper's ResNeXt-152 fc6)
+                       boxes         float32 [N, 4]  x1, y1, x2, y2 in pixels (Faster R-CNN's convention)
+                       image_width, image_height   scalars (pixels)
+                       labels        int32 [N]  optional: each region's detected class (argmax of cls_prob)
+                       cls_prob      float32 [N, C]  optional: the detector's class distribution
+MMF's dumps (`<name>.npy` features + `<name>_info.npy`, a pickled dict with bbox, num_boxes, image_width,
+image_height, objects, cls_prob) convert with `--format=mmf`. Their info files are read with an unpickler that
+only rebuilds numpy arrays and plain containers, never arbitrary code.
+
+The `region_features(DIR, max_regions)` host op looks features up by `image_id`: `regions` [R, D], `boxes`
+[R, 4] normalised (ymin, xmin, ymax, xmax, TFDS order), `box_mask`, `region_labels` (-1 unknown). An image
+without a file gets no regions (box_mask all False), is counted in `stat_no_features`, and trains on its text.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+
+import numpy as np
+
+from vlrep.data import ops as ops_lib
+
+_SAFE_GLOBALS = {
+  ("numpy.core.multiarray", "_reconstruct"),
+  ("numpy._core.multiarray", "_reconstruct"),
+  ("numpy.core.multiarray", "scalar"),
+  ("numpy._core.multiarray", "scalar"),
+  ("numpy", "ndarray"),
+  ("numpy", "dtype"),
+  ("builtins", "dict"),
+  ("builtins", "list"),
+  ("builtins", "tuple"),
+  ("collections", "OrderedDict"),
+}
+
+
+class _ArrayUnpickler(pickle.Unpickler):
+  def find_class(self, module, name):
+    if (module, name) in _SAFE_GLOBALS:
+      return super().find_class(module, name)
+    raise pickle.UnpicklingError(f"Refusing to load {module}.{name}: only numpy arrays and containers are allowed.")
+
+
+def load_pickled_npy(path: str):
+  """The object stored in an .npy file written with allow_pickle (MMF's `_info.npy` dicts), unpickled with only
+  numpy's array constructors allowed."""
+  with open(path, "rb") as f:
+    version = np.lib.format.read_magic(f)
+    if version == (1, 0):
+      _, _, dtype = np.lib.format.read_array_header_1_0(f)
+    else:
+      _, _, dtype = np.lib.format.read_array_header_2_0(f)
+    if not dtype.hasobject:
+      f.seek(0)
+      return np.load(f)
+    obj = _ArrayUnpickler(io.BytesIO(f.read())).load()
+  # np.save of a dict stores a 0-d object array.
+  return obj.item() if isinstance(obj, np.ndarray) and obj.shape == () else obj
+
+
+def write_regions(path: str, features, boxes_xyxy, width: float, height: float, labels=None, cls_prob=None) -> None:
+  features = np.asarray(features)
+  boxes = np.asarray(boxes_xyxy, np.float32).reshape(-1, 4)
+  if features.ndim != 2 or len(features) != len(boxes):
+    raise ValueError(f"{path}: features {features.shape} and boxes {boxes.shape} do not describe the same regions.")
+  extra = {}
+  if labels is not None:
+    extra["labels"] = np.asarray(labels, np.int32)
+  if cls_prob is not None:
+    extra["cls_prob"] = np.asarray(cls_prob, np.float32)
+  tmp = path + ".tmp.npz"
+  np.savez(tmp, features=features, boxes=boxes, image_width=width, image_height=height, **extra)
+  os.replace(tmp, path)
+
+
+def convert_mmf(src: str, dst: str) -> dict[str, int]:
+  """MMF-style `<name>.npy` + `<name>_info.npy` files -> `<name>.npz`; returns counts (converted, skipped)."""
+  os.makedirs(dst, exist_ok=True)
+  counts = {"converted": 0, "skipped_no_info": 0, "skipped_bad": 0}
+  for fname in sorted(os.listdir(src)):
+    if not fname.endswith(".npy") or fname.endswith("_info.npy"):
+      continue
+    name = fname[:-4]
+    info_path = os.path.join(src, f"{name}_info.npy")
+    if not os.path.exists(info_path):
+      counts["skipped_no_info"] += 1
+      continue
+    try:
+      feats = np.load(os.path.join(src, fname))
+      info = load_pickled_npy(info_path)
+      n = int(info.get("num_boxes", len(feats)))
+      cls_prob = info.get("cls_prob")
+      labels = info.get("objects")
+      if labels is None and cls_prob is not None:
+        labels = np.argmax(cls_prob, -1)
+      write_regions(
+        os.path.join(dst, f"{name}.npz"),
+        feats[:n],
+        np.asarray(info["bbox"])[:n],
+        float(info["image_width"]),
+        float(info["image_height"]),
+        None if labels is None else np.asarray(labels)[:n],
+        None if cls_prob is None else np.asarray(cls_prob)[:n],
+      )
+      counts["converted"] += 1
+    except (KeyError, ValueError, pickle.UnpicklingError) as e:
+      counts["skipped_bad"] += 1
+      print(f"skipped {name}: {e}")
+  return counts
+
+
+class RegionStore:
+  """Reads DIR/<image_id>.npz into fixed-size, normalised arrays (kept in memory after the first read)."""
+
+  def __init__(self, directory: str, max_regions: int):
+    directory = os.path.expanduser(directory)
+    if not os.path.isdir(directory):
+      raise FileNotFoundError(f"Region feature directory {directory!r} does not exist (see vlrep.data.region_files).")
+    self.directory, self.max_regions = directory, max_regions
+    self._cache: dict[str, tuple] = {}
+    first = next((f for f in sorted(os.listdir(directory)) if f.endswith(".npz")), None)
+    if first is None:
+      raise FileNotFoundError(f"{directory} holds no <image_id>.npz region files.")
+    with np.load(os.path.join(directory, first)) as z:
+      self.dim = int(z["features"].shape[1])
+
+  def get(self, image_id) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    key = str(int(image_id))
+    if key in self._cache:
+      return self._cache[key]
+    path = os.path.join(self.directory, f"{key}.npz")
+    if not os.path.exists(path):
+      return None
+    r = self.max_regions
+    with np.load(path) as z:
+      feats = np.asarray(z["features"], np.float32)[:r]
+      if feats.shape[1] != self.dim:
+        raise ValueError(f"{path}: features have {feats.shape[1]} dims, other files {self.dim}.")
+      x0, y0, x1, y1 = np.asarray(z["boxes"], np.float32)[:r].T
+      w, h = float(z["image_width"]), float(z["image_height"])
+      boxes = np.clip(np.stack([y0 / h, x0 / w, y1 / h, x1 / w], -1), 0.0, 1.0)
+      labels = np.asarray(z["labels"], np.int32)[:r] if "labels" in z else np.full(len(feats), -1, np.int32)
+    n = len(feats)
+    out = (
+      np.pad(feats, ((0, r - n), (0, 0))),
+      np.pad(boxes, ((0, r - n), (0, 0))),
+      np.arange(r) < n,
+      np.pad(labels, (0, r - n), constant_values=-1),
+    )
+    self._cache[key] = out
+    return out
+
+
+@ops_lib.register_host
+def get_region_features(directory: str, max_regions: int = 36, key: str = "image_id", context=None):
+  """Region features of each image from DIR/<image_id>.npz (see the module docstring)."""
+  del context
+  store = RegionStore(directory, max_regions)
+
+  def fn(batch):
+    batch = dict(batch)
+    ids = np.asarray(batch[key]).reshape(-1)
+    b, r = len(ids), max_regions
+    regions = np.zeros((b, r, store.dim), np.float32)
+    boxes = np.zeros((b, r, 4), np.float32)
+    mask = np.zeros((b, r), bool)
+    labels = np.full((b, r), -1, np.int32)
+    missing = np.zeros((b,), bool)
+    for i, image_id in enumerate(ids):
+      got = store.get(image_id)
+      if got is None:
+        missing[i] = True
+        continue
+      regions[i], boxes[i], mask[i], labels[i] = got
+    batch.update(regions=regions, boxes=boxes, box_mask=mask, region_labels=labels, stat_no_features=missing)
+    return batch
+
+  return ops_lib.HostOp((key,), ("regions", "boxes", "box_mask", "region_labels", "stat_no_features"), fn)

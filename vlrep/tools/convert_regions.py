@@ -1,0 +1,32 @@
+r"""Converts Faster R-CNN region-feature dumps to vlrep's per-image .npz files (vlrep.data.region_files).
+
+  python -m vlrep.tools.convert_regions --format=mmf --src=/data/vqa/features/trainval --dst=/data/vlrep_regions
+
+--format=mmf reads `<image_id>.npy` (N x 2048 features) with `<image_id>_info.npy` (bbox, num_boxes, image_width,
+image_height, objects, cls_prob), the layout of MMF's extracted COCO / Conceptual Captions features. Files that
+lack an info file or a required key are skipped and counted.
+"""
+
+from __future__ import annotations
+
+from absl import app, flags
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  from vlrep.data import region_files
+
+  f = flags.FLAGS
+  counts = region_files.convert_mmf(f.src, f.dst)
+  print(", ".join(f"{k}: {v}" for k, v in counts.items()))
+  if not counts["converted"]:
+    raise SystemExit(f"No region files converted from {f.src}.")
+
+
+if __name__ == "__main__":
+  flags.DEFINE_enum("format", "mmf", ["mmf"], "Layout of the source files.")
+  flags.DEFINE_string("src", None, "Directory of the source dumps.")
+  flags.DEFINE_string("dst", None, "Directory for <image_id>.npz files.")
+  flags.mark_flags_as_required(["src", "dst"])
+  app.run(main)
