@@ -96,7 +96,13 @@ def parse(pp: str, context: dict | None = None) -> Preprocess:
     return batch
 
   host_outputs = tuple(o for op in host_ops for o in op.outputs)
-  host_inputs = tuple(i for op in host_ops for i in op.inputs if i not in host_outputs)
+  # What tf.data must deliver: each host op's inputs that no earlier host op makes (an op may read and rewrite a
+  # field, e.g. pair_mask).
+  host_inputs, made = [], set()
+  for op in host_ops:
+    host_inputs += [i for i in op.inputs if i not in made and i not in host_inputs]
+    made.update(op.outputs)
+  host_inputs = tuple(host_inputs)
   return Preprocess(example_fn, batch_fn, host_inputs, host_outputs)
 
 

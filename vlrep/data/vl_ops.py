@@ -142,7 +142,7 @@ def get_tokenize_pairs(max_len: int, a: str = "text_a", b: str = "text_b", conte
     batch["tokens"] = np.stack([f[0] for f in flat]).reshape(shape + (max_len,))
     batch["type_ids"] = np.stack([f[1] for f in flat]).reshape(shape + (max_len,))
     empty = np.array([not dec(x).strip() for x in texts_a.reshape(-1)]).reshape(shape)
-    mask = np.asarray(batch.get("pair_mask", np.ones(shape, bool)), bool)
+    mask = np.asarray(batch["pair_mask"], bool)
     batch["stat_truncated"] = (np.array([f[2] for f in flat]).reshape(shape) & mask).reshape(-1)
     batch["stat_empty"] = (empty & mask).reshape(-1)
     batch["pair_mask"] = mask & ~empty
@@ -171,7 +171,7 @@ def get_answer_targets(key: str = "answers", out: str = "targets", context=None)
     per_question = answers.reshape(-1, answers.shape[-1])
     rows = [vl_metrics.soft_scores([dec(h) for h in humans if dec(h)], index) for humans in per_question]
     batch[out] = np.stack([r[0] for r in rows]).reshape(lead + (len(vocab),))
-    mask = np.asarray(batch.get("pair_mask", np.ones(lead, bool)), bool)
+    mask = np.asarray(batch["pair_mask"], bool)
     batch["stat_answer_oov"] = (~np.array([r[1] for r in rows]).reshape(lead) & mask).reshape(-1)
     return batch
 
