@@ -29,7 +29,7 @@ def _final_params(workdir):
   return step, jax.tree.map(np.asarray, state["params"])
 
 
-def test_main_end_to_end_writes_summary(tmp_path):
+def test_main_end_to_end_writes_summary_and_refuses_to_resume_another_model(tmp_path):
   proc = run_main(tmp_path / "run")
   assert proc.returncode == 0, proc.stderr[-3000:]
   summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -40,6 +40,9 @@ def test_main_end_to_end_writes_summary(tmp_path):
   # Whole-model evaluators run in the loop too: captioning on 8 val images at the end.
   assert 0 <= summary["captioning/cider"] and 0 <= summary["captioning/bleu4"] <= 100
   assert "captioning/cider:" in proc.stdout
+  # Resuming this run with another model is a clear error before any training (no second run needed).
+  proc = run_main(tmp_path / "run", "--config.total_steps=8", "--config.evals={}", "--config.method.hidden=64")
+  assert proc.returncode != 0 and "written by a different model" in proc.stderr
 
 
 def test_sigkill_and_restart_matches_uninterrupted_run(tmp_path):
@@ -123,12 +126,6 @@ def test_checkpoint_restores_bit_exactly_and_rejects_other_models(tmp_path):
     ValueError, match=r"(?s)different model.*backbone/conv1/kernel: checkpoint \(3, 3, 3, 8\) vs model \(7, 7, 3, 8\)"
   ):
     ckpt.restore(7, other)
-
-
-def test_resuming_with_a_different_model_is_a_clear_error(tmp_path):
-  assert run_main(tmp_path / "w", "--config.total_steps=2", "--config.evals={}").returncode == 0
-  proc = run_main(tmp_path / "w", "--config.total_steps=4", "--config.evals={}", "--config.method.hidden=64")
-  assert proc.returncode != 0 and "written by a different model" in proc.stderr
 
 
 def test_unknown_config_key_is_an_error(tmp_path):
