@@ -94,14 +94,15 @@ def write(distances: dict, path_prefix: str) -> tuple[str, str]:
   sources = list(distances)
   layers = list(next(iter(distances.values())))
   lines = []
-  fig, axes = plt.subplots(1, 2, figsize=(1.0 + 0.6 * len(layers) * 2, 0.5 + 0.45 * len(sources)), dpi=120)
+  width = 2 * (2.2 + 0.5 * len(layers))  # room for the source names and the colour bar of each panel
+  fig, axes = plt.subplots(1, 2, figsize=(width, 1.2 + 0.4 * len(sources)), dpi=120)
   for ax, kind in zip(axes, ("l1", "angular"), strict=True):
     grid = np.array([[distances[s].get(layer, {}).get(kind, np.nan) for layer in layers] for s in sources])
     im = ax.imshow(grid, cmap="Blues", aspect="auto")
     ax.set_xticks(range(len(layers)), layers, fontsize=7)
     ax.set_yticks(range(len(sources)), sources, fontsize=7)
     ax.set_title(f"{kind} distance", fontsize=9)
-    fig.colorbar(im, ax=ax, fraction=0.05)
+    fig.colorbar(im, ax=ax, fraction=0.08, pad=0.04, format="%.1e")
     lines.append(f"**{kind}** (x1e3)\n\n| source | " + " | ".join(layers) + " |\n|" + "---|" * (len(layers) + 1))
     for source, row in zip(sources, grid, strict=True):
       lines.append(f"| {source} | " + " | ".join(f"{1e3 * v:.2f}" for v in row) + " |")
