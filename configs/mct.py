@@ -17,11 +17,15 @@ Variants (arguments combine with commas; any key can also be overridden with --c
                               default) or crops and flips only (runlocal's default, see AUGMENTATIONS)
   pool=cls|mean               the text tower's pooled output: BERT's first token (recipe) or the tokens' mean
                               (runlocal; see vlrep/models/mct.py)
+  paraphrases=PATH            caption views also from pre-computed paraphrases (JSON {caption: [paraphrases]},
+                              e.g. back-translations made elsewhere), each view replaced with probability 0.5
   head_bn=none|inter|all      BatchNorm in the hidden layer of no heads (the paper's), the inter-modal heads
                               (runlocal) or all four
 The text tower is trained from scratch (the paper's 'scratch' variant); caption views come from offline word
 dropout and swaps (`caption_views`), since back-translation models cannot be fetched here.
 """
+
+import re
 
 from vlrep.config_utils import parse_arg
 
@@ -50,7 +54,7 @@ AUGMENTATIONS = {
 
 
 def get_config(arg=None):
-  arg = parse_arg(arg, runlocal=False, loss="full", tags=True, steps=0, aug="", pool="", head_bn="")
+  arg = parse_arg(arg, runlocal=False, loss="full", tags=True, steps=0, aug="", pool="", head_bn="", paraphrases="")
   from ml_collections import ConfigDict
 
   if arg.loss not in LOSSES:
@@ -179,6 +183,10 @@ def get_config(arg=None):
     if arg.head_bn not in heads:
       raise ValueError(f"Unknown head_bn={arg.head_bn!r}; expected one of {sorted(heads)}.")
     c.method.head_batchnorm = heads[arg.head_bn]
+  if arg.paraphrases:
+    # A draw per view after the offline views (TF), then the file's paraphrases replace some views (host).
+    c.data.pp = re.sub(r"(caption_views\([^)]*\))", r"\1|paraphrase_draws", c.data.pp, count=1)
+    c.data.pp = c.data.pp.replace("|tokenize(", f"|paraphrases('{arg.paraphrases}', 0.5)|tokenize(", 1)
   return c
 
 

@@ -268,3 +268,30 @@ def test_text_pooling_mean_ignores_padding_and_separates_captions_cls_does_not()
     cos[pool] = float(_unit(emb[0]) @ _unit(emb[1]))
     assert float(_unit(emb[0]) @ _unit(emb[2])) < 1 - 1e-6  # a truncated caption is a different caption
   assert cos["cls"] > 0.99 and cos["mean"] < cos["cls"] - 0.01, cos
+
+
+def test_paraphrase_file_replaces_caption_views_by_the_draws_and_counts_missing(tmp_path):
+  import tensorflow as tf
+
+  from vlrep.data import ops as ops_lib
+
+  path = tmp_path / "para.json"
+  path.write_text(json.dumps({"a red cube.": ["one red cube.", "a cube that is red."], "x": []}))
+  pp = ops_lib.parse(f"paraphrase_draws|paraphrases('{path}', 0.5)")
+  batch = {
+    "caption": np.array([b"a red cube.", b"a red cube.", b"a blue ball.", b""], object),
+    "caption_q": np.array([b"red cube.", b"a red.", b"blue ball.", b""], object),
+    "caption_k": np.array([b"a cube.", b"red a cube.", b"a ball.", b""], object),
+    # Per view: u < 0.5 picks paraphrase int(u / 0.5 * 2); u >= 0.5 keeps the offline view.
+    "paraphrase_u": np.array([[0.1, 0.3], [0.9, 0.49], [0.0, 0.0], [0.0, 0.0]]),
+  }
+  out = pp.batch_fn(batch)
+  assert list(out["caption_q"]) == ["one red cube.", "a red.", "blue ball.", ""]
+  assert list(out["caption_k"]) == ["a cube that is red.", "a cube that is red.", "a ball.", ""]
+  np.testing.assert_array_equal(out["stat_no_paraphrase"], [False, False, True, False])  # empty caption: not counted
+  draws = pp.example_fn({"_rng": tf.constant([3, 4], tf.int64)})["paraphrase_u"].numpy()
+  again = pp.example_fn({"_rng": tf.constant([3, 4], tf.int64)})["paraphrase_u"].numpy()
+  assert draws.shape == (2,) and (draws == again).all()  # a pure function of the example's seed
+  (tmp_path / "empty.json").write_text(json.dumps({"x": [""]}))
+  with pytest.raises(ValueError, match="no paraphrases"):
+    ops_lib.parse(f"paraphrases('{tmp_path / 'empty.json'}')")

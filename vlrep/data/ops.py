@@ -12,6 +12,7 @@ which makes runs resumable to the exact batch and independent of tf.data's paral
 from __future__ import annotations
 
 import ast
+import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -514,6 +515,63 @@ def get_caption_views(drop: float = 0.1, swap: float = 0.1, key: str = "caption"
     return ex
 
   return op
+
+
+@register
+def get_paraphrase_draws(out: str = "paraphrase_u", num: int = 2):
+  """`num` uniform draws per example (one per caption view) for the host-side `paraphrases` op: the choice of a
+  paraphrase stays a pure function of the example's stream position, so resumed runs repeat it."""
+
+  def op(ex):
+    ex = dict(ex)
+    ex[out] = tf.random.stateless_uniform([num], _next_rng(ex))
+    return ex
+
+  return op
+
+
+@register_host
+def get_paraphrases(
+  path: str,
+  prob: float = 0.5,
+  key: str = "caption",
+  outs=("caption_q", "caption_k"),
+  draws: str = "paraphrase_u",
+  context=None,
+):
+  """Replaces each caption view, with probability `prob`, by one of the caption's pre-computed paraphrases (MCT
+  section 3.3 uses back-translation, whose models cannot be fetched here: compute them elsewhere). The file is
+  JSON {caption: [paraphrase, ...]}, keyed by the caption text exactly as the dataset stores it. Captions without
+  an entry keep their offline views and are counted in `stat_no_paraphrase`. Put `paraphrase_draws` among the
+  TF ops, after `caption_views`."""
+  del context
+  import json
+
+  with open(os.path.expanduser(path)) as f:
+    table = {k: [p for p in v if p.strip()] for k, v in json.load(f).items()}
+  if not any(table.values()):
+    raise ValueError(f"{path} holds no paraphrases.")
+
+  def fn(batch):
+    batch = dict(batch)
+    dec = lambda t: t.decode("utf-8") if isinstance(t, bytes) else str(t)  # noqa: E731
+    captions = [dec(c) for c in np.asarray(batch[key]).reshape(-1)]
+    u = np.asarray(batch[draws], np.float64).reshape(len(captions), -1)
+    missing = np.zeros(len(captions), bool)
+    for v, out in enumerate(outs):
+      views = np.array([dec(c) for c in np.asarray(batch[out]).reshape(-1)], dtype=object)
+      for i, caption in enumerate(captions):
+        options = table.get(caption)
+        if not options:
+          missing[i] = bool(caption)
+          continue
+        if u[i, v] < prob:
+          views[i] = options[min(int(u[i, v] / prob * len(options)), len(options) - 1)]
+      batch[out] = views
+    batch["stat_no_paraphrase"] = missing
+    return batch
+
+  return HostOp((key, *outs, draws), (*outs, "stat_no_paraphrase"), fn)
 
 
 @register
