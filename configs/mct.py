@@ -21,8 +21,13 @@ Variants (arguments combine with commas; any key can also be overridden with --c
                               e.g. back-translations made elsewhere), each view replaced with probability 0.5
   head_bn=none|inter|all      BatchNorm in the hidden layer of no heads (the paper's), the inter-modal heads
                               (runlocal) or all four
-The text tower is trained from scratch (the paper's 'scratch' variant); caption views come from offline word
-dropout and swaps (`caption_views`), since back-translation models cannot be fetched here.
+  text=scratch|bert           the text tower: a BERT-base-sized encoder trained from scratch (the paper's
+                              'scratch' variant) or a pretrained BERT fine-tuned (the paper's default)
+  bert=PATH                   with text=bert: a local Hugging Face BERT folder (bert-base-uncased in the paper;
+                              '' = the packaged MiniLM-L6-H384); its WordPiece vocabulary becomes the tokenizer
+  bert_layers=N               with text=bert: keep the checkpoint's first N layers (runlocal: 2)
+Caption views come from offline word dropout and swaps (`caption_views`), since back-translation models cannot
+be fetched here; pre-computed paraphrases replace some of them with paraphrases=PATH.
 """
 
 import re
@@ -54,9 +59,24 @@ AUGMENTATIONS = {
 
 
 def get_config(arg=None):
-  arg = parse_arg(arg, runlocal=False, loss="full", tags=True, steps=0, aug="", pool="", head_bn="", paraphrases="")
+  arg = parse_arg(
+    arg,
+    runlocal=False,
+    loss="full",
+    tags=True,
+    steps=0,
+    aug="",
+    pool="",
+    head_bn="",
+    paraphrases="",
+    text="scratch",
+    bert="",
+    bert_layers=-1,
+  )
   from ml_collections import ConfigDict
 
+  if arg.text not in ("scratch", "bert"):
+    raise ValueError(f"Unknown text={arg.text!r}; expected 'scratch' or 'bert'.")
   if arg.loss not in LOSSES:
     raise ValueError(f"Unknown loss={arg.loss!r}; known: {sorted(LOSSES)}")
   weights = dict(zip(("j_ii", "j_tag", "j_cc", "j_ic", "j_ci"), LOSSES[arg.loss], strict=True))
@@ -71,7 +91,10 @@ def get_config(arg=None):
     dtype="bfloat16",
     # Per-GPU BatchNorm in the paper (512 images on 8 GPUs); the key encoder's batch is shuffled first.
     backbone=dict(depth=50, width=64, bn_group_size=64),
-    text=dict(hidden=768, num_layers=12, num_heads=12, max_len=40, dropout=0.1),  # BERT-base sized
+    text_tower=arg.text,
+    bert_path=arg.bert,  # text_tower='bert': the pretrained BERT's folder ('' = the packaged MiniLM)
+    bert_layers=0,  # text_tower='bert': keep its first N layers (0 = all)
+    text=dict(hidden=768, num_layers=12, num_heads=12, max_len=40, dropout=0.1),  # 'scratch': BERT-base sized
     head_hidden=2048,
     text_pool="cls",  # BERT's pooled output; 'mean' averages the tokens (see _runlocal)
     head_batchnorm=(),  # the paper's heads: Linear-ReLU-Linear; ('inter',) adds BatchNorm (see _runlocal)
@@ -183,6 +206,13 @@ def get_config(arg=None):
     if arg.head_bn not in heads:
       raise ValueError(f"Unknown head_bn={arg.head_bn!r}; expected one of {sorted(heads)}.")
     c.method.head_batchnorm = heads[arg.head_bn]
+  if arg.text == "bert":
+    # The pretrained BERT's own WordPiece vocabulary ([CLS] ... [SEP], [PAD] = 0) replaces the BPE tokenizer.
+    c.tokenizer = dict(kind="wordpiece", path=arg.bert)
+    if arg.bert_layers >= 0:
+      c.method.bert_layers = arg.bert_layers
+    elif arg.runlocal:
+      c.method.bert_layers = 2  # MiniLM's first 2 of 6 layers, the size of runlocal's scratch encoder
   if arg.paraphrases:
     # A draw per view after the offline views (TF), then the file's paraphrases replace some views (host).
     c.data.pp = re.sub(r"(caption_views\([^)]*\))", r"\1|paraphrase_draws", c.data.pp, count=1)

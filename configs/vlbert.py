@@ -27,14 +27,17 @@ Arguments (comma-separated; any key can also be set with --config.KEY=VALUE):
   stage=pretrain|finetune
   data=captions|questions|ood_captions|generated   the pretraining source (stage=pretrain)
   generated=PATH       the generated-caption file (JSON {image_id: [captions]}) for data=generated
-  task=vqa|ve          the downstream task (stage=finetune): VQA (answer vocabulary, soft scores, BCE) or visual
-                       entailment (3-way softmax)
+  task=vqa|vizwiz|ve|mmimdb   the downstream task (stage=finetune): VQA 2.0 or VizWiz (answer vocabulary, soft
+                       scores, BCE, VQA accuracy), SNLI-VE visual entailment (3-way softmax, accuracy), MM-IMDB
+                       (23 genres, multi-label BCE, micro/macro F1); runlocal has analogues of vqa and ve
   frozen               train only the task head (the paper's "frozen base", Table 2)
   regions=DIR          precomputed region features (DIR/<image_id>.npz; `python -m vlrep.tools.convert_regions`
                        converts MMF's Faster R-CNN dumps) instead of the frozen vlrep ResNet; set
                        --config.method.visual.dim to their width (2048 by default)
   bert=PATH            a local Hugging Face BERT folder ('' = the packaged MiniLM)
   steps=N              training steps instead of the recipe's
+  fraction=P           pretrain on the first P% of the source (the paper's 10/50/100% of COCO and VQA; its
+                       0.04M/0.2M/0.4M CC subsets are P = 1.2/6/12 of CC's 3.3M); runlocal: P% of the 500-image clip
 """
 
 import re
@@ -44,7 +47,14 @@ from vlrep.config_utils import parse_arg
 ARCHS = ("visual_bert", "vilbert")
 STAGES = ("pretrain", "finetune")
 SOURCES = ("captions", "questions", "ood_captions", "generated")
-TASKS = ("vqa", "ve")
+TASKS = ("vqa", "vizwiz", "ve", "mmimdb")
+# task -> (dataset, loss, labels (-1: the answer vocabulary), eval metric, best metric, text length)
+TASK_SETUP = {
+  "vqa": ("vqa2", "bce", -1, "vqa", "task/vqa", 24),
+  "vizwiz": ("vizwiz", "bce", -1, "vqa", "task/vqa", 24),
+  "ve": ("snli_ve", "softmax", 3, "accuracy", "task/accuracy", 48),
+  "mmimdb": ("mm_imdb", "bce", 23, "f1", "task/micro_f1", 256),
+}
 
 
 def get_config(arg=None):
@@ -60,6 +70,7 @@ def get_config(arg=None):
     frozen=False,
     bert="",
     steps=0,
+    fraction=0.0,
   )
   from ml_collections import ConfigDict
 
@@ -81,8 +92,8 @@ def get_config(arg=None):
     bert_path=arg.bert,
     bert_layers=0,
     task="pretrain" if pretrain else "classify",
-    loss="bce" if arg.task == "vqa" else "softmax",
-    num_labels=3 if arg.task == "ve" else -1,  # -1: the answer vocabulary's size
+    loss=TASK_SETUP[arg.task][1],
+    num_labels=TASK_SETUP[arg.task][2],  # -1: the answer vocabulary's size
     pretrained_run="",
     freeze_base=arg.frozen,
     mask_rate=0.15,
@@ -115,13 +126,18 @@ def get_config(arg=None):
     host = f"|generated_captions('{arg.generated}')" if arg.data == "generated" else ""
     c.data.pp = f"{image_pp}|{pairs}{host}|tokenize_pairs(36)"
     c.data.name = {"captions": "coco_captions2017", "questions": "vqa2"}.get(arg.data, "conceptual_captions")
-  elif arg.task == "vqa":
-    c.data.name = "vqa2"
-    c.data.pp = f"{image_pp}|vl_pairs('qa', 1)|tokenize_pairs(24)|answer_targets"
-    c.answers = dict(split="train", size=3129, min_count=1)
   else:
-    c.data.name = "snli_ve"
-    c.data.pp = f"{image_pp}|vl_pairs('entailment', 1)|onehot_targets(3)|tokenize_pairs(48)"
+    c.data.name, length = TASK_SETUP[arg.task][0], TASK_SETUP[arg.task][5]
+    # Targets made in tf.data come before the (host-side) tokenizer; VQA's soft scores are a host op after it.
+    source, before, after = {
+      "vqa": ("qa", "", "|answer_targets"),
+      "vizwiz": ("qa", "", "|answer_targets"),
+      "ve": ("entailment", "|onehot_targets(3)", ""),
+      "mmimdb": ("plot", "|multihot_targets(23)", ""),
+    }[arg.task]
+    c.data.pp = f"{image_pp}|vl_pairs('{source}', 1){before}|tokenize_pairs({length}){after}"
+    if arg.task in ("vqa", "vizwiz"):
+      c.answers = dict(split="train", size=3129, min_count=1)
   c.batch_size = 1024 if pretrain else 512
   c.total_steps = arg.steps or (88_000 if pretrain else 22_000)
   c.total_epochs = 0.0
@@ -151,7 +167,9 @@ def get_config(arg=None):
   c.init_from = ""
   eval_pp_pairs = {
     "vqa": "vl_pairs('qa', 10, sample=False)|tokenize_pairs(24)|answer_targets",
+    "vizwiz": "vl_pairs('qa', 1, sample=False)|tokenize_pairs(24)|answer_targets",
     "ve": "vl_pairs('entailment', 10, sample=False)|onehot_targets(3)|tokenize_pairs(48)",
+    "mmimdb": "vl_pairs('plot', 1, sample=False)|multihot_targets(23)|tokenize_pairs(256)",
   }
   if pretrain:
     c.evals = dict(
@@ -174,7 +192,7 @@ def get_config(arg=None):
     c.evals = dict(
       task=dict(
         type="vl_task",
-        metric="vqa" if arg.task == "vqa" else "accuracy",
+        metric=TASK_SETUP[arg.task][3],
         dataset=c.data.name,
         data_dir="",
         config_name="",
@@ -185,12 +203,26 @@ def get_config(arg=None):
         every_steps=2000,
       )
     )
-    c.best_metric = "task/vqa" if arg.task == "vqa" else "task/accuracy"
+    c.best_metric = TASK_SETUP[arg.task][4]
   if arg.runlocal:
     _runlocal(c, arg, pretrain)
+  if arg.fraction:
+    if not (pretrain and 0 < arg.fraction <= 100):
+      raise ValueError(f"fraction={arg.fraction} needs stage=pretrain and 0 < P <= 100.")
+    # A fraction of what the split already holds: 'train' -> 'train[:P%]', 'train[:12.5%]' -> 'train[:12.5*P/100%]'.
+    name, held = pipeline_split(c.data.split)
+    c.data.split = f"{name}[:{held * arg.fraction:g}%]"
   if arg.regions:
     _region_files(c, arg.regions)
   return c
+
+
+def pipeline_split(split):
+  """('train', 100.0) for 'train'; ('train', 12.5) for 'train[:12.5%]'."""
+  m = re.fullmatch(r"(\w+)(?:\[:([\d.]+)%\])?", split)
+  if not m:
+    raise ValueError(f"Cannot take a fraction of split {split!r}.")
+  return m.group(1), float(m.group(2) or 100.0) / 100.0
 
 
 def _region_files(c, directory):
@@ -216,6 +248,8 @@ def _runlocal(c, arg, pretrain):
   old_pp = "decode|resize_small(64)|central_crop(64)|normalize|regions_from_objects(36)"
   # Text lengths that fit synthetic_scenes' texts (WordPiece pieces: captions <= 45, question + answer <= 16,
   # statements <= 10); longer ones are cut and counted (data/truncated_count).
+  if not pretrain and arg.task not in ("vqa", "ve"):
+    raise ValueError(f"runlocal has analogues of task=vqa and task=ve only, not {arg.task!r} (a real dataset).")
   length = {"captions": 32, "questions": 20}.get(arg.data, 32) if pretrain else {"vqa": 16, "ve": 14}[arg.task]
 
   def local(pp):

@@ -24,6 +24,10 @@ def _start(workdir, port, process_id, num_processes, *extra, log):
   cmd = [sys.executable, "-m", "vlrep.main", f"--workdir={workdir}", *OVERRIDES]
   cmd += [f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={num_processes}", f"--process_id={process_id}"]
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONUNBUFFERED": "1"}
+  # No persistent compilation cache here: the two processes must meet at each collective within Gloo's 30 s, and
+  # with a shared cache one process can load an executable the other still compiles (CI failed exactly so:
+  # "Gloo context initialization failed: DEADLINE_EXCEEDED").
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
   return subprocess.Popen([*cmd, *extra], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 

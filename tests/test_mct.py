@@ -295,3 +295,56 @@ def test_paraphrase_file_replaces_caption_views_by_the_draws_and_counts_missing(
   (tmp_path / "empty.json").write_text(json.dumps({"x": [""]}))
   with pytest.raises(ValueError, match="no paraphrases"):
     ops_lib.parse(f"paraphrases('{tmp_path / 'empty.json'}')")
+
+
+def test_pretrained_bert_text_tower_loads_into_query_and_momentum_towers():
+  """text=bert: the packaged MiniLM's weights (first layer) land in the text tower and in its momentum copy, the
+  tower's token states are BERT's own, and a model without them embeds captions differently."""
+  import optax
+  import tiny_mct
+
+  from vlrep import methods, sharding, train
+  from vlrep.data import tokenizers
+  from vlrep.models import bert as bert_lib
+  from vlrep.train_step import init_train_state
+
+  config = tiny_mct.get_config("text=bert,bert_layers=1")
+  assert config.tokenizer.kind == "wordpiece" and config.method.text_tower == "bert"
+  tokenizer = tokenizers.ensure_tokenizer(config.tokenizer, None)
+  method = methods.build(config.method, tokenizer.vocab_size)
+  _, base, batch = _tiny_method_and_batch()
+  ids = [tokenizer.encode(t, 12)[0] for t in ("a red circle left of a blue square", "two green triangles", "a", "b")]
+  batch.update(tokens_q=np.stack(ids * 2), tokens_k=np.stack(ids[::-1] * 2))
+  tx = optax.sgd(0.1)
+  fresh = init_train_state(method, tx, jax.random.PRNGKey(0), batch)
+  state_sh = sharding.state_shardings(sharding.make_mesh(), fresh, "replicate")
+  state = train.load_pretrained_variables(fresh, method.pretrained_variables(), tx, state_sh)
+
+  bert_config, want, _, _ = bert_lib.load_pretrained("")
+  bert_config, want = bert_lib.first_layers(bert_config, want, 1)
+  assert "layer_1" not in state["params"]["textual"] and bert_config.hidden_size == 384
+  for tree in (state["params"]["textual"], state["model_state"]["momentum"]["params"]["textual"]):
+    jax.tree.map(np.testing.assert_array_equal, tree, want)
+  # Everything else is the fresh init, untouched (the image tower, the heads, the queues).
+  jax.tree.map(np.testing.assert_array_equal, state["params"]["backbone"], fresh["params"]["backbone"])
+  jax.tree.map(np.testing.assert_array_equal, state["model_state"]["queues"], fresh["model_state"]["queues"])
+  # The tower runs BERT: its token states are BertEncoder's with the checkpoint's weights.
+  tokens = jnp.asarray(batch["tokens_q"][:4])
+  ref, _ = bert_lib.BertEncoder(bert_config).apply({"params": want}, tokens)
+  got, _ = method.model.apply({"params": state["params"]}, tokens, method=lambda m, t: m.textual(t, mask=t != 0))
+  np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+  variables = {"params": state["params"], "batch_stats": state["model_state"]["batch_stats"]}
+  loaded = np.asarray(method.embed(variables, tokens=tokens)["text"])
+  variables["params"] = fresh["params"]
+  assert np.abs(loaded - np.asarray(method.embed(variables, tokens=tokens)["text"])).max() > 1e-3
+  # A train step on the loaded state is finite.
+  loss, metrics, _ = method.loss({"params": state["params"], **state["model_state"]}, batch,
+                                 jax.random.PRNGKey(1), True)  # fmt: skip
+  assert np.isfinite(float(loss)), metrics
+  # Pretrained values for a part the model does not have are refused by name.
+  with pytest.raises(ValueError, match="momentum/params/no_such_tower"):
+    train.load_pretrained_variables(fresh, {"model_state": {"momentum": {"params": {"no_such_tower": want}}}},
+                                    tx, state_sh)  # fmt: skip
+  # A tokenizer that is not BERT's is refused.
+  with pytest.raises(ValueError, match="wordpiece"):
+    methods.build(config.method, 200)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import run_main
+from conftest import ROOT, run_main
 from ml_collections import ConfigDict
 
 from vlrep.evaluators import vl_metrics
@@ -356,3 +356,21 @@ def test_visual_bert_entailment_from_region_files_end_to_end(tmp_path):
   summary = json.loads((workdir / "summary.json").read_text())
   assert 0 <= summary["task/accuracy"] <= 100 and summary["task/pairs"] == 8 * 4  # 8 images x 4 statements
   assert "no_features_count" in proc.stderr  # images without a region file are counted, not fatal
+
+
+def test_config_tasks_and_pretraining_fractions():
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location("vlbert_config", os.path.join(ROOT, "configs", "vlbert.py"))
+  cfg = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(cfg)
+  assert cfg.get_config("fraction=10").data.split == "train[:10%]"
+  assert cfg.get_config("runlocal,fraction=50").data.split == "train[:6.25%]"  # half of the 500-image clip
+  assert cfg.get_config("data=ood_captions,fraction=1.2").data.name == "conceptual_captions"
+  mm = cfg.get_config("stage=finetune,task=mmimdb")
+  assert (mm.data.name, mm.method.loss, mm.method.num_labels, mm.best_metric) == ("mm_imdb", "bce", 23, "task/micro_f1")
+  assert cfg.get_config("stage=finetune,task=vizwiz").evals.task.metric == "vqa"
+  with pytest.raises(ValueError, match="stage=pretrain"):
+    cfg.get_config("stage=finetune,fraction=10")
+  with pytest.raises(ValueError, match="analogues"):
+    cfg.get_config("runlocal,stage=finetune,task=mmimdb")

@@ -358,24 +358,37 @@ def params_fingerprint(params) -> str:
 
 def load_pretrained_variables(state: dict, pretrained: dict, tx, state_sh) -> dict:
   """Writes a method's pretrained values (numpy trees under 'params' / 'model_state', e.g. ICMLM's frozen BERT)
-  into a fresh state, in its sharding, after checking every shape; then re-initialises the optimizer state."""
+  into a fresh state, in its sharding; then re-initialises the optimizer state. A subtree whose structure is the
+  model's is checked whole (every path and shape); a dict that names only some of a subtree's entries (MCT's
+  momentum copy: {'momentum': {'params': {'textual': ...}}}) is descended into, each named entry checked."""
   if not pretrained:
     return state
+
+  def put(a, s):
+    a = np.asarray(a, np.float32)
+    return jax.make_array_from_callback(a.shape, s, lambda idx, a=a: a[idx])
+
+  def merge(current, given, shardings, where):
+    if not isinstance(given, dict) or not isinstance(current, dict):
+      ckpt_lib.check_signature(ckpt_lib.signature(given), ckpt_lib.signature(current), where)
+      return jax.tree.map(put, given, shardings)
+    try:
+      ckpt_lib.check_signature(ckpt_lib.signature(given), ckpt_lib.signature(current), where)
+      logging.info("Loaded pretrained %s (%d tensors).", where, len(jax.tree.leaves(given)))
+      return jax.tree.map(put, given, shardings)
+    except ValueError:
+      if set(given) == set(current):  # the same entries with other shapes or paths: report the mismatch
+        raise
+    out = dict(current)
+    for name, tree in given.items():
+      if name not in current:
+        raise ValueError(f"Pretrained values for {where}/{name}, which this model does not have.")
+      out[name] = merge(current[name], tree, shardings[name], f"{where}/{name}")
+    return out
+
   new = dict(state)
   for part, trees in pretrained.items():
-    new[part] = dict(state[part])
-    for name, tree in trees.items():
-      if name not in state[part]:
-        raise ValueError(f"Pretrained values for {part}/{name}, which this model does not have.")
-      want = ckpt_lib.signature(state[part][name])
-      ckpt_lib.check_signature(ckpt_lib.signature(tree), want, f"pretrained {part}/{name}")
-
-      def put(a, s):
-        a = np.asarray(a, np.float32)
-        return jax.make_array_from_callback(a.shape, s, lambda idx, a=a: a[idx])
-
-      new[part][name] = jax.tree.map(put, tree, state_sh[part][name])
-      logging.info("Loaded pretrained %s/%s (%d tensors).", part, name, len(jax.tree.leaves(tree)))
+    new[part] = merge(state[part], trees, state_sh[part], part)
   if "params" in pretrained:
     new["opt_state"] = jax.jit(tx.init, out_shardings=state_sh["opt_state"])(new["params"])
   return new

@@ -26,13 +26,18 @@ _STREAM_END = 2**62
 
 def _builders() -> dict[str, Any]:
   # Imported lazily: builders pull in their own (sometimes heavy) dependencies.
-  from vlrep.data.builders import coco_captions, localized_narratives, synthetic_scenes, voc2007
+  from vlrep.data.builders import coco_captions, localized_narratives, synthetic_scenes, vl_datasets, voc2007
 
   return {
     "synthetic_scenes": (synthetic_scenes.SyntheticScenes, True),
     "coco_captions2017": (coco_captions.CocoCaptions2017, False),
     "voc2007": (voc2007.Voc2007, False),
     "localized_narratives": (localized_narratives.LocalizedNarratives, False),
+    "vqa2": (vl_datasets.Vqa2, False),
+    "vizwiz": (vl_datasets.Vizwiz, False),
+    "snli_ve": (vl_datasets.SnliVe, False),
+    "mm_imdb": (vl_datasets.MmImdb, False),
+    "conceptual_captions": (vl_datasets.ConceptualCaptions, False),
   }
 
 

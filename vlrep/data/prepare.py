@@ -3,6 +3,8 @@
   python -m vlrep.data.prepare --dataset=coco_captions2017 --manual_dir=/data/coco --data_dir=~/tensorflow_datasets
   python -m vlrep.data.prepare --dataset=voc2007 --manual_dir=/data/VOCdevkit --data_dir=~/tensorflow_datasets
   python -m vlrep.data.prepare --dataset=localized_narratives --manual_dir=/data/coco [--config_name=coco_openimages]
+  python -m vlrep.data.prepare --dataset=vqa2 --manual_dir=/data/vqa2          (also vizwiz, snli_ve, mm_imdb,
+                                                                              conceptual_captions)
 
 Skipped inputs (undecodable or missing images, empty captions, ...) are counted, printed, and saved to
 DATA_DIR/<dataset>_prepare_report.json.
@@ -15,7 +17,12 @@ import os
 
 from absl import app, flags
 
-flags.DEFINE_string("dataset", None, "coco_captions2017 | voc2007 | localized_narratives | synthetic_scenes")
+flags.DEFINE_string(
+  "dataset",
+  None,
+  "coco_captions2017 | voc2007 | localized_narratives | synthetic_scenes | vqa2 | vizwiz | snli_ve | mm_imdb | "
+  "conceptual_captions",
+)
 flags.DEFINE_string("manual_dir", None, "Folder with the local copy (see the builder's docstring for its layout).")
 flags.DEFINE_string("data_dir", "~/tensorflow_datasets", "TFDS data_dir to write to.")
 flags.DEFINE_string(
@@ -36,8 +43,8 @@ def prepare(dataset: str, manual_dir: str | None, data_dir: str, config_name: st
   if dataset not in registry:
     raise ValueError(f"Unknown dataset {dataset!r}; known: {', '.join(sorted(registry))}")
   cls, generated = registry[dataset]
-  if not generated and not (manual_dir and os.path.isdir(manual_dir)):
-    raise FileNotFoundError(f"--manual_dir={manual_dir!r} is not a folder. Expected layout:\n{cls.__doc__}")
+  if not generated and not (manual_dir and os.path.isdir(manual_dir) and os.listdir(manual_dir)):
+    raise FileNotFoundError(f"--manual_dir={manual_dir!r} is not a folder or is empty. Expected layout:\n{cls.__doc__}")
   data_dir = os.path.expanduser(data_dir)
   builder = cls(config=config_name, data_dir=data_dir) if config_name else cls(data_dir=data_dir)
   common.SKIPPED.clear()

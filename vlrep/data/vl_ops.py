@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from vlrep.data import ops as ops_lib
 
-SOURCES = ("captions", "qa", "entailment")
+SOURCES = ("captions", "qa", "entailment", "plot")
 
 
 @ops_lib.register
@@ -44,11 +44,12 @@ def get_regions_from_objects(max_regions: int = 10, key: str = "objects"):
 
 @ops_lib.register
 def get_vl_pairs(source: str = "captions", num: int = 1, sample: bool = True, answer_as_text_b: bool = False):
-  """`text_a`, `text_b` string[num], `answers` string[num, 1], `label` int32[num], `pair_mask` bool[num].
+  """`text_a`, `text_b` string[num], `answers` string[num, H], `label` int32[num], `pair_mask` bool[num].
 
-  source: 'captions' (text_a = a caption), 'qa' (text_a = a question, answers = its answer; with
-  `answer_as_text_b` the answer is also the second segment: the study's "[CLS] question [SEP] answer"
-  pretraining input), 'entailment' (text_a = a statement, label = entailment / contradiction / neutral).
+  source: 'captions' (text_a = a caption), 'qa' (text_a = a question, answers = its H human answers: 10 for VQA
+  2.0 and VizWiz, '' padded, 1 on synthetic_scenes; with `answer_as_text_b` one of them, sampled while training,
+  is also the second segment: the study's "[CLS] question [SEP] answer" pretraining input), 'entailment'
+  (text_a = a statement, label = entailment / contradiction / neutral), 'plot' (MM-IMDB: text_a = the plot).
   sample: a random `num` of the image's texts (training); otherwise its first `num`, in order (evaluation).
   Images with fewer texts are padded with empty, masked pairs; an image with none has pair_mask all False.
   """
@@ -59,14 +60,22 @@ def get_vl_pairs(source: str = "captions", num: int = 1, sample: bool = True, an
     ex = dict(ex)
     if source == "captions":
       texts = ex["captions"]
-      answers = tf.fill(tf.shape(texts), "")
+      answers = tf.fill(tf.shape(texts), "")[:, None]
       labels = tf.zeros(tf.shape(texts), tf.int32)
     elif source == "qa":
-      texts, answers = ex["questions"]["question"], ex["questions"]["answer"]
+      texts = ex["questions"]["question"]
+      if "answers" in ex["questions"]:  # VQA 2.0 / VizWiz: the ten human answers [Q, 10] ('' padded)
+        answers = ex["questions"]["answers"]
+      else:  # synthetic_scenes: one answer per question
+        answers = ex["questions"]["answer"][:, None]
       labels = tf.zeros(tf.shape(texts), tf.int32)
+    elif source == "plot":  # MM-IMDB: the plot is the image's one text; the genres are the image's targets
+      texts = ex["plot"][None]
+      answers = tf.fill([1, 1], "")
+      labels = tf.zeros([1], tf.int32)
     else:
       texts, labels = ex["entailment"]["statement"], tf.cast(ex["entailment"]["label"], tf.int32)
-      answers = tf.fill(tf.shape(texts), "")
+      answers = tf.fill(tf.shape(texts), "")[:, None]
     n = tf.shape(texts)[0]
     order = tf.range(n)
     if sample:
@@ -77,13 +86,39 @@ def get_vl_pairs(source: str = "captions", num: int = 1, sample: bool = True, an
 
     def take(values, fill):
       got = tf.gather(values, order)
-      return tf.concat([got, tf.fill([num - k], fill)], 0)
+      pad = tf.fill(tf.concat([[num - k], tf.shape(values)[1:]], 0), fill)
+      return tf.concat([got, pad], 0)
 
+    humans = answers.shape[-1]
     ex["text_a"] = tf.ensure_shape(take(texts, ""), [num])
-    ex["answers"] = tf.ensure_shape(take(answers, "")[:, None], [num, 1])
-    ex["text_b"] = ex["answers"][:, 0] if answer_as_text_b else tf.fill([num], "")
+    ex["answers"] = tf.ensure_shape(take(answers, ""), [num, humans])
+    if answer_as_text_b:  # "[CLS] question [SEP] answer": one of the human answers, sampled while training
+      pick = tf.zeros([num], tf.int32)
+      if sample and humans > 1:
+        given = tf.maximum(tf.reduce_sum(tf.cast(ex["answers"] != "", tf.int32), -1), 1)  # answers are '' padded
+        draw = tf.random.stateless_uniform([num], tf.random.experimental.stateless_fold_in(rng, 1))
+        pick = tf.minimum(tf.cast(draw * tf.cast(given, tf.float32), tf.int32), given - 1)
+      ex["text_b"] = tf.gather(ex["answers"], pick, batch_dims=1)
+    else:
+      ex["text_b"] = tf.fill([num], "")
     ex["label"] = tf.ensure_shape(take(labels, 0), [num])
     ex["pair_mask"] = tf.ensure_shape(tf.range(num) < k, [num])
+    return ex
+
+  return op
+
+
+@ops_lib.register
+def get_multihot_targets(num_classes: int, key: str = "genres", out: str = "targets", num: int = 1):
+  """float32[num, num_classes] multi-hot targets from an image's label list (MM-IMDB's genres), repeated for the
+  image's `num` text pairs (MM-IMDB has one: its plot)."""
+
+  def op(ex):
+    ex = dict(ex)
+    labels = tf.cast(tf.reshape(ex[key], [-1]), tf.int32)
+    hot = tf.reduce_max(tf.one_hot(labels, num_classes, dtype=tf.float32), 0)
+    hot = tf.where(tf.size(labels) > 0, hot, tf.zeros([num_classes]))  # reduce_max of nothing is -inf
+    ex[out] = tf.ensure_shape(tf.tile(hot[None], [num, 1]), [num, num_classes])
     return ex
 
   return op
@@ -217,9 +252,10 @@ def read_answers(builder, split: str) -> list[list[str]]:
     name = f"{name}[:{int(round(fraction * 100))}%]"
   ds = builder.as_dataset(split=name, decoders=pipeline._skip_image_decoding(builder.info.features))
   out = []
-  for answers in ds.map(lambda e: e["questions"]["answer"]).as_numpy_iterator():
+  key = "answers" if "answers" in builder.info.features["questions"].feature.keys() else "answer"  # VQA 2.0 / synthetic
+  for answers in ds.map(lambda e: e["questions"][key]).as_numpy_iterator():
     answers = answers.reshape(len(answers), -1)
-    out.extend([[a.decode("utf-8") for a in row] for row in answers])
+    out.extend([[a.decode("utf-8") for a in row if a] for row in answers])  # '' pads missing human answers
   return out
 
 

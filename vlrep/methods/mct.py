@@ -16,6 +16,10 @@ Losses per example (means over the examples each applies to):
   J_ci   the same, caption query against the image (inter) queue                   images with a caption
 So an image with only tags trains on lambda_ii J_ii + lambda_tag J_tag, one with only a caption on
 lambda_ii J_ii + lambda_cc J_cc + lambda_ic J_ic + lambda_ci J_ci, and one with neither on J_ii: the paper's subsets.
+
+`text_tower`: 'scratch' (a BERT-style encoder trained from scratch, `config.text`) or 'bert' (the pretrained BERT in
+`config.bert_path`, '' = the packaged MiniLM; the tokenizer must be its WordPiece vocabulary). BERT's weights go
+into both the query tower and its momentum copy (`pretrained_variables`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from vlrep.models import bert as bert_lib
 from vlrep.models.mct import MCTModel
 
 PATHS = ("image_intra", "text_intra", "image_inter", "text_inter")
@@ -79,8 +84,22 @@ class MCT:
 
   def __init__(self, config: ml_collections.ConfigDict, vocab_size: int):
     self.config = config
+    self.text_tower = config.get("text_tower", "scratch")
+    self._bert, bert_config = None, None
+    if self.text_tower == "bert":
+      bert_config, self._bert, _, folder = bert_lib.load_pretrained(config.get("bert_path", ""))
+      layers = int(config.get("bert_layers", 0))
+      bert_config, self._bert = bert_lib.first_layers(bert_config, self._bert, layers, folder)
+      if vocab_size != bert_config.vocab_size:
+        raise ValueError(
+          f"The tokenizer has {vocab_size} tokens but BERT ({folder}) has {bert_config.vocab_size}: set "
+          "tokenizer.kind='wordpiece' with the same folder as method.bert_path."
+        )
+    elif self.text_tower != "scratch":
+      raise ValueError(f"Unknown method.text_tower {self.text_tower!r}; expected 'scratch' or 'bert'.")
     self.model = MCTModel(
       vocab_size=vocab_size,
+      bert=bert_config,
       backbone=dict(config.backbone),
       text=dict(config.text),
       head_hidden=config.head_hidden,
@@ -117,6 +136,12 @@ class MCT:
     copy = lambda t: jax.tree.map(jnp.array, t)  # noqa: E731
     return {"params": params, "batch_stats": stats, "momentum": {"params": copy(params), "batch_stats": copy(stats)},
             "queues": queues}  # fmt: skip
+
+  def pretrained_variables(self) -> dict:
+    """With text_tower='bert': BERT's weights for the text tower and for its momentum copy."""
+    if self._bert is None:
+      return {}
+    return {"params": {"textual": self._bert}, "model_state": {"momentum": {"params": {"textual": self._bert}}}}
 
   def loss(self, variables, batch, rng, train: bool = True):
     c = self.config

@@ -20,8 +20,6 @@ extractor is frozen state (`model_state['visual']`), never a parameter.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -65,12 +63,10 @@ class VLBert:
     self.config = config
     self.task = config.task
     self.bert_config, self._bert, self._mlm_head, folder = bert_lib.load_pretrained(config.bert_path)
-    n_layers = int(config.get("bert_layers", 0))
-    if n_layers:  # the checkpoint's first n layers (small runs); its embeddings, pooler and MLM head as they are
-      if n_layers > self.bert_config.num_hidden_layers:
-        raise ValueError(f"bert_layers={n_layers} but {folder} has {self.bert_config.num_hidden_layers} layers.")
-      self.bert_config = dataclasses.replace(self.bert_config, num_hidden_layers=n_layers)
-      self._bert = {k: v for k, v in self._bert.items() if not (k.startswith("layer_") and int(k[6:]) >= n_layers)}
+    # The checkpoint's first n layers (small runs); its embeddings, pooler and MLM head as they are.
+    self.bert_config, self._bert = bert_lib.first_layers(
+      self.bert_config, self._bert, int(config.get("bert_layers", 0)), folder
+    )
     if config.arch == "vilbert":  # ViLBERT pools its text stream with its own layer (t_pooler), not BERT's
       self._bert = {k: v for k, v in self._bert.items() if k != "pooler"}
     if vocab_size != self.bert_config.vocab_size:

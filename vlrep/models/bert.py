@@ -333,3 +333,14 @@ def load_pretrained(path: str = "") -> tuple[BertConfig, dict, dict | None, str]
   if head is not None:
     head = jax.tree.map(lambda a: np.asarray(a, np.float32), head)
   return config, enc, head, folder
+
+
+def first_layers(config: BertConfig, params: dict, n: int, folder: str = "") -> tuple[BertConfig, dict]:
+  """The checkpoint cut to its first `n` layers (embeddings and pooler as they are), for small runs; n = 0 keeps
+  all."""
+  if not n:
+    return config, params
+  if n > config.num_hidden_layers:
+    raise ValueError(f"bert_layers={n} but {folder or 'the BERT'} has {config.num_hidden_layers} layers.")
+  params = {k: v for k, v in params.items() if not (k.startswith("layer_") and int(k[6:]) >= n)}
+  return dataclasses.replace(config, num_hidden_layers=n), params

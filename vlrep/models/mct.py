@@ -1,6 +1,9 @@
 """MCT's towers (Yuan et al., CVPR 2021): a ResNet image encoder and a BERT-style text encoder, each with two
 2-layer MLP heads — a small intra-modal one (128-d, MoCo-v2's) and a wide inter-modal one (1024-d, the common
-image-caption space). The momentum (key) encoders are the same module applied with momentum parameters."""
+image-caption space). The momentum (key) encoders are the same module applied with momentum parameters.
+
+The text tower is either trained from scratch (`TextEncoder`, the paper's 'scratch' variant) or a pretrained BERT
+(`vlrep.models.bert.BertEncoder`, Hugging Face's tree, so its checkpoint drops in), fine-tuned with the tower's LR."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from vlrep.data import tokenizers
+from vlrep.models import bert as bert_lib
 from vlrep.models import resnet
 from vlrep.models.loctex import TextEncoder
 
@@ -35,7 +39,8 @@ class MLPHead(nn.Module):
 class MCTModel(nn.Module):
   vocab_size: int
   backbone: dict
-  text: dict  # TextEncoder fields: hidden, num_layers, num_heads, max_len, dropout
+  text: dict  # TextEncoder fields: hidden, num_layers, num_heads, max_len, dropout (unused with `bert`)
+  bert: bert_lib.BertConfig | None = None  # a pretrained BERT's config: the text tower is that BERT
   head_hidden: int = 2048
   intra_dim: int = 128
   inter_dim: int = 1024
@@ -51,8 +56,13 @@ class MCTModel(nn.Module):
 
   def setup(self):
     self.visual = resnet.ResNet(**self.backbone, dtype=self.dtype, name="backbone")
-    self.textual = TextEncoder(self.vocab_size, **self.text, dtype=self.dtype, name="textual")
-    self.text_pooler = nn.Dense(self.text["hidden"], dtype=self.dtype, param_dtype=jnp.float32, name="text_pooler")
+    if self.bert is not None:
+      self.textual = bert_lib.BertEncoder(self.bert, dtype=self.dtype, name="textual")
+      text_width = self.bert.hidden_size
+    else:
+      self.textual = TextEncoder(self.vocab_size, **self.text, dtype=self.dtype, name="textual")
+      text_width = self.text["hidden"]
+    self.text_pooler = nn.Dense(text_width, dtype=self.dtype, param_dtype=jnp.float32, name="text_pooler")
     for kind in self.head_batchnorm:
       if kind not in ("intra", "inter"):
         raise ValueError(f"Unknown head_batchnorm entry {kind!r}; expected 'intra' and/or 'inter'.")
@@ -74,16 +84,21 @@ class MCTModel(nn.Module):
     return {"intra": self.image_intra(pooled, train), "inter": self.image_inter(pooled, train)}
 
   def embed_texts(self, tokens, train: bool = False) -> dict:
-    # BERT's pooled output: the first token's ([SOS]) final state (or the tokens' mean) through dense and tanh.
-    states = self.textual(tokens, train)
-    if self.text_pool == "cls":
-      pooled = states[:, 0]
+    # BERT's pooled output: the first token's ([SOS] / [CLS]) final state (or the tokens' mean) through dense and
+    # tanh. A pretrained BERT's 'cls' pooling is its own pretrained pooler.
+    if self.bert is not None:
+      states, aux = self.textual(tokens, mask=tokens != tokenizers.PAD_ID)
+    else:
+      states, aux = self.textual(tokens, train), None
+    if self.text_pool == "cls" and aux is not None:
+      pooled = aux["pooled"]
+    elif self.text_pool == "cls":
+      pooled = jnp.tanh(self.text_pooler(states[:, 0]))
     elif self.text_pool == "mean":
       keep = (tokens != tokenizers.PAD_ID)[..., None].astype(states.dtype)
-      pooled = jnp.sum(states * keep, 1) / jnp.maximum(jnp.sum(keep, 1), 1.0)
+      pooled = jnp.tanh(self.text_pooler(jnp.sum(states * keep, 1) / jnp.maximum(jnp.sum(keep, 1), 1.0)))
     else:
       raise ValueError(f"Unknown text_pool {self.text_pool!r}; expected 'cls' or 'mean'.")
-    pooled = jnp.tanh(self.text_pooler(pooled))
     return {"intra": self.text_intra(pooled, train), "inter": self.text_inter(pooled, train)}
 
   def __call__(self, images, tokens, train: bool = False):

@@ -20,8 +20,13 @@ from absl import app, flags, logging
 
 from vlrep.tools import sweep
 
-METRIC = {"vqa": "task/vqa_best", "ve": "task/accuracy_best"}
-TASK_NAMES = {"vqa": "VQA acc", "ve": "entailment acc"}
+METRIC = {
+  "vqa": "task/vqa_best",
+  "vizwiz": "task/vqa_best",
+  "ve": "task/accuracy_best",
+  "mmimdb": "task/micro_f1_best",
+}
+TASK_NAMES = {"vqa": "VQA acc", "vizwiz": "VizWiz acc", "ve": "entailment acc", "mmimdb": "MM-IMDB micro-F1"}
 MODES = ("finetune", "frozen")
 
 
