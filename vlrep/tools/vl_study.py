@@ -91,7 +91,7 @@ def plot(root: str, archs, sources, tasks, path: str) -> None:
 
 def study(config, root, archs, sources, tasks, generated="", collect_only=False, overrides=()):
   path, _, base_arg = config.partition(":")
-  if "generated" in sources and not generated:
+  if "generated" in sources and not generated and not collect_only:
     raise ValueError("--sources has 'generated': give --generated=PATH (vlrep.tools.generate_captions).")
   for name, arg, pretrained in grid(archs, sources, tasks):
     workdir = os.path.join(root, name)
