@@ -10,7 +10,10 @@ On the embedded synthetic_scenes narrations, sized for a 2-core CPU (a few minut
 Ablations (arguments combine with commas; any key can also be overridden with --config.KEY=VALUE):
   loss=both|contrastive|localization   L_C + L_L (the paper), L_C only, L_L only (Table 4)
   scales=1|1+2|1+2+4                    trace supervision at 1x, 1x and 2x (the paper), up to 4x (Table 5)
-  oracle=True                           ground-truth masks instead of traces (Table 5; synthetic_scenes only)
+  oracle=True                           ground-truth masks instead of traces (Table 5; synthetic_scenes only).
+                                        Only shape words are supervised, so eq. 3's gradient is ~3x larger
+                                        than with traces; at runlocal add --config.method.localization_weight=0.33
+                                        or the run collapses (README, LocTex)
   contrastive=per_device|global         InfoNCE negatives from each device's sub-batch (paper) or the batch
   openimages=True                       COCO + Open Images narrations (the paper's scaled-up LocTex)
   steps=N                               training steps instead of the recipe's epochs
