@@ -3,7 +3,9 @@
 image-caption space). The momentum (key) encoders are the same module applied with momentum parameters.
 
 The text tower is either trained from scratch (`TextEncoder`, the paper's 'scratch' variant) or a pretrained BERT
-(`vlrep.models.bert.BertEncoder`, Hugging Face's tree, so its checkpoint drops in), fine-tuned with the tower's LR."""
+(`vlrep.models.bert.BertEncoder`, Hugging Face's tree, so its checkpoint drops in), fine-tuned with the tower's LR.
+vlrep's BertEncoder has no dropout (it was written for ICMLM's frozen BERT), so this tower trains without any,
+unlike BERT fine-tuning's usual 0.1."""
 
 from __future__ import annotations
 
