@@ -374,3 +374,37 @@ def test_config_tasks_and_pretraining_fractions():
     cfg.get_config("stage=finetune,fraction=10")
   with pytest.raises(ValueError, match="analogues"):
     cfg.get_config("runlocal,stage=finetune,task=mmimdb")
+
+
+def test_study_grid_seeds_and_tables_average_the_seeds(tmp_path):
+  from vlrep.tools import vl_study
+
+  runs = vl_study.grid(["vilbert"], ["none", "captions"], ["vqa"], seeds=(0, 3))
+  names = [r[0] for r in runs]
+  # One pretraining run per source, before the downstream runs that load it; seed 0 keeps the plain name.
+  assert names[0] == "vilbert_captions"
+  assert "vilbert_captions_vqa_frozen" in names and "vilbert_captions_vqa_frozen_s3" in names
+  by_name = {r[0]: r for r in runs}
+  assert by_name["vilbert_captions_vqa_frozen_s3"][1:] == (
+    "arch=vilbert,stage=finetune,task=vqa,frozen",
+    "vilbert_captions",
+    ["seed=3"],
+  )
+  assert by_name["vilbert_none_vqa_finetune"][2:] == ("", [])
+  assert len(names) == 1 + 2 * 2 * 2
+
+  scores = {"vilbert_none_vqa_frozen": 50.0, "vilbert_none_vqa_frozen_s3": 56.0, "vilbert_captions_vqa_frozen": 40.0}
+  for name, score in scores.items():
+    os.makedirs(tmp_path / name)
+    with open(tmp_path / name / "summary.json", "w") as f:
+      json.dump({"task/vqa_best": score, "preempted": False}, f)
+  assert vl_study.cell(str(tmp_path), "vilbert", "none", "vqa", "frozen", (0, 3)) == (53.0, [50.0, 56.0])
+  # A seed not run yet is shown as missing and left out of the mean.
+  assert vl_study.cell(str(tmp_path), "vilbert", "captions", "vqa", "frozen", (0, 3)) == (40.0, [40.0, None])
+  md = vl_study.tables(str(tmp_path), ["vilbert"], ["none", "captions"], ["vqa"], seeds=(0, 3))
+  assert "| vilbert | none | 53.00 (50.00 / 56.00) |" in md
+  assert "| vilbert | captions | 40.00 (40.00 / —) |" in md
+  single = vl_study.tables(str(tmp_path), ["vilbert"], ["none"], ["vqa"])
+  assert "| vilbert | none | 50.00 |" in single
+  with pytest.raises(ValueError, match="distinct seeds"):
+    vl_study.study("configs/vlbert.py:runlocal", str(tmp_path), ["vilbert"], ["none"], ["vqa"], seeds=(1, 1))

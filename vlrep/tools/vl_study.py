@@ -5,10 +5,12 @@ pretrained model (and BERT alone: no pretraining) on each task with the base fin
       --archs=visual_bert,vilbert --sources=none,captions,questions,ood_captions,generated --tasks=vqa,ve \
       --generated=/tmp/ood_generated.json
 
-Runs go to ROOT/<arch>_<source> (pretraining) and ROOT/<arch>_<source>_<task>_<finetune|frozen>; finished ones are
-skipped and interrupted ones resume (as `vlrep.tools.sweep`). The tables, ROOT/study.md, have the paper's layout:
-one per mode (fine-tuned, frozen base), rows = model x pretraining data, columns = tasks, each cell the task's
-best validation score over the run's evaluations. ROOT/study.png plots them.
+Runs go to ROOT/<arch>_<source> (pretraining) and ROOT/<arch>_<source>_<task>_<finetune|frozen> (seed 0; other
+--seeds add `_s<seed>`); finished ones are skipped and interrupted ones resume (as `vlrep.tools.sweep`). The
+tables, ROOT/study.md, have the paper's layout: one per mode (fine-tuned, frozen base), rows = model x pretraining
+data, columns = tasks, each cell the task's best validation score over the run's evaluations — with several
+--seeds, the mean over the seeds' fine-tuning runs followed by each seed's score. Seeds vary the downstream run
+(head initialisation, data order) of one pretraining run per source. ROOT/study.png plots the means.
 --collect_only tabulates what exists (runs trained elsewhere).
 """
 
@@ -30,22 +32,39 @@ TASK_NAMES = {"vqa": "VQA acc", "vizwiz": "VizWiz acc", "ve": "entailment acc", 
 MODES = ("finetune", "frozen")
 
 
-def grid(archs, sources, tasks):
-  """[(workdir name, config argument, pretraining run name or '')] in dependency order."""
+def finetune_name(arch: str, source: str, task: str, mode: str, seed: int = 0) -> str:
+  return f"{arch}_{source}_{task}_{mode}" + (f"_s{seed}" if seed else "")
+
+
+def grid(archs, sources, tasks, seeds=(0,)):
+  """[(workdir name, config argument, pretraining run name or '', extra overrides)] in dependency order."""
   runs = []
   for arch in archs:
     for source in sources:
       if source != "none":
-        runs.append((f"{arch}_{source}", f"arch={arch},stage=pretrain,data={source}", ""))
+        runs.append((f"{arch}_{source}", f"arch={arch},stage=pretrain,data={source}", "", []))
     for source in sources:
       for task in tasks:
         for mode in MODES:
-          arg = f"arch={arch},stage=finetune,task={task}" + (",frozen" if mode == "frozen" else "")
-          runs.append((f"{arch}_{source}_{task}_{mode}", arg, "" if source == "none" else f"{arch}_{source}"))
+          for seed in seeds:
+            arg = f"arch={arch},stage=finetune,task={task}" + (",frozen" if mode == "frozen" else "")
+            pretrained = "" if source == "none" else f"{arch}_{source}"
+            extra = [f"seed={seed}"] if seed else []
+            runs.append((finetune_name(arch, source, task, mode, seed), arg, pretrained, extra))
   return runs
 
 
-def tables(root: str, archs, sources, tasks) -> str:
+def cell(root: str, arch: str, source: str, task: str, mode: str, seeds=(0,)):
+  """(mean of the seeds' best scores or None, [each seed's score or None])."""
+  scores = []
+  for seed in seeds:
+    workdir = os.path.join(root, finetune_name(arch, source, task, mode, seed))
+    scores.append(sweep.collect([("", {}, workdir)], [METRIC[task]])[0][METRIC[task]])
+  found = [s for s in scores if s is not None]
+  return (sum(found) / len(found) if found else None), scores
+
+
+def tables(root: str, archs, sources, tasks, seeds=(0,)) -> str:
   out = []
   for mode in MODES:
     title = "fine-tuned" if mode == "finetune" else "frozen base (only the head trains)"
@@ -55,14 +74,18 @@ def tables(root: str, archs, sources, tasks) -> str:
       for source in sources:
         row = {"model": arch, "pretrained on": source}
         for task in tasks:
-          summary = sweep.collect([("", {}, os.path.join(root, f"{arch}_{source}_{task}_{mode}"))], [METRIC[task]])
-          row[TASK_NAMES[task]] = summary[0][METRIC[task]]
+          mean, scores = cell(root, arch, source, task, mode, seeds)
+          if len(seeds) > 1 and mean is not None:
+            each = " / ".join("—" if s is None else f"{s:.2f}" for s in scores)
+            row[TASK_NAMES[task]] = f"{mean:.2f} ({each})"
+          else:
+            row[TASK_NAMES[task]] = mean
         rows.append(row)
     out.append(sweep.markdown(rows, ["model", "pretrained on", *[TASK_NAMES[t] for t in tasks]]))
   return "\n".join(out)
 
 
-def plot(root: str, archs, sources, tasks, path: str) -> None:
+def plot(root: str, archs, sources, tasks, path: str, seeds=(0,)) -> None:
   import matplotlib
 
   matplotlib.use("Agg")
@@ -77,8 +100,8 @@ def plot(root: str, archs, sources, tasks, path: str) -> None:
       for k, arch in enumerate(archs):
         vals = []
         for source in sources:
-          s = sweep.collect([("", {}, os.path.join(root, f"{arch}_{source}_{task}_{mode}"))], [METRIC[task]])
-          vals.append(np.nan if s[0][METRIC[task]] is None else s[0][METRIC[task]])
+          mean, _ = cell(root, arch, source, task, mode, seeds)
+          vals.append(np.nan if mean is None else mean)
         ax.bar(np.arange(len(sources)) + k * width, vals, width, label=arch)
       ax.set_xticks(np.arange(len(sources)) + width * (len(archs) - 1) / 2, sources, fontsize=7)
       ax.set_title(f"{TASK_NAMES[task]}, {mode}", fontsize=9)
@@ -89,26 +112,29 @@ def plot(root: str, archs, sources, tasks, path: str) -> None:
   plt.close(fig)
 
 
-def study(config, root, archs, sources, tasks, generated="", collect_only=False, overrides=()):
+def study(config, root, archs, sources, tasks, generated="", collect_only=False, overrides=(), seeds=(0,)):
   path, _, base_arg = config.partition(":")
   if "generated" in sources and not generated and not collect_only:
     raise ValueError("--sources has 'generated': give --generated=PATH (vlrep.tools.generate_captions).")
-  for name, arg, pretrained in grid(archs, sources, tasks):
+  seeds = tuple(int(s) for s in seeds)
+  if not seeds or len(set(seeds)) != len(seeds):
+    raise ValueError(f"--seeds must list distinct seeds, got {seeds}.")
+  for name, arg, pretrained, seed_overrides in grid(archs, sources, tasks, seeds):
     workdir = os.path.join(root, name)
     if collect_only or sweep.finished(workdir):
       continue
-    extra = list(overrides)
+    extra = list(overrides) + seed_overrides
     if pretrained:
       extra.append(f"method.pretrained_run={os.path.join(root, pretrained)}")
     if name.endswith("_generated"):
       arg += f",generated={generated}"
     sweep.run_variant(f"{path}:{','.join(filter(None, [base_arg, arg]))}", workdir, extra, None)
-  md = tables(root, archs, sources, tasks)
+  md = tables(root, archs, sources, tasks, seeds)
   os.makedirs(root, exist_ok=True)
   md_path, png_path = os.path.join(root, "study.md"), os.path.join(root, "study.png")
   with open(md_path, "w") as f:
     f.write(f"Study of `{config}`: best validation score per run\n\n{md}")
-  plot(root, archs, sources, tasks, png_path)
+  plot(root, archs, sources, tasks, png_path, seeds)
   logging.info("Wrote %s and %s", md_path, png_path)
   return md_path, png_path
 
@@ -118,7 +144,15 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   f = flags.FLAGS
   md_path, _ = study(
-    f.config, f.root, f.archs, f.sources, f.tasks, f.generated, f.collect_only, [o for o in f.overrides if o]
+    f.config,
+    f.root,
+    f.archs,
+    f.sources,
+    f.tasks,
+    f.generated,
+    f.collect_only,
+    [o for o in f.overrides if o],
+    f.seeds,
   )
   with open(md_path) as fh:
     print(fh.read())
@@ -132,6 +166,7 @@ if __name__ == "__main__":
   flags.DEFINE_list("tasks", ["vqa", "ve"], "Downstream tasks.")
   flags.DEFINE_string("generated", "", "Generated-caption JSON for the 'generated' source.")
   flags.DEFINE_bool("collect_only", False, "Do not train; tabulate the runs found under --root.")
+  flags.DEFINE_list("seeds", ["0"], "Seeds of every downstream run; cells show their mean and each seed's score.")
   flags.DEFINE_list("overrides", [], "Extra --config.KEY=VALUE flags for every run (without the prefix).")
   flags.mark_flags_as_required(["root"])
   app.run(main)
