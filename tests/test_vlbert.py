@@ -408,3 +408,8 @@ def test_study_grid_seeds_and_tables_average_the_seeds(tmp_path):
   assert "| vilbert | none | 50.00 |" in single
   with pytest.raises(ValueError, match="distinct seeds"):
     vl_study.study("configs/vlbert.py:runlocal", str(tmp_path), ["vilbert"], ["none"], ["vqa"], seeds=(1, 1))
+  frozen_only = vl_study.grid(["vilbert"], ["none"], ["vqa"], modes=("frozen",))
+  assert [r[0] for r in frozen_only] == ["vilbert_none_vqa_frozen"]
+  assert "fine-tuned" not in vl_study.tables(str(tmp_path), ["vilbert"], ["none"], ["vqa"], modes=("frozen",))
+  with pytest.raises(ValueError, match="--modes"):
+    vl_study.study("configs/vlbert.py:runlocal", str(tmp_path), ["vilbert"], ["none"], ["vqa"], modes=("linear",))

@@ -6,11 +6,12 @@ pretrained model (and BERT alone: no pretraining) on each task with the base fin
       --generated=/tmp/ood_generated.json
 
 Runs go to ROOT/<arch>_<source> (pretraining) and ROOT/<arch>_<source>_<task>_<finetune|frozen> (seed 0; other
---seeds add `_s<seed>`); finished ones are skipped and interrupted ones resume (as `vlrep.tools.sweep`). The
-tables, ROOT/study.md, have the paper's layout: one per mode (fine-tuned, frozen base), rows = model x pretraining
-data, columns = tasks, each cell the task's best validation score over the run's evaluations — with several
---seeds, the mean over the seeds' fine-tuning runs followed by each seed's score. Seeds vary the downstream run
-(head initialisation, data order) of one pretraining run per source. ROOT/study.png plots the means.
+--seeds add `_s<seed>`; --modes=frozen runs only the frozen-base column); finished ones are skipped and interrupted
+ones resume (as `vlrep.tools.sweep`). The tables, ROOT/study.md, have the paper's layout: one per mode (fine-tuned,
+frozen base), rows = model x pretraining data, columns = tasks, each cell the task's best validation score over the
+run's evaluations — with several --seeds, the mean over the seeds' downstream runs followed by each seed's score.
+Seeds vary the downstream run (head initialisation, data order) of one pretraining run per source.
+ROOT/study.png plots the means.
 --collect_only tabulates what exists (runs trained elsewhere).
 """
 
@@ -36,7 +37,7 @@ def finetune_name(arch: str, source: str, task: str, mode: str, seed: int = 0) -
   return f"{arch}_{source}_{task}_{mode}" + (f"_s{seed}" if seed else "")
 
 
-def grid(archs, sources, tasks, seeds=(0,)):
+def grid(archs, sources, tasks, seeds=(0,), modes=MODES):
   """[(workdir name, config argument, pretraining run name or '', extra overrides)] in dependency order."""
   runs = []
   for arch in archs:
@@ -45,7 +46,7 @@ def grid(archs, sources, tasks, seeds=(0,)):
         runs.append((f"{arch}_{source}", f"arch={arch},stage=pretrain,data={source}", "", []))
     for source in sources:
       for task in tasks:
-        for mode in MODES:
+        for mode in modes:
           for seed in seeds:
             arg = f"arch={arch},stage=finetune,task={task}" + (",frozen" if mode == "frozen" else "")
             pretrained = "" if source == "none" else f"{arch}_{source}"
@@ -64,9 +65,9 @@ def cell(root: str, arch: str, source: str, task: str, mode: str, seeds=(0,)):
   return (sum(found) / len(found) if found else None), scores
 
 
-def tables(root: str, archs, sources, tasks, seeds=(0,)) -> str:
+def tables(root: str, archs, sources, tasks, seeds=(0,), modes=MODES) -> str:
   out = []
-  for mode in MODES:
+  for mode in modes:
     title = "fine-tuned" if mode == "finetune" else "frozen base (only the head trains)"
     out.append(f"**{title}**\n")
     rows = []
@@ -85,17 +86,17 @@ def tables(root: str, archs, sources, tasks, seeds=(0,)) -> str:
   return "\n".join(out)
 
 
-def plot(root: str, archs, sources, tasks, path: str, seeds=(0,)) -> None:
+def plot(root: str, archs, sources, tasks, path: str, seeds=(0,), modes=MODES) -> None:
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   import numpy as np
 
-  fig, axes = plt.subplots(len(tasks), len(MODES), figsize=(5 * len(MODES), 3 * len(tasks)), dpi=110, squeeze=False)
+  fig, axes = plt.subplots(len(tasks), len(modes), figsize=(5 * len(modes), 3 * len(tasks)), dpi=110, squeeze=False)
   width = 0.8 / max(len(archs), 1)
   for i, task in enumerate(tasks):
-    for j, mode in enumerate(MODES):
+    for j, mode in enumerate(modes):
       ax = axes[i][j]
       for k, arch in enumerate(archs):
         vals = []
@@ -112,14 +113,16 @@ def plot(root: str, archs, sources, tasks, path: str, seeds=(0,)) -> None:
   plt.close(fig)
 
 
-def study(config, root, archs, sources, tasks, generated="", collect_only=False, overrides=(), seeds=(0,)):
+def study(config, root, archs, sources, tasks, generated="", collect_only=False, overrides=(), seeds=(0,), modes=MODES):
   path, _, base_arg = config.partition(":")
   if "generated" in sources and not generated and not collect_only:
     raise ValueError("--sources has 'generated': give --generated=PATH (vlrep.tools.generate_captions).")
   seeds = tuple(int(s) for s in seeds)
   if not seeds or len(set(seeds)) != len(seeds):
     raise ValueError(f"--seeds must list distinct seeds, got {seeds}.")
-  for name, arg, pretrained, seed_overrides in grid(archs, sources, tasks, seeds):
+  if not modes or set(modes) - set(MODES):
+    raise ValueError(f"--modes must be among {MODES}, got {modes}.")
+  for name, arg, pretrained, seed_overrides in grid(archs, sources, tasks, seeds, modes):
     workdir = os.path.join(root, name)
     if collect_only or sweep.finished(workdir):
       continue
@@ -129,12 +132,12 @@ def study(config, root, archs, sources, tasks, generated="", collect_only=False,
     if name.endswith("_generated"):
       arg += f",generated={generated}"
     sweep.run_variant(f"{path}:{','.join(filter(None, [base_arg, arg]))}", workdir, extra, None)
-  md = tables(root, archs, sources, tasks, seeds)
+  md = tables(root, archs, sources, tasks, seeds, modes)
   os.makedirs(root, exist_ok=True)
   md_path, png_path = os.path.join(root, "study.md"), os.path.join(root, "study.png")
   with open(md_path, "w") as f:
     f.write(f"Study of `{config}`: best validation score per run\n\n{md}")
-  plot(root, archs, sources, tasks, png_path, seeds)
+  plot(root, archs, sources, tasks, png_path, seeds, modes)
   logging.info("Wrote %s and %s", md_path, png_path)
   return md_path, png_path
 
@@ -153,6 +156,7 @@ def main(argv):
     f.collect_only,
     [o for o in f.overrides if o],
     f.seeds,
+    f.modes,
   )
   with open(md_path) as fh:
     print(fh.read())
@@ -166,6 +170,7 @@ if __name__ == "__main__":
   flags.DEFINE_list("tasks", ["vqa", "ve"], "Downstream tasks.")
   flags.DEFINE_string("generated", "", "Generated-caption JSON for the 'generated' source.")
   flags.DEFINE_bool("collect_only", False, "Do not train; tabulate the runs found under --root.")
+  flags.DEFINE_list("modes", list(MODES), "Downstream modes: finetune (whole model), frozen (head only).")
   flags.DEFINE_list("seeds", ["0"], "Seeds of every downstream run; cells show their mean and each seed's score.")
   flags.DEFINE_list("overrides", [], "Extra --config.KEY=VALUE flags for every run (without the prefix).")
   flags.mark_flags_as_required(["root"])
