@@ -376,7 +376,7 @@ def test_config_tasks_and_pretraining_fractions():
     cfg.get_config("runlocal,stage=finetune,task=mmimdb")
 
 
-def test_study_grid_seeds_and_tables_average_the_seeds(tmp_path):
+def test_study_grid_seeds_and_tables_average_the_seeds(tmp_path, monkeypatch):
   from vlrep.tools import vl_study
 
   runs = vl_study.grid(["vilbert"], ["none", "captions"], ["vqa"], seeds=(0, 3))
@@ -413,3 +413,26 @@ def test_study_grid_seeds_and_tables_average_the_seeds(tmp_path):
   assert "fine-tuned" not in vl_study.tables(str(tmp_path), ["vilbert"], ["none"], ["vqa"], modes=("frozen",))
   with pytest.raises(ValueError, match="--modes"):
     vl_study.study("configs/vlbert.py:runlocal", str(tmp_path), ["vilbert"], ["none"], ["vqa"], modes=("linear",))
+  # Which runs study() starts, and with which overrides: downstream ones alone get downstream_overrides.
+  calls = []
+  record = lambda cfg, wd, extra, ev: calls.append((os.path.basename(wd), extra))  # noqa: E731
+  monkeypatch.setattr(vl_study.sweep, "run_variant", record)
+  vl_study.study(
+    "configs/vlbert.py:runlocal",
+    str(tmp_path / "new"),
+    ["vilbert"],
+    ["none", "captions"],
+    ["vqa"],
+    overrides=["log_every_steps=7"],
+    seeds=(0, 1),
+    modes=("frozen",),
+    downstream_overrides=["total_steps=600"],
+  )
+  pre = "method.pretrained_run=" + str(tmp_path / "new" / "vilbert_captions")
+  assert calls == [
+    ("vilbert_captions", ["log_every_steps=7"]),
+    ("vilbert_none_vqa_frozen", ["log_every_steps=7", "total_steps=600"]),
+    ("vilbert_none_vqa_frozen_s1", ["log_every_steps=7", "seed=1", "total_steps=600"]),
+    ("vilbert_captions_vqa_frozen", ["log_every_steps=7", "total_steps=600", pre]),
+    ("vilbert_captions_vqa_frozen_s1", ["log_every_steps=7", "seed=1", "total_steps=600", pre]),
+  ]

@@ -113,7 +113,21 @@ def plot(root: str, archs, sources, tasks, path: str, seeds=(0,), modes=MODES) -
   plt.close(fig)
 
 
-def study(config, root, archs, sources, tasks, generated="", collect_only=False, overrides=(), seeds=(0,), modes=MODES):
+def study(
+  config,
+  root,
+  archs,
+  sources,
+  tasks,
+  generated="",
+  collect_only=False,
+  overrides=(),
+  seeds=(0,),
+  modes=MODES,
+  downstream_overrides=(),
+):
+  """Runs what is missing of the grid, then writes ROOT/study.md and ROOT/study.png. `overrides` go to every run,
+  `downstream_overrides` to the fine-tuning / frozen runs only (e.g. a longer head budget)."""
   path, _, base_arg = config.partition(":")
   if "generated" in sources and not generated and not collect_only:
     raise ValueError("--sources has 'generated': give --generated=PATH (vlrep.tools.generate_captions).")
@@ -126,7 +140,7 @@ def study(config, root, archs, sources, tasks, generated="", collect_only=False,
     workdir = os.path.join(root, name)
     if collect_only or sweep.finished(workdir):
       continue
-    extra = list(overrides) + seed_overrides
+    extra = list(overrides) + seed_overrides + (list(downstream_overrides) if "stage=finetune" in arg else [])
     if pretrained:
       extra.append(f"method.pretrained_run={os.path.join(root, pretrained)}")
     if name.endswith("_generated"):
@@ -157,6 +171,7 @@ def main(argv):
     [o for o in f.overrides if o],
     f.seeds,
     f.modes,
+    [o for o in f.downstream_overrides if o],
   )
   with open(md_path) as fh:
     print(fh.read())
@@ -172,6 +187,9 @@ if __name__ == "__main__":
   flags.DEFINE_bool("collect_only", False, "Do not train; tabulate the runs found under --root.")
   flags.DEFINE_list("modes", list(MODES), "Downstream modes: finetune (whole model), frozen (head only).")
   flags.DEFINE_list("seeds", ["0"], "Seeds of every downstream run; cells show their mean and each seed's score.")
+  flags.DEFINE_list(
+    "downstream_overrides", [], "Extra --config.KEY=VALUE flags for the fine-tuning / frozen runs only."
+  )
   flags.DEFINE_list("overrides", [], "Extra --config.KEY=VALUE flags for every run (without the prefix).")
   flags.mark_flags_as_required(["root"])
   app.run(main)
