@@ -406,6 +406,8 @@ def test_study_grid_seeds_and_tables_average_the_seeds(tmp_path, monkeypatch):
   assert "| vilbert | captions | 40.00 (40.00 / —) |" in md
   single = vl_study.tables(str(tmp_path), ["vilbert"], ["none"], ["vqa"])
   assert "| vilbert | none | 50.00 |" in single
+  with pytest.raises(ValueError, match="must be integers"):
+    vl_study.study("configs/vlbert.py:runlocal", str(tmp_path), ["vilbert"], ["none"], ["vqa"], seeds=["a"])
   with pytest.raises(ValueError, match="distinct seeds"):
     vl_study.study("configs/vlbert.py:runlocal", str(tmp_path), ["vilbert"], ["none"], ["vqa"], seeds=(1, 1))
   frozen_only = vl_study.grid(["vilbert"], ["none"], ["vqa"], modes=("frozen",))

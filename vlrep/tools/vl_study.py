@@ -37,8 +37,9 @@ def finetune_name(arch: str, source: str, task: str, mode: str, seed: int = 0) -
   return f"{arch}_{source}_{task}_{mode}" + (f"_s{seed}" if seed else "")
 
 
-def grid(archs, sources, tasks, seeds=(0,), modes=MODES):
-  """[(workdir name, config argument, pretraining run name or '', extra overrides)] in dependency order."""
+def grid(archs, sources, tasks, seeds=(0,), modes=MODES, downstream_overrides=()):
+  """[(workdir name, config argument, pretraining run name or '', extra overrides)] in dependency order; the
+  downstream runs' extra overrides are their seed (when not 0) and `downstream_overrides`."""
   runs = []
   for arch in archs:
     for source in sources:
@@ -50,7 +51,7 @@ def grid(archs, sources, tasks, seeds=(0,), modes=MODES):
           for seed in seeds:
             arg = f"arch={arch},stage=finetune,task={task}" + (",frozen" if mode == "frozen" else "")
             pretrained = "" if source == "none" else f"{arch}_{source}"
-            extra = [f"seed={seed}"] if seed else []
+            extra = ([f"seed={seed}"] if seed else []) + list(downstream_overrides)
             runs.append((finetune_name(arch, source, task, mode, seed), arg, pretrained, extra))
   return runs
 
@@ -131,16 +132,19 @@ def study(
   path, _, base_arg = config.partition(":")
   if "generated" in sources and not generated and not collect_only:
     raise ValueError("--sources has 'generated': give --generated=PATH (vlrep.tools.generate_captions).")
-  seeds = tuple(int(s) for s in seeds)
+  try:
+    seeds = tuple(int(s) for s in seeds)
+  except ValueError:
+    raise ValueError(f"--seeds must be integers, got {list(seeds)}.") from None
   if not seeds or len(set(seeds)) != len(seeds):
     raise ValueError(f"--seeds must list distinct seeds, got {seeds}.")
   if not modes or set(modes) - set(MODES):
     raise ValueError(f"--modes must be among {MODES}, got {modes}.")
-  for name, arg, pretrained, seed_overrides in grid(archs, sources, tasks, seeds, modes):
+  for name, arg, pretrained, run_overrides in grid(archs, sources, tasks, seeds, modes, downstream_overrides):
     workdir = os.path.join(root, name)
     if collect_only or sweep.finished(workdir):
       continue
-    extra = list(overrides) + seed_overrides + (list(downstream_overrides) if "stage=finetune" in arg else [])
+    extra = list(overrides) + run_overrides
     if pretrained:
       extra.append(f"method.pretrained_run={os.path.join(root, pretrained)}")
     if name.endswith("_generated"):
