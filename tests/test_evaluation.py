@@ -393,3 +393,14 @@ def test_finetune_starts_from_the_pretrained_backbone(tiny_run, tmp_path):
     config="tests/tiny_finetune.py",
   )
   assert bad.returncode != 0 and "different model" in bad.stderr
+
+
+def test_negative_or_fractional_every_steps_is_refused_before_any_evaluator_is_built():
+  from vlrep import evaluators
+
+  # type 'nope' would fail in build(): the every_steps check must come first and name the evaluator.
+  for every in (-1, 2.5):
+    with pytest.raises(ValueError, match=r"evals\.probe\.every_steps="):
+      evaluators.build_all(ConfigDict({"probe": {"type": "nope", "every_steps": every}}), {})
+  with pytest.raises(ValueError, match="Unknown evaluator type"):
+    evaluators.build_all(ConfigDict({"probe": {"type": "nope", "every_steps": 0}}), {})

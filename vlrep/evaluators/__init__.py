@@ -65,4 +65,11 @@ def build(config, context: dict, host: int = 0, num_hosts: int = 1):
 
 
 def build_all(evals_config, context: dict, host: int = 0, num_hosts: int = 1) -> dict:
+  for name, cfg in evals_config.items():
+    every = cfg.get("every_steps", 0)
+    if not isinstance(every, int) or every < 0:
+      # (A negative value would pass `step % every == 0` at every step and evaluate after each one.)
+      raise ValueError(
+        f"evals.{name}.every_steps={every!r}: use a step count > 0, or 0 to evaluate only after the last step."
+      )
   return {name: build(cfg, context, host, num_hosts) for name, cfg in evals_config.items()}
