@@ -281,6 +281,48 @@ def test_captions_without_a_concept_are_skipped_and_counted(minilm):
     methods.build(config.method, tok.vocab_size, concepts=None)
 
 
+def test_visual_attention_metric_is_the_masked_tokens_share_on_the_image(minilm):
+  """`visual_attention`: tfm's masked-token attention mass on the visual tokens; att-fc's largest pooling weight.
+  With the key projection (tfm) or head mixing (att-fc) zeroed every score is equal, so the exact values are
+  known: cells / (cells + the caption's non-padding tokens), and 1 / cells."""
+  import tiny_icmlm
+
+  from vlrep import methods
+
+  tok = WordPieceTokenizer(minilm[3])
+  concepts = concepts_lib.postag_concepts(CAPTIONS, 10, ("NOUN", "ADJ"), tok)
+  tokens = np.stack([tok.encode(c, 16)[0] for c in CAPTIONS])
+  batch = {"image": np.random.default_rng(0).normal(size=(3, 64, 64, 3)).astype(np.float32), "tokens": tokens}
+  batch["tags"] = np.stack([concepts.tags([c]) for c in CAPTIONS])
+  lengths = (tokens != 0).sum(1)
+  for variant in ("tfm", "att_fc"):
+    config = tiny_icmlm.get_config(f"variant={variant}")
+    method = methods.build(config.method, tok.vocab_size, concepts=concepts)
+    variables = jax.jit(method.init)(jax.random.PRNGKey(0), batch)
+    variables["bert"] = minilm[1]
+    loss_fn = jax.jit(method.loss, static_argnames="train")
+    _, metrics, state = loss_fn(variables, batch, jax.random.PRNGKey(1), train=False)
+    assert 0 < float(metrics["visual_attention"]) < 1 and "intermediates" not in state
+    if variant == "tfm":  # the masked token's row, found here by hand from the same masking draw
+      pos = np.asarray(
+        icmlm.choose_masked_concepts(tokens, method.concept_mask, jax.random.split(jax.random.PRNGKey(1))[0])[0]
+      )
+      _, inter = method._apply(variables, batch["image"], tokens, pos, jax.random.PRNGKey(0), False, ("intermediates",))
+      weights = np.asarray(inter["intermediates"]["tfm_0"]["self_attention_weights"][0]).mean(1)  # [B, S, S]
+      by_hand = np.mean([weights[i, 4 + pos[i], :4].sum() for i in range(3)])
+      np.testing.assert_allclose(float(metrics["visual_attention"]), by_hand, rtol=1e-5)
+    params = jax.tree.map(lambda x: x, variables["params"])
+    if variant == "tfm":
+      key = params["tfm_0"]["self_attention"]["key"]
+      key["kernel"], key["bias"] = jnp.zeros_like(key["kernel"]), jnp.zeros_like(key["bias"])
+      expected = np.mean(4 / (4 + lengths))  # 64 px through the ResNet: a 2x2 grid
+    else:
+      params["att"]["sigma_h"]["kernel"] = jnp.zeros_like(params["att"]["sigma_h"]["kernel"])
+      expected = 1 / 4
+    _, metrics, _ = loss_fn({**variables, "params": params}, batch, jax.random.PRNGKey(1), train=False)
+    np.testing.assert_allclose(float(metrics["visual_attention"]), expected, rtol=1e-5)
+
+
 def test_vgg16_backbone_option_builds_every_variant(minilm):
   import tiny_icmlm
 

@@ -134,7 +134,10 @@ class ICMLM:
   def loss(self, variables, batch, rng, train: bool = True):
     mask_rng, dropout_rng = jax.random.split(rng)
     metrics = {}
-    out, new_state, targets, valid = self._forward(variables, batch, mask_rng, dropout_rng, train)
+    # tfm keeps its attention weights for the `visual_attention` metric (dropped from the returned state).
+    extra = ("intermediates",) if self.variant == "tfm" else ()
+    out, new_state, targets, valid = self._forward(variables, batch, mask_rng, dropout_rng, train, extra)
+    new_state = {k: v for k, v in new_state.items() if k != "intermediates"}
     loss = 0.0
     if self.variant != "tp":
       logits = out["mlm_logits"]
@@ -145,6 +148,11 @@ class ICMLM:
       metrics["mlm_loss"] = mlm
       metrics["mlm_top1"] = jnp.sum(top_k_hits(logits, targets, 1) * w) / jnp.maximum(w.sum(), 1.0)
       metrics["captions_without_concept"] = jnp.sum(~valid & ~self._empty(batch)).astype(jnp.float32)
+      if "visual_mass" in out:
+        # Share of the masked token's attention that goes to the image (tfm) or the largest grid cell's share
+        # of the pooling (att-fc): near 0 the tfm has learned to ignore the image, near 1/cells att-fc's
+        # pooling is still uniform (the paper's warm-up remark).
+        metrics["visual_attention"] = jnp.sum(out["visual_mass"] * w) / jnp.maximum(w.sum(), 1.0)
       loss = mlm
     if "tag_logits" in out:
       tp = normalized_tag_loss(out["tag_logits"], batch["tags"])
@@ -189,14 +197,21 @@ class ICMLM:
     n = batch["image"].shape[0]
     return batch["stat_empty"] if "stat_empty" in batch else jnp.zeros((n,), bool)
 
-  def _forward(self, variables, batch, mask_rng, dropout_rng, train):
+  def _forward(self, variables, batch, mask_rng, dropout_rng, train, extra_mutable=()):
     if self.variant == "tp":
       out, state = self._apply(variables, batch["image"], None, None, dropout_rng, train)
       return out, state, None, None
     tokens = batch["tokens"]
     positions, has_concept = choose_masked_concepts(tokens, self.concept_mask, mask_rng)
     targets = jnp.take_along_axis(tokens, positions[:, None], axis=1)[:, 0]
-    out, state = self._apply(variables, batch["image"], tokens, positions, dropout_rng, train)
+    out, state = self._apply(variables, batch["image"], tokens, positions, dropout_rng, train, extra_mutable)
+    if "attention" in out:  # att-fc
+      out["visual_mass"] = jnp.max(out["attention"].reshape(out["attention"].shape[0], -1), axis=1)
+    elif "intermediates" in state:  # tfm: the last layer's attention of the masked token, mean over heads
+      weights = state["intermediates"][f"tfm_{self.config.tfm_layers - 1}"]["self_attention_weights"][0]
+      n_visual = weights.shape[-1] - tokens.shape[1]
+      rows = jnp.take_along_axis(weights.mean(1), (positions + n_visual)[:, None, None], axis=1)[:, 0]
+      out["visual_mass"] = rows[:, :n_visual].sum(-1)
     return out, state, targets, has_concept & ~self._empty(batch)
 
   def _apply(self, variables, images, tokens, positions, dropout_rng, train, extra_mutable=()):
