@@ -11,8 +11,11 @@ pytorch_model.bin, vocab.txt); without `bert=` the packaged MiniLM-L6-H384 is us
   python -m vlrep.main --config=configs/icmlm.py:variant=tfm,bert=/data/bert-base-uncased \
     --config.init_from=$W/tp_postag --workdir=$W/icmlm_tfm
 
-On the embedded synthetic_scenes (64 px, ResNet-26 w16, MiniLM), sized for a 2-core CPU:
-  python -m vlrep.main --config=configs/icmlm.py:runlocal,variant=att_fc --workdir=/tmp/icmlm_attfc
+On the embedded synthetic_scenes (64 px, ResNet-26 w16, MiniLM), sized for a 2-core CPU: TP 1500 steps, then
+ICMLM 300 from it with the backbone frozen for 150 (README "ICMLM" has the whole table's commands):
+  python -m vlrep.main --config=configs/icmlm.py:runlocal,variant=tp --workdir=/tmp/icmlm_tp
+  python -m vlrep.main --config=configs/icmlm.py:runlocal,variant=att_fc,warmup_frozen=150 \
+    --config.init_from=/tmp/icmlm_tp --workdir=/tmp/icmlm_attfc
 
 Arguments (comma-separated; any key can also be set with --config.KEY=VALUE):
   variant=tp|tfm|att_fc|text_only   the model (text_only: the masked-token baseline without the image)
