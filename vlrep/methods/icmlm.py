@@ -180,7 +180,6 @@ class ICMLM:
       return out["attention"]
     if self.variant != "tfm":
       raise ValueError(f"Variant {self.variant!r} has no attention over the image.")
-    weights = state["intermediates"][f"tfm_{self.config.tfm_layers - 1}"]["self_attention_weights"][0]  # [B, H, S, S]
     grid, _ = self.model.apply(
       {"params": variables["params"], "batch_stats": variables["batch_stats"]},
       images,
@@ -188,7 +187,7 @@ class ICMLM:
       method=ICMLMModel.encode_image,
     )
     gh, gw = grid.shape[1:3]
-    rows = jnp.take_along_axis(weights.mean(1), (positions + gh * gw)[:, None, None], axis=1)[:, 0, : gh * gw]
+    rows = self._masked_token_on_image(state, tokens, positions)
     return (rows / jnp.maximum(rows.sum(-1, keepdims=True), 1e-9)).reshape(-1, gh, gw)
 
   # -- helpers ------------------------------------------------------------------------------------------
@@ -207,12 +206,17 @@ class ICMLM:
     out, state = self._apply(variables, batch["image"], tokens, positions, dropout_rng, train, extra_mutable)
     if "attention" in out:  # att-fc
       out["visual_mass"] = jnp.max(out["attention"].reshape(out["attention"].shape[0], -1), axis=1)
-    elif "intermediates" in state:  # tfm: the last layer's attention of the masked token, mean over heads
-      weights = state["intermediates"][f"tfm_{self.config.tfm_layers - 1}"]["self_attention_weights"][0]
-      n_visual = weights.shape[-1] - tokens.shape[1]
-      rows = jnp.take_along_axis(weights.mean(1), (positions + n_visual)[:, None, None], axis=1)[:, 0]
-      out["visual_mass"] = rows[:, :n_visual].sum(-1)
+    elif "intermediates" in state:  # tfm
+      out["visual_mass"] = self._masked_token_on_image(state, tokens, positions).sum(-1)
     return out, state, targets, has_concept & ~self._empty(batch)
+
+  def _masked_token_on_image(self, state, tokens, positions):
+    """[B, cells]: the last tfm layer's attention (mean over heads) of the masked token on the visual tokens,
+    which come first in the sequence."""
+    weights = state["intermediates"][f"tfm_{self.config.tfm_layers - 1}"]["self_attention_weights"][0]  # [B,H,S,S]
+    n_visual = weights.shape[-1] - tokens.shape[1]
+    rows = jnp.take_along_axis(weights.mean(1), (positions + n_visual)[:, None, None], axis=1)[:, 0]
+    return rows[:, :n_visual]
 
   def _apply(self, variables, images, tokens, positions, dropout_rng, train, extra_mutable=()):
     v = {"params": variables["params"], "batch_stats": variables["batch_stats"]}
