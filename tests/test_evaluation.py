@@ -351,6 +351,54 @@ def test_sweep_tabulates_and_plots(tmp_path):
   ]
 
 
+def test_sweep_over_seeds_runs_each_seed_and_tabulates_means(tmp_path, monkeypatch):
+  from vlrep.tools import sweep
+
+  calls = []
+
+  def fake_run(cfg, workdir, overrides, eval_config):
+    # Each fake run's metric is known: 30 + seed for tfm, 20 + seed for att_fc (seed 2 of att_fc has none).
+    calls.append((os.path.basename(workdir), cfg, overrides))
+    seed = int(next((o.split("=")[1] for o in overrides if o.startswith("seed=")), 0))
+    summary = {"preempted": False}
+    if not ("att_fc" in cfg and seed == 2):
+      summary["probe/map"] = (30.0 if "tfm" in cfg else 20.0) + seed
+    os.makedirs(workdir)
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+      json.dump(summary, f)
+
+  monkeypatch.setattr(sweep, "run_variant", fake_run)
+  md, png = sweep.sweep(
+    "configs/icmlm.py:runlocal",
+    "variant=tfm att_fc",
+    str(tmp_path),
+    ["probe/map"],
+    overrides=["init_from=/r/tp{suffix}", "log_every_steps=7"],
+    seeds=["0", "1", "2"],
+  )
+  assert calls[:3] == [
+    ("varianttfm", "configs/icmlm.py:runlocal,variant=tfm", ["init_from=/r/tp", "log_every_steps=7"]),
+    ("varianttfm_s1", "configs/icmlm.py:runlocal,variant=tfm", ["init_from=/r/tp_s1", "log_every_steps=7", "seed=1"]),
+    ("varianttfm_s2", "configs/icmlm.py:runlocal,variant=tfm", ["init_from=/r/tp_s2", "log_every_steps=7", "seed=2"]),
+  ]
+  assert len(calls) == 6
+  table = open(md).read()
+  assert "seeds 0, 1, 2: mean (each seed)" in table
+  assert "| tfm | 31.00 (30.00 / 31.00 / 32.00) |" in table
+  assert "| att_fc | 20.50 (20.00 / 21.00 / —) |" in table  # the missing seed is shown and left out of the mean
+  assert os.path.getsize(png) > 1000
+  # Finished runs are not started again.
+  calls.clear()
+  sweep.sweep("configs/icmlm.py:runlocal", "variant=tfm att_fc", str(tmp_path), ["probe/map"], seeds=["0", "1", "2"])
+  assert calls == []
+  with pytest.raises(ValueError, match="distinct"):
+    sweep.sweep("c.py", "a=1", str(tmp_path), ["m"], seeds=["1", "1"])
+  with pytest.raises(ValueError, match="integers"):
+    sweep.sweep("c.py", "a=1", str(tmp_path), ["m"], seeds=["x"])
+  with pytest.raises(ValueError, match="--seeds, not --overrides"):
+    sweep.sweep("c.py", "a=1", str(tmp_path), ["m"], overrides=["seed=3"], seeds=["0", "1"])
+
+
 def test_inspection_notebook_runs_top_to_bottom(tiny_run):
   import nbclient
   import nbformat

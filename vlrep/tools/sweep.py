@@ -9,10 +9,20 @@ r"""Runs a family of configs and collects their metrics into one markdown table 
   # only collect runs that exist (e.g. trained on a cluster)
   python -m vlrep.tools.sweep --config=configs/virtex.py:runlocal --vary="fraction=10 100" --root=DIR --collect_only
 
+  # several seeds: each variant once per seed; cells show the mean and each seed's value
+  python -m vlrep.tools.sweep --config=configs/icmlm.py:runlocal,variant=tp --vary="tags=postag" --seeds=0,1,2 \
+      --root=R/tp
+  # a run that starts from another sweep's run of the same seed: {suffix} is the seed's workdir suffix
+  python -m vlrep.tools.sweep --config=configs/icmlm.py:runlocal,warmup_frozen=150 --vary="variant=tfm att_fc" \
+      --seeds=0,1,2 --overrides="init_from=R/tp/tagspostag{suffix}" --root=R/icmlm
+
 Each variant trains with `python -m vlrep.main` into ROOT/<name> (finished runs are skipped, interrupted ones
 resume), then an optional --eval_config runs `python -m vlrep.evaluate` on it. The table (ROOT/sweep.md) has one
 row per variant and one column per metric from the runs' summary.json; the plot (ROOT/sweep.png) draws each
-metric against the first varied argument.
+metric against the first varied argument. With --seeds, seed 0 trains into ROOT/<name> and seed N into
+ROOT/<name>_sN with `--config.seed=N` (the convention of vlrep.tools.vl_study); in --overrides, `{seed}` becomes
+the seed and `{suffix}` its workdir suffix ('' or '_sN'). A cell is then 'mean (seed 0 / seed 1 / ...)', the mean
+over the seeds whose run has the metric, and the plot draws the means.
 """
 
 from __future__ import annotations
@@ -33,7 +43,10 @@ def define_flags():
   flags.DEFINE_list("metrics", ["probe/map"], "summary.json keys to tabulate.")
   flags.DEFINE_string("eval_config", None, "Also run this eval config (vlrep.evaluate) on each variant.")
   flags.DEFINE_bool("collect_only", False, "Do not train; tabulate the runs found under --root.")
-  flags.DEFINE_list("overrides", [], "Extra --config.KEY=VALUE flags for every run (without the --config. prefix).")
+  flags.DEFINE_list(
+    "overrides", [], "Extra --config.KEY=VALUE flags for every run (without the --config. prefix; {seed}, {suffix})."
+  )
+  flags.DEFINE_list("seeds", ["0"], "Seeds of every variant; with more than one, cells show mean (each seed).")
 
 
 def parse_vary(vary: str) -> list[tuple[str, list[str]]]:
@@ -60,6 +73,37 @@ def variants(base: str, vary: list[tuple[str, list[str]]]) -> list[tuple[str, st
   return out
 
 
+def parse_seeds(seeds) -> tuple[int, ...]:
+  try:
+    out = tuple(int(s) for s in seeds)
+  except ValueError:
+    raise ValueError(f"--seeds must be integers, got {list(seeds)}.") from None
+  if not out or len(set(out)) != len(out):
+    raise ValueError(f"--seeds must list distinct seeds, got {list(seeds)}.")
+  return out
+
+
+def seed_suffix(seed: int) -> str:
+  """The workdir suffix of a seed's run: '' for seed 0 (so a one-seed sweep keeps its names), '_sN' otherwise."""
+  return f"_s{seed}" if seed else ""
+
+
+def seed_overrides(overrides: list[str], seed: int) -> list[str]:
+  """The overrides of one seed's run: `{seed}` and `{suffix}` filled in, and `seed=N` added for N != 0."""
+  out = [o.replace("{seed}", str(seed)).replace("{suffix}", seed_suffix(seed)) for o in overrides]
+  return out + ([f"seed={seed}"] if seed else [])
+
+
+def mean_cell(values: list) -> tuple[float | None, str | None]:
+  """(mean of the values that exist, 'mean (v0 / v1 / ...)' with '—' for missing ones) of one metric over seeds."""
+  found = [v for v in values if v is not None]
+  if not found:
+    return None, None
+  mean = sum(found) / len(found)
+  each = " / ".join("—" if v is None else f"{v:.2f}" for v in values)
+  return mean, f"{mean:.2f} ({each})"
+
+
 def run_variant(config: str, workdir: str, overrides: list[str], eval_config: str | None) -> None:
   cmd = [sys.executable, "-m", "vlrep.main", f"--config={config}", f"--workdir={workdir}"]
   cmd += [f"--config.{o}" for o in overrides]
@@ -80,16 +124,33 @@ def finished(workdir: str) -> bool:
   return summary.get("preempted") is False
 
 
+def read_summary(workdir: str) -> dict:
+  path = os.path.join(workdir, "summary.json")
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    return json.load(f)
+
+
 def collect(rows: list[tuple[str, dict, str]], metrics: list[str]) -> list[dict]:
   table = []
   for name, assignment, workdir in rows:
-    path = os.path.join(workdir, "summary.json")
-    summary = {}
-    if os.path.exists(path):
-      with open(path) as f:
-        summary = json.load(f)
+    summary = read_summary(workdir)
     table.append({"name": name, **assignment, **{m: summary.get(m) for m in metrics}})
   return table
+
+
+def collect_seeds(rows: list[tuple[str, dict, list[str]]], metrics: list[str]) -> tuple[list[dict], list[dict]]:
+  """For rows with one workdir per seed: (table of 'mean (each seed)' cells, table of the means for the plot)."""
+  cells, means = [], []
+  for name, assignment, workdirs in rows:
+    summaries = [read_summary(w) for w in workdirs]
+    cell_row, mean_row = {"name": name, **assignment}, {"name": name, **assignment}
+    for m in metrics:
+      mean_row[m], cell_row[m] = mean_cell([s.get(m) for s in summaries])
+    cells.append(cell_row)
+    means.append(mean_row)
+  return cells, means
 
 
 def markdown(table: list[dict], columns: list[str]) -> str:
@@ -126,30 +187,42 @@ def sweep(
   eval_config: str | None = None,
   collect_only: bool = False,
   overrides: list[str] | None = None,
+  seeds=(0,),
 ) -> tuple[str, str]:
-  """Runs (or only collects) the variants; returns (markdown path, plot path)."""
+  """Runs (or only collects) the variants, each once per seed; returns (markdown path, plot path)."""
   parsed = parse_vary(vary)
+  seeds = parse_seeds(seeds)
+  if seeds != (0,) and any(o.startswith("seed=") for o in overrides or []):
+    raise ValueError("Give the seeds with --seeds, not --overrides=seed=N, when sweeping over seeds.")
   rows = []
   for name, cfg, assignment in variants(config, parsed):
-    workdir = os.path.join(root, name)
-    if not collect_only and not finished(workdir):
-      run_variant(cfg, workdir, overrides or [], eval_config)
-    rows.append((name, assignment, workdir))
-  table = collect(rows, metrics)
+    workdirs = []
+    for seed in seeds:
+      workdir = os.path.join(root, name + seed_suffix(seed))
+      if not collect_only and not finished(workdir):
+        run_variant(cfg, workdir, seed_overrides(overrides or [], seed), eval_config)
+      workdirs.append(workdir)
+    rows.append((name, assignment, workdirs))
+  if len(seeds) == 1:
+    table = plotted = collect([(n, a, w[0]) for n, a, w in rows], metrics)
+  else:
+    table, plotted = collect_seeds(rows, metrics)
   os.makedirs(root, exist_ok=True)
   md_path, png_path = os.path.join(root, "sweep.md"), os.path.join(root, "sweep.png")
   described = "; ".join(n + "=" + " ".join(v) for n, v in parsed)
-  header = f"Sweep of `{config}` over {described}\n\n"
+  header = f"Sweep of `{config}` over {described}"
+  if len(seeds) > 1:
+    header += f", seeds {', '.join(map(str, seeds))}: mean (each seed)"
   with open(md_path, "w") as f:
-    f.write(header + markdown(table, [n for n, _ in parsed] + metrics))
-  plot(table, parsed[0][0], metrics, png_path)
+    f.write(header + "\n\n" + markdown(table, [n for n, _ in parsed] + metrics))
+  plot(plotted, parsed[0][0], metrics, png_path)
   return md_path, png_path
 
 
 def main(argv):
   del argv
   f = flags.FLAGS
-  md, png = sweep(f.config, f.vary, f.root, f.metrics, f.eval_config, f.collect_only, f.overrides)
+  md, png = sweep(f.config, f.vary, f.root, f.metrics, f.eval_config, f.collect_only, f.overrides, f.seeds)
   print(open(md).read())
   print(f"Table: {md}\nPlot: {png}")
 

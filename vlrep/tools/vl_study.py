@@ -34,7 +34,7 @@ MODES = ("finetune", "frozen")
 
 
 def finetune_name(arch: str, source: str, task: str, mode: str, seed: int = 0) -> str:
-  return f"{arch}_{source}_{task}_{mode}" + (f"_s{seed}" if seed else "")
+  return f"{arch}_{source}_{task}_{mode}" + sweep.seed_suffix(seed)
 
 
 def grid(archs, sources, tasks, seeds=(0,), modes=MODES, downstream_overrides=()):
@@ -56,14 +56,10 @@ def grid(archs, sources, tasks, seeds=(0,), modes=MODES, downstream_overrides=()
   return runs
 
 
-def cell(root: str, arch: str, source: str, task: str, mode: str, seeds=(0,)):
-  """(mean of the seeds' best scores or None, [each seed's score or None])."""
-  scores = []
-  for seed in seeds:
-    workdir = os.path.join(root, finetune_name(arch, source, task, mode, seed))
-    scores.append(sweep.collect([("", {}, workdir)], [METRIC[task]])[0][METRIC[task]])
-  found = [s for s in scores if s is not None]
-  return (sum(found) / len(found) if found else None), scores
+def cell(root: str, arch: str, source: str, task: str, mode: str, seeds=(0,)) -> list:
+  """Each seed's best score (None where its run has none)."""
+  workdirs = [os.path.join(root, finetune_name(arch, source, task, mode, seed)) for seed in seeds]
+  return [sweep.read_summary(w).get(METRIC[task]) for w in workdirs]
 
 
 def tables(root: str, archs, sources, tasks, seeds=(0,), modes=MODES) -> str:
@@ -76,12 +72,8 @@ def tables(root: str, archs, sources, tasks, seeds=(0,), modes=MODES) -> str:
       for source in sources:
         row = {"model": arch, "pretrained on": source}
         for task in tasks:
-          mean, scores = cell(root, arch, source, task, mode, seeds)
-          if len(seeds) > 1 and mean is not None:
-            each = " / ".join("—" if s is None else f"{s:.2f}" for s in scores)
-            row[TASK_NAMES[task]] = f"{mean:.2f} ({each})"
-          else:
-            row[TASK_NAMES[task]] = mean
+          mean, text = sweep.mean_cell(cell(root, arch, source, task, mode, seeds))
+          row[TASK_NAMES[task]] = text if len(seeds) > 1 else mean
         rows.append(row)
     out.append(sweep.markdown(rows, ["model", "pretrained on", *[TASK_NAMES[t] for t in tasks]]))
   return "\n".join(out)
@@ -102,7 +94,7 @@ def plot(root: str, archs, sources, tasks, path: str, seeds=(0,), modes=MODES) -
       for k, arch in enumerate(archs):
         vals = []
         for source in sources:
-          mean, _ = cell(root, arch, source, task, mode, seeds)
+          mean, _ = sweep.mean_cell(cell(root, arch, source, task, mode, seeds))
           vals.append(np.nan if mean is None else mean)
         ax.bar(np.arange(len(sources)) + k * width, vals, width, label=arch)
       ax.set_xticks(np.arange(len(sources)) + width * (len(archs) - 1) / 2, sources, fontsize=7)
@@ -132,12 +124,7 @@ def study(
   path, _, base_arg = config.partition(":")
   if "generated" in sources and not generated and not collect_only:
     raise ValueError("--sources has 'generated': give --generated=PATH (vlrep.tools.generate_captions).")
-  try:
-    seeds = tuple(int(s) for s in seeds)
-  except ValueError:
-    raise ValueError(f"--seeds must be integers, got {list(seeds)}.") from None
-  if not seeds or len(set(seeds)) != len(seeds):
-    raise ValueError(f"--seeds must list distinct seeds, got {seeds}.")
+  seeds = sweep.parse_seeds(seeds)
   if not modes or set(modes) - set(MODES):
     raise ValueError(f"--modes must be among {MODES}, got {modes}.")
   for name, arg, pretrained, run_overrides in grid(archs, sources, tasks, seeds, modes, downstream_overrides):
