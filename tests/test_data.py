@@ -170,6 +170,12 @@ def test_voc_labels_mark_difficult_objects():
   ex = {"objects": {"label": tf.constant([2, 5, 5, 7]), "is_difficult": tf.constant([False, True, False, True])}}
   labels = ops.parse("voc_labels(8)").example_fn(ex)["labels"].numpy()
   np.testing.assert_array_equal(labels, [-1, -1, 1, -1, -1, 1, -1, 0])
+  # Another class field of the objects (synthetic_scenes' colours), with the same difficult rule.
+  ex["objects"]["color"] = tf.constant([0, 3, 3, 1])
+  colors = ops.parse("voc_labels(4, field='color')").example_fn(ex)["labels"].numpy()
+  np.testing.assert_array_equal(colors, [1, 0, -1, 1])
+  with pytest.raises(ValueError, match="have \\['color', 'is_difficult', 'label'\\]"):
+    ops.parse("voc_labels(4, field='size')").example_fn(ex)
 
 
 def test_build_vocab_command(tmp_path):

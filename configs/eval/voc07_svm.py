@@ -4,7 +4,9 @@ r"""VOC07 linear-SVM probe of a checkpoint's frozen backbone (VirTex appendix A.
   python -m vlrep.evaluate --config=configs/eval/voc07_svm.py:variant=icmlm --workdir=DIR  # 2x2-pooled, 8192-d
   python -m vlrep.evaluate --config=configs/eval/voc07_svm.py:runlocal --workdir=/tmp/virtex_local
 
-Arguments: runlocal (synthetic_scenes' probe split), variant=virtex|icmlm, solver=jax|sklearn.
+Arguments: runlocal (synthetic_scenes' probe split), variant=virtex|icmlm, solver=jax|sklearn, labels=shape|color
+(runlocal only: the classes are synthetic_scenes' 10 shapes, the probe everything else reports, or its 8 colours,
+written as `<name>_color/...`: what a backbone learned about colour, which captions name as often as shape).
 VOC2007 is prepared from local files with `python -m vlrep.data.prepare --dataset=voc2007 --manual_dir=...`.
 """
 
@@ -14,7 +16,11 @@ from vlrep.config_utils import parse_arg
 
 
 def get_config(arg=None):
-  arg = parse_arg(arg, runlocal=False, variant="virtex", solver="jax")
+  arg = parse_arg(arg, runlocal=False, variant="virtex", solver="jax", labels="shape")
+  if arg.labels not in ("shape", "color"):
+    raise ValueError(f"Unknown labels={arg.labels!r}; expected 'shape' or 'color'.")
+  if arg.labels != "shape" and not arg.runlocal:
+    raise ValueError("labels=color is synthetic_scenes' colour probe: use it with runlocal.")
   probe = dict(
     type="voc07_svm",
     dataset="voc2007",
@@ -44,7 +50,8 @@ def get_config(arg=None):
       data_dir="~/.cache/vlrep/tensorflow_datasets",
       train_split="probe_trainval",
       test_split="probe_test",
-      pp="decode|normalize|voc_labels(10)",
+      pp="decode|normalize|" + ("voc_labels(10)" if arg.labels == "shape" else "voc_labels(8, field='color')"),
       batch_size=200,
     )
-  return ConfigDict({"evals": {"voc07_svm" if arg.variant == "virtex" else "voc07_svm_icmlm": probe}})
+  name = "voc07_svm" if arg.variant == "virtex" else "voc07_svm_icmlm"
+  return ConfigDict({"evals": {name + ("_color" if arg.labels == "color" else ""): probe}})

@@ -381,12 +381,18 @@ def get_concept_tags(key: str = "captions", out: str = "tags", context=None):
 
 
 @register
-def get_voc_labels(num_classes: int, key: str = "objects", out: str = "labels"):
-  """VOC07 classification targets from object annotations: 1 present, 0 only difficult, -1 absent."""
+def get_voc_labels(num_classes: int, key: str = "objects", out: str = "labels", field: str = "label"):
+  """VOC07 classification targets from object annotations: 1 present, 0 only difficult, -1 absent.
+
+  `field` picks the objects' class field: 'label' (the object class), or another ClassLabel of the objects, e.g.
+  synthetic_scenes' 'color' (8 colours) for a probe of what the features say about colour rather than shape.
+  """
 
   def op(ex):
     ex = dict(ex)
-    labels = tf.cast(ex[key]["label"], tf.int32)
+    if field not in ex[key]:
+      raise ValueError(f"voc_labels(field={field!r}): the {key!r} of this dataset have {sorted(ex[key])}.")
+    labels = tf.cast(ex[key][field], tf.int32)
     difficult = tf.cast(ex[key]["is_difficult"], tf.int32)
     easy = tf.reduce_max(tf.one_hot(labels, num_classes, dtype=tf.int32) * (1 - difficult)[:, None], axis=0)
     any_ = tf.reduce_max(tf.one_hot(labels, num_classes, dtype=tf.int32), axis=0)
