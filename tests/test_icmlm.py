@@ -323,6 +323,18 @@ def test_visual_attention_metric_is_the_masked_tokens_share_on_the_image(minilm)
     np.testing.assert_allclose(float(metrics["visual_attention"]), expected, rtol=1e-5)
 
 
+def test_lambda_defaults_follow_the_recipe():
+  from configs import icmlm
+
+  weight = lambda arg: icmlm.get_config(arg).method.tp_weight  # noqa: E731
+  assert weight("variant=tfm") == 0.1  # the paper's ResNet-50 lambda
+  assert weight("variant=att_fc,backbone=vgg16") == 1.0  # the paper's VGG16 lambda
+  assert weight("runlocal,variant=tfm") == weight("runlocal,variant=att_fc") == 1.0  # measured: README, ICMLM
+  assert weight("runlocal,variant=tfm,tp_weight=0.1") == 0.1  # an explicit lambda is kept
+  assert weight("variant=tfm,backbone=vgg16,tp_weight=0") == 0.0
+  assert weight("runlocal,variant=tp") == 1.0  # TP is l_tp alone
+
+
 def test_vgg16_backbone_option_builds_every_variant(minilm):
   import tiny_icmlm
 
