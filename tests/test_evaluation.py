@@ -65,7 +65,12 @@ def test_fit_and_score_jax_agrees_with_sklearn():
   # The reference is deterministic: its unconverged C = 10 fits once varied with thread interleaving (liblinear's
   # random generator is process-wide), most under load, so repeat it with the other cores busy.
   stop = threading.Event()
-  burners = [threading.Thread(target=lambda: [np.linalg.svd(x) for _ in iter(stop.is_set, True)]) for _ in range(2)]
+
+  def burn():  # keeps a core busy (numpy releases the GIL) without holding on to what it computes
+    while not stop.is_set():
+      np.linalg.svd(x, compute_uv=False)
+
+  burners = [threading.Thread(target=burn) for _ in range(2)]
   for t in burners:
     t.start()
   try:
