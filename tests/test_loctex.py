@@ -413,3 +413,22 @@ def test_ablation_configs_build_and_give_a_finite_loss(arg, tiny_builder):
   assert {f"localization_loss_{s}x" for s in scales} <= set(metrics)
   if "oracle" in arg:  # shape words name visible objects, so some examples are supervised
     assert "oracle_word_masks" in c.data.pp and int(metrics["supervised_examples_4x"]) >= 1
+
+
+def test_loss_weights_follow_the_recipe_and_the_measured_runlocal_rule():
+  """The recipe keeps the paper's equal weights; runlocal halves L_L and scales the oracle's by 0.33 more."""
+  from configs import loctex
+
+  def weights(arg):
+    m = loctex.get_config(arg).method
+    return m.contrastive_weight, m.localization_weight
+
+  assert weights("") == (1.0, 1.0)  # the paper: L_C and L_L with equal weights
+  assert weights("loss=localization") == (0.0, 1.0) and weights("loss=contrastive") == (1.0, 0.0)
+  assert weights("runlocal") == (1.0, 0.5)  # measured: README, LocTex
+  assert weights("runlocal,loss=localization") == (0.0, 0.5)  # the same L_L as in L_C + L_L
+  assert weights("runlocal,loss=contrastive") == (1.0, 0.0)
+  assert weights("runlocal,oracle=True") == pytest.approx((1.0, 0.165))
+  assert weights("oracle=True") == (1.0, 1.0)  # the recipe is not rescaled
+  with pytest.raises(ValueError, match="Unknown loss"):
+    loctex.get_config("runlocal,loss=l1")
