@@ -94,6 +94,9 @@ def get_config(arg=None):
     text_tower=arg.text,
     bert_path=arg.bert,  # text_tower='bert': the pretrained BERT's folder ('' = the packaged MiniLM)
     bert_layers=0,  # text_tower='bert': keep its first N layers (0 = all)
+    # text_tower='bert': dropout on its hidden states and attention weights while training, BERT fine-tuning's
+    # 0.1 (bert-base's own config.json); < 0 takes the checkpoint's config.json rates.
+    bert_dropout=0.1,
     text=dict(hidden=768, num_layers=12, num_heads=12, max_len=40, dropout=0.1),  # 'scratch': BERT-base sized
     head_hidden=2048,
     text_pool="cls",  # BERT's pooled output; 'mean' averages the tokens (see _runlocal)

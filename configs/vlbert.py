@@ -96,6 +96,9 @@ def get_config(arg=None):
     num_labels=TASK_SETUP[arg.task][2],  # -1: the answer vocabulary's size
     pretrained_run="",
     freeze_base=arg.frozen,
+    # Dropout while training, in both streams and before the task head: MMF's (and BERT's) 0.1; < 0 takes the
+    # checkpoint's config.json rates.
+    bert_dropout=0.1,
     mask_rate=0.15,
     region_mask_rate=0.15,
     region_classes=1601,  # Visual Genome's classes in the paper's detector; runlocal: synthetic_scenes' 10 shapes

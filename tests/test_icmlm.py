@@ -2,6 +2,7 @@
 bad BERT folders, concept sets, the losses and att-fc pooling, masking, and end-to-end runs whose frozen BERT
 stays bit-identical."""
 
+import dataclasses
 import json
 import os
 import pickle
@@ -63,6 +64,48 @@ def test_flax_bert_reproduces_the_packaged_checkpoint_in_pytorch(minilm):
     np.testing.assert_allclose(np.asarray(ours)[mask], theirs.numpy()[mask], atol=2e-5)
   # Not trivially equal: different captions give different states.
   assert np.abs(np.asarray(hidden)[0, 1] - np.asarray(hidden)[1, 1]).max() > 0.1
+
+
+def test_bert_dropout_is_off_by_default_and_where_hugging_face_puts_it_when_training(tmp_path, minilm):
+  """deterministic=True (ICMLM's frozen BERT, evaluation) is dropout-free; deterministic=False drops the
+  embeddings' output (exactly: each entry zeroed or scaled by 1 / (1 - p)), the attention weights and both residual
+  branches, with config.json's rates."""
+  config, params, _, folder = minilm
+  assert (config.hidden_dropout_prob, config.attention_probs_dropout_prob) == (0.1, 0.1)  # MiniLM's config.json
+  ids = jnp.asarray(np.stack([WordPieceTokenizer(folder).encode(t, 20)[0] for t in CAPTIONS]))
+  mask = np.asarray(ids) != 0
+
+  def run(cfg, deterministic=True, seed=0):
+    hidden, aux = bert.BertEncoder(cfg).apply(
+      {"params": params}, ids, deterministic=deterministic, rngs={"dropout": jax.random.PRNGKey(seed)}
+    )
+    return np.asarray(hidden), [np.asarray(h) for h in aux["hidden_states"]]
+
+  clean, clean_states = run(config)
+  # Rates of zero: the training path is the evaluation path.
+  zero = dataclasses.replace(config, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+  np.testing.assert_array_equal(run(zero, deterministic=False)[0], clean)
+  # The embeddings' dropout, exactly.
+  _, states = run(config, deterministic=False)
+  emb, ref = states[0][mask], clean_states[0][mask]
+  dropped = emb == 0
+  assert 0.07 < dropped.mean() < 0.13, dropped.mean()
+  np.testing.assert_allclose(emb[~dropped], ref[~dropped] / 0.9, rtol=1e-5, atol=1e-6)
+  # Each kind alone changes the output; the same rng gives the same output, another rng another.
+  only_attention = dataclasses.replace(config, hidden_dropout_prob=0.0)
+  attention_out = run(only_attention, deterministic=False)[0]
+  np.testing.assert_array_equal(attention_out[:, 0], run(only_attention, deterministic=False)[0][:, 0])
+  assert np.abs(attention_out - clean)[mask].max() > 1e-2
+  assert np.abs(attention_out - run(only_attention, deterministic=False, seed=1)[0])[mask].max() > 1e-2
+  hidden_only = dataclasses.replace(config, attention_probs_dropout_prob=0.0)
+  assert np.abs(run(hidden_only, deterministic=False)[0] - clean)[mask].max() > 1e-2
+  # A config.json without the dropout keys gets Hugging Face's defaults.
+  raw = json.load(open(os.path.join(folder, "config.json")))
+  raw.update(hidden_dropout_prob=0.25)
+  del raw["attention_probs_dropout_prob"]
+  (tmp_path / "config.json").write_text(json.dumps(raw))
+  read = bert.BertConfig.from_json(str(tmp_path / "config.json"))
+  assert (read.hidden_dropout_prob, read.attention_probs_dropout_prob) == (0.25, 0.1)
 
 
 def test_wordpiece_tokenizer_matches_bert_tokenizer(minilm):

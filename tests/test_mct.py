@@ -348,3 +348,44 @@ def test_pretrained_bert_text_tower_loads_into_query_and_momentum_towers():
   # A tokenizer that is not BERT's is refused.
   with pytest.raises(ValueError, match="wordpiece"):
     methods.build(config.method, 200)
+
+
+def test_pretrained_bert_text_tower_trains_with_dropout_set_by_the_config():
+  """text=bert: while training, the text tower applies BERT's fine-tuning dropout at method.bert_dropout (0.1 by
+  default); evaluation and rate 0 give the dropout-free tower; < 0 keeps config.json's rates; >= 1 is refused."""
+  import tiny_mct
+
+  from vlrep import methods
+  from vlrep.data import tokenizers
+
+  config = tiny_mct.get_config("text=bert,bert_layers=1,head_bn=none")
+  assert config.method.bert_dropout == 0.1
+  tokenizer = tokenizers.ensure_tokenizer(config.tokenizer, None)
+  ids = [tokenizer.encode(t, 12)[0] for t in ("a red circle left of a blue square", "two green triangles")]
+  tokens = jnp.asarray(np.stack(ids))
+  embed = lambda m, t, train: m.embed_texts(t, train)["inter"]  # noqa: E731
+
+  def build(rate):
+    config.method.bert_dropout = rate
+    return methods.build(config.method, tokenizer.vocab_size)
+
+  method = build(0.1)
+  params = method.model.init(jax.random.PRNGKey(0), tokens, False, method=embed)["params"]
+  params["textual"] = method.pretrained_variables()["params"]["textual"]
+
+  def text_embeddings(method, train, seed=0):
+    rngs = {"dropout": jax.random.PRNGKey(seed)}
+    return np.asarray(method.model.apply({"params": params}, tokens, train, method=embed, rngs=rngs))
+
+  clean = text_embeddings(method, train=False)
+  assert method.model.bert.hidden_dropout_prob == 0.1 == method.model.bert.attention_probs_dropout_prob
+  dropped = text_embeddings(method, train=True)
+  assert np.abs(dropped - clean).max() > 1e-3
+  assert np.abs(dropped - text_embeddings(method, train=True, seed=1)).max() > 1e-3
+  np.testing.assert_array_equal(text_embeddings(build(0.0), train=True), clean)
+  assert build(0.3).model.bert.attention_probs_dropout_prob == 0.3
+  # < 0: the packaged MiniLM's config.json rates (0.1 and 0.1).
+  keep = build(-1.0).model.bert
+  assert (keep.hidden_dropout_prob, keep.attention_probs_dropout_prob) == (0.1, 0.1)
+  with pytest.raises(ValueError, match="bert_dropout"):
+    build(1.0)

@@ -180,6 +180,58 @@ def test_vilbert_uses_the_loaded_bert_and_co_attention(minilm):
   assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(empty))
 
 
+def test_dropout_only_while_training_and_in_each_stream_where_vilbert_puts_it(minilm):
+  """Evaluation (deterministic) and rate 0 are the same function; rate 0.1 changes both archs' outputs and the
+  task head's; in a co-attention block the text stream's dropout moves only the text states and the visual
+  stream's only what depends on it (the text's attention over the regions uses the visual attention rate)."""
+  cfg, _, _, _ = minilm
+  cfg = bert_lib.first_layers(cfg, {}, 1)[0]
+  assert (cfg.hidden_dropout_prob, cfg.attention_probs_dropout_prob) == (0.1, 0.1)
+  off = bert_lib.with_dropout(cfg, 0.0)
+  tokens, types, regions, boxes = _inputs(np.random.default_rng(2))
+  mask = jnp.ones(regions.shape[:2], bool)
+  keep = np.asarray(tokens != 0)
+  for arch in ("visual_bert", "vilbert"):
+    model = _model(arch, cfg, num_labels=3)
+    params = model.init(jax.random.PRNGKey(0), tokens, types, regions, boxes, mask)["params"]
+
+    def encode(model, deterministic, seed=0):
+      rngs = {"dropout": jax.random.PRNGKey(seed)}
+      out = model.apply({"params": params}, tokens, types, regions, boxes, mask, deterministic,
+                        method=model.encode, rngs=rngs)  # fmt: skip
+      logits = model.apply({"params": params}, out[2], deterministic, method=model.task_logits, rngs=rngs)
+      return np.asarray(out[0]), np.asarray(logits)
+
+    clean = encode(model, True)
+    for got, want in zip(encode(_model(arch, off, num_labels=3), False), clean, strict=True):
+      np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    dropped = encode(model, False)
+    assert np.abs(dropped[0] - clean[0])[keep].max() > 1e-2, arch
+    assert np.abs(dropped[1] - clean[1]).max() > 1e-3, arch
+    assert np.abs(dropped[0] - encode(model, False, seed=1)[0])[keep].max() > 1e-2, arch
+  # One co-attention block, each stream's rates alone.
+  rng = np.random.default_rng(3)
+  t, v = jnp.asarray(rng.normal(size=(2, 5, 32)), jnp.float32), jnp.asarray(rng.normal(size=(2, 4, 32)), jnp.float32)
+  t_mask, v_mask = jnp.ones((2, 5), bool), jnp.ones((2, 4), bool)
+
+  def block(text_dropout=(0.0, 0.0), visual_dropout=(0.0, 0.0)):
+    b = vl_bert.CoAttentionBlock(32, 32, 32, 2, 64, 64, text_dropout=text_dropout, visual_dropout=visual_dropout)
+    p = vl_bert.CoAttentionBlock(32, 32, 32, 2, 64, 64).init(jax.random.PRNGKey(0), t, t_mask, v, v_mask)
+    out = b.apply(p, t, t_mask, v, v_mask, False, rngs={"dropout": jax.random.PRNGKey(1)})
+    return [np.asarray(x) for x in out]
+
+  t0, v0 = block()
+  changed = lambda a, b: np.abs(a - b).max() > 1e-3  # noqa: E731
+  t1, v1 = block(visual_dropout=(0.5, 0.0))  # the visual stream's residual branches
+  assert not changed(t1, t0) and changed(v1, v0)
+  t2, v2 = block(visual_dropout=(0.0, 0.5))  # the text's attention weights over the regions
+  assert changed(t2, t0) and not changed(v2, v0)
+  t3, v3 = block(text_dropout=(0.5, 0.0))
+  assert changed(t3, t0) and not changed(v3, v0)
+  t4, v4 = block(text_dropout=(0.0, 0.5))  # the regions' attention weights over the text
+  assert not changed(t4, t0) and changed(v4, v0)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Data ops and bad inputs.
 # ---------------------------------------------------------------------------------------------------------

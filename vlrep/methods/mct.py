@@ -90,6 +90,9 @@ class MCT:
       bert_config, self._bert, _, folder = bert_lib.load_pretrained(config.get("bert_path", ""))
       layers = int(config.get("bert_layers", 0))
       bert_config, self._bert = bert_lib.first_layers(bert_config, self._bert, layers, folder)
+      # Fine-tuning dropout, in the query and the momentum tower alike (both run in training mode, as MoCo's
+      # key encoder does).
+      bert_config = bert_lib.with_dropout(bert_config, config.get("bert_dropout", -1.0))
       if vocab_size != bert_config.vocab_size:
         raise ValueError(
           f"The tokenizer has {vocab_size} tokens but BERT ({folder}) has {bert_config.vocab_size}: set "

@@ -11,6 +11,8 @@ Config (`configs/vlbert.py`):
                   precomputed features of `dim` dims from the `region_features` op (vlrep.data.region_files).
   pretrained_run  a pretraining run whose best checkpoint initialises the transformer (and the extractor).
   freeze_base     train only the task head (the study's "frozen base"): gradients stop at the pooled output.
+  bert_dropout    dropout while training on hidden states and attention weights of both streams, the region
+                  embeddings and the pooled output before the task head (MMF's 0.1; < 0: config.json's rates).
   mask_rate, region_mask_rate: BERT's 15% (of which 80% [MASK], 10% random, 10% kept); ViLBERT's regions are
                   zeroed 90% of the time they are picked.
 
@@ -67,6 +69,8 @@ class VLBert:
     self.bert_config, self._bert = bert_lib.first_layers(
       self.bert_config, self._bert, int(config.get("bert_layers", 0)), folder
     )
+    # Dropout while training (BERT's and MMF's 0.1; < 0: the checkpoint's config.json), in every stream.
+    self.bert_config = bert_lib.with_dropout(self.bert_config, config.get("bert_dropout", -1.0))
     if config.arch == "vilbert":  # ViLBERT pools its text stream with its own layer (t_pooler), not BERT's
       self._bert = {k: v for k, v in self._bert.items() if k != "pooler"}
     if vocab_size != self.bert_config.vocab_size:
@@ -164,6 +168,8 @@ class VLBert:
 
   def loss(self, variables, batch, rng, train: bool = True):
     mask_rng, region_rng = jax.random.split(rng)
+    # Folded in, not split off, so the masks stay what they were before dropout existed (same runs, same masks).
+    dropout = {"deterministic": not train, "rngs": {"dropout": jax.random.fold_in(rng, 1)}}
     feats, boxes, region_mask = self._regions(variables, batch)
     tokens, type_ids, pair_mask = self._flatten_pairs(batch)
     q = batch["tokens"].shape[1]
@@ -186,7 +192,7 @@ class VLBert:
       else:
         r_input = r_feats
       t_states, v_states, _, _ = self.model.apply(
-        {"params": params}, inputs, type_ids, r_input, r_boxes, r_mask, method=vl_bert.VLBertModel.encode
+        {"params": params}, inputs, type_ids, r_input, r_boxes, r_mask, method=vl_bert.VLBertModel.encode, **dropout
       )
       logits, targets, w = self._mlm_at_picked(params, t_states, tokens, picked)
       nll = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), targets[..., None], -1)[..., 0]
@@ -216,7 +222,7 @@ class VLBert:
         metrics.update(region_loss=region_loss, masked_regions=rw.sum())
         loss = loss + self.config.region_weight * region_loss
       return loss, metrics, {}
-    logits = self.classify(variables, batch, feats=(feats, boxes, region_mask))
+    logits = self.classify(variables, batch, feats=(feats, boxes, region_mask), **dropout)
     targets = batch["targets"].reshape(-1, self.num_labels).astype(jnp.float32)
     w = pair_mask.astype(jnp.float32)
     if self.config.loss == "bce":  # MMF's logit BCE: summed over labels, averaged over pairs
@@ -229,8 +235,9 @@ class VLBert:
     metrics.update(task_loss=loss, train_score=jnp.sum(top * w) / jnp.maximum(w.sum(), 1.0))
     return loss, metrics, {}
 
-  def classify(self, variables, batch, feats=None) -> jax.Array:
-    """Task logits float32[B * Q, num_labels] for every (image, text) pair of the batch."""
+  def classify(self, variables, batch, feats=None, deterministic: bool = True, rngs=None) -> jax.Array:
+    """Task logits float32[B * Q, num_labels] for every (image, text) pair of the batch; deterministic=False
+    (training) applies dropout with rngs['dropout']."""
     feats, boxes, region_mask = feats if feats is not None else self._regions(variables, batch)
     tokens, type_ids, _ = self._flatten_pairs(batch)
     q = batch["tokens"].shape[1]
@@ -238,10 +245,12 @@ class VLBert:
     params = variables["params"]
     if self.config.freeze_base:
       params = {k: (v if k.startswith("task_head") else jax.lax.stop_gradient(v)) for k, v in params.items()}
+    dropout = {"deterministic": deterministic, "rngs": rngs or {}}
     _, _, pooled, _ = self.model.apply(
-      {"params": params}, tokens, type_ids, rep(feats), rep(boxes), rep(region_mask), method=vl_bert.VLBertModel.encode
-    )
-    return self.model.apply({"params": params}, pooled, method=vl_bert.VLBertModel.task_logits)
+      {"params": params}, tokens, type_ids, rep(feats), rep(boxes), rep(region_mask),
+      method=vl_bert.VLBertModel.encode, **dropout,
+    )  # fmt: skip
+    return self.model.apply({"params": params}, pooled, method=vl_bert.VLBertModel.task_logits, **dropout)
 
   def mlm_predictions(self, variables, batch, rng):
     """(masked-token predictions, targets, picked) for evaluation of the pretraining objective."""

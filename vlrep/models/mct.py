@@ -3,9 +3,8 @@
 image-caption space). The momentum (key) encoders are the same module applied with momentum parameters.
 
 The text tower is either trained from scratch (`TextEncoder`, the paper's 'scratch' variant) or a pretrained BERT
-(`vlrep.models.bert.BertEncoder`, Hugging Face's tree, so its checkpoint drops in), fine-tuned with the tower's LR.
-vlrep's BertEncoder has no dropout (it was written for ICMLM's frozen BERT), so this tower trains without any,
-unlike BERT fine-tuning's usual 0.1."""
+(`vlrep.models.bert.BertEncoder`, Hugging Face's tree, so its checkpoint drops in), fine-tuned with the tower's LR
+and, as BERT fine-tuning does, with dropout while training (`method.bert_dropout`, 0.1 as BERT-base's own)."""
 
 from __future__ import annotations
 
@@ -89,7 +88,7 @@ class MCTModel(nn.Module):
     # BERT's pooled output: the first token's ([SOS] / [CLS]) final state (or the tokens' mean) through dense and
     # tanh. A pretrained BERT's 'cls' pooling is its own pretrained pooler.
     if self.bert is not None:
-      states, aux = self.textual(tokens, mask=tokens != tokenizers.PAD_ID)
+      states, aux = self.textual(tokens, mask=tokens != tokenizers.PAD_ID, deterministic=not train)
     else:
       states, aux = self.textual(tokens, train), None
     if self.text_pool == "cls" and aux is not None:

@@ -41,30 +41,34 @@ class RegionEmbeddings(nn.Module):
   hidden: int
   eps: float = 1e-12
   dtype: Any = jnp.float32
+  dropout: float = 0.0  # after the LayerNorm while training, as BERT's embeddings
 
   @nn.compact
-  def __call__(self, regions, boxes):
+  def __call__(self, regions, boxes, deterministic: bool = True):
     x = nn.Dense(self.hidden, dtype=self.dtype, name="feature")(regions)
     x = x + nn.Dense(self.hidden, dtype=self.dtype, name="location")(box_features(boxes))
     x = x + self.param("segment", nn.initializers.normal(0.02), (self.hidden,)).astype(self.dtype)
-    return nn.LayerNorm(epsilon=self.eps, dtype=self.dtype, name="LayerNorm")(x)
+    x = nn.LayerNorm(epsilon=self.eps, dtype=self.dtype, name="LayerNorm")(x)
+    return nn.Dropout(self.dropout)(x, deterministic)
 
 
-def _attend(q, k, v, mask, heads):
-  """Multi-head attention of q [B, Tq, D] over k/v [B, Tk, D] with key mask [B, Tk]."""
+def _attend(q, k, v, mask, heads, drop_weights=lambda w: w):
+  """Multi-head attention of q [B, Tq, D] over k/v [B, Tk, D] with key mask [B, Tk]; `drop_weights` is the
+  attention-weight dropout."""
   b, tq, d = q.shape
   tk = k.shape[1]
   split = lambda y, t: y.reshape(b, t, heads, d // heads)  # noqa: E731
   q, k, v = split(q, tq), split(k, tk), split(v, tk)
   scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(d // heads)
   scores = jnp.where(mask[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
-  weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+  weights = drop_weights(jax.nn.softmax(scores, axis=-1).astype(q.dtype))
   return jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, tq, d)
 
 
 class CoAttentionBlock(nn.Module):
   """ViLBERT's connection layer: each stream attends to the other (bi_hidden wide), adds & norms, then runs its
-  own feed-forward block."""
+  own feed-forward block. While training, dropout on the attention weights and on both residual branches of each
+  stream (the rates of the stream's BERT config), as ViLBERT's BertBiAttention / BertBiOutput / BertOutput."""
 
   text_hidden: int
   visual_hidden: int
@@ -74,20 +78,28 @@ class CoAttentionBlock(nn.Module):
   visual_intermediate: int
   eps: float = 1e-12
   dtype: Any = jnp.float32
+  text_dropout: tuple = (0.0, 0.0)  # (hidden, attention weights) of the text stream
+  visual_dropout: tuple = (0.0, 0.0)  # the same for the visual stream
 
   @nn.compact
-  def __call__(self, t, t_mask, v, v_mask):
+  def __call__(self, t, t_mask, v, v_mask, deterministic: bool = True):
     dense = lambda n, name: nn.Dense(n, dtype=self.dtype, name=name)  # noqa: E731
     norm = lambda name: nn.LayerNorm(epsilon=self.eps, dtype=self.dtype, name=name)  # noqa: E731
+    drop = lambda rate: lambda y: nn.Dropout(rate)(y, deterministic)  # noqa: E731
+    (t_hidden, t_attn), (v_hidden, v_attn) = self.text_dropout, self.visual_dropout
     bi = self.bi_hidden
-    t_ctx = _attend(dense(bi, "t_query")(t), dense(bi, "v_key")(v), dense(bi, "v_value")(v), v_mask, self.bi_heads)
-    v_ctx = _attend(dense(bi, "v_query")(v), dense(bi, "t_key")(t), dense(bi, "t_value")(t), t_mask, self.bi_heads)
-    t = norm("t_attention_LayerNorm")(t + dense(self.text_hidden, "t_attention_output")(t_ctx))
-    v = norm("v_attention_LayerNorm")(v + dense(self.visual_hidden, "v_attention_output")(v_ctx))
+    t_ctx = _attend(
+      dense(bi, "t_query")(t), dense(bi, "v_key")(v), dense(bi, "v_value")(v), v_mask, self.bi_heads, drop(v_attn)
+    )
+    v_ctx = _attend(
+      dense(bi, "v_query")(v), dense(bi, "t_key")(t), dense(bi, "t_value")(t), t_mask, self.bi_heads, drop(t_attn)
+    )
+    t = norm("t_attention_LayerNorm")(t + drop(t_hidden)(dense(self.text_hidden, "t_attention_output")(t_ctx)))
+    v = norm("v_attention_LayerNorm")(v + drop(v_hidden)(dense(self.visual_hidden, "v_attention_output")(v_ctx)))
     t_h = jax.nn.gelu(dense(self.text_intermediate, "t_intermediate")(t), approximate=False)
     v_h = jax.nn.gelu(dense(self.visual_intermediate, "v_intermediate")(v), approximate=False)
-    t = norm("t_output_LayerNorm")(t + dense(self.text_hidden, "t_output")(t_h))
-    v = norm("v_output_LayerNorm")(v + dense(self.visual_hidden, "v_output")(v_h))
+    t = norm("t_output_LayerNorm")(t + drop(t_hidden)(dense(self.text_hidden, "t_output")(t_h)))
+    v = norm("v_output_LayerNorm")(v + drop(v_hidden)(dense(self.visual_hidden, "v_output")(v_h)))
     return t, v
 
 
@@ -122,12 +134,12 @@ class VLBertModel(nn.Module):
     c = self.bert
     self.text = bert_lib.BertEncoder(c, self.dtype, name="bert")
     if self.arch == "visual_bert":
-      self.regions_embed = RegionEmbeddings(c.hidden_size, c.layer_norm_eps, self.dtype)
+      self.regions_embed = RegionEmbeddings(c.hidden_size, c.layer_norm_eps, self.dtype, c.hidden_dropout_prob)
       pooled_dim = c.hidden_size
     else:
       if not 0 < self.v_layers <= c.num_hidden_layers:
         raise ValueError(f"vilbert needs 1 <= v_layers <= the text layers ({c.num_hidden_layers}), got {self.v_layers}")
-      self.regions_embed = RegionEmbeddings(self.v_hidden, c.layer_norm_eps, self.dtype)
+      self.regions_embed = RegionEmbeddings(self.v_hidden, c.layer_norm_eps, self.dtype, c.hidden_dropout_prob)
       v_cfg = dataclasses.replace(
         c, hidden_size=self.v_hidden, num_attention_heads=self.v_heads, intermediate_size=self.v_intermediate
       )
@@ -142,6 +154,8 @@ class VLBertModel(nn.Module):
           self.v_intermediate,
           c.layer_norm_eps,
           self.dtype,
+          text_dropout=(c.hidden_dropout_prob, c.attention_probs_dropout_prob),
+          visual_dropout=(v_cfg.hidden_dropout_prob, v_cfg.attention_probs_dropout_prob),
           name=f"co_layer_{i}",
         )
         for i in range(self.v_layers)
@@ -157,19 +171,21 @@ class VLBertModel(nn.Module):
     if self.num_labels:
       hidden = nn.Dense(2 * pooled_dim, dtype=self.dtype)
       self.task_head = [hidden, nn.LayerNorm(c.layer_norm_eps), nn.Dense(self.num_labels)]
+      self.task_dropout = nn.Dropout(c.hidden_dropout_prob)  # on the pooled output, as MMF's heads
 
-  def encode(self, tokens, type_ids, regions, boxes, region_mask):
+  def encode(self, tokens, type_ids, regions, boxes, region_mask, deterministic: bool = True):
     """-> (text states [B, T, H], region states [B, N', Hv], pooled [B, P], aux).
 
-    ViLBERT's region states include the leading [IMG] region (N' = N + 1)."""
+    ViLBERT's region states include the leading [IMG] region (N' = N + 1). `deterministic=False` (training)
+    applies the BERT config's dropout everywhere BERT and ViLBERT put it; it needs a 'dropout' rng."""
     t_mask = tokens != 0
-    t = self.text.embeddings(tokens, type_ids)
+    t = self.text.embeddings(tokens, type_ids, deterministic)
     if self.arch == "visual_bert":
-      v = self.regions_embed(regions, boxes)
+      v = self.regions_embed(regions, boxes, deterministic)
       x = jnp.concatenate([t, v.astype(t.dtype)], axis=1)
       mask = jnp.concatenate([t_mask, region_mask], axis=1)
       for layer in self.text.layers:
-        x = layer(x, mask)
+        x = layer(x, mask, deterministic)
       n_text = tokens.shape[1]
       pooled = jnp.tanh(self.text.pooler(x[:, 0]))
       return x[:, :n_text], x[:, n_text:], pooled, {}
@@ -177,16 +193,16 @@ class VLBertModel(nn.Module):
     w = region_mask[..., None].astype(regions.dtype)
     mean = jnp.sum(regions * w, axis=1, keepdims=True) / jnp.maximum(jnp.sum(w, axis=1, keepdims=True), 1.0)
     whole = jnp.broadcast_to(jnp.array([0.0, 0.0, 1.0, 1.0], boxes.dtype), boxes[:, :1].shape)
-    v = self.regions_embed(jnp.concatenate([mean, regions], 1), jnp.concatenate([whole, boxes], 1))
+    v = self.regions_embed(jnp.concatenate([mean, regions], 1), jnp.concatenate([whole, boxes], 1), deterministic)
     v_mask = jnp.concatenate([jnp.ones_like(region_mask[:, :1]), region_mask], axis=1)
     n_text_layers = len(self.text.layers)
     first_co = n_text_layers - self.v_layers
     for i in range(first_co):
-      t = self.text.layers[i](t, t_mask)
+      t = self.text.layers[i](t, t_mask, deterministic)
     for k in range(self.v_layers):
-      t, v = self.co_attention[k](t, t_mask, v, v_mask)
-      t = self.text.layers[first_co + k](t, t_mask)
-      v = self.v_stream[k](v, v_mask)
+      t, v = self.co_attention[k](t, t_mask, v, v_mask, deterministic)
+      t = self.text.layers[first_co + k](t, t_mask, deterministic)
+      v = self.v_stream[k](v, v_mask, deterministic)
     t_pool = nn.relu(self.t_pooler(t[:, 0]))
     v_pool = nn.relu(self.v_pooler(v[:, 0]))
     return t, v, t_pool * v_pool, {"t_pooled": t_pool, "v_pooled": v_pool}
@@ -199,7 +215,8 @@ class VLBertModel(nn.Module):
     h = self.region_head[1](jax.nn.gelu(h, approximate=False))
     return self.region_head[2](h).astype(jnp.float32)
 
-  def task_logits(self, pooled):
+  def task_logits(self, pooled, deterministic: bool = True):
+    pooled = self.task_dropout(pooled, deterministic)
     h = self.task_head[1](jax.nn.gelu(self.task_head[0](pooled), approximate=False))
     return self.task_head[2](h).astype(jnp.float32)
 
