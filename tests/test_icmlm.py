@@ -106,6 +106,12 @@ def test_bert_dropout_is_off_by_default_and_where_hugging_face_puts_it_when_trai
   (tmp_path / "config.json").write_text(json.dumps(raw))
   read = bert.BertConfig.from_json(str(tmp_path / "config.json"))
   assert (read.hidden_dropout_prob, read.attention_probs_dropout_prob) == (0.25, 0.1)
+  # The config knob: < 0 keeps config.json's rates, >= 0 sets both, >= 1 is refused.
+  assert bert.with_dropout(read, -1.0) == read
+  both = bert.with_dropout(read, 0.3)
+  assert (both.hidden_dropout_prob, both.attention_probs_dropout_prob, both.hidden_size) == (0.3, 0.3, read.hidden_size)
+  with pytest.raises(ValueError, match="bert_dropout"):
+    bert.with_dropout(read, 1.0)
 
 
 def test_wordpiece_tokenizer_matches_bert_tokenizer(minilm):

@@ -346,12 +346,12 @@ def load_pretrained(path: str = "") -> tuple[BertConfig, dict, dict | None, str]
   return config, enc, head, folder
 
 
-def with_dropout(config: BertConfig, rate: float, knob: str = "method.bert_dropout") -> BertConfig:
+def with_dropout(config: BertConfig, rate: float) -> BertConfig:
   """The config with both dropout rates (hidden states, attention weights) set to `rate`; rate < 0 keeps the
   checkpoint's config.json rates. Used while training only (deterministic=False)."""
   rate = float(rate)
   if rate >= 1.0:
-    raise ValueError(f"{knob}={rate} must be below 1 (a dropout rate), or < 0 for the checkpoint's config.json.")
+    raise ValueError(f"method.bert_dropout={rate} must be below 1 (a dropout rate), or < 0 for config.json's.")
   if rate < 0:
     return config
   return dataclasses.replace(config, hidden_dropout_prob=rate, attention_probs_dropout_prob=rate)
