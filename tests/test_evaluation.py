@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import threading
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +88,71 @@ def test_fit_and_score_jax_agrees_with_sklearn():
   assert voc07_svm.fit_and_score(noise[:250], y[:250], noise[250:], y[250:])["map"] < 45
   with pytest.raises(ValueError, match="Unknown SVM solver"):
     voc07_svm.fit_and_score(x[:250], y[:250], x[250:], y[250:], solver="liblinear")
+
+
+def _official_virtex_svm_map(train_x, train_y, test_x, test_y, costs=voc07_svm.DEFAULT_COSTS, drop_difficult=False):
+  """The official VirTex evaluation (kdexd/virtex scripts/clf_voc07.py) written out with scikit-learn's own
+  pieces: difficult (0) are negatives in training, cross_val_score(cv=3, scoring='average_precision') picks the cost
+  (strictly better only), test AP is average_precision_score over the non-difficult test images."""
+  from sklearn.metrics import average_precision_score
+  from sklearn.model_selection import cross_val_score
+
+  aps = []
+  for c in range(train_y.shape[1]):
+    rows = train_y[:, c] != 0 if drop_difficult else slice(None)  # drop_difficult: 1.x's protocol, for contrast
+    y = np.where(train_y[rows, c] > 0, 1, -1)
+    best_ap, best_clf = 0.0, None
+    for cost in costs:
+      # vlrep's estimator settings (dual coordinate descent, fixed seed): the test checks the protocol around it.
+      clf = LinearSVC(C=cost, class_weight={1: 2, -1: 1}, penalty="l2", loss="squared_hinge", max_iter=2000,
+                      dual=True, tol=1e-4, random_state=0)  # fmt: skip
+      with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scores = cross_val_score(clf, train_x[rows], y, cv=3, scoring="average_precision")
+        clf.fit(train_x[rows], y)
+      if scores.mean() > best_ap:
+        best_ap, best_clf = scores.mean(), clf
+    keep = test_y[:, c] != 0
+    aps.append(average_precision_score(test_y[keep, c] > 0, best_clf.decision_function(test_x[keep])))
+  return 100 * float(np.mean(aps))
+
+
+def test_probe_is_the_official_virtex_protocol():
+  x, y = _multilabel(3, signal=1.5)
+  # Difficult images that look like positives: as negatives in training (official) they change the SVMs, so
+  # leaving them out of training (1.x's protocol) gives another mAP.
+  x[:, :4] += 1.5 * (y == 0)
+  official = _official_virtex_svm_map(x[:250], y[:250], x[250:], y[250:])
+  assert abs(official - _official_virtex_svm_map(x[:250], y[:250], x[250:], y[250:], drop_difficult=True)) > 0.05
+  ours = voc07_svm.fit_and_score(x[:250], y[:250], x[250:], y[250:], solver="sklearn")
+  assert ours["map"] == pytest.approx(official, abs=1e-9)
+  assert 55 < official < 99
+  jax_map = voc07_svm.fit_and_score(x[:250], y[:250], x[250:], y[250:], solver="jax")["map"]
+  assert abs(jax_map - official) < 0.3
+  # Every training image has a fold for every class (difficult ones too), in cross_val_score's unshuffled order.
+  folds = voc07_svm.class_folds(y[:250], 3)
+  assert (folds >= 0).all()
+  from sklearn.model_selection import StratifiedKFold
+
+  for f, (_, va) in enumerate(StratifiedKFold(3).split(x[:250], y[:250, 0] > 0)):
+    assert (folds[va, 0] == f).all()
+  # The AP is scikit-learn's on the same scores; the 11-point devkit AP stays available and differs.
+  rng = np.random.default_rng(0)
+  scores, labels = rng.normal(size=200), np.where(rng.random(200) < 0.3, 1, -1)
+  from sklearn.metrics import average_precision_score
+
+  assert voc07_svm.average_precision(scores, labels) == pytest.approx(average_precision_score(labels > 0, scores))
+  assert voc07_svm.average_precision(scores, labels, "11point") == voc07_svm.voc07_ap(scores, labels)
+  assert voc07_svm.average_precision(scores, labels, "11point") != pytest.approx(
+    voc07_svm.average_precision(scores, labels), abs=1e-3
+  )
+  eleven = voc07_svm.fit_and_score(x[:250], y[:250], x[250:], y[250:], solver="sklearn", ap="11point")["map"]
+  assert eleven != pytest.approx(official, abs=1e-3)
+  with pytest.raises(ValueError, match="Unknown AP"):
+    voc07_svm.fit_and_score(x[:250], y[:250], x[250:], y[250:], ap="voc12")
+  # A validation split is scored by the same SVMs: passing the test split as 'val' gives the test mAP again.
+  both = voc07_svm.fit_and_score(x[:250], y[:250], x[250:], y[250:], more_tests={"val": (x[250:], y[250:])})
+  assert both["map_val"] == pytest.approx(both["map"])
 
 
 def test_icmlm_2x2_pooling():

@@ -1,10 +1,13 @@
-"""VOC07 linear-SVM probe (VirTex appendix A.1): per-class LinearSVC on frozen, pooled backbone features.
+"""VOC07 linear-SVM probe (VirTex appendix A.1; ICMLM's variant): per-class LinearSVC on frozen, pooled features.
 
-Protocol: features of the trainval and test splits (global-average-pooled, l2-normalised); for each class an
-SVM `LinearSVC(penalty='l2', dual=True, max_iter=2000, tol=1e-4, class_weight={1: 2, -1: 1},
-loss='squared_hinge')` per cost C, the cost chosen by 3-fold cross-validated AP on trainval, refit on all of
-trainval; VOC07 11-point AP on test ignoring 'difficult' labels (0); mAP over classes. Images whose only
-instances of a class are difficult are left out of that class's training set too.
+Protocol, as the official VirTex evaluation runs it (kdexd/virtex, scripts/clf_voc07.py): features of the trainval
+and test splits (global-average-pooled, l2-normalised); for each class an SVM `LinearSVC(penalty='l2',
+loss='squared_hinge', max_iter=2000, class_weight={1: 2, -1: 1})` per cost C, trained with every trainval image
+(images whose only instances of the class are 'difficult' are negatives, as in the official code), the cost
+chosen by 3-fold cross-validated average precision on trainval (`cross_val_score(cv=3,
+scoring='average_precision')`: unshuffled stratified folds, the first of equal costs), refit on all of trainval;
+test AP is scikit-learn's `average_precision_score` over the test images, leaving out those whose only instances are
+difficult; mAP over classes. `ap='11point'` scores with the VOC2007 devkit's 11-point interpolated AP instead.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ from collections.abc import Callable
 import numpy as np
 from absl import logging
 from sklearn.exceptions import ConvergenceWarning
+from sklearn.metrics import average_precision_score
 from sklearn.model_selection import StratifiedKFold
 from sklearn.svm import LinearSVC
 
 DEFAULT_COSTS = (0.01, 0.1, 1.0, 10.0)
+AP_KINDS = ("sklearn", "11point")
 
 
 def voc07_ap(scores: np.ndarray, labels: np.ndarray) -> float:
@@ -40,6 +45,18 @@ def voc07_ap(scores: np.ndarray, labels: np.ndarray) -> float:
   return float(ap)
 
 
+def average_precision(scores: np.ndarray, labels: np.ndarray, ap: str = "sklearn") -> float:
+  """AP of `scores` for labels in {1, -1} (difficult already removed): scikit-learn's (the official VirTex
+  evaluation's) or the VOC2007 11-point one. NaN where there is no positive."""
+  if ap == "11point":
+    return voc07_ap(scores, labels)
+  if ap != "sklearn":
+    raise ValueError(f"Unknown AP {ap!r}; expected one of {AP_KINDS}.")
+  if not (labels > 0).any():
+    return float("nan")
+  return float(average_precision_score(labels > 0, scores))
+
+
 def _svm(cost: float) -> LinearSVC:
   return LinearSVC(
     penalty="l2",
@@ -57,71 +74,98 @@ ICMLM_COSTS = tuple(10.0**e for e in range(-5, 3))  # ICMLM's wider cost search 
 
 
 def class_folds(train_y: np.ndarray, folds: int) -> np.ndarray:
-  """[N, K] cross-validation fold of each image for each class; -1 where the class label is 'difficult' (0).
+  """[N, K] cross-validation fold of each image for each class; -1 for every image of a class that is skipped.
 
-  Stratified per class (shuffled, seed 0), the split scikit-learn's StratifiedKFold gives; both solvers use it.
+  Difficult labels (0) are negatives, as in the official evaluation. The folds are those `cross_val_score(cv=3)`
+  gives a classifier (scikit-learn's unshuffled StratifiedKFold); both solvers use them. A class with fewer
+  positives or negatives than folds cannot be cross-validated: all -1, and its AP is NaN.
   """
   out = np.full(train_y.shape, -1, np.int32)
   for c in range(train_y.shape[1]):
-    keep = np.flatnonzero(train_y[:, c] != 0)
-    y = train_y[keep, c]
+    y = np.where(train_y[:, c] > 0, 1, -1)
     if (y > 0).sum() < folds or (y < 0).sum() < folds:
-      continue  # too few positives or negatives to cross-validate: the class is skipped (NaN AP)
-    for f, (_, va) in enumerate(StratifiedKFold(folds, shuffle=True, random_state=0).split(keep, y)):
-      out[keep[va], c] = f
+      continue
+    for f, (_, va) in enumerate(StratifiedKFold(folds).split(y, y)):
+      out[va, c] = f
   return out
 
 
 def fit_and_score(
-  train_x, train_y, test_x, test_y, costs=DEFAULT_COSTS, folds: int = 3, solver: str = "jax", tol: float = 1e-3
+  train_x,
+  train_y,
+  test_x,
+  test_y,
+  costs=DEFAULT_COSTS,
+  folds: int = 3,
+  solver: str = "jax",
+  tol: float = 1e-3,
+  ap: str = "sklearn",
+  more_tests: dict | None = None,
 ) -> dict:
-  """Runs the protocol on features and {1, 0, -1} label matrices. Returns mAP and per-class details.
+  """Runs the protocol on features and {1, 0 (difficult), -1} label matrices. Returns mAP and per-class details.
 
   solver='sklearn' is the reference (liblinear, one fit after the other); solver='jax' fits every class x cost x
-  fold together (linear_svm.py) and agrees with it to a fraction of a point (README).
+  fold together (linear_svm.py) and agrees with it to a fraction of a point (tests). ap: 'sklearn' (official) or
+  '11point'. more_tests: {name: (x, y)} scored by the same SVMs (e.g. a validation split), as 'map_<name>'.
   """
+  if ap not in AP_KINDS:
+    raise ValueError(f"Unknown AP {ap!r}; expected one of {AP_KINDS}.")
   fold_ids = class_folds(train_y, folds)
   skipped = [c for c in range(train_y.shape[1]) if (fold_ids[:, c] < 0).all()]
   for c in skipped:
     logging.warning("Class %d has too few positives/negatives to cross-validate; skipped.", c)
+  parts = [(None, test_x, test_y)] + [(name, x, y) for name, (x, y) in (more_tests or {}).items()]
+  all_test_x = np.concatenate([x for _, x, _ in parts])
   if solver == "sklearn":
     # One fit after the other: liblinear's dual solver shuffles coordinates with one process-wide random generator,
     # reseeded by each fit, so fits run in threads (as this once did) race on it and an unconverged fit (C = 10)
     # depends on the interleaving (measured: 5 different mAPs in 12 runs of one problem under load).
     results = [
-      _one_class_sklearn(c, train_x, train_y, test_x, test_y, fold_ids, costs, folds) for c in range(train_y.shape[1])
+      _one_class_sklearn(c, train_x, train_y, all_test_x, fold_ids, costs, folds, ap) for c in range(train_y.shape[1])
     ]
   elif solver == "jax":
-    results = _all_classes_jax(train_x, train_y, test_x, test_y, fold_ids, costs, folds, tol)
+    results = _all_classes_jax(train_x, train_y, all_test_x, fold_ids, costs, folds, tol, ap)
   else:
     raise ValueError(f"Unknown SVM solver {solver!r}; expected 'jax' or 'sklearn'.")
-  aps = np.array([r[0] for r in results])
-  return {"map": float(np.nanmean(aps) * 100), "ap_per_class": (aps * 100).tolist(), "costs": [r[1] for r in results]}
+  out = {"costs": [cost for _, cost in results]}
+  start = 0
+  for name, x, y in parts:
+    aps = np.full(y.shape[1], np.nan)
+    for c, (scores, _) in enumerate(results):
+      if scores is not None:
+        keep = y[:, c] != 0  # difficult: left out at test
+        aps[c] = average_precision(scores[start : start + len(x)][keep], y[keep, c], ap)
+    start += len(x)
+    key = "map" if name is None else f"map_{name}"
+    out[key] = float(np.nanmean(aps) * 100) if not np.isnan(aps).all() else float("nan")
+    if name is None:
+      out["ap_per_class"] = (aps * 100).tolist()
+  return out
 
 
-def _one_class_sklearn(c, train_x, train_y, test_x, test_y, fold_ids, costs, folds) -> tuple[float, float]:
-  keep = fold_ids[:, c] >= 0
-  if not keep.any():
-    return float("nan"), float("nan")
-  x, y, fold = train_x[keep], train_y[keep, c], fold_ids[keep, c]
+def _one_class_sklearn(c, train_x, train_y, test_x, fold_ids, costs, folds, ap) -> tuple[np.ndarray | None, float]:
+  """(test scores of class c's SVM at the cross-validated cost, that cost); (None, NaN) for a skipped class."""
+  fold = fold_ids[:, c]
+  if (fold < 0).all():
+    return None, float("nan")
+  y = np.where(train_y[:, c] > 0, 1, -1)
   cv_ap = []
   for cost in costs:
     fold_aps = []
     for f in range(folds):
       with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
-        clf = _svm(cost).fit(x[fold != f], y[fold != f])
-      fold_aps.append(voc07_ap(clf.decision_function(x[fold == f]), y[fold == f]))
+        clf = _svm(cost).fit(train_x[fold != f], y[fold != f])
+      fold_aps.append(average_precision(clf.decision_function(train_x[fold == f]), y[fold == f], ap))
     cv_ap.append(np.mean(fold_aps))
   best = costs[int(np.argmax(cv_ap))]
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", ConvergenceWarning)
-    clf = _svm(best).fit(x, y)
-  keep_test = test_y[:, c] != 0
-  return voc07_ap(clf.decision_function(test_x[keep_test]), test_y[keep_test, c]), best
+    clf = _svm(best).fit(train_x, y)
+  return clf.decision_function(test_x), best
 
 
-def _all_classes_jax(train_x, train_y, test_x, test_y, fold_ids, costs, folds, tol) -> list[tuple[float, float]]:
+def _all_classes_jax(train_x, train_y, test_x, fold_ids, costs, folds, tol, ap) -> list[tuple[np.ndarray | None, float]]:
   """Every class x fold (plus the full trainval fit) as one batch of SVMs, per cost, warm-started along costs."""
   import jax.numpy as jnp
 
@@ -159,16 +203,15 @@ def _all_classes_jax(train_x, train_y, test_x, test_y, fold_ids, costs, folds, t
       aps = []
       for f in range(folds):
         va = fold_ids[:, c] == f
-        aps.append(voc07_ap(train_scores[va, c * (folds + 1) + f], y[va, c * (folds + 1)]))
+        aps.append(average_precision(train_scores[va, c * (folds + 1) + f], y[va, c * (folds + 1)], ap))
       cv_ap[i, c] = np.mean(aps)
   results = []
   for c in range(k):
     if np.isnan(cv_ap[:, c]).all():
-      results.append((float("nan"), float("nan")))
+      results.append((None, float("nan")))
       continue
     best = int(np.nanargmax(cv_ap[:, c]))
-    keep_test = test_y[:, c] != 0
-    results.append((voc07_ap(test_scores[best][keep_test, c], test_y[keep_test, c]), costs[best]))
+    results.append((test_scores[best][:, c], costs[best]))
   return results
 
 
@@ -192,7 +235,9 @@ class Voc07Svm:
 
   Config: dataset, data_dir, config_name, train_split, test_split, pp (must produce 'image' and 'labels'),
   batch_size (global), feature ('pre_logits'; 'grid' with pooling '2x2' for ICMLM's variant), pooling
-  ('gap' | '2x2'), l2_normalize, costs, folds, solver ('jax' | 'sklearn'), every_steps, random_init.
+  ('gap' | '2x2'), l2_normalize, costs, folds, solver ('jax' | 'sklearn'), ap ('sklearn' | '11point'), val_split
+  (optional: a split scored by the same SVMs as 'map_val', on which hyperparameters are chosen; test_split is only
+  reported), every_steps, random_init.
   """
 
   def __init__(self, config, context: dict, host: int = 0, num_hosts: int = 1):
@@ -240,6 +285,8 @@ class Voc07Svm:
     t0 = time.time()
     train_x, train_y = self._features(self.config.train_split, features_fn)
     test_x, test_y = self._features(self.config.test_split, features_fn)
+    val_split = self.config.get("val_split", "")
+    more_tests = {"val": self._features(val_split, features_fn)} if val_split else None
     t1 = time.time()
     result = fit_and_score(
       train_x,
@@ -249,6 +296,8 @@ class Voc07Svm:
       tuple(self.config.get("costs", DEFAULT_COSTS)),
       self.config.get("folds", 3),
       solver=self.config.get("solver", "jax"),
+      ap=self.config.get("ap", "sklearn"),
+      more_tests=more_tests,
     )
     logging.info(
       "VOC07 SVM (%s): %d train / %d test images, features %.1fs, SVMs %.1fs, mAP %.2f",
@@ -259,4 +308,4 @@ class Voc07Svm:
       time.time() - t1,
       result["map"],
     )
-    return {"map": result["map"]}
+    return {k: result[k] for k in ("map", "map_val") if k in result}
