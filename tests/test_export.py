@@ -14,9 +14,9 @@ from vlrep.models import resnet
 from vlrep.models.torch_resnet import ResNet as TorchResNet
 
 
-def _write_run(workdir, depth=50, width=64, with_backbone=True, seed=0):
+def _write_run(workdir, depth=50, width=64, with_backbone=True, seed=0, stem="imagenet"):
   """A checkpoint in vlrep's layout holding a ResNet with non-trivial BatchNorm parameters and statistics."""
-  net = resnet.ResNet(depth=depth, width=width)
+  net = resnet.ResNet(depth=depth, width=width, stem=stem)
   variables = net.init(jax.random.PRNGKey(seed), np.zeros((1, 64, 64, 3), np.float32), False)
   rng = np.random.default_rng(seed)
 
@@ -32,7 +32,7 @@ def _write_run(workdir, depth=50, width=64, with_backbone=True, seed=0):
   params = {"backbone": variables["params"]} if with_backbone else {"head": {"w": np.ones((3, 3), np.float32)}}
   stats = {"backbone": variables["batch_stats"]} if with_backbone else {}
   state = {"step": np.int32(7), "params": params, "model_state": {"batch_stats": stats}}
-  config = ConfigDict({"method": {"name": "virtex", "backbone": {"depth": depth, "width": width}}})
+  config = ConfigDict({"method": {"name": "virtex", "backbone": {"depth": depth, "width": width, "stem": stem}}})
   ck = ckpt_lib.Checkpointer(str(workdir), async_save=False)
   ck.save(7, state, {"signature": ckpt_lib.signature(params), "config": config.to_dict(), "summary": {}})
   ck.close()
@@ -136,6 +136,15 @@ def test_export_bad_inputs(tmp_path):
     export.export(str(tmp_path / "run"), "torchvision", str(tmp_path / "x.bin"))
   with pytest.raises(FileNotFoundError, match="no checkpoint of step 3"):
     evaluate.load_run(str(tmp_path / "run"), "3")
+  # A small-stem backbone (runlocal's) has no torchvision/Detectron2 layout: a clear error, no file written.
+  _write_run(tmp_path / "small", depth=10, width=8, stem="small")
+  for fmt, out in (("torchvision", "x.safetensors"), ("detectron2", "x.pkl")):
+    with pytest.raises(ValueError, match="stem='small'.*only stem='imagenet' backbones"):
+      export.export(str(tmp_path / "small"), fmt, str(tmp_path / out))
+    assert not (tmp_path / out).exists()
+  # ... but evaluation rebuilds it with its stem and reads its checkpoint.
+  module, variables = evaluate.backbone_of(evaluate.load_run(str(tmp_path / "small")))
+  assert module.stem == "small" and variables["params"]["conv1"]["kernel"].shape == (3, 3, 3, 8)
 
 
 def test_coco_subset_is_seeded_nested_and_keeps_annotations():

@@ -57,6 +57,27 @@ def test_resnet50_shapes_and_parameter_count():
   assert out[0].shape == (2, 7, 7, 2048) and out[1]["pre_logits"].shape == (2, 2048)
 
 
+def test_small_stem_keeps_resolution_and_the_imagenet_stem_is_unchanged():
+  x = jnp.zeros((2, 64, 64, 3))
+  grids = {}
+  for stem, stride in (("imagenet", 2), ("small", 2), ("small", 1)):
+    model = resnet.ResNet(depth=10, width=8, stem=stem, stem_stride=stride)
+    variables = jax.eval_shape(lambda m=model: m.init(jax.random.PRNGKey(0), x))
+    out, aux = jax.eval_shape(lambda v, m=model: m.apply(v, x), variables)
+    grids[(stem, stride)] = (aux["stage1"].shape[1], out.shape[1])
+    kernel = variables["params"]["conv1"]["kernel"].shape
+    assert kernel == ((7, 7, 3, 8) if stem == "imagenet" else (3, 3, 3, 8))
+    assert aux["pre_logits"].shape == (2, 64)
+  # The ImageNet stem downsamples 4x before the first stage, the small stem its stride only.
+  assert grids == {("imagenet", 2): (16, 2), ("small", 2): (32, 4), ("small", 1): (64, 8)}
+  with pytest.raises(ValueError, match="Unknown ResNet stem"):
+    resnet.ResNet(depth=10, width=8, stem="cifar").init(jax.random.PRNGKey(0), x)
+  with pytest.raises(ValueError, match="stem_stride must be 1 or 2"):
+    resnet.ResNet(depth=10, width=8, stem="small", stem_stride=4).init(jax.random.PRNGKey(0), x)
+  with pytest.raises(ValueError, match="applies to stem='small'"):
+    resnet.ResNet(depth=10, width=8, stem_stride=1).init(jax.random.PRNGKey(0), x)
+
+
 def test_lookahead_syncs_every_k_steps():
   params = {"w": jnp.array(1.0)}
   tx = optim.lookahead(optax.sgd(0.1), sync_period=2, alpha=0.5)

@@ -105,7 +105,13 @@ def backbone_of(run: Run) -> tuple[Any, dict]:
 
     module = vgg.VGG16(width=cfg.get("width", 64))
   else:
-    module = resnet.ResNet(depth=cfg.get("depth", 50), width=cfg.get("width", 64), bn_group_size=0)
+    module = resnet.ResNet(
+      depth=cfg.get("depth", 50),
+      width=cfg.get("width", 64),
+      bn_group_size=0,
+      stem=cfg.get("stem", "imagenet"),
+      stem_stride=cfg.get("stem_stride", 2),
+    )
   variables = {"params": run.params["backbone"]}
   stats = run.model_state.get("batch_stats", {}).get("backbone")
   if stats is not None:

@@ -83,6 +83,15 @@ def export(workdir: str, fmt: str, out: str, checkpoint: str = "best") -> dict:
   run = evaluate.load_run(workdir, checkpoint)
   if run.config.method.get("backbone", {}).get("arch", "resnet") != "resnet":
     raise ValueError(f"{run.path}: export to torchvision/Detectron2 supports ResNet backbones only (this is a VGG16).")
+  stem = run.config.method.get("backbone", {}).get("stem", "imagenet")
+  if stem != "imagenet":
+    # torchvision's and Detectron2's ResNets build the 7x7 stride-2 stem and max-pool in code: a 3x3 stem's weights
+    # would load under conv1's name only to fail on its shape, or (strict=False) be silently dropped.
+    raise ValueError(
+      f"{run.path}: the backbone uses stem={stem!r} (a 3x3 convolution, no max-pool), which neither torchvision's "
+      "nor Detectron2's ResNet has; only stem='imagenet' backbones (every paper recipe) export. Inspect it with "
+      "vlrep.evaluate or load its checkpoint in JAX instead."
+    )
   _, variables = evaluate.backbone_of(run)
   sd = torchvision_state_dict(variables["params"], variables.get("batch_stats"))
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

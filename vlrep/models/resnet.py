@@ -115,8 +115,12 @@ class ResNet(nn.Module):
     depth: 10 (tests) and 18 use basic blocks; 26, 50, 101 and 152 use bottlenecks.
     width: channels of the first stage (64 standard; 128 for R-50 w2x, whose bottleneck inner width doubles).
     bn_group_size: examples per BatchNorm statistics group (0 = whole batch).
+    stem: 'imagenet' (7x7 stride-2 convolution and a 3x3 stride-2 max-pool: every real recipe, and the only stem
+      torchvision's and Detectron2's ResNets have) or 'small' (one 3x3 convolution of stride `stem_stride`, no
+      max-pool: for small images, where the ImageNet stem's 4x downsampling leaves a shape a few cells wide).
+    stem_stride: the small stem's stride (1 or 2); the ImageNet stem's is fixed.
   Returns:
-    (features [B, H/32, W/32, C], {'stage1'..'stage4', 'pre_logits' [B, C]}).
+    (features [B, H/32, W/32, C] (H/8 or H/16 with the small stem), {'stage1'..'stage4', 'pre_logits' [B, C]}).
   """
 
   depth: int = 50
@@ -124,6 +128,8 @@ class ResNet(nn.Module):
   bn_group_size: int = 0
   bn_momentum: float = 0.9
   dtype: Any = jnp.float32
+  stem: str = "imagenet"
+  stem_stride: int = 2
 
   @property
   def bottleneck(self) -> bool:
@@ -149,9 +155,20 @@ class ResNet(nn.Module):
     )
     aux = {}
     x = x.astype(self.dtype)
-    x = conv(self.width, (7, 7), strides=(2, 2), padding=((3, 3), (3, 3)), name="conv1")(x)
-    x = nn.relu(norm(name="bn1")(x, train))
-    x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+    if self.stem == "imagenet":
+      if self.stem_stride != 2:
+        raise ValueError(f"stem_stride={self.stem_stride} applies to stem='small'; the ImageNet stem's is 2.")
+      x = conv(self.width, (7, 7), strides=(2, 2), padding=((3, 3), (3, 3)), name="conv1")(x)
+      x = nn.relu(norm(name="bn1")(x, train))
+      x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+    elif self.stem == "small":
+      if self.stem_stride not in (1, 2):
+        raise ValueError(f"stem_stride must be 1 or 2 for stem='small'; got {self.stem_stride}.")
+      s = self.stem_stride
+      x = conv(self.width, (3, 3), strides=(s, s), padding=((1, 1), (1, 1)), name="conv1")(x)
+      x = nn.relu(norm(name="bn1")(x, train))
+    else:
+      raise ValueError(f"Unknown ResNet stem {self.stem!r}; known: 'imagenet', 'small'.")
     block_cls = Bottleneck if self.bottleneck else BasicBlock
     for stage, num_blocks in enumerate(_stage_sizes(self.depth)):
       for b in range(num_blocks):

@@ -20,7 +20,9 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-SHAPES = ("circle", "square", "triangle", "star", "cross", "diamond", "hexagon", "ring", "pentagon", "heart")
+# Ten shapes that stay distinct at 32 px: 1.x's diamond (a rotated square), hexagon and pentagon (circles at low
+# resolution) were replaced by the crescent, arrow and bar in 2.0.0.
+SHAPES = ("circle", "square", "triangle", "star", "cross", "arrow", "crescent", "ring", "bar", "heart")
 COLORS = {
   "red": (220, 40, 40),
   "green": (40, 180, 60),
@@ -39,6 +41,12 @@ NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six")
 _SHAPE_SYNONYMS = {"square": ("square", "box"), "circle": ("circle", "disc"), "ring": ("ring", "donut")}
 _PLURAL = {"cross": "crosses", "box": "boxes"}
 _MATERIALS = ("wooden", "metal", "plastic", "glass", "paper")
+# Geometry (2.0.0), as fractions of the image side: at 64 px a small shape's radius is 7.7-9.6 px and a large one's
+# 12.8-16.6 px, so each covers several cells of a stride-2 stem's 32x32 grid. 1.x's radii (4.5-6.4 px small) left a
+# small shape about one cell of the ImageNet stem's 16x16 grid, and supervised training on the shape labels did not
+# learn them at the runlocal budget (README, synthetic_scenes).
+RADIUS = {"small": (0.12, 0.15), "large": (0.2, 0.26)}
+MAX_OBJECTS = 3
 
 
 def plural(word: str) -> str:
@@ -62,15 +70,8 @@ def _shape_polygon(shape: str, cx: float, cy: float, r: float, angle: float) -> 
 
   if shape == "square":
     return regular(4, angle + math.pi / 4, r * 1.05)
-  if shape == "diamond":
-    pts = regular(4, angle)
-    return [(cx + (x - cx) * 0.7, y) for x, y in pts]
   if shape == "triangle":
     return regular(3, angle - math.pi / 2, r * 1.1)
-  if shape == "pentagon":
-    return regular(5, angle - math.pi / 2)
-  if shape == "hexagon":
-    return regular(6, angle)
   if shape == "star":
     outer = regular(5, angle - math.pi / 2, r * 1.1)
     inner = regular(5, angle - math.pi / 2 + math.pi / 5, r * 0.45)
@@ -78,8 +79,23 @@ def _shape_polygon(shape: str, cx: float, cy: float, r: float, angle: float) -> 
   if shape == "cross":
     w = r * 0.35
     base = [(-w, -r), (w, -r), (w, -w), (r, -w), (r, w), (w, w), (w, r), (-w, r), (-w, w), (-r, w), (-r, -w), (-w, -w)]
-    c, s = math.cos(angle), math.sin(angle)
-    return [(cx + x * c - y * s, cy + x * s + y * c) for x, y in base]
+    return _rotated(base, cx, cy, angle)
+  if shape == "arrow":
+    base = [(-r, -0.22 * r), (0.15 * r, -0.22 * r), (0.15 * r, -0.65 * r), (r, 0), (0.15 * r, 0.65 * r)]
+    base += [(0.15 * r, 0.22 * r), (-r, 0.22 * r)]
+    return _rotated(base, cx, cy, angle)
+  if shape == "bar":
+    return _rotated([(-r, -0.3 * r), (r, -0.3 * r), (r, 0.3 * r), (-r, 0.3 * r)], cx, cy, angle)
+  if shape == "crescent":
+    # The part of a disc of radius r outside a disc of radius 0.8 r whose centre is 0.5 r to the right: the outer
+    # arc between the two circles' intersections, then the inner arc back.
+    ri, d = 0.8 * r, 0.5 * r
+    ix = (r * r - ri * ri + d * d) / (2 * d)
+    iy = math.sqrt(r * r - ix * ix)
+    phi, psi = math.atan2(iy, ix), math.atan2(iy, ix - d)
+    outer = [(r * math.cos(t), r * math.sin(t)) for t in np.linspace(phi, 2 * math.pi - phi, 24)]
+    inner = [(d + ri * math.cos(t), ri * math.sin(t)) for t in np.linspace(2 * math.pi - psi, psi, 24)]
+    return _rotated(outer + inner, cx, cy, angle)
   if shape == "heart":
     pts = []
     for k in range(40):
@@ -89,6 +105,11 @@ def _shape_polygon(shape: str, cx: float, cy: float, r: float, angle: float) -> 
       pts.append((cx + x * r / 17, cy + y * r / 17))
     return pts
   raise ValueError(shape)
+
+
+def _rotated(points, cx: float, cy: float, angle: float) -> list[tuple[float, float]]:
+  c, s = math.cos(angle), math.sin(angle)
+  return [(cx + x * c - y * s, cy + x * s + y * c) for x, y in points]
 
 
 def _draw_shape(draw: ImageDraw.ImageDraw, shape, cx, cy, r, angle, fill, outline=None, width=1):
@@ -255,7 +276,7 @@ def _qa_and_entailment(objs, rng):
 
 
 def generate_scene(
-  rng: np.random.Generator, image_size: int = 64, style: str = "main", max_objects: int = 4
+  rng: np.random.Generator, image_size: int = 64, style: str = "main", max_objects: int = MAX_OBJECTS
 ) -> dict[str, Any]:
   """Generates one annotated scene. Coordinates of traces and boxes are normalised to [0, 1]."""
   if style not in STYLES:
@@ -266,7 +287,7 @@ def generate_scene(
   objs = []
   for _ in range(n):
     size = SIZES[int(rng.integers(2))]
-    r = big * (rng.uniform(0.07, 0.1) if size == "small" else rng.uniform(0.14, 0.2))
+    r = big * rng.uniform(*RADIUS[size])
     # Rejection-sample positions with limited overlap (some occlusion is allowed and marked).
     for _try in range(20):
       cx, cy = rng.uniform(r, big - r, size=2)
