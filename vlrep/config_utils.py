@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import ml_collections
+
+
+def sibling_config(this_file: str, name: str, arg: str | None = None) -> ml_collections.ConfigDict:
+  """get_config(arg) of the config file `name`.py beside `this_file`: one recipe built on another's (e.g. the
+  supervised reference on virtex.py:runlocal), without configs/ being an importable package."""
+  path = os.path.join(os.path.dirname(os.path.abspath(this_file)), f"{name}.py")
+  spec = importlib.util.spec_from_file_location(f"vlrep_config_{name}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
 
 
 def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:

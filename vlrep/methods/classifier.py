@@ -1,8 +1,10 @@
 """Supervised image classification with a ResNet: end-to-end fine-tuning for transfer (VirTex appendix A.3,
 iNaturalist-style), with the backbone initialised from a pretrained run (`config.init_from`).
 
-Config `method`: name='classifier', num_classes, backbone {depth, width, bn_group_size}, dtype,
-label_smoothing, head_init_std.
+Config `method`: name='classifier', num_classes, backbone {depth, width, bn_group_size, stem, stem_stride}, dtype,
+label_smoothing, head_init_std, multilabel (False: one class per image, softmax cross-entropy on an integer
+'label'; True: several classes per image, sigmoid cross-entropy on a multi-hot 'label' [B, num_classes], e.g.
+synthetic_scenes' shape presence: the supervised upper reference of the runlocal probe).
 """
 
 from __future__ import annotations
@@ -52,6 +54,15 @@ class Classifier:
   def loss(self, variables, batch, rng, train: bool = True):
     del rng
     (logits, _), new_state = self.model.apply(variables, batch["image"], train, mutable=["batch_stats"])
+    if self.config.get("multilabel", False):
+      targets = batch["label"].astype(jnp.float32)
+      if targets.ndim != 2 or targets.shape[1] != self.config.num_classes:
+        raise ValueError(
+          f"multilabel needs a multi-hot 'label' [B, {self.config.num_classes}]; got shape {targets.shape}."
+        )
+      loss = jnp.mean(optax.sigmoid_binary_cross_entropy(logits.astype(jnp.float32), targets))
+      exact = jnp.all((logits > 0) == (targets > 0.5), axis=-1)
+      return loss, {"exact_match": jnp.mean(exact)}, new_state
     labels = optax.smooth_labels(
       jax.nn.one_hot(batch["label"], self.config.num_classes), self.config.get("label_smoothing", 0.0)
     )

@@ -13,13 +13,12 @@ import collections
 import numpy as np
 from absl import app, flags
 
+from vlrep.data.builders import scenes
+
 GROUPS = {
-  "colour": "red green blue yellow orange purple pink white black gray".split(),
-  "size": ["large", "small", "biggest"],
-  "shape": (
-    "circle square triangle star cross diamond hexagon ring pentagon heart disc box circles squares triangles "
-    "stars crosses diamonds rings hearts"
-  ).split(),
+  "colour": list(scenes.COLOR_NAMES),
+  "size": [*scenes.SIZES, "biggest"],
+  "shape": [word for shape in scenes.SHAPES for word in scenes.shape_words(shape)],
 }
 
 

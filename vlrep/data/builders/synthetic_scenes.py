@@ -2,7 +2,9 @@
 
 Splits (sizes per builder config):
   train, val            main-style scenes with captions, narrations, objects, QA and entailment.
-  probe_trainval/test   multi-label probe in VOC07 form (objects with shape labels and `is_difficult`).
+  probe_trainval        multi-label probe in VOC07 form (objects with shape labels and `is_difficult`): SVM training.
+  probe_val             the same: hyperparameters and runlocal defaults are chosen on it.
+  probe_test            the same: only reported, never tuned on.
   ood_train, ood_val    the same annotations in the out-of-domain "sketch" style.
 
 Every split is generated from its own seed stream, so a config always yields the same bytes.
@@ -29,24 +31,36 @@ class ScenesConfig(tfds.core.BuilderConfig):
 
 
 _DEFAULT_SPLITS = {
-  "train": 4000,
+  "train": 8000,
   "val": 500,
   "probe_trainval": 1000,
+  "probe_val": 1000,
   "probe_test": 1000,
   "ood_train": 500,
   "ood_val": 500,
 }
-_TINY_SPLITS = {"train": 64, "val": 16, "probe_trainval": 40, "probe_test": 40, "ood_train": 16, "ood_val": 16}
+_TINY_SPLITS = {
+  "train": 64,
+  "val": 16,
+  "probe_trainval": 40,
+  "probe_val": 40,
+  "probe_test": 40,
+  "ood_train": 16,
+  "ood_val": 16,
+}
 
 
 class SyntheticScenes(tfds.core.GeneratorBasedBuilder):
   """Procedurally generated scenes of coloured shapes with captions, narrations, masks, QA and entailment."""
 
-  VERSION = tfds.core.Version("1.1.0")
+  VERSION = tfds.core.Version("2.0.0")
   RELEASE_NOTES = {
     "1.0.0": "First release.",
     "1.1.0": "Fix: split seeds from the CRC32 of the split name. 1.0.0 took the first 4 bytes of the name, so "
     "probe_trainval and probe_test (and ood_train and ood_val) were the same images.",
+    "2.0.0": "Learnable at the runlocal budget: shapes 1.6-2.6x larger (radius 12-26% of the side), at most 3 per "
+    "image, diamond/hexagon/pentagon (near-duplicates at low resolution) replaced by arrow/crescent/bar; train 8000 "
+    "images; a probe_val split for choosing hyperparameters (probe_test is only reported).",
   }
   BUILDER_CONFIGS = [
     ScenesConfig(
