@@ -468,9 +468,9 @@ def test_sweep_over_seeds_runs_each_seed_and_tabulates_means(tmp_path, monkeypat
   ]
   assert len(calls) == 6
   table = open(md).read()
-  assert "seeds 0, 1, 2: mean (each seed)" in table
-  assert "| tfm | 31.00 (30.00 / 31.00 / 32.00) |" in table
-  assert "| att_fc | 20.50 (20.00 / 21.00 / —) |" in table  # the missing seed is shown and left out of the mean
+  assert "seeds 0, 1, 2: mean ± std (each seed)" in table
+  assert "| tfm | 31.00 ± 1.00 (30.00 / 31.00 / 32.00) |" in table  # sample std
+  assert "| att_fc | 20.50 ± 0.71 (20.00 / 21.00 / —) |" in table  # the missing seed is shown and left out of the mean
   assert os.path.getsize(png) > 1000
   # Finished runs are not started again.
   calls.clear()

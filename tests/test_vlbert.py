@@ -457,8 +457,8 @@ def test_study_grid_seeds_and_tables_average_the_seeds(tmp_path, monkeypatch):
   # A seed not run yet is shown as missing and left out of the mean.
   assert vl_study.cell(str(tmp_path), "vilbert", "captions", "vqa", "frozen", (0, 3)) == [40.0, None]
   md = vl_study.tables(str(tmp_path), ["vilbert"], ["none", "captions"], ["vqa"], seeds=(0, 3))
-  assert "| vilbert | none | 53.00 (50.00 / 56.00) |" in md
-  assert "| vilbert | captions | 40.00 (40.00 / —) |" in md
+  assert "| vilbert | none | 53.00 ± 4.24 (50.00 / 56.00) |" in md
+  assert "| vilbert | captions | 40.00 ± 0.00 (40.00 / —) |" in md
   single = vl_study.tables(str(tmp_path), ["vilbert"], ["none"], ["vqa"])
   assert "| vilbert | none | 50.00 |" in single
   with pytest.raises(ValueError, match="must be integers"):

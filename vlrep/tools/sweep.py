@@ -9,7 +9,7 @@ r"""Runs a family of configs and collects their metrics into one markdown table 
   # only collect runs that exist (e.g. trained on a cluster)
   python -m vlrep.tools.sweep --config=configs/virtex.py:runlocal --vary="fraction=10 100" --root=DIR --collect_only
 
-  # several seeds: each variant once per seed; cells show the mean and each seed's value
+  # several seeds: each variant once per seed; cells show the mean ± std and each seed's value
   python -m vlrep.tools.sweep --config=configs/icmlm.py:runlocal,variant=tp --vary="tags=postag" --seeds=0,1,2 \
       --root=R/tp
   # a run that starts from another sweep's run of the same seed: {suffix} is the seed's workdir suffix
@@ -21,7 +21,7 @@ resume), then an optional --eval_config runs `python -m vlrep.evaluate` on it. T
 row per variant and one column per metric from the runs' summary.json; the plot (ROOT/sweep.png) draws each
 metric against the first varied argument. With --seeds, seed 0 trains into ROOT/<name> and seed N into
 ROOT/<name>_sN with `--config.seed=N` (the convention of vlrep.tools.vl_study); in --overrides, `{seed}` becomes
-the seed and `{suffix}` its workdir suffix ('' or '_sN'). A cell is then 'mean (seed 0 / seed 1 / ...)', the mean
+the seed and `{suffix}` its workdir suffix ('' or '_sN'). A cell is then 'mean ± std (seed 0 / seed 1 / ...)', the mean
 over the seeds whose run has the metric, and the plot draws the means.
 """
 
@@ -46,7 +46,7 @@ def define_flags():
   flags.DEFINE_list(
     "overrides", [], "Extra --config.KEY=VALUE flags for every run (without the --config. prefix; {seed}, {suffix})."
   )
-  flags.DEFINE_list("seeds", ["0"], "Seeds of every variant; with more than one, cells show mean (each seed).")
+  flags.DEFINE_list("seeds", ["0"], "Seeds of every variant; with more than one, cells show mean ± std (each seed).")
 
 
 def parse_vary(vary: str) -> list[tuple[str, list[str]]]:
@@ -95,13 +95,15 @@ def seed_overrides(overrides: list[str], seed: int) -> list[str]:
 
 
 def mean_cell(values: list) -> tuple[float | None, str | None]:
-  """(mean of the values that exist, 'mean (v0 / v1 / ...)' with '—' for missing ones) of one metric over seeds."""
+  """(mean of the values that exist, 'mean ± std (v0 / v1 / ...)' with '—' for missing ones) of one metric over
+  seeds. std is the sample standard deviation (n - 1), 0 for a single value."""
   found = [v for v in values if v is not None]
   if not found:
     return None, None
   mean = sum(found) / len(found)
+  std = (sum((v - mean) ** 2 for v in found) / (len(found) - 1)) ** 0.5 if len(found) > 1 else 0.0
   each = " / ".join("—" if v is None else f"{v:.2f}" for v in values)
-  return mean, f"{mean:.2f} ({each})"
+  return mean, f"{mean:.2f} ± {std:.2f} ({each})"
 
 
 def run_variant(config: str, workdir: str, overrides: list[str], eval_config: str | None) -> None:
@@ -212,7 +214,7 @@ def sweep(
   described = "; ".join(n + "=" + " ".join(v) for n, v in parsed)
   header = f"Sweep of `{config}` over {described}"
   if len(seeds) > 1:
-    header += f", seeds {', '.join(map(str, seeds))}: mean (each seed)"
+    header += f", seeds {', '.join(map(str, seeds))}: mean ± std (each seed)"
   with open(md_path, "w") as f:
     f.write(header + "\n\n" + markdown(table, [n for n, _ in parsed] + metrics))
   plot(plotted, parsed[0][0], metrics, png_path)
