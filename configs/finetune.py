@@ -9,16 +9,28 @@ and 'label'), ResNet-50 + linear layer, 100 epochs, SGD momentum 0.9, weight dec
 (0.1 from random init: leave init_from empty and pass lr=0.1) multiplied by 0.1 at epochs 70 and 90;
 random-resized crop + flip for training, resize 256 / centre 224 for evaluation. The backbone (weights and
 BatchNorm statistics) comes from `init_from`'s best checkpoint; the loop checks the shapes match.
-Arguments: runlocal (synthetic_scenes, class of the largest object), dataset, num_classes, lr, epochs.
+Arguments: runlocal (synthetic_scenes, class of the largest object), dataset, num_classes, lr, epochs,
+labels=largest|presence (runlocal only). `runlocal,labels=presence` is the supervised upper reference of the
+runlocal probe tables: the runlocal backbone trained from random init on the probe's own labels (which of the 10
+shapes are present; sigmoid cross-entropy) at the pretraining methods' runlocal budget, then probed like them:
+
+  python -m vlrep.tools.sweep --config=configs/finetune.py:runlocal,labels=presence --vary="steps=250" \
+      --seeds=0,1,2 --root=/tmp/supervised --metrics=probe/map,probe/map_val,probe/map_random_init
 """
 
 from ml_collections import ConfigDict
 
-from vlrep.config_utils import parse_arg
+from vlrep.config_utils import parse_arg, sibling_config
 
 
 def get_config(arg=None):
-  arg = parse_arg(arg, runlocal=False, dataset="i_naturalist2018", num_classes=8142, lr=0.025, epochs=100.0)
+  arg = parse_arg(
+    arg, runlocal=False, dataset="i_naturalist2018", num_classes=8142, lr=0.025, epochs=100.0, labels="largest", steps=0
+  )
+  if arg.labels not in ("largest", "presence"):
+    raise ValueError(f"Unknown labels={arg.labels!r}; expected 'largest' or 'presence'.")
+  if arg.labels != "largest" and not arg.runlocal:
+    raise ValueError("labels=presence is synthetic_scenes' multi-label reference: use it with runlocal.")
   c = ConfigDict()
   c.seed = 0
   c.init_from = ""  # a vlrep run directory whose backbone initialises this one
@@ -81,7 +93,9 @@ def get_config(arg=None):
     )
   )
   c.best_metric = "val/top1"
-  if arg.runlocal:
+  if arg.runlocal and arg.labels == "presence":
+    _runlocal_presence(c, arg)
+  elif arg.runlocal:
     c.data.update(
       name="synthetic_scenes",
       config_name="default",
@@ -104,3 +118,25 @@ def get_config(arg=None):
       every_steps=0,
     )
   return c
+
+
+def _runlocal_presence(c, arg):
+  """The supervised reference: virtex.py:runlocal's backbone, data, optimiser and budget, with shape-presence labels
+  in place of captions, probed on the same splits (so its rows sit beside the methods' in one table)."""
+  ref = sibling_config(__file__, "virtex", "runlocal")
+  c.data.update(
+    name="synthetic_scenes",
+    config_name="default",
+    data_dir=ref.data.data_dir,
+    pp=ref.data.pp.split("|normalize|")[0] + "|normalize|tags(num_tags=10, out='label')",
+  )
+  c.method.update(num_classes=10, multilabel=True, dtype="float32", backbone=dict(ref.method.backbone))
+  c.batch_size = ref.batch_size
+  c.total_epochs = 0.0
+  c.total_steps = arg.steps or ref.total_steps
+  c.optim = ref.optim
+  c.optim.lr_groups = ((".*", dict(ref.optim.lr_groups)["^backbone/"]),)
+  c.checkpoint.every_steps = ref.checkpoint.every_steps
+  c.log_every_steps = ref.log_every_steps
+  c.evals = dict(probe=ref.evals.probe)
+  c.best_metric = ref.best_metric

@@ -164,6 +164,7 @@ def _runlocal(c, arg, grid_sizes):
     config_name="default",
     data_dir=data_dir,
     train_split="probe_trainval",
+    val_split="probe_val",
     test_split="probe_test",
     pp="decode|normalize|voc_labels(10)",
     every_steps=0,

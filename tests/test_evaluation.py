@@ -537,3 +537,58 @@ def test_negative_or_fractional_every_steps_is_refused_before_any_evaluator_is_b
       evaluators.build_all(ConfigDict({"probe": {"type": "nope", "every_steps": every}}), {})
   with pytest.raises(ValueError, match="Unknown evaluator type"):
     evaluators.build_all(ConfigDict({"probe": {"type": "nope", "every_steps": 0}}), {})
+
+
+def test_supervised_presence_reference_trains_multilabel_and_is_probed(tmp_path):
+  """configs/finetune.py:runlocal,labels=presence: the runlocal backbone trained on which shapes are present
+  (sigmoid cross-entropy, checked by hand), probed like the pretraining methods."""
+  from vlrep.methods import classifier
+
+  sys.path.insert(0, os.path.join(ROOT, "configs"))
+  import finetune
+  import virtex
+
+  c = finetune.get_config("runlocal,labels=presence")
+  ref = virtex.get_config("runlocal")
+  assert c.method.multilabel and c.method.backbone.to_dict() == ref.method.backbone.to_dict()
+  assert c.total_steps == ref.total_steps and c.optim.name == ref.optim.name and c.batch_size == ref.batch_size
+  assert c.data.pp.endswith("tags(num_tags=10, out='label')") and list(c.evals) == ["probe"]
+  assert c.evals.probe.val_split == "probe_val" and c.best_metric == "probe/map_val"
+  with pytest.raises(ValueError, match="use it with runlocal"):
+    finetune.get_config("labels=presence")
+  with pytest.raises(ValueError, match="Unknown labels"):
+    finetune.get_config("runlocal,labels=colour")
+  # The loss is the mean sigmoid cross-entropy over classes and images.
+  m = classifier.Classifier(
+    ConfigDict({"num_classes": 3, "multilabel": True, "dtype": "float32", "backbone": {"depth": 10, "width": 4}})
+  )
+  batch = {"image": np.zeros((2, 16, 16, 3), np.float32), "label": np.array([[1, 0, 1], [0, 0, 1]], np.uint8)}
+  variables = m.init(jax.random.PRNGKey(0), batch)
+  loss, metrics, _ = m.loss(variables, batch, None, True)
+  logits, _ = m.model.apply(variables, batch["image"], True, mutable=["batch_stats"])[0]
+  z, y = np.asarray(logits, np.float64), batch["label"].astype(np.float64)
+  expected = np.mean(np.log1p(np.exp(-np.abs(z))) + np.maximum(z, 0) - z * y)
+  assert float(loss) == pytest.approx(expected, rel=1e-5)
+  assert float(metrics["exact_match"]) == np.mean(np.all((z > 0) == (y > 0.5), axis=1))
+  with pytest.raises(ValueError, match="multi-hot"):
+    m.loss(variables, {**batch, "label": np.array([0, 2])}, None, True)
+  # End to end on the tiny dataset: trains and reports the probe on both probe splits.
+  data_dir = os.environ["VLREP_TEST_DATA_DIR"]
+  proc = run_main(
+    tmp_path / "sup",
+    "--config.total_steps=3",
+    "--config.batch_size=8",
+    f"--config.data.data_dir={data_dir}",
+    "--config.data.config_name=tiny",
+    "--config.method.backbone.width=4",
+    "--config.method.backbone.bn_group_size=4",
+    f"--config.evals.probe.data_dir={data_dir}",
+    "--config.evals.probe.config_name=tiny",
+    "--config.evals.probe.batch_size=16",
+    "--config.evals.probe.random_init=False",
+    "--config.checkpoint.async_save=False",
+    config="configs/finetune.py:runlocal,labels=presence",
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  summary = json.loads((tmp_path / "sup" / "summary.json").read_text())
+  assert 0 < summary["probe/map"] <= 100 and 0 < summary["probe/map_val"] <= 100

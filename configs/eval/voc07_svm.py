@@ -4,7 +4,9 @@ r"""VOC07 linear-SVM probe of a checkpoint's frozen backbone (VirTex appendix A.
   python -m vlrep.evaluate --config=configs/eval/voc07_svm.py:variant=icmlm --workdir=DIR  # 2x2-pooled, 8192-d
   python -m vlrep.evaluate --config=configs/eval/voc07_svm.py:runlocal --workdir=/tmp/virtex_local
 
-Arguments: runlocal (synthetic_scenes' probe split), variant=virtex|icmlm, solver=jax|sklearn, labels=shape|color
+Arguments: runlocal (synthetic_scenes' probe splits: SVMs on probe_trainval, map_val on probe_val, map on
+probe_test), variant=virtex|icmlm, solver=jax|sklearn, ap=sklearn|11point (the official VirTex evaluation's
+scikit-learn AP, or the VOC2007 devkit's 11-point AP), labels=shape|color
 (runlocal only: the classes are synthetic_scenes' 10 shapes, the probe everything else reports, or its 8 colours,
 written as `<name>_color/...`: what a backbone learned about colour, which captions name as often as shape).
 VOC2007 is prepared from local files with `python -m vlrep.data.prepare --dataset=voc2007 --manual_dir=...`.
@@ -16,7 +18,7 @@ from vlrep.config_utils import parse_arg
 
 
 def get_config(arg=None):
-  arg = parse_arg(arg, runlocal=False, variant="virtex", solver="jax", labels="shape")
+  arg = parse_arg(arg, runlocal=False, variant="virtex", solver="jax", labels="shape", ap="sklearn")
   if arg.labels not in ("shape", "color"):
     raise ValueError(f"Unknown labels={arg.labels!r}; expected 'shape' or 'color'.")
   if arg.labels != "shape" and not arg.runlocal:
@@ -37,6 +39,7 @@ def get_config(arg=None):
     costs=(0.01, 0.1, 1.0, 10.0),
     folds=3,
     solver=arg.solver,
+    ap=arg.ap,  # 'sklearn': the official VirTex evaluation's AP; '11point': the VOC2007 devkit's
   )
   if arg.variant == "icmlm":
     # ICMLM: the last feature map average-pooled to 2x2 (8192-d for ResNet-50), l2-normalised, wider cost search.
@@ -49,6 +52,7 @@ def get_config(arg=None):
       config_name="default",
       data_dir="~/.cache/vlrep/tensorflow_datasets",
       train_split="probe_trainval",
+      val_split="probe_val",
       test_split="probe_test",
       pp="decode|normalize|" + ("voc_labels(10)" if arg.labels == "shape" else "voc_labels(8, field='color')"),
       batch_size=200,

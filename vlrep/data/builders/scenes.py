@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
+import io
 
 # Ten shapes that stay distinct at 32 px: 1.x's diamond (a rotated square), hexagon and pentagon (circles at low
 # resolution) were replaced by the crescent, arrow and bar in 2.0.0.
@@ -413,3 +414,18 @@ def make_record(job) -> dict[str, Any]:
     "questions": [{"question": q, "answer": a} for q, a in s["questions"]],
     "entailment": [{"statement": st, "label": lab} for st, lab in s["entailment"]],
   }
+
+
+def png(array: np.ndarray) -> bytes:
+  """PNG bytes of a uint8 [H, W, C] array (C = 1 or 3), as TFDS's Image feature stores them."""
+  buffer = io.BytesIO()
+  Image.fromarray(array[..., 0] if array.shape[-1] == 1 else array).save(buffer, format="PNG", compress_level=1)
+  return buffer.getvalue()
+
+
+def make_encoded_record(job) -> dict[str, Any]:
+  """make_record with its images already PNG-encoded: the builder's worker processes do the encoding, which the
+  main process (serialising and writing every record) would otherwise do alone (measured: it bounded generation)."""
+  record = make_record(job)
+  record["image"], record["object_map"] = png(record["image"]), png(record["object_map"])
+  return record

@@ -128,7 +128,7 @@ class SyntheticScenes(tfds.core.GeneratorBasedBuilder):
     # spawned (not forked: the parent runs TF/JAX threads) and import only the numpy/PIL scene module.
     jobs = [(child, cfg.image_size, style, i) for i, child in enumerate(seed.spawn(num_examples))]
     with multiprocessing.get_context("spawn").Pool(min(4, os.cpu_count() or 1)) as pool:
-      for i, record in enumerate(pool.imap(scenes.make_record, jobs, chunksize=64)):
+      for i, record in enumerate(pool.imap(scenes.make_encoded_record, jobs, chunksize=64)):
         for o in record["objects"]:
           o["bbox"] = tfds.features.BBox(*o["bbox"])
         yield i, record
