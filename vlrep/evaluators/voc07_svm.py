@@ -165,7 +165,9 @@ def _one_class_sklearn(c, train_x, train_y, test_x, fold_ids, costs, folds, ap) 
   return clf.decision_function(test_x), best
 
 
-def _all_classes_jax(train_x, train_y, test_x, fold_ids, costs, folds, tol, ap) -> list[tuple[np.ndarray | None, float]]:
+def _all_classes_jax(
+  train_x, train_y, test_x, fold_ids, costs, folds, tol, ap
+) -> list[tuple[np.ndarray | None, float]]:
   """Every class x fold (plus the full trainval fit) as one batch of SVMs, per cost, warm-started along costs."""
   import jax.numpy as jnp
 
