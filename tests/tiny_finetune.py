@@ -4,15 +4,17 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import finetune  # noqa: E402
+import tiny_virtex  # noqa: E402
 
 
 def get_config(arg=None):
   c = finetune.get_config("runlocal" + ("," + arg if arg else ""))
   data_dir = os.environ.get("VLREP_TEST_DATA_DIR", "/tmp/vlrep_test_data")
   c.data.update(config_name="tiny", data_dir=data_dir, pp=c.data.pp.replace("64", "32"))
-  c.method.backbone = dict(depth=10, width=8, bn_group_size=4)
+  c.method.backbone = tiny_virtex.get_config().method.backbone.to_dict()  # so a tiny VirTex run initialises it
   c.batch_size = 8
   c.total_epochs = 0.0
   c.total_steps = 3
