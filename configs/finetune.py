@@ -14,7 +14,7 @@ labels=largest|presence (runlocal only). `runlocal,labels=presence` is the super
 runlocal probe tables: the runlocal backbone trained from random init on the probe's own labels (which of the 10
 shapes are present; sigmoid cross-entropy) at the pretraining methods' runlocal budget, then probed like them:
 
-  python -m vlrep.tools.sweep --config=configs/finetune.py:runlocal,labels=presence --vary="steps=250" \
+  python -m vlrep.tools.sweep --config=configs/finetune.py:runlocal,labels=presence --vary="steps=400" \
       --seeds=0,1,2 --root=/tmp/supervised --metrics=probe/map,probe/map_val,probe/map_random_init
 """
 

@@ -59,8 +59,9 @@ class SyntheticScenes(tfds.core.GeneratorBasedBuilder):
     "1.1.0": "Fix: split seeds from the CRC32 of the split name. 1.0.0 took the first 4 bytes of the name, so "
     "probe_trainval and probe_test (and ood_train and ood_val) were the same images.",
     "2.0.0": "Learnable at the runlocal budget: shapes 1.6-2.6x larger (radius 12-26% of the side), at most 3 per "
-    "image, diamond/hexagon/pentagon (near-duplicates at low resolution) replaced by arrow/crescent/bar; train 8000 "
-    "images; a probe_val split for choosing hyperparameters (probe_test is only reported).",
+    "image, diamond/hexagon/pentagon (near-duplicates at low resolution) replaced by arrow/crescent/bar, plain "
+    "gradient backgrounds (no stripes or blotches); train 8000 images; a probe_val split for choosing "
+    "hyperparameters (probe_test is only reported).",
   }
   BUILDER_CONFIGS = [
     ScenesConfig(
