@@ -104,14 +104,14 @@ def compare(name: str, train_x, train_y, test_x, test_y) -> dict:
 
 
 def chance_map(labels: np.ndarray, draws: int = 50, seed: int = 0) -> float:
-  """Mean VOC07 AP of random scores: the probe's chance level for these labels ({1, 0, -1})."""
+  """Mean AP (the probe's: scikit-learn's) of random scores: the probe's chance level for these labels ({1, 0, -1})."""
   from vlrep.evaluators import voc07_svm
 
   rng = np.random.default_rng(seed)
   aps = []
   for c in range(labels.shape[1]):
     y = labels[labels[:, c] != 0, c]
-    aps.append(np.mean([voc07_svm.voc07_ap(rng.random(len(y)), y) for _ in range(draws)]))
+    aps.append(np.mean([voc07_svm.average_precision(rng.random(len(y)), y) for _ in range(draws)]))
   return float(np.mean(aps) * 100)
 
 
