@@ -54,6 +54,7 @@ class VirTex:
       dropout=config.dropout,
       directions=_DIRECTIONS.get(config.task, ()),
       dtype=jnp.dtype(config.dtype),
+      init_std=config.init_std,
     )
 
   # -- contract -----------------------------------------------------------------------------------------

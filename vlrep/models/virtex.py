@@ -26,6 +26,7 @@ class VirTexModel(nn.Module):
   dropout: float = 0.1
   directions: tuple[str, ...] = ("forward", "backward")
   dtype: Any = jnp.float32
+  init_std: float = transformer.INIT_STD
 
   def setup(self):
     self.visual = resnet.ResNet(**self.backbone, dtype=self.dtype, name="backbone")
@@ -43,6 +44,7 @@ class VirTexModel(nn.Module):
         dropout=self.dropout,
         directions=self.directions,
         dtype=self.dtype,
+        init_std=self.init_std,
         name="textual_head",
       )
     else:
