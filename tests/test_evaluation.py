@@ -408,6 +408,41 @@ def test_caption_tool_writes_captions_and_attention_pngs(tiny_run, tmp_path):
     caption.caption_files(tiny_run, [str(tmp_path / "missing.jpg")], "latest")
 
 
+def test_grounding_tool_scores_each_word_group_with_own_and_other_images(tiny_run):
+  """The tool's own-image NLL, token-weighted over groups, is the method's forward loss on the same captions; the
+  other-image NLL differs (a trained head's image changes its predictions); piece groups cover scenes' words."""
+  import jax
+  import jax.numpy as jnp
+
+  from vlrep import evaluate
+  from vlrep.data import pipeline
+  from vlrep.tools import grounding
+
+  result = grounding.image_gain(tiny_run, split="val", limit=8)
+  assert {"colour", "shape", "other"} <= set(result)
+  run = evaluate.load_run(tiny_run, "latest")
+  ctx = evaluate.method_and_tokenizer(run)
+  builder = pipeline.get_builder("synthetic_scenes", run.config.data.data_dir, "tiny")
+  examples = pipeline.first_examples(builder, "val", 8)
+  batch = next(pipeline.eval_batches(builder, examples, "decode|normalize", ("image", "captions"), 100))
+  real = batch["_mask"].astype(bool)
+  captions = np.array(batch["captions"], dtype=object).reshape(len(real), -1)[real]
+  total_nll, total_tokens = 0.0, 0
+  for column in captions.T:
+    tokens = np.stack([ctx["tokenizer"].encode(c.decode(), run.config.method.max_len)[0] for c in column])
+    inputs = {"image": jnp.asarray(batch["image"][real]), "tokens": jnp.asarray(tokens)}
+    _, metrics, _ = ctx["method"].loss(run.variables, inputs, jax.random.PRNGKey(0), train=False)
+    n = int((tokens[:, 1:] != 0).sum())
+    total_nll += float(metrics["forward_loss"]) * n
+    total_tokens += n
+  assert sum(r["tokens"] for r in result.values()) == total_tokens
+  mean_matched = sum(r["matched"] * r["tokens"] for r in result.values()) / total_tokens
+  np.testing.assert_allclose(mean_matched, total_nll / total_tokens, rtol=1e-4)
+  assert any(abs(r["gain"]) > 1e-4 for r in result.values())
+  with pytest.raises(ValueError, match="backward"):
+    grounding.image_gain(tiny_run, split="val", limit=8, direction="sideways")
+
+
 def test_captioning_needs_a_forward_model():
   from vlrep import methods
   from vlrep.evaluators import captioning
