@@ -64,8 +64,8 @@ class SyntheticScenes(tfds.core.GeneratorBasedBuilder):
     "hyperparameters (probe_test is only reported).",
     "2.1.0": "Captions and narrations name an object's colour in a quarter of its mentions (2.0.0: always), so "
     "colour no longer dominates what a captioning model learns first; 'an image' instead of 'a image'. Images, "
-    "objects and labels are drawn as in 2.0.0, but the caption grammar consumes the random stream differently, so "
-    "the images of each split differ from 2.0.0's.",
+    "objects, masks and labels are 2.0.0's (each scene draws them before its text); captions, narrations, questions "
+    "and entailment statements differ.",
   }
   BUILDER_CONFIGS = [
     ScenesConfig(
