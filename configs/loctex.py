@@ -41,7 +41,9 @@ def get_config(arg=None):
     raise ValueError(f"Unknown loss={arg.loss!r}; known: {sorted(LOSSES)}")
   scales = tuple(int(s) for s in str(arg.scales).split("+"))
   image_size = 64 if arg.runlocal else 224
-  grid_sizes = tuple(image_size // 32 * s for s in scales)
+  # The backbone's output stride: 32 with the ImageNet stem; runlocal's small stem (stride 2, no max-pool) gives 16.
+  stride = 16 if arg.runlocal else 32
+  grid_sizes = tuple(image_size // stride * s for s in scales)
   contrastive_weight, localization_weight = LOSSES[arg.loss]
 
   c = ConfigDict()
@@ -137,7 +139,7 @@ def _runlocal(c, arg, grid_sizes):
   c.data.update(name="synthetic_scenes", config_name="default", data_dir=data_dir)
   c.data.pp = c.data.pp.replace("area=(0.2, 1.0)", "area=(0.5, 1.0)").replace("trace_words(256", "trace_words(64")
   c.method.update(dtype="float32", embed_dim=128)
-  c.method.backbone = dict(depth=26, width=16, bn_group_size=32)
+  c.method.backbone = dict(depth=10, width=16, bn_group_size=32, stem="small", stem_stride=2)
   c.method.text = dict(hidden=128, num_layers=2, num_heads=4, max_len=60, dropout=0.1)
   c.tokenizer.vocab_size = 1000
   # L_L at half weight (measured, README "LocTex"): with the paper's equal weights, tuned for 600 epochs, L_L pulls

@@ -244,7 +244,7 @@ def _runlocal(c, arg):
   # text=bert: no dropout at this budget. 0.1 (the recipe's) gave probe 30.76 against 31.05, VSE++ R@10
   # 11.2 / 9.96 against 15.0 / 13.36, towers mixed; one seed (README, "MCT").
   c.method.bert_dropout = 0.0
-  c.method.backbone = dict(depth=26, width=16, bn_group_size=16)
+  c.method.backbone = dict(depth=10, width=16, bn_group_size=16, stem="small", stem_stride=2)
   c.method.text = dict(hidden=128, num_layers=2, num_heads=4, max_len=40, dropout=0.1)
   c.tokenizer.vocab_size = 1000
   c.batch_size = 64
