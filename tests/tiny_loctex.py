@@ -1,4 +1,5 @@
-"""A tiny LocTex run for tests: 32x32 synthetic scenes (grids 1x1 at 1x, 2x2 at 2x), one-block ResNet."""
+"""A tiny LocTex run for tests: 32x32 synthetic scenes (grids 2x2 at 1x, 4x4 at 2x: the small stem
+of runlocal, output stride 16), one-block ResNet."""
 
 import os
 import sys
@@ -18,7 +19,7 @@ def get_config(arg=None):
   )
   c.method.grid_sizes = sizes
   c.method.update(embed_dim=16)
-  c.method.backbone = dict(depth=10, width=8, bn_group_size=4)
+  c.method.backbone = dict(depth=10, width=8, bn_group_size=4, stem="small", stem_stride=2)
   c.method.text = dict(hidden=32, num_layers=1, num_heads=2, max_len=60, dropout=0.1)
   c.tokenizer.vocab_size = 200
   c.batch_size = 8
