@@ -33,14 +33,17 @@ class MultiHeadAttention(nn.Module):
     h = q_in.shape[-1]
     if h % self.num_heads:
       raise ValueError(f"Hidden size {h} is not divisible by {self.num_heads} heads.")
-    dense = lambda name: nn.DenseGeneral(
+    dense = lambda name, bias=True: nn.DenseGeneral(
       (self.num_heads, h // self.num_heads),
       dtype=self.dtype,  # noqa: E731
       param_dtype=jnp.float32,
       kernel_init=init,
+      use_bias=bias,
       name=name,
     )
-    q, k, v = dense("query")(q_in), dense("key")(kv_in), dense("value")(kv_in)
+    # No key bias: it adds q.b to every logit of a query alike, so softmax removes it and its gradient is zero up to
+    # rounding, which Adam would scale up into steps of LR size (different on every device count).
+    q, k, v = dense("query")(q_in), dense("key", bias=False)(kv_in), dense("value")(kv_in)
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(q.shape[-1]).astype(jnp.float32)
     if mask is not None:
       logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
