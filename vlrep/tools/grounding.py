@@ -20,15 +20,9 @@ from absl import app, flags
 
 from vlrep import evaluate
 from vlrep.data import pipeline, tokenizers
-from vlrep.data.builders import scenes
 from vlrep.methods.virtex import reverse_captions
 from vlrep.models.virtex import VirTexModel
-
-GROUPS = {
-  "colour": list(scenes.COLOR_NAMES),
-  "size": list(scenes.SIZES),
-  "shape": [word for shape in scenes.SHAPES for word in scenes.shape_words(shape)],
-}
+from vlrep.tools.masked_words import GROUPS  # synthetic_scenes' word classes, as ICMLM's breakdown uses them
 
 
 def piece_groups(tokenizer, dataset: str) -> dict[int, str]:
