@@ -13,7 +13,7 @@ Ablations (arguments combine with commas; any key can also be overridden with --
   oracle=True                           ground-truth masks instead of traces (Table 5; synthetic_scenes only).
                                         Only shape words are supervised, so eq. 3's gradient is ~3x larger
                                         than with traces; runlocal scales L_L by 0.33 more for it, or the run
-                                        collapses (README, LocTex)
+                                        collapses (docs/methods/loctex.md)
   contrastive=per_device|global         InfoNCE negatives from each device's sub-batch (paper) or the batch
   openimages=True                       COCO + Open Images narrations (the paper's scaled-up LocTex)
   steps=N                               training steps instead of the recipe's epochs
@@ -144,10 +144,11 @@ def _runlocal(c, arg, grid_sizes):
   c.method.backbone = dict(depth=10, width=16, bn_group_size=32, stem="small", stem_stride=2)
   c.method.text = dict(hidden=128, num_layers=2, num_heads=4, max_len=60, dropout=0.1)
   c.tokenizer.vocab_size = 1000
-  # L_L at half weight (measured, README "LocTex"): with the paper's equal weights, tuned for 600 epochs, L_L pulls
-  # the global features down at this budget (probe 30.1 / 30.2 against L_C alone's 31.9 / 31.9 at seeds 0 / 1);
-  # at 0.5 the probe is 33.6 / 33.0 and the localization better than with equal weights. Picked on the probe split;
-  # most of the probe gain is the smaller loss scale (L_C alone with its loss halved: 33.1 / 33.3, a tie).
+  # L_L at half weight (measured on 1.1.0: git show 3853844:README.md, "LocTex"): with the paper's equal weights,
+  # tuned for 600 epochs, L_L pulls the global features down at this budget (probe 30.1 / 30.2 against L_C alone's
+  # 31.9 / 31.9 at seeds 0 / 1); at 0.5 the probe is 33.6 / 33.0 and the localization better than with equal
+  # weights. Picked on the probe split; most of the probe gain is the smaller loss scale (L_C alone with its loss
+  # halved: 33.1 / 33.3, a tie).
   c.method.localization_weight *= 0.5
   if arg.oracle:
     # Ground-truth masks supervise only shape words (~2.3 tokens per caption against ~25 with traces), and eq. 3
@@ -174,6 +175,7 @@ def _runlocal(c, arg, grid_sizes):
     every_steps=0,
     batch_size=200,
   )
+  c.best_metric = "probe/map_val"  # chosen on probe_val; probe/map (probe_test) is only reported
   # Pointing accuracy / IoU of object words against their ground-truth masks, on held-out val scenes.
   c.evals.localization = dict(
     type="localization",

@@ -237,12 +237,12 @@ def _runlocal(c, arg):
   for name in ("j_ic", "j_ci"):
     c.method.weights[name] *= 32768 / c.method.queue_size
   # Without BatchNorm in the inter-modal heads both towers' 1024-d embeddings collapse to one point within a few
-  # hundred steps here (retrieval at chance); see README, MCT.
+  # hundred steps here (retrieval at chance; 1.1.0, git show 3853844:README.md, "MCT").
   c.method.head_batchnorm = ("inter",)
   # The from-scratch text encoder's first-token state is the same for every caption at init and stays so.
   c.method.text_pool = "mean"
   # text=bert: no dropout at this budget. 0.1 (the recipe's) gave probe 30.76 against 31.05, VSE++ R@10
-  # 11.2 / 9.96 against 15.0 / 13.36, towers mixed; one seed (README, "MCT").
+  # 11.2 / 9.96 against 15.0 / 13.36, towers mixed; one seed (1.1.0, git show 3853844:README.md, "MCT").
   c.method.bert_dropout = 0.0
   # VirTex runlocal's backbone (ResNet-10 w16, small stem): seed 0, probe_val 27.55 against 24.32 with 1.x's
   # ResNet-26 w16 and the ImageNet stem (docs/results/mct.md).
@@ -270,6 +270,7 @@ def _runlocal(c, arg):
     every_steps=0,
     batch_size=200,
   )
+  c.best_metric = "probe/map_val"  # chosen on probe_val; probe/map (probe_test) is only reported
   c.evals.retrieval.update(
     dataset="synthetic_scenes",
     config_name="default",

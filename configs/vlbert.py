@@ -246,7 +246,7 @@ def _runlocal(c, arg, pretrain):
   c.data.update(name="synthetic_scenes", config_name="default", data_dir=data_dir)
   c.method.update(dtype="float32", bert_layers=2, region_classes=10)
   # No dropout at this budget: 0.1 (the recipe's) lowers fine-tuned VQA at 200 steps from 61.22 to 55.26
-  # (VisualBERT) and from 62.70 to 54.33 (ViLBERT), one seed (README, "VisualBERT and ViLBERT").
+  # (VisualBERT) and from 62.70 to 54.33 (ViLBERT), one seed (git show 3853844:README.md, "VisualBERT and ViLBERT").
   c.method.bert_dropout = 0.0
   c.method.update(v_layers=2, v_hidden=256, v_heads=4, v_intermediate=512, bi_hidden=256, bi_heads=4)
   c.method.visual.update(backbone=dict(depth=26, width=16, bn_group_size=0), mode="crops", crop_size=32)

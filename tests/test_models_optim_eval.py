@@ -171,6 +171,29 @@ def test_every_task_gives_finite_loss_and_gradients_in_bfloat16(task):
   assert float(jnp.abs(grads["backbone"]["conv1"]["kernel"]).sum()) > 0  # text supervision reaches the backbone
 
 
+def test_masked_lm_masks_as_bert_80_10_10():
+  from vlrep.methods.virtex import mask_tokens
+
+  rng = np.random.default_rng(0)
+  tokens = np.zeros((400, 40), np.int32)
+  tokens[:, 0], tokens[:, 1:-1], tokens[:, -1] = tokenizers.SOS_ID, rng.integers(5, 256, (400, 38)), tokenizers.EOS_ID
+  tokens[:100, 20:] = tokenizers.PAD_ID  # padded captions: padding is never picked
+  inputs, picked = (np.asarray(x) for x in mask_tokens(jnp.asarray(tokens), jax.random.PRNGKey(0), 0.15, 0.8, 0.1, 256))
+  special = tokens < tokenizers.NUM_SPECIAL
+  assert not picked[special].any() and picked.any(axis=1).all()
+  np.testing.assert_array_equal(inputs[~picked], tokens[~picked])  # unpicked tokens are untouched
+  assert abs(picked.sum() / (~special).sum() - 0.15) < 0.01
+  as_mask = inputs[picked] == tokenizers.MASK_ID
+  kept = inputs[picked] == tokens[picked]
+  random = ~as_mask & ~kept
+  assert abs(as_mask.mean() - 0.8) < 0.02 and abs(random.mean() - 0.1) < 0.015
+  # A random replacement equals the original 1 time in 251, so "kept" is 10% plus that share of 10%.
+  assert abs(kept.mean() - 0.1 * (1 + 1 / 251)) < 0.015
+  assert (inputs[picked][random] >= tokenizers.NUM_SPECIAL).all() and (inputs < 256).all()
+  only_mask, _ = mask_tokens(jnp.asarray(tokens), jax.random.PRNGKey(0), 0.15, 1.0, 0.0, 256)
+  assert (np.asarray(only_mask)[picked] == tokenizers.MASK_ID).all()
+
+
 def test_image_blind_token_loss_matches_hand_computation():
   from vlrep.tools.token_prior import image_blind_loss
 

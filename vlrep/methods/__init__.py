@@ -1,4 +1,4 @@
-"""Pretraining methods. Each is a small class with `fields`, `init`, `loss` and `features` (see README)."""
+"""Pretraining methods. Each is a class with `fields`, `init`, `loss` and `features` (README, "Architecture")."""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ Tasks (config `method.task`):
   bicaptioning          forward + backward captioning losses summed (eq. 1), the paper's method.
   captioning            forward captioning only.
   token_classification  bag-of-tokens prediction from pooled features (caption structure ignored).
-  masked_lm             one bidirectional transformer predicts 15% masked tokens (BERT-style).
+  masked_lm             one bidirectional transformer predicts 15% of the tokens, masked as BERT (80% [MASK],
+                        10% a random token, 10% kept).
 """
 
 from __future__ import annotations
@@ -26,6 +27,27 @@ def reverse_captions(tokens: jnp.ndarray) -> jnp.ndarray:
   idx = jnp.arange(tokens.shape[1])[None]
   src = jnp.where(idx < lengths, lengths - 1 - idx, idx)
   return jnp.take_along_axis(tokens, src, axis=1)
+
+
+def mask_tokens(tokens, rng, mask_prob: float, mask_token_prob: float, random_token_prob: float, vocab_size: int):
+  """BERT's masking, as VirTex's masked-LM ablation: each non-special token is picked with `mask_prob` (every
+  caption at least one); a picked token becomes [MASK] with `mask_token_prob`,
+  a uniformly random non-special token with `random_token_prob`, and stays itself otherwise (0.8 / 0.1 / 0.1 in
+  BERT and the paper's code). Returns (input tokens, picked mask); the loss is taken at the picked positions."""
+  pick_rng, kind_rng, token_rng = jax.random.split(rng, 3)
+  special = tokens < tokenizers.NUM_SPECIAL
+  scores = jax.random.uniform(pick_rng, tokens.shape)
+  is_masked = (scores < mask_prob) & ~special
+  # At least one per caption: the lowest-scoring maskable token is already picked unless none is.
+  first = jnp.argmin(jnp.where(special, 2.0, scores), axis=1)
+  is_masked = is_masked | (jax.nn.one_hot(first, tokens.shape[1]) > 0) & ~special
+  kind = jax.random.uniform(kind_rng, tokens.shape)
+  random_tokens = jax.random.randint(token_rng, tokens.shape, tokenizers.NUM_SPECIAL, vocab_size, tokens.dtype)
+  replaced = jnp.where(kind < mask_token_prob, tokenizers.MASK_ID, tokens)
+  replaced = jnp.where(
+    (kind >= mask_token_prob) & (kind < mask_token_prob + random_token_prob), random_tokens, replaced
+  )
+  return jnp.where(is_masked, replaced, tokens), is_masked
 
 
 def _token_cross_entropy(logits, targets, weights):
@@ -107,13 +129,9 @@ class VirTex:
     if task == "token_classification":
       return None, None, None
     if task == "masked_lm":
-      special = tokens < tokenizers.NUM_SPECIAL
-      scores = jax.random.uniform(rng, tokens.shape)
-      is_masked = (scores < self.config.mask_prob) & ~special
-      # Every caption masks at least one token: its highest-scoring maskable one.
-      best = jnp.argmax(jnp.where(special, -1.0, scores), axis=1)
-      is_masked = is_masked | (jax.nn.one_hot(best, tokens.shape[1]) > 0) & ~special
-      masked = jnp.where(is_masked, tokenizers.MASK_ID, tokens)
+      masked, is_masked = mask_tokens(
+        tokens, rng, self.config.mask_prob, self.config.mask_token_prob, self.config.random_token_prob, self.vocab_size
+      )
       return ({"bidirectional": masked}, {"bidirectional": tokens == tokenizers.PAD_ID}, is_masked)
     seqs = {"forward": tokens, "backward": reverse_captions(tokens)}
     inputs = {d: seqs[d][:, :-1] for d in _DIRECTIONS[task]}
