@@ -12,7 +12,8 @@ Ablations (arguments combine with commas; any key can also be overridden with --
   hidden=512|768|1024|2048  layers=1|2|3|4                        textual head width/depth (Fig. 5c)
   backbone=r50|r101|r50w2x                                        visual backbone (Fig. 5b)
   captions=1|5                                                    captions per image used for training
-  fraction=10|20|50|100                                           percent of the training images (Fig. 4)
+  fraction=10|20|50|100                                           percent of the training images (Fig. 4); the steps
+                                                                  scale with it, as the paper's A.1 does
   head_lr=0.003  backbone_lr=0.01                                 peak LRs (0: the default: head 1e-3, backbone 0.2;
                                                                   runlocal: head 3e-3, backbone 1e-2)
 """
@@ -77,7 +78,8 @@ def get_config(arg=None):
   c.tokenizer = dict(path="", vocab_size=10000, corpus_split="train", corpus_key="captions", build_if_missing=True)
 
   c.batch_size = 256  # global
-  c.total_steps = arg.steps or 500_000
+  # Paper A.1: "we scale training iterations according to the size of the sampled training set" (warmup is kept).
+  c.total_steps = arg.steps or _scaled(500_000, arg.fraction)
   c.total_epochs = 0.0  # durations: set exactly one of steps / epochs / examples (0 = unset)
   c.total_examples = 0
   c.optim = dict(
@@ -181,7 +183,7 @@ def _runlocal(c, arg):
   c.method.backbone = dict(depth=10, width=16, bn_group_size=32, stem="small", stem_stride=2)
   c.tokenizer.vocab_size = 256
   c.batch_size = 64
-  c.total_steps = arg.steps or 550
+  c.total_steps = arg.steps or _scaled(550, arg.fraction)
   c.optim.update(name="adamw", weight_decay=1e-4, lookahead_steps=0, warmup_steps=25)
   c.optim.lr_groups = (("^backbone/", arg.backbone_lr or 1e-2), (".*", arg.head_lr or 3e-3))
   c.checkpoint.every_steps = 200
@@ -210,3 +212,9 @@ def _runlocal(c, arg):
       batch_size=100,
       limit=200,
     )
+
+
+def _scaled(steps: int, fraction: int) -> int:
+  if not 0 < fraction <= 100:
+    raise ValueError(f"fraction={fraction} is a percentage of the training images: 1..100")
+  return max(1, round(steps * fraction / 100))

@@ -574,6 +574,20 @@ def test_negative_or_fractional_every_steps_is_refused_before_any_evaluator_is_b
     evaluators.build_all(ConfigDict({"probe": {"type": "nope", "every_steps": 0}}), {})
 
 
+def test_virtex_fraction_ablation_scales_the_steps_as_the_paper():
+  """VirTex A.1: the data-efficiency runs train for iterations proportional to their share of the images."""
+  sys.path.insert(0, os.path.join(ROOT, "configs"))
+  import virtex
+
+  full, tenth = virtex.get_config(), virtex.get_config("fraction=10")
+  assert (full.total_steps, full.data.split) == (500_000, "train")
+  assert (tenth.total_steps, tenth.data.split) == (50_000, "train[:10%]")
+  assert virtex.get_config("fraction=50,steps=7").total_steps == 7  # an explicit budget wins
+  assert virtex.get_config("runlocal,fraction=20").total_steps == virtex.get_config("runlocal").total_steps // 5
+  with pytest.raises(ValueError, match="percentage"):
+    virtex.get_config("fraction=0")
+
+
 def test_supervised_presence_reference_trains_multilabel_and_is_probed(tmp_path):
   """configs/finetune.py:runlocal,labels=presence: the runlocal backbone trained on which shapes are present
   (sigmoid cross-entropy, checked by hand), probed like the pretraining methods."""
