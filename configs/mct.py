@@ -24,7 +24,8 @@ Variants (arguments combine with commas; any key can also be overridden with --c
   text=scratch|bert           the text tower: a BERT-base-sized encoder trained from scratch (the paper's
                               'scratch' variant) or a pretrained BERT fine-tuned (the paper's default)
   bert=PATH                   with text=bert: a local Hugging Face BERT folder (bert-base-uncased in the paper;
-                              '' = the packaged MiniLM-L6-H384); its WordPiece vocabulary becomes the tokenizer
+                              'minilm' = the packaged MiniLM-L6-H384, runlocal's default); its WordPiece
+                              vocabulary becomes the tokenizer
   bert_layers=N               with text=bert: keep the checkpoint's first N layers (runlocal: 2)
 Caption views come from offline word dropout and swaps (`caption_views`), since back-translation models cannot
 be fetched here; pre-computed paraphrases replace some of them with paraphrases=PATH.
@@ -73,6 +74,7 @@ def get_config(arg=None):
     bert="",
     bert_layers=-1,
   )
+  bert = arg.bert or ("minilm" if arg.runlocal else "")  # '' fails at load time, naming the files it needs
   from ml_collections import ConfigDict
 
   if arg.text not in ("scratch", "bert"):
@@ -92,7 +94,7 @@ def get_config(arg=None):
     # Per-GPU BatchNorm in the paper (512 images on 8 GPUs); the key encoder's batch is shuffled first.
     backbone=dict(depth=50, width=64, bn_group_size=64),
     text_tower=arg.text,
-    bert_path=arg.bert,  # text_tower='bert': the pretrained BERT's folder ('' = the packaged MiniLM)
+    bert_path=bert,  # text_tower='bert': the pretrained BERT's folder ('minilm' = the packaged MiniLM)
     bert_layers=0,  # text_tower='bert': keep its first N layers (0 = all)
     # text_tower='bert': dropout on its hidden states and attention weights while training, BERT fine-tuning's
     # 0.1 (bert-base's own config.json); < 0 takes the checkpoint's config.json rates.
@@ -211,7 +213,7 @@ def get_config(arg=None):
     c.method.head_batchnorm = heads[arg.head_bn]
   if arg.text == "bert":
     # The pretrained BERT's own WordPiece vocabulary ([CLS] ... [SEP], [PAD] = 0) replaces the BPE tokenizer.
-    c.tokenizer = dict(kind="wordpiece", path=arg.bert)
+    c.tokenizer = dict(kind="wordpiece", path=bert)
     if arg.bert_layers >= 0:
       c.method.bert_layers = arg.bert_layers
     elif arg.runlocal:

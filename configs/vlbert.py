@@ -8,10 +8,10 @@ A study is two stages, each a run:
   python -m vlrep.main --config=configs/vlbert.py:arch=visual_bert,stage=finetune,task=vqa \
       --config.method.pretrained_run=$W/vb_coco --workdir=$W/vb_coco_vqa
 
-The paper's recipe: both models start from bert-base-uncased (pass `bert=/path/to/folder`; '' = the packaged
-MiniLM-L6-H384), AdamW (eps 1e-8, betas 0.9/0.999), LR 5e-5, 2000 warmup steps then cosine, batch 1024, 88K
-updates; 15% of the tokens masked as BERT (80% [MASK], 10% random, 10% kept); ViLBERT also masks 15% of the
-regions (zeroed 90% of the time) and predicts their class distribution. Regions here come from a frozen vlrep
+The paper's recipe: both models start from bert-base-uncased (pass `bert=/path/to/folder`; `bert=minilm`
+= the packaged MiniLM-L6-H384), AdamW (eps 1e-8, betas 0.9/0.999), LR 5e-5, 2000 warmup steps then cosine,
+batch 1024, 88K updates; 15% of the tokens masked as BERT (80% [MASK], 10% random, 10% kept); ViLBERT also masks
+15% of the regions (zeroed 90% of the time) and predicts their class distribution. Regions here come from a frozen vlrep
 ResNet (`visual.init_from`: any vlrep run with a backbone; the 7x7 grid at 224 px, or RoIAlign over given boxes).
 
 On the embedded synthetic_scenes (the study's analogues: in-domain captions = `train` captions, questions =
@@ -34,7 +34,8 @@ Arguments (comma-separated; any key can also be set with --config.KEY=VALUE):
   regions=DIR          precomputed region features (DIR/<image_id>.npz; `python -m vlrep.tools.convert_regions`
                        converts MMF's Faster R-CNN dumps) instead of the frozen vlrep ResNet; set
                        --config.method.visual.dim to their width (2048 by default)
-  bert=PATH            a local Hugging Face BERT folder ('' = the packaged MiniLM)
+  bert=PATH            a local Hugging Face BERT folder (the recipe needs bert-base-uncased; 'minilm' = the
+                       packaged MiniLM-L6-H384, runlocal's default)
   steps=N              training steps instead of the recipe's
   fraction=P           pretrain on the first P% of the source (the paper's 10/50/100% of COCO and VQA; its
                        0.04M/0.2M/0.4M CC subsets are P = 1.2/6/12 of CC's 3.3M); runlocal: P% of the 500-image clip
@@ -72,6 +73,7 @@ def get_config(arg=None):
     steps=0,
     fraction=0.0,
   )
+  bert = arg.bert or ("minilm" if arg.runlocal else "")  # '' fails at load time, naming the files it needs
   from ml_collections import ConfigDict
 
   for name, value, known in (("arch", arg.arch, ARCHS), ("stage", arg.stage, STAGES), ("task", arg.task, TASKS)):
@@ -89,7 +91,7 @@ def get_config(arg=None):
   c.method = dict(
     name="vlbert",
     arch=arg.arch,
-    bert_path=arg.bert,
+    bert_path=bert,
     bert_layers=0,
     task="pretrain" if pretrain else "classify",
     loss=TASK_SETUP[arg.task][1],
@@ -120,7 +122,7 @@ def get_config(arg=None):
       crop_size=32,
     ),
   )
-  c.tokenizer = dict(kind="wordpiece", path=arg.bert)
+  c.tokenizer = dict(kind="wordpiece", path=bert)
   c.data = dict(name="coco_captions2017", config_name="", data_dir="", split="train", prefetch=2, device_prefetch=2)
   image_pp = f"decode|resize_small({image_size})|central_crop({image_size})|normalize|regions_from_objects(36)"
   if pretrain:

@@ -34,7 +34,7 @@ CAPTIONS = [
 
 @pytest.fixture(scope="module")
 def minilm():
-  return bert.load_pretrained("")
+  return bert.load_pretrained("minilm")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -382,6 +382,24 @@ def test_lambda_defaults_follow_the_recipe():
   assert weight("runlocal,variant=tfm,tp_weight=0.1") == 0.1  # an explicit lambda is kept
   assert weight("variant=tfm,backbone=vgg16,tp_weight=0") == 0.0
   assert weight("runlocal,variant=tp") == 1.0  # TP is l_tp alone
+
+
+def test_recipes_need_a_bert_folder_and_only_runlocal_defaults_to_minilm():
+  from configs import icmlm, mct, vlbert
+
+  recipes = [icmlm.get_config("variant=tfm"), vlbert.get_config(), mct.get_config("text=bert")]
+  for c in recipes:
+    assert c.method.bert_path == "" and c.tokenizer.path == ""
+    with pytest.raises(ValueError, match="bert-base-uncased.*config.json, vocab.txt"):
+      bert.resolve_path(c.method.bert_path)
+  local = [
+    icmlm.get_config("runlocal,variant=tfm"),
+    vlbert.get_config("runlocal"),
+    mct.get_config("runlocal,text=bert"),
+  ]
+  assert all(c.method.bert_path == c.tokenizer.path == "minilm" for c in local)
+  assert icmlm.get_config("variant=tfm,bert=/data/bert").method.bert_path == "/data/bert"
+  assert os.path.isfile(os.path.join(bert.resolve_path("minilm"), "config.json"))
 
 
 def test_vgg16_backbone_option_builds_every_variant(minilm):

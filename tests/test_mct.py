@@ -320,7 +320,7 @@ def test_pretrained_bert_text_tower_loads_into_query_and_momentum_towers():
   state_sh = sharding.state_shardings(sharding.make_mesh(), fresh, "replicate")
   state = train.load_pretrained_variables(fresh, method.pretrained_variables(), tx, state_sh)
 
-  bert_config, want, _, _ = bert_lib.load_pretrained("")
+  bert_config, want, _, _ = bert_lib.load_pretrained("minilm")
   bert_config, want = bert_lib.first_layers(bert_config, want, 1)
   assert "layer_1" not in state["params"]["textual"] and bert_config.hidden_size == 384
   for tree in (state["params"]["textual"], state["model_state"]["momentum"]["params"]["textual"]):

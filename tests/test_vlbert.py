@@ -20,7 +20,7 @@ from vlrep.tools import weight_distance
 
 @pytest.fixture(scope="module")
 def minilm():
-  return bert_lib.load_pretrained("")
+  return bert_lib.load_pretrained("minilm")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -240,7 +240,7 @@ def test_pair_tokenization_answer_targets_and_counted_skips():
   from vlrep.data import vl_ops
   from vlrep.data.wordpiece import WordPieceTokenizer
 
-  tok = WordPieceTokenizer(bert_lib.resolve_path(""))
+  tok = WordPieceTokenizer(bert_lib.resolve_path("minilm"))
   ids, types, truncated = vl_ops.encode_pair(tok, "is there a cube?", "yes", 12)
   pieces = [tok.pieces[i] for i in ids if i]
   assert pieces == ["[CLS]", "is", "there", "a", "cube", "?", "[SEP]", "yes", "[SEP]"] and not truncated
@@ -290,7 +290,7 @@ def test_num_labels_from_the_answer_vocabulary_and_clear_errors():
       "loss": "bce",
       "num_labels": -1,
       "arch": "visual_bert",
-      "bert_path": "",
+      "bert_path": "minilm",
       "bert_layers": 1,
     }
   )

@@ -118,7 +118,7 @@ def ensure_tokenizer(config, builder) -> Tokenizer:
   from vlrep.data import pipeline
 
   if config.get("kind", "bpe") == "wordpiece":
-    # A pretrained BERT's own vocabulary (ICMLM): config.path is the checkpoint folder ('' = the packaged MiniLM).
+    # A pretrained BERT's own vocabulary (ICMLM): config.path is the checkpoint folder ('minilm' = the packaged MiniLM).
     from vlrep.data.wordpiece import WordPieceTokenizer
     from vlrep.models.bert import resolve_path
 

@@ -18,7 +18,7 @@ So an image with only tags trains on lambda_ii J_ii + lambda_tag J_tag, one with
 lambda_ii J_ii + lambda_cc J_cc + lambda_ic J_ic + lambda_ci J_ci, and one with neither on J_ii: the paper's subsets.
 
 `text_tower`: 'scratch' (a BERT-style encoder trained from scratch, `config.text`) or 'bert' (the pretrained BERT in
-`config.bert_path`, '' = the packaged MiniLM; the tokenizer must be its WordPiece vocabulary). BERT's weights go
+`config.bert_path`, 'minilm' = the packaged MiniLM; the tokenizer must be its WordPiece vocabulary). BERT's weights go
 into both the query tower and its momentum copy (`pretrained_variables`).
 """
 

@@ -2,7 +2,7 @@
 multi-label) behind vlrep's method contract: the pretraining study of Singh et al.
 
 Config (`configs/vlbert.py`):
-  arch            'visual_bert' | 'vilbert'; bert_path: the pretrained BERT folder ('' = packaged MiniLM);
+  arch            'visual_bert' | 'vilbert'; bert_path: the pretrained BERT folder ('minilm' = the packaged MiniLM);
                   bert_layers: keep only its first N layers (0 = all).
   task            'pretrain' (MLM, plus masked-region prediction for ViLBERT: MMM) | 'classify' (a head on the
                   pooled output; `loss`: 'bce' for VQA soft scores and multi-label, 'softmax' for entailment).

