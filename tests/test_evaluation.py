@@ -194,6 +194,25 @@ def test_linear_probe_learns_separable_classes_and_not_noise():
   assert float(step(59)) == 30.0 and float(step(61)) == pytest.approx(6.0) and float(step(81)) == pytest.approx(1.2)
 
 
+def test_mct_linear_probe_config_is_the_papers_protocol():
+  """MCT 4.2: 60 epochs, LR 30 / 5 at epochs 30, 40, 50, no weight decay, batch 256, no training augmentation."""
+  sys.path.insert(0, os.path.join(ROOT, "configs"))
+  from eval import linear_probe as probe_config
+
+  mct = probe_config.get_config("variant=mct").evals.linear_probe_mct
+  assert (mct.epochs, mct.milestones, mct.lr, mct.step_factor, mct.weight_decay, mct.batch_size) == (
+    60,
+    (30, 40, 50),
+    30.0,
+    0.2,
+    0.0,
+    256,
+  )
+  assert mct.pp_train == mct.pp_eval and "inception_crop" not in mct.pp_train
+  local = probe_config.get_config("variant=mct,runlocal").evals.linear_probe_mct
+  assert local.milestones == (15, 20, 25) and local.pp_train == local.pp_eval  # same fractions of 30 epochs
+
+
 # ------------------------------------------------------------------------------------------------------ #
 # Caption metrics (reference values computed with pycocoevalcap 1.2's Cider and Bleu on the same text).
 # ------------------------------------------------------------------------------------------------------ #

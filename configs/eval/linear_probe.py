@@ -47,8 +47,9 @@ def get_config(arg=None):
     seed=0,
   )
   if arg.variant == "mct":
-    # MCT (following MoCo's protocol): LR 30, divided by 5 at epochs 60 and 80 of 100.
-    probe.update(lr=30.0, schedule="step", milestones=(60, 80), step_factor=0.2)
+    # MCT (section 4.2): 60 epochs, LR 30 divided by 5 at epochs 30, 40 and 50, no weight decay, batch 256, and
+    # "without performing any specific data augmentation": training images get the evaluation's resize and crop.
+    probe.update(lr=30.0, schedule="step", step_factor=0.2, epochs=arg.epochs or 60)
   elif arg.variant != "virtex":
     raise ValueError(f"Unknown variant {arg.variant!r}; expected 'virtex' or 'mct'.")
   if arg.runlocal:
@@ -64,6 +65,10 @@ def get_config(arg=None):
       epochs=arg.epochs or 30,
       batch_size=200,
     )
+  if arg.variant == "mct":
+    # The milestones sit at the same fractions of the schedule when the epochs change (runlocal, epochs=).
+    probe["milestones"] = tuple(round(m * probe["epochs"] / 60) for m in (30, 40, 50))
+    probe["pp_train"] = probe["pp_eval"]
   if not probe["num_classes"]:
     raise ValueError(f"Set num_classes=N for dataset {arg.dataset!r}.")
   return ConfigDict({"evals": {f"linear_probe_{arg.variant}": probe}})
