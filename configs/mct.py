@@ -3,15 +3,18 @@ r"""MCT: multimodal contrastive training of visual representations (Yuan et al.,
 Paper recipe (COCO Captions train2017 with the 80 instance categories as tags, prepared with
 `python -m vlrep.data.prepare --dataset=coco_captions2017 --manual_dir=PATH` where PATH/annotations also holds
 instances_{train,val}2017.json; probe on VOC07):
-  python -m vlrep.main --config=configs/mct.py --workdir=gs://BUCKET/mct_r50
+  python -m vlrep.main --config=configs/mct.py:bert=/data/bert-base-uncased --workdir=gs://BUCKET/mct_r50
+  python -m vlrep.main --config=configs/mct.py:bert=/data/bert-base-uncased,tags=True --workdir=...  # 'with tag'
+  python -m vlrep.main --config=configs/mct.py:text=scratch --workdir=...                            # 'scratch'
 
 On the embedded synthetic_scenes (captions; tags = the scene's shapes and colours), sized for a 2-core CPU:
   python -m vlrep.main --config=configs/mct.py:runlocal --workdir=/tmp/mct_local
 
 Variants (arguments combine with commas; any key can also be overridden with --config.KEY=VALUE):
-  loss=full|moco|tags|inter   all five losses with tags (the paper's 'with tag'), J_ii alone (MoCo-v2),
-                              J_ii + J_tag, the inter-modal rankings alone (J_ic + J_ci)
-  tags=True|False             lambda_tag 1 or 0 for loss=full (the paper's method without tags)
+  loss=full|moco|tags|inter   all five losses (J_tag weighted by tags=), J_ii alone (MoCo-v2), J_ii + J_tag,
+                              the inter-modal rankings alone (J_ic + J_ci)
+  tags=True|False             lambda_tag 1 ('with tag') or 0 for loss=full. Default: False in the recipe (the
+                              paper's method, lambda_tag = 0 unless 'with tag'), True in runlocal
   steps=N                     training steps instead of the recipe's epochs
   aug=mocov2|crop             image views: MoCo-v2's (crop, colour jitter, grayscale, blur, flip; the recipe's
                               default) or crops and flips only (runlocal's default, see AUGMENTATIONS)
@@ -21,8 +24,9 @@ Variants (arguments combine with commas; any key can also be overridden with --c
                               e.g. back-translations made elsewhere), each view replaced with probability 0.5
   head_bn=none|inter|all      BatchNorm in the hidden layer of no heads (the paper's), the inter-modal heads
                               (runlocal) or all four
-  text=scratch|bert           the text tower: a BERT-base-sized encoder trained from scratch (the paper's
-                              'scratch' variant) or a pretrained BERT fine-tuned (the paper's default)
+  text=scratch|bert           the text tower: a pretrained BERT fine-tuned (the paper's default, the recipe's;
+                              needs bert=PATH) or a BERT-base-sized encoder trained from scratch (the paper's
+                              'scratch' variant; runlocal's default)
   bert=PATH                   with text=bert: a local Hugging Face BERT folder (bert-base-uncased in the paper;
                               'minilm' = the packaged MiniLM-L6-H384, runlocal's default); its WordPiece
                               vocabulary becomes the tokenizer
@@ -64,25 +68,29 @@ def get_config(arg=None):
     arg,
     runlocal=False,
     loss="full",
-    tags=True,
+    tags="",  # '' = the default of the recipe (False) or runlocal (True)
     steps=0,
     aug="",
     pool="",
     head_bn="",
     paraphrases="",
-    text="scratch",
+    text="",  # '' = the default of the recipe (bert) or runlocal (scratch)
     bert="",
     bert_layers=-1,
   )
   bert = arg.bert or ("minilm" if arg.runlocal else "")  # '' fails at load time, naming the files it needs
   from ml_collections import ConfigDict
 
-  if arg.text not in ("scratch", "bert"):
+  text = arg.text or ("scratch" if arg.runlocal else "bert")
+  if text not in ("scratch", "bert"):
     raise ValueError(f"Unknown text={arg.text!r}; expected 'scratch' or 'bert'.")
+  if arg.tags.lower() not in ("", "true", "false", "1", "0"):
+    raise ValueError(f"tags={arg.tags!r}: expected True or False.")
+  tags = arg.tags.lower() in ("true", "1") if arg.tags else arg.runlocal
   if arg.loss not in LOSSES:
     raise ValueError(f"Unknown loss={arg.loss!r}; known: {sorted(LOSSES)}")
   weights = dict(zip(("j_ii", "j_tag", "j_cc", "j_ic", "j_ci"), LOSSES[arg.loss], strict=True))
-  if arg.loss == "full" and not arg.tags:
+  if arg.loss == "full" and not tags:
     weights["j_tag"] = 0.0
   image_size = 64 if arg.runlocal else 224
 
@@ -93,7 +101,7 @@ def get_config(arg=None):
     dtype="bfloat16",
     # Per-GPU BatchNorm in the paper (512 images on 8 GPUs); the key encoder's batch is shuffled first.
     backbone=dict(depth=50, width=64, bn_group_size=64),
-    text_tower=arg.text,
+    text_tower=text,
     bert_path=bert,  # text_tower='bert': the pretrained BERT's folder ('minilm' = the packaged MiniLM)
     bert_layers=0,  # text_tower='bert': keep its first N layers (0 = all)
     # text_tower='bert': dropout on its hidden states and attention weights while training, BERT fine-tuning's
@@ -211,7 +219,7 @@ def get_config(arg=None):
     if arg.head_bn not in heads:
       raise ValueError(f"Unknown head_bn={arg.head_bn!r}; expected one of {sorted(heads)}.")
     c.method.head_batchnorm = heads[arg.head_bn]
-  if arg.text == "bert":
+  if text == "bert":
     # The pretrained BERT's own WordPiece vocabulary ([CLS] ... [SEP], [PAD] = 0) replaces the BPE tokenizer.
     c.tokenizer = dict(kind="wordpiece", path=bert)
     if arg.bert_layers >= 0:

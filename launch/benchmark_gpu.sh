@@ -16,4 +16,4 @@ python3 -m vlrep.tools.torch_reference --batch_size=256 --steps="$STEPS" --nocom
 $B --config=configs/virtex.py --config.batch_size=256 --input=host --output="$OUT/virtex_host.json"
 $B --config=configs/virtex.py --config.batch_size=256 --config.method.backbone.bn_group_size=0 --output="$OUT/virtex_bn_whole_batch.json"
 $B --config=configs/loctex.py --config.batch_size=256 --input=device --output="$OUT/loctex_device.json"
-$B --config=configs/mct.py --config.batch_size=256 --input=device --output="$OUT/mct_device.json"
+$B --config=configs/mct.py:text=scratch,tags=True --config.batch_size=256 --input=device --output="$OUT/mct_device.json"

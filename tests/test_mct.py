@@ -43,6 +43,23 @@ def _unit(x):
   return x / np.linalg.norm(x, axis=-1, keepdims=True)
 
 
+def test_recipe_defaults_are_the_papers_method_and_runlocal_keeps_its_own():
+  """MCT's method: a pretrained BERT-base text tower and lambda_tag = 0 ('with tag' and 'scratch' are variants);
+  runlocal trains the small text tower from scratch with tags, as measured in docs/results/mct.md."""
+  sys.path.insert(0, os.path.join(ROOT, "configs"))
+  import mct as mct_config
+
+  recipe = mct_config.get_config()
+  assert recipe.method.text_tower == "bert" and recipe.method.weights.j_tag == 0.0
+  assert recipe.tokenizer.kind == "wordpiece" and recipe.method.bert_path == ""  # bert=PATH is required
+  assert mct_config.get_config("tags=True").method.weights.j_tag == 1.0
+  assert mct_config.get_config("text=scratch").method.text_tower == "scratch"
+  local = mct_config.get_config("runlocal")
+  assert local.method.text_tower == "scratch" and local.method.weights.j_tag == 1.0
+  with pytest.raises(ValueError, match="expected True or False"):
+    mct_config.get_config("tags=maybe")
+
+
 def test_losses_match_numpy():
   rng = np.random.default_rng(0)
   b, k, d, tau, alpha = 3, 7, 5, 0.07, 0.2
