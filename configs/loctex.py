@@ -14,7 +14,8 @@ Ablations (arguments combine with commas; any key can also be overridden with --
                                         Only shape words are supervised, so eq. 3's gradient is ~3x larger
                                         than with traces; runlocal scales L_L by 0.33 more for it, or the run
                                         collapses (docs/methods/loctex.md)
-  contrastive=per_device|global         InfoNCE negatives from each device's sub-batch (paper) or the batch
+  contrastive=per_gpu|global            InfoNCE negatives within groups of 128 consecutive examples (the paper's
+                                        per-GPU sub-batch, on any number of devices) or the whole batch
   openimages=True                       COCO + Open Images narrations (the paper's scaled-up LocTex)
   steps=N                               training steps instead of the recipe's epochs
 """
@@ -22,6 +23,7 @@ Ablations (arguments combine with commas; any key can also be overridden with --
 from vlrep.config_utils import parse_arg
 
 LOSSES = {"both": (1.0, 1.0), "contrastive": (1.0, 0.0), "localization": (0.0, 1.0)}
+CONTRASTIVE_GROUPS = {"per_gpu": 128, "global": 0}
 
 
 def get_config(arg=None):
@@ -31,7 +33,7 @@ def get_config(arg=None):
     loss="both",
     scales="1+2",
     oracle=False,
-    contrastive="per_device",
+    contrastive="per_gpu",
     openimages=False,
     steps=0,
   )
@@ -39,6 +41,8 @@ def get_config(arg=None):
 
   if arg.loss not in LOSSES:
     raise ValueError(f"Unknown loss={arg.loss!r}; known: {sorted(LOSSES)}")
+  if arg.contrastive not in CONTRASTIVE_GROUPS:
+    raise ValueError(f"Unknown contrastive={arg.contrastive!r}; known: {sorted(CONTRASTIVE_GROUPS)}")
   scales = tuple(int(s) for s in str(arg.scales).split("+"))
   image_size = 64 if arg.runlocal else 224
   # The backbone's output stride: 32 with the ImageNet stem; runlocal's small stem (stride 2, no max-pool) gives 16.
@@ -50,12 +54,13 @@ def get_config(arg=None):
   c.seed = 0
   c.method = dict(
     name="loctex",
-    backbone=dict(depth=50, width=64, bn_group_size=128),  # 8 GPUs x 128 images, per-GPU BatchNorm
+    backbone=dict(depth=50, width=64, bn_group_size=0),  # synchronized BatchNorm over the batch, as the paper
     # Textual backbone: 4 layers, 1024 wide, 16 heads, GELU; captions of at most 60 tokens.
     text=dict(hidden=1024, num_layers=4, num_heads=16, max_len=60, dropout=0.1),
     embed_dim=1024,
     temperature=0.1,
-    contrastive=arg.contrastive,
+    # The paper's InfoNCE is "computed locally at each GPU": 1024 images on 8 GPUs, 128 per group.
+    contrastive_group_size=CONTRASTIVE_GROUPS[arg.contrastive],
     symmetric=False,  # eq. 1 is image -> caption only
     scales=scales,
     grid_sizes=grid_sizes,
@@ -143,6 +148,7 @@ def _runlocal(c, arg, grid_sizes):
   # again for LocTex): 1.x's ResNet-26 with the ImageNet stem left 64 px shapes a cell or two of a 2x2 grid.
   c.method.backbone = dict(depth=10, width=16, bn_group_size=32, stem="small", stem_stride=2)
   c.method.text = dict(hidden=128, num_layers=2, num_heads=4, max_len=60, dropout=0.1)
+  c.method.contrastive_group_size = 0  # the batch of 64 is smaller than the paper's per-GPU group: one group
   c.tokenizer.vocab_size = 1000
   # L_L at half weight (measured on 1.1.0: git show 3853844:README.md, "LocTex"): with the paper's equal weights,
   # tuned for 600 epochs, L_L pulls the global features down at this budget (probe 30.1 / 30.2 against L_C alone's

@@ -392,6 +392,38 @@ def test_loctex_main_end_to_end(tmp_path):
   assert Image.open(out["a"]["strip"]).size == (32 * 4 * (1 + len(out["a"]["tokens"])), 32 * 4 + 14)
 
 
+def test_recipe_has_synchronized_bn_and_per_gpu_negatives_independent_of_devices(tiny_builder):
+  """The paper: synchronized BatchNorm, InfoNCE "computed locally at each GPU" (128 of the 1024 per group)."""
+  import jax
+  import tiny_loctex
+
+  from configs import loctex as loctex_config
+  from vlrep import methods
+
+  recipe = loctex_config.get_config()
+  assert recipe.method.backbone.bn_group_size == 0 and recipe.batch_size == 1024
+  assert recipe.method.contrastive_group_size == 128
+  assert loctex_config.get_config("contrastive=global").method.contrastive_group_size == 0
+  with pytest.raises(ValueError, match="Unknown contrastive"):
+    loctex_config.get_config("contrastive=per_device")
+  c = tiny_loctex.get_config("loss=contrastive,scales=1")
+  tok = tokenizers.ensure_tokenizer(c.tokenizer, tiny_builder)
+  fields = methods.build(c.method, tok.vocab_size).fields
+  batch = next(pipeline.train_stream(tiny_builder, "train", c.data.pp, fields, 4, 0, context={"tokenizer": tok}))
+  losses = {}
+  for size in (0, 2, 4, 3):
+    c.method.contrastive_group_size = size
+    method = methods.build(c.method, tok.vocab_size)
+    variables = method.init(jax.random.PRNGKey(0), batch)
+    if size == 3:
+      with pytest.raises(ValueError, match="does not split into contrastive groups of 3"):
+        method.loss(variables, batch, jax.random.PRNGKey(1), train=False)
+      continue
+    losses[size] = float(method.loss(variables, batch, jax.random.PRNGKey(1), train=False)[1]["contrastive_loss"])
+  assert losses[4] == pytest.approx(losses[0], rel=1e-6)  # one group of the whole batch is the global loss
+  assert losses[2] < losses[0]  # fewer negatives per group
+
+
 @pytest.mark.parametrize("arg", ["scales=1+2+4,oracle=True", "loss=contrastive,contrastive=global,scales=1"])
 def test_ablation_configs_build_and_give_a_finite_loss(arg, tiny_builder):
   """Every ablation's pipeline feeds its method: mask sizes match the feature maps at every scale."""
@@ -402,7 +434,7 @@ def test_ablation_configs_build_and_give_a_finite_loss(arg, tiny_builder):
 
   c = tiny_loctex.get_config(arg)
   tok = tokenizers.ensure_tokenizer(c.tokenizer, tiny_builder)
-  method = methods.build(c.method, tok.vocab_size, num_data_shards=2)
+  method = methods.build(c.method, tok.vocab_size)
   stream = pipeline.train_stream(tiny_builder, "train", c.data.pp, method.fields, 4, 0, context={"tokenizer": tok})
   batch = next(stream)
   assert set(method.fields) <= set(batch)

@@ -125,7 +125,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   method = methods.build(
     config.method,
     tokenizer.vocab_size if tokenizer else 0,
-    mesh.shape[sharding.DATA],
     concepts=concepts,
     answer_vocab=context.get("answer_vocab"),
   )

@@ -5,11 +5,8 @@ from __future__ import annotations
 import ml_collections
 
 
-def build(
-  config: ml_collections.ConfigDict, vocab_size: int, num_data_shards: int = 1, concepts=None, answer_vocab=None
-):
-  """Instantiates the method named by `config.name`. `num_data_shards` (the mesh's data axis size) is what
-  per-device losses (LocTex's InfoNCE) split the batch by; `concepts` is the run's concept set (ICMLM);
+def build(config: ml_collections.ConfigDict, vocab_size: int, concepts=None, answer_vocab=None):
+  """Instantiates the method named by `config.name`. `concepts` is the run's concept set (ICMLM);
   `answer_vocab` its VQA answers (vlbert)."""
   name = config.name
   if name == "virtex":
@@ -23,7 +20,7 @@ def build(
   if name == "loctex":
     from vlrep.methods.loctex import LocTex
 
-    return LocTex(config, vocab_size, num_data_shards)
+    return LocTex(config, vocab_size)
   if name == "mct":
     from vlrep.methods.mct import MCT
 

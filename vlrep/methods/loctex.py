@@ -3,9 +3,10 @@
   L = contrastive_weight * L_C + localization_weight * sum over scales of L_L(scale)
 
 L_C (eq. 1) is InfoNCE between the pooled, projected image and caption embeddings under cosine similarity
-and temperature tau. The paper computes it on each GPU's own sub-batch (`contrastive='per_device'`: the
-batch is split into as many groups as the mesh has data shards, so negatives never cross devices and no
-all-gather is needed); `contrastive='global'` uses the whole batch as negatives. Both are means over images.
+and temperature tau. The paper computes it on each GPU's own sub-batch of 128 ("locally at each GPU"):
+`contrastive_group_size=128` splits the batch into groups of 128 consecutive examples whose negatives are each
+other, the same maths on any number of devices (and no all-gather when a device holds whole groups);
+`contrastive_group_size=0` uses the whole batch as negatives. Both are means over images.
 
 L_L (eq. 3), per example: the L2 distance between the attention maps M (softmax over space of token-region
 products) and the rendered traces, each normalised to unit L2 norm over all (token, cell) pairs, restricted
@@ -20,8 +21,6 @@ import jax.numpy as jnp
 import ml_collections
 
 from vlrep.models.loctex import LocTexModel
-
-CONTRASTIVE = ("per_device", "global")
 
 
 def info_nce(
@@ -71,13 +70,12 @@ def localization_loss(logits: jnp.ndarray, target: jnp.ndarray) -> tuple[jnp.nda
 class LocTex:
   """LocTex behind vlrep's method contract (init / loss / features)."""
 
-  def __init__(self, config: ml_collections.ConfigDict, vocab_size: int, num_data_shards: int = 1):
-    if config.contrastive not in CONTRASTIVE:
-      raise ValueError(f"Unknown contrastive mode {config.contrastive!r}; known: {CONTRASTIVE}")
+  def __init__(self, config: ml_collections.ConfigDict, vocab_size: int):
+    if config.contrastive_group_size < 0:
+      raise ValueError(f"contrastive_group_size={config.contrastive_group_size}: 0 (the whole batch) or a size.")
     if not (config.contrastive_weight or config.localization_weight):
       raise ValueError("LocTex needs contrastive_weight or localization_weight above 0.")
     self.config = config
-    self.groups = num_data_shards if config.contrastive == "per_device" else 1
     self.scales = tuple(config.scales)
     self.grid_sizes = tuple(config.grid_sizes)
     if len(self.grid_sizes) != len(self.scales):
@@ -103,9 +101,11 @@ class LocTex:
     )
     cfg = self.config
     valid_caption = ~batch["stat_empty"] if "stat_empty" in batch else None
-    l_c = info_nce(
-      out["image_embedding"], out["text_embedding"], cfg.temperature, self.groups, cfg.symmetric, valid_caption
-    )
+    b, size = out["image_embedding"].shape[0], cfg.contrastive_group_size
+    if size and b % size:
+      raise ValueError(f"The batch of {b} does not split into contrastive groups of {size} (contrastive_group_size).")
+    groups = b // size if size else 1
+    l_c = info_nce(out["image_embedding"], out["text_embedding"], cfg.temperature, groups, cfg.symmetric, valid_caption)
     metrics = {"contrastive_loss": l_c}
     l_l = 0.0
     for s, r in zip(self.scales, self.grid_sizes, strict=True):

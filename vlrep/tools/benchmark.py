@@ -123,7 +123,7 @@ def benchmark(
   bs = config.batch_size
   rng = np.random.default_rng(0)
   max_len = config.method.get("max_len") or config.method.text.max_len
-  method = methods.build(config.method, vocab_size, mesh.shape[sharding.DATA])
+  method = methods.build(config.method, vocab_size)
   # A random batch of every field the method reads: images ('image', MCT's 'image_q'/'image_k'), token
   # sequences ('tokens*'), LocTex's rendered traces (about 10% of the cells per token), MCT's tags.
   local = {"stat_empty": np.zeros((bs,), bool)}
