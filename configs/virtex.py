@@ -20,7 +20,8 @@ Ablations (arguments combine with commas; any key can also be overridden with --
 
 from vlrep.config_utils import parse_arg
 
-BACKBONES = {"r50": (50, 64), "r101": (101, 64), "r50w2x": (50, 128)}
+# (depth, stem width, bottleneck inner-width multiplier): w2x is Wide ResNet-50-2 (torchvision wide_resnet50_2).
+BACKBONES = {"r50": (50, 64, 1), "r101": (101, 64, 1), "r50w2x": (50, 64, 2)}
 
 
 def get_config(arg=None):
@@ -41,7 +42,7 @@ def get_config(arg=None):
 
   c = ConfigDict()
   c.seed = 0
-  depth, width = BACKBONES[arg.backbone]
+  depth, width, inner = BACKBONES[arg.backbone]
 
   # Method: model sizes and task. A = H / 64 heads and F = 4H are derived in the model.
   c.method = dict(
@@ -57,7 +58,7 @@ def get_config(arg=None):
     random_token_prob=0.1,
     dtype="bfloat16",
     # Per-GPU BatchNorm with 32 images per GPU in the paper; 0 = synchronised over the whole batch.
-    backbone=dict(depth=depth, width=width, bn_group_size=32),
+    backbone=dict(depth=depth, width=width, bn_group_size=32, **({"inner_multiplier": inner} if inner > 1 else {})),
   )
 
   # Data: COCO Captions train2017 with the paper's augmentation.

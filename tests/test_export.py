@@ -1,11 +1,14 @@
 """Export of a checkpoint's backbone to torchvision and Detectron2 names, checked against a PyTorch ResNet."""
 
+import os
 import pickle
+import sys
 
 import jax
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT
 from ml_collections import ConfigDict
 
 from vlrep import checkpoint as ckpt_lib
@@ -14,9 +17,9 @@ from vlrep.models import resnet
 from vlrep.models.torch_resnet import ResNet as TorchResNet
 
 
-def _write_run(workdir, depth=50, width=64, with_backbone=True, seed=0, stem="imagenet"):
+def _write_run(workdir, depth=50, width=64, with_backbone=True, seed=0, stem="imagenet", inner_multiplier=1):
   """A checkpoint in vlrep's layout holding a ResNet with non-trivial BatchNorm parameters and statistics."""
-  net = resnet.ResNet(depth=depth, width=width, stem=stem)
+  net = resnet.ResNet(depth=depth, width=width, stem=stem, inner_multiplier=inner_multiplier)
   variables = net.init(jax.random.PRNGKey(seed), np.zeros((1, 64, 64, 3), np.float32), False)
   rng = np.random.default_rng(seed)
 
@@ -32,7 +35,8 @@ def _write_run(workdir, depth=50, width=64, with_backbone=True, seed=0, stem="im
   params = {"backbone": variables["params"]} if with_backbone else {"head": {"w": np.ones((3, 3), np.float32)}}
   stats = {"backbone": variables["batch_stats"]} if with_backbone else {}
   state = {"step": np.int32(7), "params": params, "model_state": {"batch_stats": stats}}
-  config = ConfigDict({"method": {"name": "virtex", "backbone": {"depth": depth, "width": width, "stem": stem}}})
+  backbone = {"depth": depth, "width": width, "stem": stem, "inner_multiplier": inner_multiplier}
+  config = ConfigDict({"method": {"name": "virtex", "backbone": backbone}})
   ck = ckpt_lib.Checkpointer(str(workdir), async_save=False)
   ck.save(7, state, {"signature": ckpt_lib.signature(params), "config": config.to_dict(), "summary": {}})
   ck.close()
@@ -44,8 +48,8 @@ def _jax_features(net, variables, images):
   return np.asarray(grid), np.asarray(aux["pre_logits"])
 
 
-def _torch_features(state_dict, images, depth, width):
-  model = TorchResNet(depth, width).eval()
+def _torch_features(state_dict, images, depth, width, inner_multiplier=1):
+  model = TorchResNet(depth, width, inner_multiplier).eval()
   missing = model.load_state_dict({k: torch.as_tensor(np.array(v)) for k, v in state_dict.items()}, strict=True)
   assert not missing.missing_keys and not missing.unexpected_keys
   with torch.no_grad():
@@ -78,6 +82,32 @@ def test_torchvision_export_computes_the_same_features(tmp_path, suffix):
   bad = dict(sd)
   bad["layer1.0.bn1.running_mean"] = bad["layer1.0.bn1.running_mean"] + 1.0
   assert _rel(_torch_features(bad, images, 50, 64)[1], pooled_j) > 1e-3
+
+
+def test_resnet50_w2x_is_wide_resnet50_2_and_exports_to_its_layout(tmp_path):
+  """VirTex's "ResNet-50 w2x" is Wide ResNet-50-2: the bottlenecks' inner width doubles, the stem and the 2048-d
+  features do not (torchvision's wide_resnet50_2, 68,883,240 parameters with its 1000-way fc)."""
+  sys.path.insert(0, os.path.join(ROOT, "configs"))
+  import virtex
+
+  assert virtex.get_config("backbone=r50w2x").method.backbone.to_dict() == dict(
+    depth=50, width=64, bn_group_size=32, inner_multiplier=2
+  )
+  net, variables = _write_run(tmp_path / "run", inner_multiplier=2)
+  out = str(tmp_path / "w2x.safetensors")
+  info = export.export(str(tmp_path / "run"), "torchvision", out, "latest")
+  assert info["parameters"] == 68_883_240 - (2048 * 1000 + 1000)
+  from safetensors.numpy import load_file
+
+  sd = load_file(out)
+  # wide_resnet50_2's shapes (OIHW): stem 64, inner widths 128..1024, outputs 256..2048.
+  assert sd["conv1.weight"].shape == (64, 3, 7, 7)
+  assert sd["layer1.0.conv1.weight"].shape == (128, 64, 1, 1) and sd["layer1.0.conv3.weight"].shape == (256, 128, 1, 1)
+  assert sd["layer4.2.conv2.weight"].shape == (1024, 1024, 3, 3) and sd["layer4.2.bn3.weight"].shape == (2048,)
+  images = np.random.default_rng(1).normal(size=(2, 64, 64, 3)).astype(np.float32)
+  grid_j, pooled_j = _jax_features(net, variables, images)
+  grid_t, pooled_t = _torch_features(sd, images, 50, 64, inner_multiplier=2)  # strict=True load
+  assert pooled_j.shape == (2, 2048) and _rel(grid_t, grid_j) < 1e-4 and _rel(pooled_t, pooled_j) < 1e-4
 
 
 def _detectron2_r50_expected() -> dict[str, tuple]:

@@ -108,6 +108,7 @@ def backbone_of(run: Run) -> tuple[Any, dict]:
     module = resnet.ResNet(
       depth=cfg.get("depth", 50),
       width=cfg.get("width", 64),
+      inner_multiplier=cfg.get("inner_multiplier", 1),
       bn_group_size=0,
       stem=cfg.get("stem", "imagenet"),
       stem_stride=cfg.get("stem_stride", 2),

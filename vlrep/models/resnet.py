@@ -70,13 +70,15 @@ class Bottleneck(nn.Module):
   norm: Any
   conv: Any
   expansion: int = 4
+  inner_multiplier: int = 1  # Wide ResNet: the 1x1 / 3x3 inner width is width * this; the output stays width * 4
 
   @nn.compact
   def __call__(self, x, train: bool):
     residual = x
-    y = self.conv(self.width, (1, 1), name="conv1")(x)
+    inner = self.width * self.inner_multiplier
+    y = self.conv(inner, (1, 1), name="conv1")(x)
     y = nn.relu(self.norm(name="bn1")(y, train))
-    y = self.conv(self.width, (3, 3), strides=(self.stride, self.stride), padding=((1, 1), (1, 1)), name="conv2")(y)
+    y = self.conv(inner, (3, 3), strides=(self.stride, self.stride), padding=((1, 1), (1, 1)), name="conv2")(y)
     y = nn.relu(self.norm(name="bn2")(y, train))
     y = self.conv(self.width * self.expansion, (1, 1), name="conv3")(y)
     y = self.norm(name="bn3")(y, train)
@@ -113,7 +115,9 @@ class ResNet(nn.Module):
 
   Attributes:
     depth: 10 (tests) and 18 use basic blocks; 26, 50, 101 and 152 use bottlenecks.
-    width: channels of the first stage (64 standard; 128 for R-50 w2x, whose bottleneck inner width doubles).
+    width: channels of the stem and, times 4, of the first stage's output (64 standard).
+    inner_multiplier: the bottlenecks' inner width over the standard one: 2 for Wide ResNet-50-2 (VirTex's
+      "ResNet-50 w2x", torchvision's wide_resnet50_2, Detectron2's WIDTH_PER_GROUP=128); features stay 2048-d.
     bn_group_size: examples per BatchNorm statistics group (0 = whole batch).
     stem: 'imagenet' (7x7 stride-2 convolution and a 3x3 stride-2 max-pool: every real recipe, and the only stem
       torchvision's and Detectron2's ResNets have) or 'small' (one 3x3 convolution of stride `stem_stride`, no
@@ -125,6 +129,7 @@ class ResNet(nn.Module):
 
   depth: int = 50
   width: int = 64
+  inner_multiplier: int = 1
   bn_group_size: int = 0
   bn_momentum: float = 0.9
   dtype: Any = jnp.float32
@@ -169,7 +174,11 @@ class ResNet(nn.Module):
       x = nn.relu(norm(name="bn1")(x, train))
     else:
       raise ValueError(f"Unknown ResNet stem {self.stem!r}; known: 'imagenet', 'small'.")
+    if self.inner_multiplier != 1 and not self.bottleneck:
+      raise ValueError(f"inner_multiplier={self.inner_multiplier} needs bottleneck blocks (depth 26 or more).")
     block_cls = Bottleneck if self.bottleneck else BasicBlock
+    if self.bottleneck:
+      block_cls = functools.partial(Bottleneck, inner_multiplier=self.inner_multiplier)
     for stage, num_blocks in enumerate(_stage_sizes(self.depth)):
       for b in range(num_blocks):
         stride = 2 if stage > 0 and b == 0 else 1

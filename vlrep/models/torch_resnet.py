@@ -16,13 +16,14 @@ from vlrep.models.resnet import DEPTHS
 class Bottleneck(nn.Module):
   expansion = 4
 
-  def __init__(self, cin: int, width: int, stride: int):
+  def __init__(self, cin: int, width: int, stride: int, inner_multiplier: int = 1):
     super().__init__()
-    self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
-    self.bn1 = nn.BatchNorm2d(width)
-    self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
-    self.bn2 = nn.BatchNorm2d(width)
-    self.conv3 = nn.Conv2d(width, width * 4, 1, bias=False)
+    inner = width * inner_multiplier  # torchvision's width_per_group / 64 (2 for wide_resnet50_2)
+    self.conv1 = nn.Conv2d(cin, inner, 1, bias=False)
+    self.bn1 = nn.BatchNorm2d(inner)
+    self.conv2 = nn.Conv2d(inner, inner, 3, stride, 1, bias=False)
+    self.bn2 = nn.BatchNorm2d(inner)
+    self.conv3 = nn.Conv2d(inner, width * 4, 1, bias=False)
     self.bn3 = nn.BatchNorm2d(width * 4)
     self.relu = nn.ReLU()
     self.downsample = None
@@ -57,7 +58,7 @@ class BasicBlock(nn.Module):
 
 
 class ResNet(nn.Module):
-  def __init__(self, depth: int = 50, width: int = 64):
+  def __init__(self, depth: int = 50, width: int = 64, inner_multiplier: int = 1):
     super().__init__()
     block = BasicBlock if depth in (10, 18) else Bottleneck
     self.conv1 = nn.Conv2d(3, width, 7, 2, 3, bias=False)
@@ -68,7 +69,8 @@ class ResNet(nn.Module):
     for stage, blocks in enumerate(DEPTHS[depth]):
       layers = []
       for b in range(blocks):
-        layers.append(block(cin, width * 2**stage, 2 if stage > 0 and b == 0 else 1))
+        extra = {"inner_multiplier": inner_multiplier} if block is Bottleneck else {}
+        layers.append(block(cin, width * 2**stage, 2 if stage > 0 and b == 0 else 1, **extra))
         cin = width * 2**stage * block.expansion
       setattr(self, f"layer{stage + 1}", nn.Sequential(*layers))
 
