@@ -433,13 +433,13 @@ def test_grounding_tool_scores_each_word_group_with_own_and_other_images(tiny_ru
   import jax
   import jax.numpy as jnp
 
-  from vlrep import evaluate
+  from vlrep import evaluate, runs
   from vlrep.data import pipeline
   from vlrep.tools import grounding
 
   result = grounding.image_gain(tiny_run, split="val", limit=8)
   assert {"colour", "shape", "other"} <= set(result)
-  run = evaluate.load_run(tiny_run, "latest")
+  run = runs.load_run(tiny_run, "latest")
   ctx = evaluate.method_and_tokenizer(run)
   builder = pipeline.get_builder("synthetic_scenes", run.config.data.data_dir, "tiny")
   examples = pipeline.first_examples(builder, "val", 8)
@@ -557,7 +557,7 @@ def test_inspection_notebook_runs_top_to_bottom(tiny_run):
 
 
 def test_finetune_starts_from_the_pretrained_backbone(tiny_run, tmp_path):
-  from vlrep import evaluate
+  from vlrep import runs
 
   proc = run_main(
     tmp_path / "ft",
@@ -570,7 +570,7 @@ def test_finetune_starts_from_the_pretrained_backbone(tiny_run, tmp_path):
   summary = json.loads((tmp_path / "ft" / "summary.json").read_text())
   assert 0 <= summary["val/top1"] <= summary["val/top5"] <= 100
   # With LR 0 the fine-tuned backbone is exactly the pretrained one (and the new classifier exists).
-  src, ft = evaluate.load_run(tiny_run), evaluate.load_run(str(tmp_path / "ft"), "latest")
+  src, ft = runs.load_run(tiny_run), runs.load_run(str(tmp_path / "ft"), "latest")
   jax.tree.map(np.testing.assert_array_equal, ft.params["backbone"], src.params["backbone"])
   assert ft.params["classifier"]["kernel"].shape == (64, 10)
   bad = run_main(

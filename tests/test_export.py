@@ -12,7 +12,7 @@ from conftest import ROOT
 from ml_collections import ConfigDict
 
 from vlrep import checkpoint as ckpt_lib
-from vlrep import evaluate, export
+from vlrep import export, runs
 from vlrep.models import resnet
 from vlrep.models.torch_resnet import ResNet as TorchResNet
 
@@ -158,14 +158,14 @@ def test_export_bad_inputs(tmp_path):
     export.export(str(tmp_path / "missing"), "torchvision", str(tmp_path / "x.safetensors"))
   (tmp_path / "empty").mkdir()
   with pytest.raises(FileNotFoundError, match="has no checkpoint"):
-    evaluate.load_run(str(tmp_path / "empty"))
+    runs.load_run(str(tmp_path / "empty"))
   _write_run(tmp_path / "run", depth=10, width=8)
   with pytest.raises(ValueError, match="Unknown export format"):
     export.export(str(tmp_path / "run"), "onnx", str(tmp_path / "x.onnx"))
   with pytest.raises(ValueError, match="must end in"):
     export.export(str(tmp_path / "run"), "torchvision", str(tmp_path / "x.bin"))
   with pytest.raises(FileNotFoundError, match="no checkpoint of step 3"):
-    evaluate.load_run(str(tmp_path / "run"), "3")
+    runs.load_run(str(tmp_path / "run"), "3")
   # A small-stem backbone (runlocal's) has no torchvision/Detectron2 layout: a clear error, no file written.
   _write_run(tmp_path / "small", depth=10, width=8, stem="small")
   for fmt, out in (("torchvision", "x.safetensors"), ("detectron2", "x.pkl")):
@@ -173,7 +173,7 @@ def test_export_bad_inputs(tmp_path):
       export.export(str(tmp_path / "small"), fmt, str(tmp_path / out))
     assert not (tmp_path / out).exists()
   # ... but evaluation rebuilds it with its stem and reads its checkpoint.
-  module, variables = evaluate.backbone_of(evaluate.load_run(str(tmp_path / "small")))
+  module, variables = runs.backbone_of(runs.load_run(str(tmp_path / "small")))
   assert module.stem == "small" and variables["params"]["conv1"]["kernel"].shape == (3, 3, 3, 8)
 
 

@@ -441,9 +441,9 @@ def test_icmlm_tfm_trains_with_a_frozen_bert_and_evaluates_masked_tokens(tmp_pat
   assert summary["masked_tokens/count"] > 8  # several concept occurrences per caption
   assert "probe/map" in summary and np.isfinite(summary["train/loss"])
   # The frozen BERT in the final checkpoint is bit-identical to the packaged weights; the heads moved.
-  from vlrep import evaluate
+  from vlrep import runs
 
-  run = evaluate.load_run(str(workdir), "latest")
+  run = runs.load_run(str(workdir), "latest")
   saved = run.model_state["bert"]
   for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(minilm[1]), strict=True):
     np.testing.assert_array_equal(np.asarray(a), b)
@@ -472,14 +472,14 @@ def test_tp_variants_and_att_fc_warmup_with_a_frozen_backbone(tmp_path, minilm):
   assert re.search(r"Concept set .*cluster\d+.*: \d+ cluster concepts", proc.stderr), proc.stderr[-3000:]
   # ICMLM_att-fc with warmup_frozen=4: the backbone does not move during the first 4 steps (the attention
   # and fc heads do), then it does; BERT never does.
-  from vlrep import evaluate
+  from vlrep import runs
 
   workdir = tmp_path / "warm"
   proc = run_main(
     workdir, "--config.checkpoint.every_steps=1", config="tests/tiny_icmlm.py:variant=att_fc,warmup_frozen=4"
   )
   assert proc.returncode == 0, proc.stderr[-4000:]
-  runs = {s: evaluate.load_run(str(workdir), str(s)) for s in (1, 4, 6)}
+  runs = {s: runs.load_run(str(workdir), str(s)) for s in (1, 4, 6)}
   leaves = {s: (jax.tree.leaves(r.params["backbone"]), jax.tree.leaves(r.params["att"])) for s, r in runs.items()}
   # Step 1's backbone is the initialisation (step 0 has LR 0 too), and step 4's is still the same.
   assert all(np.array_equal(a, b) for a, b in zip(leaves[1][0], leaves[4][0], strict=True))

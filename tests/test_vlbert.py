@@ -321,9 +321,9 @@ def test_vilbert_pretrain_then_frozen_vqa_end_to_end(tmp_path):
   assert proc.returncode == 0, proc.stderr[-4000:]
   summary = json.loads((ft / "summary.json").read_text())
   assert 0 <= summary["task/vqa"] <= 100 and summary["task/pairs"] > 8  # several questions per image
-  from vlrep import evaluate
+  from vlrep import runs
 
-  start, end = evaluate.load_run(str(pre), "latest"), evaluate.load_run(str(ft), "latest")
+  start, end = runs.load_run(str(pre), "latest"), runs.load_run(str(ft), "latest")
   # The frozen base is bit-identical to the pretraining run's after training; the task head moved.
   for name in ("bert", "v_layer_0", "co_layer_0", "regions_embed"):
     for a, b in zip(jax.tree.leaves(start.params[name]), jax.tree.leaves(end.params[name]), strict=True):

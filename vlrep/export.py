@@ -76,11 +76,11 @@ def detectron2_state_dict(torchvision_sd: dict) -> OrderedDict:
 
 def export(workdir: str, fmt: str, out: str, checkpoint: str = "best") -> dict:
   """Writes the backbone of WORKDIR's checkpoint to `out`; returns {'keys', 'parameters', 'step'}."""
-  from vlrep import evaluate
+  from vlrep import runs
 
   if fmt not in FORMATS:
     raise ValueError(f"Unknown export format {fmt!r}; expected one of {FORMATS}.")
-  run = evaluate.load_run(workdir, checkpoint)
+  run = runs.load_run(workdir, checkpoint)
   if run.config.method.get("backbone", {}).get("arch", "resnet") != "resnet":
     raise ValueError(f"{run.path}: export to torchvision/Detectron2 supports ResNet backbones only (this is a VGG16).")
   stem = run.config.method.get("backbone", {}).get("stem", "imagenet")
@@ -92,7 +92,7 @@ def export(workdir: str, fmt: str, out: str, checkpoint: str = "best") -> dict:
       "nor Detectron2's ResNet has; only stem='imagenet' backbones (every paper recipe) export. Inspect it with "
       "vlrep.evaluate or load its checkpoint in JAX instead."
     )
-  _, variables = evaluate.backbone_of(run)
+  _, variables = runs.backbone_of(run)
   sd = torchvision_state_dict(variables["params"], variables.get("batch_stats"))
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   tmp = out + ".tmp"

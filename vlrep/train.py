@@ -5,7 +5,6 @@ resumable run. It knows nothing of any method's maths; methods know nothing of d
 from __future__ import annotations
 
 import functools
-import json
 import os
 import signal
 import time
@@ -19,7 +18,7 @@ from absl import logging
 from clu import metric_writers
 
 from vlrep import checkpoint as ckpt_lib
-from vlrep import evaluators, methods, optim, sharding
+from vlrep import evaluators, methods, optim, runs, sharding
 from vlrep.data import concepts as concepts_lib
 from vlrep.data import pipeline, tokenizers
 from vlrep.train_step import init_train_state, make_train_step
@@ -48,21 +47,6 @@ def to_steps(config: ml_collections.ConfigDict, prefix: str, steps_per_epoch: fl
   if unit == "epochs":
     return int(round(value * steps_per_epoch))
   return int(round(value / global_batch))
-
-
-def write_summary(workdir: str, values: dict[str, Any]) -> None:
-  """Merges flat metrics into WORKDIR/summary.json (atomically; other tools add their own keys)."""
-  path = os.path.join(workdir, "summary.json")
-  summary = {}
-  if os.path.exists(path):
-    with open(path) as f:
-      summary = json.load(f)
-  summary.update(
-    {k: (float(v) if isinstance(v, (np.floating, np.integer, jax.Array)) else v) for k, v in values.items()}
-  )
-  with open(path + ".tmp", "w") as f:
-    json.dump(summary, f, indent=2, sort_keys=True)
-  os.replace(path + ".tmp", path)
 
 
 class _Preemption:
@@ -304,7 +288,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       save(step)
       ckpt.wait()
       logging.warning("Checkpoint at step %d saved after SIGTERM; exiting. Rerun the same command to resume.", step)
-      write_summary(workdir, {**summary, "steps": step, "preempted": True})
+      runs.write_summary(workdir, {**summary, "steps": step, "preempted": True})
       return summary
 
     is_last = step == total_steps
@@ -340,7 +324,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     }
   )
   if host == 0:
-    write_summary(workdir, summary)
+    runs.write_summary(workdir, summary)
   writer.flush()
   return summary
 
@@ -396,10 +380,8 @@ def load_pretrained_variables(state: dict, pretrained: dict, tx, state_sh) -> di
 def init_from_checkpoint(state: dict, workdir: str, tx, state_sh) -> dict:
   """Copies the visual backbone (parameters and BatchNorm statistics) of another run's best checkpoint into a
   fresh state, then re-initialises the optimizer state from the new parameters (LookAhead keeps a copy)."""
-  from vlrep import evaluate
-
-  run = evaluate.load_run(workdir, "best")
-  src_params, src_stats = evaluate.backbone_of(run)[1]["params"], run.model_state.get("batch_stats", {})
+  run = runs.load_run(workdir, "best")
+  src_params, src_stats = runs.backbone_of(run)[1]["params"], run.model_state.get("batch_stats", {})
   if "backbone" not in state["params"]:
     raise ValueError("init_from needs a model with a 'backbone'; this config's model has none.")
   want = ckpt_lib.signature(state["params"]["backbone"])

@@ -28,8 +28,9 @@ import ml_collections
 import numpy as np
 from absl import logging
 
+from vlrep import runs
 from vlrep.models import bert as bert_lib
-from vlrep.models import vl_bert
+from vlrep.models import resnet, vl_bert
 
 TASKS = ("pretrain", "classify")
 LOSSES = ("bce", "softmax")
@@ -114,8 +115,6 @@ class VLBert:
       self.fields = self.fields + ("targets",)
 
   def regions_dim(self) -> int:
-    from vlrep.models import resnet
-
     if self.config.visual.mode == "file":
       return int(self.config.visual.dim)
     return resnet.ResNet(**dict(self.config.visual.backbone)).num_features
@@ -145,9 +144,7 @@ class VLBert:
     if self._mlm_head is not None:
       out["params"]["mlm_head"] = self._mlm_head
     if self.config.get("pretrained_run"):
-      from vlrep import evaluate
-
-      run = evaluate.load_run(self.config.pretrained_run, "best")
+      run = runs.load_run(self.config.pretrained_run, "best")
       out["params"] = {k: v for k, v in run.params.items() if not k.startswith(_TASK_PARAMS)}
       if "visual" in run.model_state and not self.from_files:
         out["model_state"] = {"visual": run.model_state["visual"]}
@@ -155,10 +152,8 @@ class VLBert:
         raise ValueError(f"{run.path} has no region extractor (a file-features run?); this config extracts regions.")
       logging.info("Transformer and region extractor from %s (step %d).", run.path, run.step)
     elif self.config.visual.get("init_from") and not self.from_files:
-      from vlrep import evaluate
-
-      run = evaluate.load_run(self.config.visual.init_from, "best")
-      _, variables = evaluate.backbone_of(run)
+      run = runs.load_run(self.config.visual.init_from, "best")
+      _, variables = runs.backbone_of(run)
       visual = {"params": {"backbone": variables["params"]}}
       if "batch_stats" in variables:
         visual["batch_stats"] = {"backbone": variables["batch_stats"]}
@@ -269,8 +264,6 @@ class VLBert:
 
   def features(self, variables, images) -> dict:
     """The frozen region extractor's backbone on whole images ('pre_logits', 'grid'), for backbone evaluators."""
-    from vlrep.models import resnet
-
     if self.from_files:
       raise ValueError("This run reads region features from files: it has no backbone for image evaluators.")
     v = variables["visual"]

@@ -63,10 +63,10 @@ def render(
   in `words`, if given)."""
   import jax
 
-  from vlrep import evaluate, visualize
+  from vlrep import evaluate, runs, visualize
   from vlrep.data import tokenizers
 
-  run = evaluate.load_run(workdir, checkpoint)
+  run = runs.load_run(workdir, checkpoint)
   ctx = evaluate.method_and_tokenizer(run)
   method, tok = ctx["method"], ctx["tokenizer"]
   if not hasattr(method, "attention"):
@@ -130,11 +130,11 @@ def load_inputs(
 
 
 def main(argv):
-  from vlrep import evaluate
+  from vlrep import runs
   from vlrep.tools.caption import training_size
 
   f = flags.FLAGS
-  run_config = evaluate.load_run(f.workdir, f.checkpoint).config
+  run_config = runs.load_run(f.workdir, f.checkpoint).config
   size = f.size or training_size(run_config)
   images, captions, names = load_inputs(argv[1:], f.caption, run_config, f.split, f.num_examples, size)
   results = render(f.workdir, f.out_dir, images, captions, names, f.checkpoint, f.map, f.upscale, f.words)

@@ -52,7 +52,7 @@ def caption_files(
   """{path: {'caption', 'tokens', 'attention_pngs'}} for each image file."""
   import jax
 
-  from vlrep import evaluate, visualize
+  from vlrep import evaluate, runs, visualize
   from vlrep.data.tokenizers import EOS_ID
   from vlrep.evaluators.captioning import captioner_for
 
@@ -61,7 +61,7 @@ def caption_files(
   missing = [p for p in paths if not os.path.exists(p)]
   if missing:
     raise FileNotFoundError(f"No such image file(s): {missing}")
-  run = evaluate.load_run(workdir, checkpoint)
+  run = runs.load_run(workdir, checkpoint)
   ctx = evaluate.method_and_tokenizer(run)
   size = size or training_size(run.config)
   images = np.stack([visualize.load_image(p, size) for p in paths])

@@ -35,12 +35,12 @@ def generate(
   batch_size: int = 64,
   seed: int = 0,
 ) -> dict[str, list[str]]:
-  from vlrep import evaluate
+  from vlrep import evaluate, runs
   from vlrep.data import pipeline
   from vlrep.evaluators.captioning import captioner_for
   from vlrep.tools.caption import training_size
 
-  run = evaluate.load_run(workdir, "best")
+  run = runs.load_run(workdir, "best")
   ctx = evaluate.method_and_tokenizer(run)
   size = training_size(run.config)
   builder = pipeline.get_builder(dataset, data_dir or None, config_name or None)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from vlrep import evaluate
+from vlrep import evaluate, runs
 from vlrep.data import pipeline, tokenizers
 from vlrep.methods.virtex import reverse_captions
 from vlrep.models.virtex import VirTexModel
@@ -44,7 +44,7 @@ def image_gain(
   with the next image of its batch, over every caption of the first `limit` examples of `split`."""
   if direction not in ("forward", "backward"):
     raise ValueError(f"direction must be 'forward' or 'backward', not {direction!r}.")
-  run = evaluate.load_run(workdir, checkpoint)
+  run = runs.load_run(workdir, checkpoint)
   if run.config.method.name != "virtex" or run.config.method.task not in ("bicaptioning", "captioning"):
     raise ValueError(f"{workdir} is not a VirTex captioning run (method {run.config.method.name}).")
   if direction == "backward" and run.config.method.task != "bicaptioning":

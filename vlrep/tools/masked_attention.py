@@ -36,10 +36,10 @@ def render(workdir, out_dir, images, captions, names, checkpoint="best", upscale
   import jax
   from PIL import Image
 
-  from vlrep import evaluate, visualize
+  from vlrep import evaluate, runs, visualize
   from vlrep.tools.attention_maps import strip
 
-  run = evaluate.load_run(workdir, checkpoint)
+  run = runs.load_run(workdir, checkpoint)
   ctx = evaluate.method_and_tokenizer(run)
   method, tok = ctx["method"], ctx["tokenizer"]
   if run.config.method.name != "icmlm" or method.variant not in ("tfm", "att_fc"):
@@ -71,12 +71,12 @@ def render(workdir, out_dir, images, captions, names, checkpoint="best", upscale
 
 
 def main(argv):
-  from vlrep import evaluate
+  from vlrep import runs
   from vlrep.tools.attention_maps import load_inputs
   from vlrep.tools.caption import training_size
 
   f = flags.FLAGS
-  run_config = evaluate.load_run(f.workdir, f.checkpoint).config
+  run_config = runs.load_run(f.workdir, f.checkpoint).config
   size = f.size or training_size(run_config)
   images, captions, names = load_inputs(
     argv[1:], f.caption, run_config, f.split, f.num_examples, size, "|fixed_captions(1)", "captions"

@@ -26,11 +26,11 @@ def word_accuracy(workdir: str, checkpoint: str = "latest") -> dict[str, tuple[i
   """{group: (occurrences, top-1 %)} over the run's masked-token evaluation set."""
   import jax
 
-  from vlrep import evaluate
+  from vlrep import evaluate, runs
   from vlrep.data import pipeline
   from vlrep.evaluators.masked_tokens import MaskedTokens
 
-  run = evaluate.load_run(workdir, checkpoint)
+  run = runs.load_run(workdir, checkpoint)
   ctx = evaluate.method_and_tokenizer(run)
   cfg = run.config.evals.masked_tokens
   ev = MaskedTokens(cfg, ctx)

@@ -50,11 +50,11 @@ def scenes_features(config_path: str, workdir: str | None):
 
   import jax
 
-  from vlrep import evaluate
+  from vlrep import runs
   from vlrep.evaluators import voc07_svm
 
   if workdir:
-    run = evaluate.load_run(workdir)
+    run = runs.load_run(workdir)
     probe = run.config.evals.probe
   else:
     path, _, arg = config_path.partition(":")
@@ -67,10 +67,10 @@ def scenes_features(config_path: str, workdir: str | None):
     net = resnet.ResNet(**dict(config.method.backbone))
     variables = net.init(jax.random.PRNGKey(0), np.zeros((1, 64, 64, 3), np.float32), False)
     params = {"backbone": variables["params"]}
-    run = evaluate.Run(config, params, {"batch_stats": {"backbone": variables["batch_stats"]}}, 0, "random init", {})
+    run = runs.Run(config, params, {"batch_stats": {"backbone": variables["batch_stats"]}}, 0, "random init", {})
     probe = config.evals.probe
   ev = voc07_svm.Voc07Svm(probe, {})
-  fn = evaluate.backbone_fn(run)
+  fn = runs.backbone_fn(run)
   features = lambda batch: fn(batch, ev.feature_key)  # noqa: E731
   train_x, train_y = ev._features(probe.train_split, features)
   test_x, test_y = ev._features(probe.test_split, features)

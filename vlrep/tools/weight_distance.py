@@ -61,18 +61,18 @@ def layer_distances(pretrained: dict, finetuned: dict) -> dict[str, dict[str, fl
 
 
 def starting_params(root: str, arch: str, source: str, finetuned_run) -> dict:
-  from vlrep import evaluate
+  from vlrep import runs
   from vlrep.models import bert as bert_lib
 
   if source != "none":
-    return evaluate.load_run(os.path.join(root, f"{arch}_{source}"), "best").params
+    return runs.load_run(os.path.join(root, f"{arch}_{source}"), "best").params
   cfg = finetuned_run.config.method
   _, enc, _, _ = bert_lib.load_pretrained(cfg.get("bert_path", ""))
   return {"bert": enc}
 
 
 def study_distances(root: str, arch: str, task: str, sources) -> dict[str, dict[str, dict[str, float]]]:
-  from vlrep import evaluate
+  from vlrep import runs
 
   out = {}
   for source in sources:
@@ -80,7 +80,7 @@ def study_distances(root: str, arch: str, task: str, sources) -> dict[str, dict[
     if not os.path.isdir(workdir):
       logging.warning("No run %s: skipped.", workdir)
       continue
-    run = evaluate.load_run(workdir, "best")
+    run = runs.load_run(workdir, "best")
     out[source] = layer_distances(starting_params(root, arch, source, run), run.params)
   return out
 

@@ -1,0 +1,151 @@
+"""A run's working directory: restoring its checkpoints without the training data (`load_run`), its frozen
+backbone (`backbone_of`, `backbone_fn`: BatchNorm in inference mode, float32, as every transfer evaluation uses),
+and its flat metrics file (`write_summary`). Shared by the loop, `vlrep.evaluate`, export, the tools and the
+notebook; it imports only the models and sharding, so any of them can import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from ml_collections import ConfigDict
+
+from vlrep import sharding
+from vlrep.models import resnet, vgg
+
+
+@dataclasses.dataclass
+class Run:
+  """A restored checkpoint: its training config, parameters and model state (numpy), step and where."""
+
+  config: ConfigDict
+  params: dict
+  model_state: dict
+  step: int
+  path: str
+  meta: dict
+
+  @property
+  def variables(self) -> dict:
+    return {"params": self.params, **self.model_state}
+
+
+def load_run(workdir: str, checkpoint: str = "best") -> Run:
+  """Restores WORKDIR's 'best' or 'latest' checkpoint, or the one of a given step (as a string of digits).
+
+  'best' falls back to 'latest' when the run kept no best checkpoint (no evaluator had a best metric).
+  """
+  workdir = os.path.abspath(os.path.expanduser(workdir))
+  if not os.path.isdir(workdir):
+    raise FileNotFoundError(f"No run directory {workdir}.")
+  dirs = {"best": os.path.join(workdir, "best"), "latest": os.path.join(workdir, "checkpoints")}
+
+  def steps_in(d):
+    return sorted(int(s) for s in os.listdir(d) if s.isdigit()) if os.path.isdir(d) else []
+
+  if checkpoint == "best" and not steps_in(dirs["best"]):
+    checkpoint = "latest"
+  if checkpoint in dirs:
+    directory, steps = dirs[checkpoint], steps_in(dirs[checkpoint])
+    if not steps:
+      raise FileNotFoundError(f"{workdir} has no checkpoint (looked in {directory}). Train with vlrep.main first.")
+    step = steps[-1]
+  elif checkpoint.isdigit():
+    step = int(checkpoint)
+    directory = next((d for d in dirs.values() if step in steps_in(d)), None)
+    if directory is None:
+      available = sorted(set(steps_in(dirs["best"]) + steps_in(dirs["latest"])))
+      raise FileNotFoundError(f"{workdir} has no checkpoint of step {step}; available steps: {available}")
+  else:
+    raise ValueError(f"--checkpoint must be 'best', 'latest' or a step number, got {checkpoint!r}.")
+  mngr = ocp.CheckpointManager(directory)
+  meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  mngr.close()
+  # Onto this process's first device, whatever device count and sharding wrote the checkpoint.
+  state_path = os.path.join(directory, str(step), "state")
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  checkpointer = ocp.StandardCheckpointer()
+  abstract = jax.tree.map(
+    lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), checkpointer.metadata(state_path).item_metadata
+  )
+  state = checkpointer.restore(state_path, abstract)
+  to_np = lambda tree: {k: to_np(v) if isinstance(v, dict) else np.asarray(v) for k, v in tree.items()}  # noqa: E731
+  return Run(
+    config=ConfigDict(meta["config"]),
+    params=to_np(state["params"]),
+    model_state=to_np(state.get("model_state", {})),
+    step=step,
+    path=os.path.join(directory, str(step)),
+    meta=meta,
+  )
+
+
+def backbone_of(run: Run) -> tuple[Any, dict]:
+  """(ResNet module in float32, its variables) of a run; a clear error when the checkpoint has no backbone."""
+  if "backbone" not in run.params:
+    raise ValueError(
+      f"The checkpoint {run.path} has no visual backbone (top-level parameters: {sorted(run.params)}); "
+      "transfer evaluation and export need a model with a 'backbone' ResNet."
+    )
+  cfg = dict(run.config.method.get("backbone", {}))
+  if cfg.get("arch", "resnet") == "vgg16":
+    module = vgg.VGG16(width=cfg.get("width", 64))
+  else:
+    module = resnet.ResNet(
+      depth=cfg.get("depth", 50),
+      width=cfg.get("width", 64),
+      inner_multiplier=cfg.get("inner_multiplier", 1),
+      bn_group_size=0,
+      stem=cfg.get("stem", "imagenet"),
+      stem_stride=cfg.get("stem_stride", 2),
+    )
+  variables = {"params": run.params["backbone"]}
+  stats = run.model_state.get("batch_stats", {}).get("backbone")
+  if stats is not None:
+    variables["batch_stats"] = stats
+  return module, variables
+
+
+def backbone_fn(run: Run, mesh=None):
+  """features_fn(local batch) -> {'pre_logits', 'grid', 'stage1'..'stage4'} as evaluators call it.
+
+  Returns a function of (local batch dict with 'image', feature key) -> (global features np, global batch np),
+  jitted and sharded over the mesh's data axis like the training loop's extraction.
+  """
+  module, variables = backbone_of(run)
+  mesh = mesh or sharding.make_mesh()
+  batch_sharding = sharding.batch_sharding(mesh)
+  variables = jax.device_put(variables, sharding.replicated(mesh))
+
+  def extract(variables, batch, key):
+    grid, aux = module.apply(variables, batch["image"], False)
+    return {"grid": grid, **aux}[key], batch
+
+  jitted = jax.jit(extract, static_argnums=2, out_shardings=sharding.replicated(mesh))
+
+  def features(local_batch, key):
+    f, b = jitted(variables, sharding.global_batch(local_batch, batch_sharding), key)
+    return np.asarray(f), {k: np.asarray(v) for k, v in b.items()}
+
+  return features
+
+
+def write_summary(workdir: str, values: dict[str, Any]) -> None:
+  """Merges flat metrics into WORKDIR/summary.json (atomically; other tools add their own keys)."""
+  path = os.path.join(workdir, "summary.json")
+  summary = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      summary = json.load(f)
+  summary.update(
+    {k: (float(v) if isinstance(v, (np.floating, np.integer, jax.Array)) else v) for k, v in values.items()}
+  )
+  with open(path + ".tmp", "w") as f:
+    json.dump(summary, f, indent=2, sort_keys=True)
+  os.replace(path + ".tmp", path)
