@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from vlrep.data import ops, pipeline, tokenizers
+from vlrep.data import ops, pipeline, records, registry, tokenizers
 from vlrep.data.builders import scenes
 
 
@@ -53,16 +53,16 @@ def test_flip_swaps_left_and_right_in_captions():
     "captions": tf.constant(["a circle to the left of a star", "right leftover"]),
     "_rng": tf.constant([0, 0], tf.int64),
   }
-  out = ops.parse("flip_lr_swap_words(prob=1.0)").example_fn(ex)
+  out = registry.parse("flip_lr_swap_words(prob=1.0)").example_fn(ex)
   assert [c.decode() for c in out["captions"].numpy()] == ["a circle to the right of a star", "left leftover"]
   np.testing.assert_array_equal(out["image"].numpy(), image[:, ::-1])
-  kept = ops.parse("flip_lr_swap_words(prob=0.0)").example_fn(ex)
+  kept = registry.parse("flip_lr_swap_words(prob=0.0)").example_fn(ex)
   assert kept["captions"].numpy()[0].decode() == "a circle to the left of a star"
 
 
 def test_unknown_op_lists_known_ops():
   with pytest.raises(ValueError, match="Unknown preprocessing op 'blur'.*inception_crop"):
-    ops.parse("decode|blur(3)")
+    registry.parse("decode|blur(3)")
 
 
 def test_tokenizer_truncates_and_flags(tiny_tokenizer):
@@ -75,14 +75,14 @@ def test_tokenizer_truncates_and_flags(tiny_tokenizer):
 
 
 def test_tokenize_host_op_flags_empty_and_truncated_captions(tiny_tokenizer):
-  pp = ops.parse("tokenize(8)", {"tokenizer": tiny_tokenizer})
+  pp = registry.parse("tokenize(8)", {"tokenizer": tiny_tokenizer})
   assert pp.host_inputs == ("caption",) and "tokens" in pp.host_outputs
   out = pp.batch_fn({"caption": np.array([b"  ", b"a red circle and a blue square and a green star", b"a star"])})
   np.testing.assert_array_equal(out["stat_empty"], [True, False, False])
   np.testing.assert_array_equal(out["stat_truncated"], [False, True, False])
   assert out["tokens"].shape == (3, 8) and out["tokens"][1, -1] == tokenizers.EOS_ID
   with pytest.raises(ValueError, match="host ops .tokenize. must come last"):
-    ops.parse("tokenize(8)|normalize", {"tokenizer": tiny_tokenizer})
+    registry.parse("tokenize(8)|normalize", {"tokenizer": tiny_tokenizer})
 
 
 def test_missing_tokenizer_names_the_command(tmp_path, tiny_builder):
@@ -123,16 +123,16 @@ def test_decoded_image_cache_gives_the_same_batches_and_resizes(tiny_builder):
   cached = pipeline.train_stream(tiny_builder, "train", pp, ("image",), 8, seed=1, start_step=5, cache_image_size=32)
   for _ in range(3):
     np.testing.assert_array_equal(next(plain)["image"], next(cached)["image"])
-  records = pipeline.load_records(tiny_builder, "train")[:5]
+  recs = records.load_records(tiny_builder, "train")[:5]
   deserialize = lambda r: tiny_builder.info.features.deserialize_example(  # noqa: E731
-    r, decoders=pipeline._skip_image_decoding(tiny_builder.info.features)
+    r, decoders=records.skip_image_decoding(tiny_builder.info.features)
   )
-  buffer, offsets, shapes = pipeline.decoded_image_cache(records, deserialize, 16)
+  buffer, offsets, shapes = pipeline.decoded_image_cache(recs, deserialize, 16)
   assert (
     buffer.dtype == np.uint8 and shapes.tolist() == [[16, 16, 3]] * 5 and offsets.tolist() == [0, 768, 1536, 2304, 3072]
   )
   lookup = pipeline._cached_lookup_fn((buffer, offsets, shapes))
-  third = tf.image.resize(tf.io.decode_image(deserialize(records[2])["image"]), [16, 16], antialias=True)
+  third = tf.image.resize(tf.io.decode_image(deserialize(recs[2])["image"]), [16, 16], antialias=True)
   np.testing.assert_allclose(lookup(tf.constant(2, tf.int64)).numpy(), np.clip(third.numpy(), 0, 255), atol=1)
   with pytest.raises(ValueError, match="caches the image alone"):
     pipeline.train_stream(tiny_builder, "train", pp + "|oracle_word_masks((2,))", ("image",), 8, 0, cache_image_size=32)
@@ -177,21 +177,21 @@ def test_device_prefetch_keeps_order_surfaces_errors_and_closes():
 
 
 def test_hosts_read_disjoint_shards(tiny_builder):
-  a = pipeline.load_records(tiny_builder, "train", 0, 2)
-  b = pipeline.load_records(tiny_builder, "train", 1, 2)
+  a = records.load_records(tiny_builder, "train", 0, 2)
+  b = records.load_records(tiny_builder, "train", 1, 2)
   assert len(a) + len(b) == 64 and not set(a) & set(b)
 
 
 def test_voc_labels_mark_difficult_objects():
   ex = {"objects": {"label": tf.constant([2, 5, 5, 7]), "is_difficult": tf.constant([False, True, False, True])}}
-  labels = ops.parse("voc_labels(8)").example_fn(ex)["labels"].numpy()
+  labels = registry.parse("voc_labels(8)").example_fn(ex)["labels"].numpy()
   np.testing.assert_array_equal(labels, [-1, -1, 1, -1, -1, 1, -1, 0])
   # Another class field of the objects (synthetic_scenes' colours), with the same difficult rule.
   ex["objects"]["color"] = tf.constant([0, 3, 3, 1])
-  colors = ops.parse("voc_labels(4, field='color')").example_fn(ex)["labels"].numpy()
+  colors = registry.parse("voc_labels(4, field='color')").example_fn(ex)["labels"].numpy()
   np.testing.assert_array_equal(colors, [1, 0, -1, 1])
   with pytest.raises(ValueError, match="have \\['color', 'is_difficult', 'label'\\]"):
-    ops.parse("voc_labels(4, field='size')").example_fn(ex)
+    registry.parse("voc_labels(4, field='size')").example_fn(ex)
 
 
 def test_build_vocab_command(tmp_path):
@@ -226,11 +226,9 @@ def test_every_split_has_its_own_images(tiny_builder):
   """Regression: 1.0.0 seeded splits from the first 4 bytes of their names, so probe_trainval == probe_test."""
   import hashlib
 
-  from vlrep.data import pipeline
-
   digests = {}
   for split in tiny_builder.info.splits:
-    digests[split] = {hashlib.sha1(r).hexdigest() for r in pipeline.load_records(tiny_builder, split)}
+    digests[split] = {hashlib.sha1(r).hexdigest() for r in records.load_records(tiny_builder, split)}
   names = sorted(digests)
   for i, a in enumerate(names):
     for b in names[i + 1 :]:
@@ -238,7 +236,6 @@ def test_every_split_has_its_own_images(tiny_builder):
 
 
 def test_largest_object_label_is_the_most_visible_object(tiny_builder):
-  from vlrep.data import ops
 
   op = ops.get_largest_object_label()
   checked = 0

@@ -16,6 +16,7 @@ from ml_collections import ConfigDict
 from sklearn.svm import LinearSVC
 
 from vlrep import decoding
+from vlrep.data import records
 from vlrep.evaluators import caption_metrics, linear_probe, linear_svm, voc07_svm
 
 
@@ -442,7 +443,7 @@ def test_grounding_tool_scores_each_word_group_with_own_and_other_images(tiny_ru
   run = runs.load_run(tiny_run, "latest")
   ctx = evaluate.method_and_tokenizer(run)
   builder = pipeline.get_builder("synthetic_scenes", run.config.data.data_dir, "tiny")
-  examples = pipeline.first_examples(builder, "val", 8)
+  examples = records.first_examples(builder, "val", 8)
   batch = next(pipeline.eval_batches(builder, examples, "decode|normalize", ("image", "captions"), 100))
   real = batch["_mask"].astype(bool)
   captions = np.array(batch["captions"], dtype=object).reshape(len(real), -1)[real]

@@ -12,7 +12,7 @@ import tensorflow as tf
 from conftest import ROOT, run_main
 from PIL import Image
 
-from vlrep.data import ops, pipeline, prepare, tokenizers, traces
+from vlrep.data import pipeline, prepare, registry, tokenizers, traces
 
 
 def _narration(words_times, points, caption=None, size=32):
@@ -32,7 +32,7 @@ def _narration(words_times, points, caption=None, size=32):
 
 
 def _run(pp, example):
-  out = ops.parse(pp).example_fn(dict(example))
+  out = registry.parse(pp).example_fn(dict(example))
   return {k: (v.numpy() if hasattr(v, "numpy") else v) for k, v in out.items()}
 
 
@@ -146,7 +146,7 @@ def test_tokens_carry_their_words_masks_and_long_captions_get_a_random_window():
 
 def test_tokenize_words_gathers_masks_per_token(tiny_tokenizer):
   ex = _narration(WORDS, POINTS)
-  pp = ops.parse(
+  pp = registry.parse(
     "clean_traces|trace_words(5, sizes=(2,))|tokenize_words(12, sizes=(2,))", {"tokenizer": tiny_tokenizer}
   )
   one = {k: v.numpy() for k, v in pp.example_fn(dict(ex)).items() if k in pp.host_inputs}

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from conftest import ROOT, run_main
 
+from vlrep.data import ops, registry  # noqa: F401  (ops registers the paraphrase ops)
 from vlrep.evaluators import retrieval
 from vlrep.methods import mct
 
@@ -290,11 +291,9 @@ def test_text_pooling_mean_ignores_padding_and_separates_captions_cls_does_not()
 def test_paraphrase_file_replaces_caption_views_by_the_draws_and_counts_missing(tmp_path):
   import tensorflow as tf
 
-  from vlrep.data import ops as ops_lib
-
   path = tmp_path / "para.json"
   path.write_text(json.dumps({"a red cube.": ["one red cube.", "a cube that is red."], "x": []}))
-  pp = ops_lib.parse(f"paraphrase_draws|paraphrases('{path}', 0.5)")
+  pp = registry.parse(f"paraphrase_draws|paraphrases('{path}', 0.5)")
   batch = {
     "caption": np.array([b"a red cube.", b"a red cube.", b"a blue ball.", b""], object),
     "caption_q": np.array([b"red cube.", b"a red.", b"blue ball.", b""], object),
@@ -311,7 +310,7 @@ def test_paraphrase_file_replaces_caption_views_by_the_draws_and_counts_missing(
   assert draws.shape == (2,) and (draws == again).all()  # a pure function of the example's seed
   (tmp_path / "empty.json").write_text(json.dumps({"x": [""]}))
   with pytest.raises(ValueError, match="no paraphrases"):
-    ops_lib.parse(f"paraphrases('{tmp_path / 'empty.json'}')")
+    registry.parse(f"paraphrases('{tmp_path / 'empty.json'}')")
 
 
 def test_pretrained_bert_text_tower_loads_into_query_and_momentum_towers():

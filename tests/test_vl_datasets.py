@@ -9,8 +9,7 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
-from vlrep.data import ops as ops_lib
-from vlrep.data import pipeline, prepare, vl_ops
+from vlrep.data import pipeline, prepare, registry, vl_ops
 from vlrep.data.builders import vl_datasets
 
 
@@ -73,9 +72,9 @@ def test_vqa2_from_local_files_and_its_ops(tmp_path):
   assert sorted(len(a) for a in answers) == [0, 10, 10] and ["black"] * 7 + ["gray", "grey", "Black"] in answers
   # vl_pairs keeps the ten human answers per question; a sampled answer is the pretraining text_b.
   ex = {**{k: v for k, v in examples[9].items() if k != "image"}, "_rng": tf.constant([1, 2], tf.int64)}
-  out = ops_lib.parse("vl_pairs('qa', 3, sample=False)").example_fn(ex)
+  out = registry.parse("vl_pairs('qa', 3, sample=False)").example_fn(ex)
   assert out["answers"].shape == (3, 10) and out["pair_mask"].numpy().tolist() == [True, True, False]
-  pre = ops_lib.parse("vl_pairs('qa', 2, answer_as_text_b=True)").example_fn(ex)
+  pre = registry.parse("vl_pairs('qa', 2, answer_as_text_b=True)").example_fn(ex)
   for text, humans in zip(pre["text_b"].numpy(), pre["answers"].numpy(), strict=True):
     assert text in humans and text != b""
   # Soft scores and VQA accuracy from these annotations: 'black' 8 of 10 (normalised 'Black'), 'gray' 1.
@@ -123,7 +122,7 @@ def test_vizwiz_snli_ve_mmimdb_and_conceptual_captions_from_local_files(tmp_path
   assert [s.decode() for s in ent["statement"].numpy()] == ["Animals are outside.", "Cats sleep."]
   assert ent["label"].numpy().tolist() == [0, 1]  # entailment, contradiction: synthetic_scenes' label order
   assert [c.decode() for c in examples[100]["captions"].numpy()] == ["Two dogs run on grass."]
-  out = ops_lib.parse("vl_pairs('entailment', 3, sample=False)|onehot_targets(3)").example_fn(
+  out = registry.parse("vl_pairs('entailment', 3, sample=False)|onehot_targets(3)").example_fn(
     {"entailment": ent, "_rng": tf.constant([1, 2], tf.int64)}
   )
   np.testing.assert_array_equal(out["targets"].numpy(), [[1, 0, 0], [0, 1, 0], [1, 0, 0]])
@@ -151,7 +150,7 @@ def test_vizwiz_snli_ve_mmimdb_and_conceptual_captions_from_local_files(tmp_path
   }
   _, examples = _examples("mm_imdb", data_dir, "train")
   assert examples[8]["plot"].numpy().decode() == "A man builds a boat."
-  out = ops_lib.parse("vl_pairs('plot', 1, sample=False)|multihot_targets(23)").example_fn(
+  out = registry.parse("vl_pairs('plot', 1, sample=False)|multihot_targets(23)").example_fn(
     {"plot": examples[8]["plot"], "genres": examples[8]["genres"], "_rng": tf.constant([1, 2], tf.int64)}
   )
   want = np.zeros((1, 23))
@@ -159,7 +158,7 @@ def test_vizwiz_snli_ve_mmimdb_and_conceptual_captions_from_local_files(tmp_path
   np.testing.assert_array_equal(out["targets"].numpy(), want)
   assert out["text_a"].numpy().tolist() == [b"A man builds a boat."]
   # A movie with no genre left (possible in other data) gets all-zero targets, not -inf.
-  empty = ops_lib.parse("multihot_targets(23)").example_fn({"genres": tf.zeros([0], tf.int64)})
+  empty = registry.parse("multihot_targets(23)").example_fn({"genres": tf.zeros([0], tf.int64)})
   assert not empty["targets"].numpy().any()
 
   # Conceptual Captions: the TSV and images named by row; dead URLs (no image) counted.

@@ -11,6 +11,7 @@ import pytest
 from conftest import ROOT, run_main
 from ml_collections import ConfigDict
 
+from vlrep.data import registry
 from vlrep.evaluators import vl_metrics
 from vlrep.methods import vlbert
 from vlrep.models import bert as bert_lib
@@ -236,7 +237,6 @@ def test_dropout_only_while_training_and_in_each_stream_where_vilbert_puts_it(mi
 # Data ops and bad inputs.
 # ---------------------------------------------------------------------------------------------------------
 def test_pair_tokenization_answer_targets_and_counted_skips():
-  from vlrep.data import ops as ops_lib
   from vlrep.data import vl_ops
   from vlrep.data.wordpiece import WordPieceTokenizer
 
@@ -250,7 +250,7 @@ def test_pair_tokenization_answer_targets_and_counted_skips():
   assert [tok.pieces[i] for i in ids] == ["[CLS]", "one", "two", "three", "[SEP]", "seven", "eight", "[SEP]"]
 
   context = {"tokenizer": tok, "answer_vocab": ["yes", "no", "2"]}
-  pp = ops_lib.parse("tokenize_pairs(10)|answer_targets", context)
+  pp = registry.parse("tokenize_pairs(10)|answer_targets", context)
   batch = {
     "text_a": np.array([["is it red?", ""], ["", "how many?"]], object),
     "text_b": np.array([["", ""], ["", ""]], object),
@@ -270,9 +270,7 @@ def test_pair_tokenization_answer_targets_and_counted_skips():
 def test_regions_and_pairs_ops_on_an_image_without_objects_or_questions():
   import tensorflow as tf
 
-  from vlrep.data import ops as ops_lib
-
-  pp = ops_lib.parse("regions_from_objects(3)|vl_pairs('qa', 2, sample=False)")
+  pp = registry.parse("regions_from_objects(3)|vl_pairs('qa', 2, sample=False)")
   ex = {
     "objects": {"bbox": tf.zeros([0, 4]), "label": tf.zeros([0], tf.int64)},
     "questions": {"question": tf.zeros([0], tf.string), "answer": tf.zeros([0], tf.string)},
@@ -340,7 +338,6 @@ def test_vilbert_pretrain_then_frozen_vqa_end_to_end(tmp_path):
 # Region features from files.
 # ---------------------------------------------------------------------------------------------------------
 def test_region_files_lookup_normalises_boxes_and_counts_missing_images(tmp_path):
-  from vlrep.data import ops as ops_lib
   from vlrep.data import region_files
 
   feats = np.arange(12, dtype=np.float32).reshape(3, 4)
@@ -348,7 +345,7 @@ def test_region_files_lookup_normalises_boxes_and_counts_missing_images(tmp_path
     str(tmp_path / "7.npz"), feats, [[0, 0, 50, 100], [10, 20, 30, 40], [0, 0, 1, 1]], 100, 200, [4, 1, 2]
   )
   region_files.write_regions(str(tmp_path / "9.npz"), feats[:1], [[50, 100, 100, 200]], 100, 200)
-  pp = ops_lib.parse(f"region_features('{tmp_path}', 2)")
+  pp = registry.parse(f"region_features('{tmp_path}', 2)")
   out = pp.batch_fn({"image_id": np.array([7, 8, 9])})
   assert out["regions"].shape == (3, 2, 4)
   np.testing.assert_array_equal(out["regions"][0], feats[:2])  # the first 2 regions

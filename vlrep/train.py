@@ -20,7 +20,7 @@ from clu import metric_writers
 from vlrep import checkpoint as ckpt_lib
 from vlrep import evaluators, methods, optim, runs, sharding
 from vlrep.data import concepts as concepts_lib
-from vlrep.data import pipeline, tokenizers
+from vlrep.data import pipeline, records, tokenizers
 from vlrep.train_step import init_train_state, make_train_step
 
 
@@ -113,7 +113,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     answer_vocab=context.get("answer_vocab"),
   )
   context["method"] = method
-  split, fraction = pipeline.split_name(config.data.split)
+  split, fraction = records.split_name(config.data.split)
   num_examples = int(builder.info.splits[split].num_examples * fraction)
   steps_per_epoch = num_examples / global_bs
   total_steps = to_steps(config, "total", steps_per_epoch, global_bs)

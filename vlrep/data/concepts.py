@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 from absl import logging
 
+from vlrep.data import records
 from vlrep.data.wordpiece import basic_tokenize
 
 POS_CLASSES = ("NOUN", "ADJ", "VERB")
@@ -255,7 +256,6 @@ def _pos(config) -> tuple[str, ...]:
 def ensure_concepts(config, builder, tokenizer, bert_path: str = "") -> ConceptSet:
   """Loads the configured concept set, building and caching it from the training captions when missing (only
   process 0 builds; the others wait)."""
-  from vlrep.data import pipeline
 
   if config.kind not in ("postag", "cluster"):
     raise ValueError(f"Unknown concepts.kind {config.kind!r}; known: postag, cluster (TP_Label uses the `tags` op).")
@@ -263,15 +263,15 @@ def ensure_concepts(config, builder, tokenizer, bert_path: str = "") -> ConceptS
     raise ValueError(f"concepts.size must be >= 1; got {config.size}.")
   path = config.path or default_path(config, builder, getattr(tokenizer, "path", ""))
   if not os.path.exists(path):
-    if pipeline.jax_process_index() == 0:
-      captions = list(pipeline.read_texts(builder, config.corpus_split, config.corpus_key))
+    if records.jax_process_index() == 0:
+      captions = list(records.read_texts(builder, config.corpus_split, config.corpus_key))
       logging.info("Building concept set %s from %d captions.", path, len(captions))
       if config.kind == "postag":
         concepts = postag_concepts(captions, config.size, _pos(config), tokenizer, resolve_tagger(config.tagger))
       else:
         concepts = cluster_concepts(captions, config.size, bert_cls_embedder(bert_path), seed=config.get("seed", 0))
       concepts.save(path)
-    pipeline.sync_hosts("concepts")
+    records.sync_hosts("concepts")
   concepts = ConceptSet.load(path)
   logging.info("Concept set %s: %d %s concepts.", path, len(concepts), concepts.kind)
   return concepts

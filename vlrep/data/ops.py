@@ -1,117 +1,25 @@
 """Preprocessing ops: a registry of `name(args)` -> function(example dict) -> example dict, in TensorFlow.
 
-A preprocessing string chains ops with `|`, e.g.
+The general image and caption ops, registered in `vlrep.data.registry`; the trace ops (traces.py) and the
+vision-and-language ops (vl_ops.py, region_files.py) register there too. A preprocessing string chains ops
+with `|`, e.g.
   `decode|inception_crop(64, area=(0.2, 1.0))|flip_lr_swap_words|color_jitter(0.4, 0.4, 0.4, 0.1)|normalize`
   `|choose_caption|tokenize(30)`
 
-Randomness is stateless: every example carries a seed `_rng` derived from its position in the global input
-stream, and each random op splits it. The same example index therefore always gets the same augmentation,
-which makes runs resumable to the exact batch and independent of tf.data's parallelism.
+Randomness is stateless (`registry.next_rng`): the same example index always gets the same augmentation.
 """
 
 from __future__ import annotations
 
-import ast
 import os
-from collections.abc import Callable
-from typing import Any, NamedTuple
 
 import numpy as np
 import tensorflow as tf
 
-Example = dict[str, Any]
-Op = Callable[[Example], Example]
+from vlrep.data.registry import Example, HostOp, next_rng, register, register_host
 
-_REGISTRY: dict[str, Callable[..., Op]] = {}
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
-def register(fn):
-  """Registers a TensorFlow op factory: get_NAME(*args) -> fn(example) -> example, run inside tf.data."""
-  _REGISTRY[fn.__name__.removeprefix("get_")] = fn
-  return fn
-
-
-def register_host(fn):
-  """Registers a host op factory: get_NAME(*args, context) -> HostOp, run on numpy batches after tf.data.
-
-  Ops that need Python (SentencePiece) run here rather than in a tf.numpy_function: Python callbacks inside
-  tf.data contend for the GIL and can deadlock when the iterator is torn down.
-  """
-  fn.host = True
-  return register(fn)
-
-
-class HostOp(NamedTuple):
-  inputs: tuple[str, ...]
-  outputs: tuple[str, ...]
-  fn: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
-
-
-class Preprocess(NamedTuple):
-  """A parsed preprocessing string: per-example TF ops, then per-batch host ops."""
-
-  example_fn: Op
-  batch_fn: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
-  host_inputs: tuple[str, ...]
-  host_outputs: tuple[str, ...]
-
-
-def known_ops() -> list[str]:
-  return sorted(_REGISTRY)
-
-
-def parse(pp: str, context: dict | None = None) -> Preprocess:
-  """Parses a `|`-separated op string. `context` carries objects such as the tokenizer. Host ops (e.g.
-  `tokenize`) must come after every TF op."""
-  context = context or {}
-  tf_ops, host_ops = [], []
-  for spec in (s.strip() for s in pp.split("|")):
-    if not spec:
-      continue
-    call = ast.parse(spec if "(" in spec else spec + "()", mode="eval").body
-    if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name):
-      raise ValueError(f"Cannot parse preprocessing op {spec!r}; expected name or name(args).")
-    name = call.func.id
-    if name not in _REGISTRY:
-      raise ValueError(f"Unknown preprocessing op {name!r} in {pp!r}. Known ops: {', '.join(known_ops())}")
-    args = [ast.literal_eval(a) for a in call.args]
-    kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
-    factory = _REGISTRY[name]
-    if getattr(factory, "host", False):
-      host_ops.append(factory(*args, context=context, **kwargs))
-    elif host_ops:
-      raise ValueError(f"Op {name!r} follows a host op in {pp!r}; host ops (tokenize) must come last.")
-    else:
-      tf_ops.append(factory(*args, **kwargs))
-
-  def example_fn(example: Example) -> Example:
-    for op in tf_ops:
-      example = op(example)
-    return example
-
-  def batch_fn(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    for op in host_ops:
-      batch = op.fn(batch)
-    return batch
-
-  host_outputs = tuple(o for op in host_ops for o in op.outputs)
-  # What tf.data must deliver: each host op's inputs that no earlier host op makes (an op may read and rewrite a
-  # field, e.g. pair_mask).
-  host_inputs, made = [], set()
-  for op in host_ops:
-    host_inputs += [i for i in op.inputs if i not in made and i not in host_inputs]
-    made.update(op.outputs)
-  host_inputs = tuple(host_inputs)
-  return Preprocess(example_fn, batch_fn, host_inputs, host_outputs)
-
-
-def _next_rng(example: Example) -> tf.Tensor:
-  """Splits the example's seed; returns a fresh seed for this op and stores the other."""
-  seeds = tf.random.experimental.stateless_split(example["_rng"], num=2)
-  example["_rng"] = seeds[0]
-  return seeds[1]
 
 
 @register
@@ -142,7 +50,7 @@ def get_inception_crop(
     begin, crop_size, _ = tf.image.stateless_sample_distorted_bounding_box(
       tf.shape(img),
       tf.zeros([0, 0, 4], tf.float32),
-      seed=_next_rng(ex),
+      seed=next_rng(ex),
       area_range=area,
       aspect_ratio_range=aspect,
       min_object_covered=0.0,
@@ -236,7 +144,7 @@ def get_flip_lr_swap_words(
 
   def op(ex):
     ex = dict(ex)
-    flip = tf.random.stateless_uniform([], _next_rng(ex)) < prob
+    flip = tf.random.stateless_uniform([], next_rng(ex)) < prob
     ex[key] = tf.cond(flip, lambda: tf.reverse(ex[key], axis=[1]), lambda: ex[key])
     if TRACES in ex:
       from vlrep.data import traces as traces_lib
@@ -275,7 +183,7 @@ def get_color_jitter(
 
   def op(ex):
     ex = dict(ex)
-    seeds = tf.random.experimental.stateless_split(_next_rng(ex), num=5)
+    seeds = tf.random.experimental.stateless_split(next_rng(ex), num=5)
     img = tf.cast(ex[key], tf.float32) / 255.0
     out = img
     if brightness:
@@ -315,7 +223,7 @@ def get_choose_caption(num_captions: int = 5, key: str = "captions", out: str = 
     ex = dict(ex)
     caps = ex[key][:num_captions]
     n = tf.shape(caps)[0]
-    idx = tf.random.stateless_uniform([], _next_rng(ex), 0, tf.maximum(n, 1), dtype=tf.int32)
+    idx = tf.random.stateless_uniform([], next_rng(ex), 0, tf.maximum(n, 1), dtype=tf.int32)
     # An image without captions yields an empty caption, which `tokenize` flags and losses ignore.
     ex[out] = tf.cond(n > 0, lambda: tf.gather(caps, idx), lambda: tf.constant(""))
     return ex
@@ -453,7 +361,7 @@ def get_random_grayscale(prob: float = 0.2, key: str = "image"):
     ex = dict(ex)
     img = ex[key]
     gray = tf.cast(tf.round(tf.image.rgb_to_grayscale(tf.cast(img, tf.float32))), img.dtype)
-    apply = tf.random.stateless_uniform([], _next_rng(ex)) < prob
+    apply = tf.random.stateless_uniform([], next_rng(ex)) < prob
     ex[key] = tf.where(apply, tf.tile(gray, [1, 1, 3]), img)
     return ex
 
@@ -470,7 +378,7 @@ def get_gaussian_blur(
   def op(ex):
     ex = dict(ex)
     img = ex[key]
-    seeds = tf.random.experimental.stateless_split(_next_rng(ex), num=2)
+    seeds = tf.random.experimental.stateless_split(next_rng(ex), num=2)
     side = tf.cast(tf.shape(img)[1], tf.float32)
     s = tf.random.stateless_uniform([], seeds[0], sigma[0], sigma[1]) * side / 224.0
     radius = tf.maximum(tf.cast(side * size_fraction / 2, tf.int32), 1)
@@ -515,7 +423,7 @@ def get_caption_views(drop: float = 0.1, swap: float = 0.1, key: str = "caption"
   def op(ex):
     ex = dict(ex)
     words = tf.strings.split(tf.strings.strip(ex[key]))
-    seeds = tf.random.experimental.stateless_split(_next_rng(ex), num=2)
+    seeds = tf.random.experimental.stateless_split(next_rng(ex), num=2)
     for out, seed in zip(outs, tf.unstack(seeds), strict=True):
       ex[out] = tf.cond(tf.size(words) > 0, lambda seed=seed: view(words, seed), lambda: tf.constant(""))
     return ex
@@ -530,7 +438,7 @@ def get_paraphrase_draws(out: str = "paraphrase_u", num: int = 2):
 
   def op(ex):
     ex = dict(ex)
-    ex[out] = tf.random.stateless_uniform([num], _next_rng(ex))
+    ex[out] = tf.random.stateless_uniform([num], next_rng(ex))
     return ex
 
   return op
@@ -594,10 +502,3 @@ def get_tags(fields=(("objects", "label", 0),), num_tags: int = 0, out: str = "t
     return ex
 
   return op
-
-
-# Trace ops (clean_traces, trace_words, oracle_word_masks, tokenize_words) and the vision-and-language ops
-# (regions_from_objects, vl_pairs, tokenize_pairs, answer_targets, ...) register themselves on import.
-from vlrep.data import region_files as _region_files  # noqa: E402, F401
-from vlrep.data import traces as _traces  # noqa: E402, F401
-from vlrep.data import vl_ops as _vl_ops  # noqa: E402, F401

@@ -19,7 +19,8 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 from absl import logging
 
-from vlrep.data import ops as ops_lib
+# ops, region_files, traces and vl_ops are imported for their side effect: they register their ops in `registry`.
+from vlrep.data import ops, records, region_files, registry, traces, vl_ops  # noqa: F401
 
 _STREAM_END = 2**62
 
@@ -62,10 +63,10 @@ def get_builder(name: str, data_dir: str | None, config_name: str | None = None)
         f"Dataset {name!r} is not prepared in {data_dir}. Prepare it from your local copy with:\n  "
         f"{prepare_command(name)}"
       )
-    if jax_process_index() == 0:
+    if records.jax_process_index() == 0:
       logging.info("Generating %s/%s in %s (first use).", name, builder.builder_config.name, data_dir)
       builder.download_and_prepare()
-    sync_hosts(f"prepare {name}")
+    records.sync_hosts(f"prepare {name}")
     builder = cls(config=config_name, data_dir=data_dir) if config_name else cls(data_dir=data_dir)
   return builder
 
@@ -87,74 +88,6 @@ def _tfds_builder(name: str, data_dir: str, config_name: str | None, registry: d
   return builder
 
 
-def jax_process_index() -> int:
-  import jax
-
-  return jax.process_index()
-
-
-def sync_hosts(tag: str) -> None:
-  import jax
-
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-
-    multihost_utils.sync_global_devices(tag)
-
-
-def split_name(split: str) -> tuple[str, float]:
-  """'train' or 'train[:10%]' -> (name, fraction). Fractions take the first part of the split, deterministically."""
-  if "[" not in split:
-    return split, 1.0
-  name, sl = split.rstrip("]").split("[", 1)
-  if not (sl.startswith(":") and sl.endswith("%")):
-    raise ValueError(f"Only 'split[:N%]' slices are supported, got {split!r}.")
-  return name, float(sl[1:-1]) / 100.0
-
-
-def first_examples(builder, split: str, limit: int = 0) -> str:
-  """`split`, or the slice of it holding its first `limit` examples (evaluators' `limit`); 0 keeps all."""
-  if not limit:
-    return split
-  if split not in builder.info.splits:
-    raise ValueError(f"Split {split!r} not in {builder.name}; splits: {sorted(builder.info.splits)}")
-  total = builder.info.splits[split].num_examples
-  return f"{split}[:{100.0 * min(limit, total) / total}%]"
-
-
-def load_records(
-  builder: tfds.core.DatasetBuilder, split: str, host_index: int = 0, host_count: int = 1
-) -> list[bytes]:
-  """The serialized examples of this host's shard of `split` (records host_index::host_count)."""
-  name, fraction = split_name(split)
-  if name not in builder.info.splits:
-    raise ValueError(f"Split {name!r} not in {builder.name}; splits: {sorted(builder.info.splits)}")
-  files = [os.fspath(p) for p in builder.info.splits[name].filepaths]
-  records = list(tf.data.TFRecordDataset(files).as_numpy_iterator())
-  records = records[: max(1, int(round(len(records) * fraction)))]
-  shard = records[host_index::host_count]
-  if not shard:
-    raise ValueError(f"{builder.name}/{split} has {len(records)} examples, too few for {host_count} hosts.")
-  return shard
-
-
-def _skip_image_decoding(features) -> dict:
-  """Decoders that keep every Image feature encoded (decoded later by the `decode` op only when needed)."""
-  out = {}
-  for key, feat in features.items():
-    if isinstance(feat, tfds.features.Image):
-      out[key] = tfds.decode.SkipDecoding()
-    elif isinstance(feat, tfds.features.Sequence) and isinstance(feat.feature, tfds.features.FeaturesDict):
-      sub = _skip_image_decoding(feat.feature)
-      if sub:
-        out[key] = sub
-    elif isinstance(feat, tfds.features.FeaturesDict):
-      sub = _skip_image_decoding(feat)
-      if sub:
-        out[key] = sub
-  return out
-
-
 def _lookup_fn(records: list[bytes]):
   """Random access into in-memory records. A tf.Variable is captured by handle, so large splits do not
   become graph constants (which are limited to 2 GB)."""
@@ -162,12 +95,12 @@ def _lookup_fn(records: list[bytes]):
   return lambda i: tf.gather(table, i)
 
 
-def _tf_fields(preprocess: ops_lib.Preprocess, fields: Sequence[str]) -> list[str]:
+def _tf_fields(preprocess: registry.Preprocess, fields: Sequence[str]) -> list[str]:
   """Fields tf.data must produce: the requested ones not made by host ops, plus the host ops' inputs."""
   return [f for f in fields if f not in preprocess.host_outputs] + list(preprocess.host_inputs)
 
 
-def _finish(batch: dict, preprocess: ops_lib.Preprocess, fields: Sequence[str]) -> dict:
+def _finish(batch: dict, preprocess: registry.Preprocess, fields: Sequence[str]) -> dict:
   batch = preprocess.batch_fn(batch)
   return _select(batch, [*fields, *(["_mask"] if "_mask" in batch else [])])
 
@@ -186,7 +119,7 @@ def decoded_image_cache(records: list[bytes], parse_fn, size: int, key: str = "i
   uint8 buffer: returns (buffer, offsets, shapes). Training then crops from memory instead of decoding JPEGs
   each epoch. Memory is about 3 * size^2 * aspect bytes per image (COCO train2017 at 256: ~31 GB over all
   hosts, each host holding its own shard)."""
-  resize = ops_lib.parse(f"decode(key={key!r})|resize_small({size}, key={key!r})").example_fn
+  resize = registry.parse(f"decode(key={key!r})|resize_small({size}, key={key!r})").example_fn
   ds = tf.data.Dataset.from_tensor_slices(np.array(records, dtype=object))
   ds = ds.map(lambda r: resize({key: parse_fn(r)[key]})[key], num_parallel_calls=tf.data.AUTOTUNE)
   images = list(ds.as_numpy_iterator())
@@ -266,10 +199,10 @@ def train_stream(
   memory, resized to that shorter side (`decode` then passes the cached pixels through). Call `.close()` when
   done to stop the workers.
   """
-  records = load_records(builder, split, host_index, host_count)
-  lookup = _lookup_fn(records)
-  decoders = _skip_image_decoding(builder.info.features)
-  preprocess = ops_lib.parse(pp, context)
+  shard = records.load_records(builder, split, host_index, host_count)
+  lookup = _lookup_fn(shard)
+  decoders = records.skip_image_decoding(builder.info.features)
+  preprocess = registry.parse(pp, context)
   tf_fields = _tf_fields(preprocess, fields)
 
   def deserialize(ser):
@@ -279,10 +212,10 @@ def train_stream(
   if cache_image_size:
     if "object_map" in pp or "oracle" in pp:
       raise ValueError("data.cache_image_size caches the image alone; this pp also crops the instance map.")
-    cache = decoded_image_cache(records, deserialize, cache_image_size)
+    cache = decoded_image_cache(shard, deserialize, cache_image_size)
     logging.info(
       "Cached %d decoded images (shorter side %d) in %.2f GB of host memory.",
-      len(records),
+      len(shard),
       cache_image_size,
       cache[0].nbytes / 1e9,
     )
@@ -296,7 +229,7 @@ def train_stream(
 
   logging.info(
     "Training stream over %d records of %s/%s (host %d/%d), starting at batch %d.",
-    len(records),
+    len(shard),
     builder.name,
     split,
     host_index,
@@ -304,7 +237,7 @@ def train_stream(
     start_step,
   )
   ds = stream_dataset(
-    len(records),
+    len(shard),
     make_raw_example,
     lambda ex: _select(preprocess.example_fn(ex), tf_fields),
     local_batch,
@@ -331,12 +264,12 @@ def eval_batches(
 
   Every host yields the same number of batches (the longest shard's), so collective ops stay in step.
   """
-  records = load_records(builder, split, host_index, host_count)
-  name, fraction = split_name(split)
+  shard = records.load_records(builder, split, host_index, host_count)
+  name, fraction = records.split_name(split)
   total = max(1, int(round(builder.info.splits[name].num_examples * fraction)))
   num_batches = math.ceil(math.ceil(total / host_count) / local_batch)
-  decoders = _skip_image_decoding(builder.info.features)
-  preprocess = ops_lib.parse(pp, context)
+  decoders = records.skip_image_decoding(builder.info.features)
+  preprocess = registry.parse(pp, context)
   tf_fields = _tf_fields(preprocess, fields)
 
   def make_example(ser):
@@ -346,7 +279,7 @@ def eval_batches(
     ex["_mask"] = tf.constant(True)
     return ex
 
-  ds = tf.data.Dataset.from_tensor_slices(np.array(records, dtype=object))
+  ds = tf.data.Dataset.from_tensor_slices(np.array(shard, dtype=object))
   ds = ds.map(make_example, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
   ds = ds.batch(local_batch, drop_remainder=False)
   count = 0
@@ -366,27 +299,3 @@ def _pad_batch(batch: dict[str, np.ndarray], size: int) -> dict[str, np.ndarray]
   if n == size:
     return batch
   return {k: np.concatenate([v, np.zeros((size - n,) + v.shape[1:], v.dtype)]) for k, v in batch.items()}
-
-
-def read_texts(builder, split: str, key: str = "captions") -> list[str]:
-  """All strings of a text feature (or sequence of texts) in a split: the tokenizer's training corpus."""
-  name, _ = split_name(split)
-  ds = builder.as_dataset(split=name, decoders=_skip_image_decoding(builder.info.features))
-  texts = []
-  for ex in ds.map(lambda e: e[key]).as_numpy_iterator():
-    if isinstance(ex, np.ndarray):
-      texts.extend(t.decode("utf-8") for t in ex.reshape(-1))
-    else:
-      texts.append(ex.decode("utf-8"))
-  return texts
-
-
-def read_example_texts(builder, split: str, key: str = "captions") -> list[list[str]]:
-  """Per example of `split` (in record order, all hosts' shards), its texts: the references for captioning."""
-  decoders = _skip_image_decoding(builder.info.features)
-  out = []
-  for ser in load_records(builder, split):
-    value = builder.info.features.deserialize_example(ser, decoders=decoders)[key].numpy()
-    texts = value.reshape(-1) if isinstance(value, np.ndarray) else [value]
-    out.append([t.decode("utf-8") for t in texts])
-  return out

@@ -23,7 +23,7 @@ import pickle
 
 import numpy as np
 
-from vlrep.data import ops as ops_lib
+from vlrep.data import registry
 
 _SAFE_GLOBALS = {
   ("numpy.core.multiarray", "_reconstruct"),
@@ -156,7 +156,7 @@ class RegionStore:
     return out
 
 
-@ops_lib.register_host
+@registry.register_host
 def get_region_features(directory: str, max_regions: int = 36, key: str = "image_id", context=None):
   """Region features of each image from DIR/<image_id>.npz (see the module docstring)."""
   del context
@@ -180,4 +180,4 @@ def get_region_features(directory: str, max_regions: int = 36, key: str = "image
     batch.update(regions=regions, boxes=boxes, box_mask=mask, region_labels=labels, stat_no_features=missing)
     return batch
 
-  return ops_lib.HostOp((key,), ("regions", "boxes", "box_mask", "region_labels", "stat_no_features"), fn)
+  return registry.HostOp((key,), ("regions", "boxes", "box_mask", "region_labels", "stat_no_features"), fn)

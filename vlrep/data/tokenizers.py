@@ -16,6 +16,8 @@ import numpy as np
 import sentencepiece as spm
 from absl import logging
 
+from vlrep.data import records
+
 PAD_ID, UNK_ID, SOS_ID, EOS_ID, MASK_ID = 0, 1, 2, 3, 4
 NUM_SPECIAL = 5
 
@@ -115,7 +117,6 @@ def default_path(config, builder) -> str:
 def ensure_tokenizer(config, builder) -> Tokenizer:
   """Loads the configured tokenizer; builds it from the training captions first if it is missing and
   `config.build_if_missing` (only process 0 writes; the others wait)."""
-  from vlrep.data import pipeline
 
   if config.get("kind", "bpe") == "wordpiece":
     # A pretrained BERT's own vocabulary (ICMLM): config.path is the checkpoint folder ('minilm' = the packaged MiniLM).
@@ -132,8 +133,8 @@ def ensure_tokenizer(config, builder) -> Tokenizer:
         f"Tokenizer {path!r} does not exist. Build it with `python -m vlrep.tools.build_vocab --config=CONFIG`, "
         "or set tokenizer.build_if_missing=True."
       )
-    if pipeline.jax_process_index() == 0:
+    if records.jax_process_index() == 0:
       logging.info("Building tokenizer %s from %s/%s '%s'.", path, builder.name, config.corpus_split, config.corpus_key)
-      train_tokenizer(pipeline.read_texts(builder, config.corpus_split, config.corpus_key), path, config.vocab_size)
-    pipeline.sync_hosts("tokenizer")
+      train_tokenizer(records.read_texts(builder, config.corpus_split, config.corpus_key), path, config.vocab_size)
+    records.sync_hosts("tokenizer")
   return Tokenizer(path)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from vlrep.data import ops as ops_lib
+from vlrep.data import registry
 
 _NOT_ALNUM = r"[^\p{L}\p{N}]"
 
@@ -78,7 +78,7 @@ def render_word_masks(points: tf.Tensor, starts: tf.Tensor, ends: tf.Tensor, siz
   return tf.reshape(tf.cast(hits > 0, tf.uint8), [-1, size, size])
 
 
-@ops_lib.register
+@registry.register
 def get_clean_traces(key: str = "traces"):
   """Drops trace points that are not finite or outside [0, 1]; counts them (`stat_trace_points_outside`).
 
@@ -95,7 +95,7 @@ def get_clean_traces(key: str = "traces"):
   return op
 
 
-@ops_lib.register
+@registry.register
 def get_trace_words(
   max_words: int,
   sizes: tuple[int, ...] = (7, 14),
@@ -153,13 +153,13 @@ def get_trace_words(
     ex["stat_trace_mismatch"] = ~matches
     ex["stat_trace_empty"] = tf.shape(pts)[0] == 0
     ex["stat_trace_words_truncated"] = truncated
-    ex["window_u"] = tf.random.stateless_uniform([], ops_lib._next_rng(ex))
+    ex["window_u"] = tf.random.stateless_uniform([], registry.next_rng(ex))
     return ex
 
   return op
 
 
-@ops_lib.register
+@registry.register
 def get_oracle_word_masks(
   sizes: tuple[int, ...] = (7, 14),
   class_names: tuple[str, ...] | None = None,
@@ -228,7 +228,7 @@ def assign_tokens(word_ids: list[list[int]], max_len: int, window_u: float) -> t
   return [tokenizers.SOS_ID, *ids, tokenizers.EOS_ID], [-1, *owner, -1], truncated
 
 
-@ops_lib.register_host
+@registry.register_host
 def get_tokenize_words(
   max_len: int, sizes: tuple[int, ...] = (7, 14), random_window: bool = True, out: str = "tokens", context=None
 ):
@@ -264,4 +264,4 @@ def get_tokenize_words(
     return batch
 
   outputs = (out, *(f"trace_mask_{s}" for s in sizes), "stat_truncated", "stat_empty")
-  return ops_lib.HostOp(("words", "num_words", "window_u", *mask_keys), outputs, fn)
+  return registry.HostOp(("words", "num_words", "window_u", *mask_keys), outputs, fn)

@@ -13,12 +13,12 @@ import json
 import numpy as np
 import tensorflow as tf
 
-from vlrep.data import ops as ops_lib
+from vlrep.data import records, registry
 
 SOURCES = ("captions", "qa", "entailment", "plot")
 
 
-@ops_lib.register
+@registry.register
 def get_regions_from_objects(max_regions: int = 10, key: str = "objects"):
   """`boxes` float32[R, 4] (ymin, xmin, ymax, xmax in [0, 1]), `box_mask` bool[R] and `region_labels`
   int32[R] (-1 for padding) from the object annotations (synthetic_scenes, COCO), the first R objects. A dataset
@@ -42,7 +42,7 @@ def get_regions_from_objects(max_regions: int = 10, key: str = "objects"):
   return op
 
 
-@ops_lib.register
+@registry.register
 def get_vl_pairs(source: str = "captions", num: int = 1, sample: bool = True, answer_as_text_b: bool = False):
   """`text_a`, `text_b` string[num], `answers` string[num, H], `label` int32[num], `pair_mask` bool[num].
 
@@ -79,7 +79,7 @@ def get_vl_pairs(source: str = "captions", num: int = 1, sample: bool = True, an
     n = tf.shape(texts)[0]
     order = tf.range(n)
     if sample:
-      rng = ops_lib._next_rng(ex)
+      rng = registry.next_rng(ex)
       order = tf.argsort(tf.random.stateless_uniform([n], rng))
     order = order[:num]
     k = tf.shape(order)[0]
@@ -108,7 +108,7 @@ def get_vl_pairs(source: str = "captions", num: int = 1, sample: bool = True, an
   return op
 
 
-@ops_lib.register
+@registry.register
 def get_multihot_targets(num_classes: int, key: str = "genres", out: str = "targets", num: int = 1):
   """float32[num, num_classes] multi-hot targets from an image's label list (MM-IMDB's genres), repeated for the
   image's `num` text pairs (MM-IMDB has one: its plot)."""
@@ -124,7 +124,7 @@ def get_multihot_targets(num_classes: int, key: str = "genres", out: str = "targ
   return op
 
 
-@ops_lib.register
+@registry.register
 def get_onehot_targets(num_classes: int, key: str = "label", out: str = "targets"):
   """float32[..., num_classes] one-hot targets from integer labels (SNLI-VE's 3 classes)."""
 
@@ -158,7 +158,7 @@ def encode_pair(tokenizer, text_a: str, text_b: str, max_len: int) -> tuple[np.n
   return out, out_types, truncated
 
 
-@ops_lib.register_host
+@registry.register_host
 def get_tokenize_pairs(max_len: int, a: str = "text_a", b: str = "text_b", context=None):
   """BERT WordPiece pair tokenization on the host: `tokens` and `type_ids` int32[..., max_len] for string arrays
   `a` and `b` of any shape. Flags `stat_truncated` and `stat_empty` (a real pair whose text is empty: its
@@ -183,10 +183,10 @@ def get_tokenize_pairs(max_len: int, a: str = "text_a", b: str = "text_b", conte
     batch["pair_mask"] = mask & ~empty
     return batch
 
-  return ops_lib.HostOp((a, b, "pair_mask"), ("tokens", "type_ids", "pair_mask", "stat_truncated", "stat_empty"), fn)
+  return registry.HostOp((a, b, "pair_mask"), ("tokens", "type_ids", "pair_mask", "stat_truncated", "stat_empty"), fn)
 
 
-@ops_lib.register_host
+@registry.register_host
 def get_answer_targets(key: str = "answers", out: str = "targets", context=None):
   """VQA soft scores float32[..., A] over the run's answer vocabulary (`context['answer_vocab']`) from the human
   answers string[..., H]. `stat_answer_oov` counts real questions none of whose answers is in the vocabulary
@@ -210,10 +210,10 @@ def get_answer_targets(key: str = "answers", out: str = "targets", context=None)
     batch["stat_answer_oov"] = (~np.array([r[1] for r in rows]).reshape(lead) & mask).reshape(-1)
     return batch
 
-  return ops_lib.HostOp((key, "pair_mask"), (out, "stat_answer_oov"), fn)
+  return registry.HostOp((key, "pair_mask"), (out, "stat_answer_oov"), fn)
 
 
-@ops_lib.register_host
+@registry.register_host
 def get_generated_captions(path: str, key: str = "image_id", out: str = "text_a", context=None):
   """Replaces the captions of each image by those a captioner generated for it (`vlrep.tools.caption
   --output=PATH`: JSON {image_id: [captions]}); pair k takes generated caption k mod (number generated). Images
@@ -240,17 +240,16 @@ def get_generated_captions(path: str, key: str = "image_id", out: str = "text_a"
     batch["pair_mask"] = mask & ~missing
     return batch
 
-  return ops_lib.HostOp((key, "pair_mask"), (out, "pair_mask", "stat_no_generated"), fn)
+  return registry.HostOp((key, "pair_mask"), (out, "pair_mask", "stat_no_generated"), fn)
 
 
 def read_answers(builder, split: str) -> list[list[str]]:
   """Every question's human answers in a split (the answer vocabulary's corpus), images skipped undecoded."""
-  from vlrep.data import pipeline
 
-  name, fraction = pipeline.split_name(split)
+  name, fraction = records.split_name(split)
   if fraction < 1.0:
     name = f"{name}[:{int(round(fraction * 100))}%]"
-  ds = builder.as_dataset(split=name, decoders=pipeline._skip_image_decoding(builder.info.features))
+  ds = builder.as_dataset(split=name, decoders=records.skip_image_decoding(builder.info.features))
   out = []
   key = "answers" if "answers" in builder.info.features["questions"].feature.keys() else "answer"  # VQA 2.0 / synthetic
   for answers in ds.map(lambda e: e["questions"][key]).as_numpy_iterator():

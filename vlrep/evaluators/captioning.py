@@ -16,6 +16,7 @@ import numpy as np
 from absl import logging
 
 from vlrep import decoding
+from vlrep.data import records
 from vlrep.evaluators import caption_metrics
 
 
@@ -61,9 +62,9 @@ class Captioning:
 
     del features_fn
     c = self.config
-    split = pipeline.first_examples(self.builder, c.split, c.get("limit", 0))
+    split = records.first_examples(self.builder, c.split, c.get("limit", 0))
     t0 = time.time()
-    refs_all = pipeline.read_example_texts(self.builder, split, c.get("references", "captions"))
+    refs_all = records.read_example_texts(self.builder, split, c.get("references", "captions"))
     rng = jax.random.PRNGKey(c.get("seed", 0))
     tokens, masks = [], []
     for i, batch in enumerate(

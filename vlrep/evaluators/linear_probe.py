@@ -25,6 +25,8 @@ import numpy as np
 import optax
 from absl import logging
 
+from vlrep.data import records
+
 
 def make_schedule(config, total_steps: int, steps_per_epoch: float):
   if config.get("schedule", "cosine") == "cosine":
@@ -136,7 +138,7 @@ class LinearProbe:
     num_classes = c.num_classes
     if test_y.max() >= num_classes or test_y.min() < 0:
       raise ValueError(f"Labels outside [0, {num_classes}) in {c.dataset}/{c.test_split}: set num_classes.")
-    name, fraction = pipeline.split_name(c.train_split)
+    name, fraction = records.split_name(c.train_split)
     n_train = int(round(self.builder.info.splits[name].num_examples * fraction))
     steps_per_epoch = n_train / c.batch_size
     total_steps = max(1, int(round(c.epochs * steps_per_epoch)))

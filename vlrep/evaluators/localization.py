@@ -23,6 +23,8 @@ import jax
 import numpy as np
 from absl import logging
 
+from vlrep.data import records
+
 
 def pointing_and_iou(attention: np.ndarray, truth: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """attention [B, T, R, R] (any non-negative map), truth [B, T, R, R] binary. Returns per supervised token
@@ -63,7 +65,7 @@ class Localization:
 
     del features_fn
     c = self.config
-    split = pipeline.first_examples(self.builder, c.split, c.get("limit", 0))
+    split = records.first_examples(self.builder, c.split, c.get("limit", 0))
     fields = ("image", "tokens", *(f"trace_mask_{r}" for r in self.grid_sizes))
     t0 = time.time()
     sums: dict[str, np.ndarray] = {}

@@ -18,6 +18,8 @@ import jax
 import numpy as np
 from absl import logging
 
+from vlrep.data import records
+
 
 class MaskedTokens:
   feature_key = None  # works on the whole model: run() receives the variables
@@ -61,7 +63,7 @@ class MaskedTokens:
 
     del features_fn
     c = self.config
-    split = pipeline.first_examples(self.builder, c.split, c.get("limit", 0))
+    split = records.first_examples(self.builder, c.split, c.get("limit", 0))
     t0 = time.time()
     hits1 = hits5 = count = 0
     bs = c.batch_size

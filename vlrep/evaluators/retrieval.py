@@ -23,6 +23,8 @@ import jax
 import numpy as np
 from absl import logging
 
+from vlrep.data import records
+
 RECALL_AT = (1, 5, 10)
 
 
@@ -88,7 +90,7 @@ class Retrieval:
 
     del features_fn
     c = self.config
-    split = pipeline.first_examples(self.builder, c.split, c.get("limit", 0))
+    split = records.first_examples(self.builder, c.split, c.get("limit", 0))
     t0 = time.time()
     images, texts, owners, real_images = [], [], [], []
     local_bs = c.batch_size // self.num_hosts

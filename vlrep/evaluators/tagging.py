@@ -31,6 +31,8 @@ import numpy as np
 import optax
 from absl import logging
 
+from vlrep.data import records
+
 
 def ppmi_matrix(tags: np.ndarray) -> np.ndarray:
   """[V, V] positive PMI of tag co-occurrence from a multi-hot [N, V] matrix; 0 where a pair never co-occurs."""
@@ -151,7 +153,7 @@ class Tagging:
 
     c = self.config
     key = c.get("tags_key", "tags")
-    split = pipeline.first_examples(self.builder, split, limit)
+    split = records.first_examples(self.builder, split, limit)
     feats, tags = [], []
     for local in pipeline.eval_batches(
       self.builder, split, c.pp, ("image", key), c.batch_size // self.num_hosts, self.host, self.num_hosts,

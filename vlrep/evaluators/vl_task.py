@@ -19,6 +19,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from vlrep.data import records
 from vlrep.evaluators import vl_metrics
 
 METRICS = ("vqa", "accuracy", "f1", "mlm")
@@ -53,7 +54,7 @@ class VLTask:
     c = self.config
     if self.num_hosts > 1:
       raise NotImplementedError("vl_task evaluates on one host; run `vlrep.evaluate` on a single host.")
-    split = pipeline.first_examples(self.builder, c.split, c.get("limit", 0))
+    split = records.first_examples(self.builder, c.split, c.get("limit", 0))
     fields = tuple(self.method.fields) + {"vqa": ("answers",), "accuracy": ("label",)}.get(c.metric, ())
     t0 = time.time()
     rng = jax.random.PRNGKey(c.get("seed", 0))

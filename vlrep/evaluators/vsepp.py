@@ -34,6 +34,7 @@ import numpy as np
 import optax
 from absl import logging
 
+from vlrep.data import records
 from vlrep.evaluators.retrieval import folded_metrics
 
 # The protocol's settings on COCO (train2017 pairs, 1K test folds of val2017); configs start from this.
@@ -206,7 +207,7 @@ class VsePP:
     from vlrep.data import pipeline
 
     c = self.config
-    split = pipeline.first_examples(self.builder, split, limit)
+    split = records.first_examples(self.builder, split, limit)
     feats, tokens, has = [], [], []
     for local in pipeline.eval_batches(
       self.builder, split, c.pp, ("image", c.captions_key), c.batch_size // self.num_hosts, self.host,

@@ -19,7 +19,7 @@ import numpy as np
 from absl import app, flags
 
 from vlrep import evaluate, runs
-from vlrep.data import pipeline, tokenizers
+from vlrep.data import pipeline, records, tokenizers
 from vlrep.methods.virtex import reverse_captions
 from vlrep.models.virtex import VirTexModel
 from vlrep.tools.masked_words import GROUPS  # synthetic_scenes' word classes, as ICMLM's breakdown uses them
@@ -66,7 +66,7 @@ def image_gain(
 
   sums = {"matched": collections.Counter(), "shuffled": collections.Counter()}
   counts = collections.Counter()
-  examples = pipeline.first_examples(builder, split, limit)
+  examples = records.first_examples(builder, split, limit)
   for batch in pipeline.eval_batches(builder, examples, "decode|normalize", ("image", "captions"), 100):
     real = batch["_mask"].astype(bool)
     if real.sum() < 2:

@@ -13,6 +13,7 @@ import collections
 import numpy as np
 from absl import app, flags
 
+from vlrep.data import records
 from vlrep.data.builders import scenes
 
 GROUPS = {
@@ -34,7 +35,7 @@ def word_accuracy(workdir: str, checkpoint: str = "latest") -> dict[str, tuple[i
   ctx = evaluate.method_and_tokenizer(run)
   cfg = run.config.evals.masked_tokens
   ev = MaskedTokens(cfg, ctx)
-  split = pipeline.first_examples(ev.builder, cfg.split, cfg.get("limit", 0))
+  split = records.first_examples(ev.builder, cfg.split, cfg.get("limit", 0))
   variables = jax.device_put(run.variables)
   predict = jax.jit(lambda v, x, t, p: ev.method.predict_masked(v, x, t, p).argmax(-1))
   hits, counts = collections.Counter(), collections.Counter()

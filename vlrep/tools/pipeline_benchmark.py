@@ -29,6 +29,8 @@ import time
 
 import numpy as np
 
+from vlrep.data import registry
+
 BATCH = 64
 CROP = 224
 
@@ -62,9 +64,9 @@ def make_jpegs(count: int, seed: int = 0, size: tuple[int, int] = (640, 480)) ->
 def tfdata_batches(jpegs: list[bytes], threads: int, cache: bool):
   import tensorflow as tf
 
-  from vlrep.data import ops, pipeline
+  from vlrep.data import pipeline
 
-  example_fn = ops.parse(f"decode|inception_crop({CROP}, area=(0.2, 1.0))|flip_lr_swap_words|normalize").example_fn
+  example_fn = registry.parse(f"decode|inception_crop({CROP}, area=(0.2, 1.0))|flip_lr_swap_words|normalize").example_fn
   if cache:
     lookup = pipeline._cached_lookup_fn(pipeline.decoded_image_cache(jpegs, lambda r: {"image": r}, 256))
   else:

@@ -11,6 +11,8 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from vlrep.data import records
+
 config_flags.DEFINE_config_file("config", None, "Run config.", lock_config=True)
 FLAGS = flags.FLAGS
 
@@ -32,7 +34,7 @@ def main(argv):
   builder = pipeline.get_builder(c.data.name, c.data.data_dir, c.data.get("config_name"))
   tok = tokenizers.ensure_tokenizer(c.tokenizer, builder)
   sets = []
-  for text in pipeline.read_texts(builder, c.tokenizer.corpus_split, c.tokenizer.corpus_key):
+  for text in records.read_texts(builder, c.tokenizer.corpus_split, c.tokenizer.corpus_key):
     ids, _ = tok.encode(text, c.method.max_len)
     s = {int(i) for i in ids if i >= tokenizers.NUM_SPECIAL}
     if s:

@@ -1,0 +1,94 @@
+"""The layering rules of README's "Architecture": vlrep's import graph, function-local imports included, has no
+cycle (a module that needs one imported lazily to avoid a circle belongs in another layer)."""
+
+import ast
+import os
+
+from conftest import ROOT
+
+
+def import_graph(package_dir: str, package: str) -> dict[str, set[str]]:
+  """module -> the package's modules it imports anywhere in its body (top level or inside functions)."""
+  modules = {}
+  for dirpath, _, files in os.walk(package_dir):
+    for f in files:
+      if f.endswith(".py"):
+        rel = os.path.relpath(os.path.join(dirpath, f), os.path.dirname(package_dir))[:-3].replace(os.sep, ".")
+        modules[rel.removesuffix(".__init__")] = os.path.join(dirpath, f)
+
+  def resolve(name: str) -> str:
+    while name not in modules and "." in name:
+      name = name.rsplit(".", 1)[0]
+    return name
+
+  graph = {}
+  for name, path in modules.items():
+    targets = set()
+    with open(path) as f:
+      tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Import):
+        targets |= {resolve(a.name) for a in node.names if a.name.split(".")[0] == package}
+      elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == package:
+        targets |= {resolve(f"{node.module}.{a.name}") for a in node.names}
+    graph[name] = targets - {name}
+  return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """The strongly connected components with more than one module (Tarjan's algorithm, iterative)."""
+  index, low, on_stack, stack, out = {}, {}, set(), [], []
+  for root in graph:
+    if root in index:
+      continue
+    work = [(root, iter(sorted(graph[root])))]
+    index[root] = low[root] = len(index)
+    stack.append(root)
+    on_stack.add(root)
+    while work:
+      v, children = work[-1]
+      w = next(children, None)
+      if w is not None:
+        if w not in graph:
+          continue
+        if w not in index:
+          index[w] = low[w] = len(index)
+          stack.append(w)
+          on_stack.add(w)
+          work.append((w, iter(sorted(graph[w]))))
+        elif w in on_stack:
+          low[v] = min(low[v], index[w])
+        continue
+      work.pop()
+      if work:
+        low[work[-1][0]] = min(low[work[-1][0]], low[v])
+      if low[v] == index[v]:
+        component = []
+        while True:
+          w = stack.pop()
+          on_stack.discard(w)
+          component.append(w)
+          if w == v:
+            break
+        if len(component) > 1:
+          out.append(sorted(component))
+  return out
+
+
+def test_vlrep_has_no_import_cycle():
+  graph = import_graph(os.path.join(ROOT, "vlrep"), "vlrep")
+  assert len(graph) > 80 and "vlrep.data.registry" in graph["vlrep.data.pipeline"]
+  assert cycles(graph) == []
+
+
+def test_a_cycle_through_a_function_local_import_is_found(tmp_path):
+  pkg = tmp_path / "pkg"
+  (pkg / "sub").mkdir(parents=True)
+  (pkg / "__init__.py").write_text("")
+  (pkg / "sub" / "__init__.py").write_text("")
+  (pkg / "a.py").write_text("from pkg.sub import b\n")
+  (pkg / "sub" / "b.py").write_text("def f():\n  from pkg import c\n")
+  (pkg / "c.py").write_text("import pkg.a\n")
+  (pkg / "d.py").write_text("from pkg import a\n")
+  found = cycles(import_graph(str(pkg), "pkg"))
+  assert found == [["pkg.a", "pkg.c", "pkg.sub.b"]]
