@@ -12,29 +12,24 @@ from __future__ import annotations
 from absl import app, flags, logging
 from ml_collections import ConfigDict, config_flags
 
-from vlrep import runs
+from vlrep import evaluators, methods, runs
+from vlrep.data import concepts as concepts_lib
+from vlrep.data import pipeline, tokenizers, vl_ops
 
 
 def method_and_tokenizer(run: runs.Run) -> dict:
   """The run's method (whole model) and tokenizer, rebuilt from its config: what captioning and the
   localization metric need."""
-  from vlrep import methods
-  from vlrep.data import pipeline, tokenizers
-
   data = run.config.data
   builder = pipeline.get_builder(data.name, data.data_dir, data.get("config_name"))
   tokenizer = tokenizers.ensure_tokenizer(run.config.tokenizer, builder)
   concepts = None
   if run.config.get("concepts"):  # ICMLM: the concept set the run was trained with (cached next to the data)
-    from vlrep.data import concepts as concepts_lib
-
     concepts = concepts_lib.ensure_concepts(
       run.config.concepts, builder, tokenizer, run.config.method.get("bert_path", "")
     )
   answer_vocab = None
   if run.config.get("answers"):  # VQA runs: the answer vocabulary they were trained with (rebuilt from the data)
-    from vlrep.data import vl_ops
-
     answer_vocab = vl_ops.answer_vocab(run.config.answers, builder)
   method = methods.build(run.config.method, tokenizer.vocab_size, concepts=concepts, answer_vocab=answer_vocab)
   return {"method": method, "tokenizer": tokenizer, "concepts": concepts, "answer_vocab": answer_vocab}
@@ -43,8 +38,6 @@ def method_and_tokenizer(run: runs.Run) -> dict:
 def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", names=None) -> dict[str, float]:
   """Runs the eval config's evaluators on a checkpoint; merges `<name>/<metric>` into summary.json."""
   import jax
-
-  from vlrep import evaluators
 
   run = runs.load_run(workdir, checkpoint)
   logging.info("Evaluating %s (step %d, %s).", run.path, run.step, run.config.method.get("name"))

@@ -24,6 +24,8 @@ from collections import OrderedDict
 import numpy as np
 from absl import app, flags, logging
 
+from vlrep import runs
+
 FORMATS = ("torchvision", "detectron2")
 
 
@@ -76,8 +78,6 @@ def detectron2_state_dict(torchvision_sd: dict) -> OrderedDict:
 
 def export(workdir: str, fmt: str, out: str, checkpoint: str = "best") -> dict:
   """Writes the backbone of WORKDIR's checkpoint to `out`; returns {'keys', 'parameters', 'step'}."""
-  from vlrep import runs
-
   if fmt not in FORMATS:
     raise ValueError(f"Unknown export format {fmt!r}; expected one of {FORMATS}.")
   run = runs.load_run(workdir, checkpoint)

@@ -68,6 +68,7 @@ def main(argv):
       FLAGS.heartbeat_timeout,
       FLAGS.workdir,
     )
+  # Only now: nothing may start JAX's backend (or TensorFlow's) before jax.distributed.initialize above.
   from vlrep import train
 
   logging.info(

@@ -20,7 +20,7 @@ from clu import metric_writers
 from vlrep import checkpoint as ckpt_lib
 from vlrep import evaluators, methods, optim, runs, sharding
 from vlrep.data import concepts as concepts_lib
-from vlrep.data import pipeline, records, tokenizers
+from vlrep.data import pipeline, records, tokenizers, vl_ops
 from vlrep.train_step import init_train_state, make_train_step
 
 
@@ -103,8 +103,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   context["concepts"] = concepts
   # VQA's answer vocabulary (the most frequent answers of the training questions).
   if config.get("answers"):
-    from vlrep.data import vl_ops
-
     context["answer_vocab"] = vl_ops.answer_vocab(config.answers, builder)
   method = methods.build(
     config.method,

@@ -29,7 +29,8 @@ import numpy as np
 from absl import logging
 
 from vlrep.data import records
-from vlrep.data.wordpiece import basic_tokenize
+from vlrep.data.wordpiece import WordPieceTokenizer, basic_tokenize
+from vlrep.models import bert
 
 POS_CLASSES = ("NOUN", "ADJ", "VERB")
 
@@ -221,9 +222,6 @@ def bert_cls_embedder(bert_path: str, max_len: int = 40):
   """[CLS] vectors of the last layer of the (frozen) BERT at `bert_path`, batches padded to their longest."""
   import jax
   import jax.numpy as jnp
-
-  from vlrep.data.wordpiece import WordPieceTokenizer
-  from vlrep.models import bert
 
   config, params, _, folder = bert.load_pretrained(bert_path)
   tokenizer = WordPieceTokenizer(folder)

@@ -16,6 +16,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from vlrep.data import traces as traces_lib
 from vlrep.data.registry import Example, HostOp, next_rng, register, register_host
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -115,8 +116,6 @@ TRACES, OBJECT_MAP = "traces", "object_map"
 def _crop_companions(ex: Example, offset_yx, crop_hw, image_hw, out_hw) -> None:
   """Applies a crop (pixel offset/size in an image of image_hw) resized to out_hw to the mouse traces
   (normalised coordinates) and the instance map (nearest neighbour), in place."""
-  from vlrep.data import traces as traces_lib
-
   if TRACES in ex:
     ex[TRACES] = traces_lib.crop_points(
       tf.reshape(tf.cast(ex[TRACES], tf.float32), [-1, 3]), offset_yx, crop_hw, image_hw
@@ -147,8 +146,6 @@ def get_flip_lr_swap_words(
     flip = tf.random.stateless_uniform([], next_rng(ex)) < prob
     ex[key] = tf.cond(flip, lambda: tf.reverse(ex[key], axis=[1]), lambda: ex[key])
     if TRACES in ex:
-      from vlrep.data import traces as traces_lib
-
       pts = tf.reshape(tf.cast(ex[TRACES], tf.float32), [-1, 3])
       ex[TRACES] = tf.cond(flip, lambda: traces_lib.flip_points(pts), lambda: pts)
     if OBJECT_MAP in ex and ex[OBJECT_MAP].dtype != tf.string:

@@ -21,14 +21,12 @@ from absl import logging
 
 # ops, region_files, traces and vl_ops are imported for their side effect: they register their ops in `registry`.
 from vlrep.data import ops, records, region_files, registry, traces, vl_ops  # noqa: F401
+from vlrep.data.builders import coco_captions, localized_narratives, synthetic_scenes, vl_datasets, voc2007
 
 _STREAM_END = 2**62
 
 
 def _builders() -> dict[str, Any]:
-  # Imported lazily: builders pull in their own (sometimes heavy) dependencies.
-  from vlrep.data.builders import coco_captions, localized_narratives, synthetic_scenes, vl_datasets, voc2007
-
   return {
     "synthetic_scenes": (synthetic_scenes.SyntheticScenes, True),
     "coco_captions2017": (coco_captions.CocoCaptions2017, False),

@@ -17,6 +17,9 @@ import os
 
 from absl import app, flags
 
+from vlrep.data import pipeline
+from vlrep.data.builders import common
+
 flags.DEFINE_string(
   "dataset",
   None,
@@ -35,9 +38,6 @@ FLAGS = flags.FLAGS
 
 def prepare(dataset: str, manual_dir: str | None, data_dir: str, config_name: str | None = None) -> dict:
   import tensorflow_datasets as tfds
-
-  from vlrep.data import pipeline
-  from vlrep.data.builders import common
 
   registry = pipeline._builders()  # noqa: SLF001
   if dataset not in registry:

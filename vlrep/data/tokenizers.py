@@ -17,6 +17,8 @@ import sentencepiece as spm
 from absl import logging
 
 from vlrep.data import records
+from vlrep.data.wordpiece import WordPieceTokenizer
+from vlrep.models.bert import resolve_path
 
 PAD_ID, UNK_ID, SOS_ID, EOS_ID, MASK_ID = 0, 1, 2, 3, 4
 NUM_SPECIAL = 5
@@ -120,9 +122,6 @@ def ensure_tokenizer(config, builder) -> Tokenizer:
 
   if config.get("kind", "bpe") == "wordpiece":
     # A pretrained BERT's own vocabulary (ICMLM): config.path is the checkpoint folder ('minilm' = the packaged MiniLM).
-    from vlrep.data.wordpiece import WordPieceTokenizer
-    from vlrep.models.bert import resolve_path
-
     return WordPieceTokenizer(resolve_path(config.path))
   if config.get("kind", "bpe") != "bpe":
     raise ValueError(f"Unknown tokenizer kind {config.kind!r}; known: bpe, wordpiece.")

@@ -32,7 +32,8 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from vlrep.data import registry
+from vlrep.data import registry, tokenizers
+from vlrep.data.builders import scenes
 
 _NOT_ALNUM = r"[^\p{L}\p{N}]"
 
@@ -177,8 +178,6 @@ def get_oracle_word_masks(
   is visible), cropped and flipped with the image.
   """
   if class_names is None:
-    from vlrep.data.builders import scenes
-
     words_of = [scenes.shape_words(shape) for shape in scenes.SHAPES]
   else:
     words_of = [(n, n + "s") for n in class_names]
@@ -216,8 +215,6 @@ def get_oracle_word_masks(
 def assign_tokens(word_ids: list[list[int]], max_len: int, window_u: float) -> tuple[list[int], list[int], bool]:
   """Flattens per-word token ids into [SOS] ... [EOS] of at most `max_len` and each token's word index (-1 for
   specials). Longer captions keep a window of max_len - 2 tokens starting at floor(u * (n - max_len + 3))."""
-  from vlrep.data import tokenizers
-
   ids = [i for w in word_ids for i in w]
   owner = [k for k, w in enumerate(word_ids) for _ in w]
   room = max_len - 2
@@ -234,8 +231,6 @@ def get_tokenize_words(
 ):
   """Host op after `trace_words`: tokens [B, max_len] and `trace_mask_<size>` uint8 [B, max_len, size, size]
   (each token carries its word's mask; specials and padding are empty)."""
-  from vlrep.data import tokenizers
-
   tokenizer = (context or {}).get("tokenizer")
   if tokenizer is None:
     raise ValueError("tokenize_words() needs a tokenizer; the pipeline passes it in `context`.")

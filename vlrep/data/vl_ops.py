@@ -14,6 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from vlrep.data import records, registry
+from vlrep.evaluators import vl_metrics
 
 SOURCES = ("captions", "qa", "entailment", "plot")
 
@@ -191,8 +192,6 @@ def get_answer_targets(key: str = "answers", out: str = "targets", context=None)
   """VQA soft scores float32[..., A] over the run's answer vocabulary (`context['answer_vocab']`) from the human
   answers string[..., H]. `stat_answer_oov` counts real questions none of whose answers is in the vocabulary
   (all-zero targets: trained towards 'none of these', scored 0 by the metric)."""
-  from vlrep.evaluators import vl_metrics
-
   vocab = (context or {}).get("answer_vocab")
   if not vocab:
     raise ValueError("answer_targets() needs the run's answer vocabulary; set config.answers (see configs/vlbert.py).")
@@ -261,8 +260,6 @@ def read_answers(builder, split: str) -> list[list[str]]:
 def answer_vocab(config, builder) -> list[str]:
   """The run's answer vocabulary: the `config.size` most frequent answers of `config.split` (VQA's 3129)."""
   from absl import logging
-
-  from vlrep.evaluators import vl_metrics
 
   answers = read_answers(builder, config.split)
   if not answers:

@@ -16,7 +16,7 @@ import numpy as np
 from absl import logging
 
 from vlrep import decoding
-from vlrep.data import records
+from vlrep.data import pipeline, records
 from vlrep.evaluators import caption_metrics
 
 
@@ -42,8 +42,6 @@ class Captioning:
   feature_key = None  # works on the whole model: run() receives the variables
 
   def __init__(self, config, context: dict, host: int = 0, num_hosts: int = 1):
-    from vlrep.data import pipeline
-
     self.config = config
     if config.get("decoding", "beam") not in decoding.METHODS:
       raise ValueError(f"Unknown decoding {config.decoding!r}; expected one of {decoding.METHODS}.")
@@ -57,8 +55,6 @@ class Captioning:
 
   def run(self, features_fn: Callable, variables=None) -> dict[str, float]:
     from jax.experimental import multihost_utils
-
-    from vlrep.data import pipeline
 
     del features_fn
     c = self.config

@@ -25,7 +25,7 @@ import numpy as np
 import optax
 from absl import logging
 
-from vlrep.data import records
+from vlrep.data import pipeline, records
 
 
 def make_schedule(config, total_steps: int, steps_per_epoch: float):
@@ -85,8 +85,6 @@ def extract_labeled(
   builder, split, pp, label_key, batch_size, features_fn, host=0, num_hosts=1, context=None
 ) -> tuple[np.ndarray, np.ndarray]:
   """(features [N, D] float32, labels [N] int32) of a split, through features_fn, padding rows dropped."""
-  from vlrep.data import pipeline
-
   feats, labels = [], []
   for local in pipeline.eval_batches(
     builder, split, pp, ("image", label_key), batch_size // num_hosts, host, num_hosts, context
@@ -104,8 +102,6 @@ class LinearProbe:
   """Evaluator: trains a linear classifier on frozen features; reports top-1 / top-5 accuracy (%)."""
 
   def __init__(self, config, context: dict, host: int = 0, num_hosts: int = 1):
-    from vlrep.data import pipeline
-
     self.config = config
     self.feature_key = config.get("feature", "pre_logits")
     self.builder = pipeline.get_builder(config.dataset, config.get("data_dir"), config.get("config_name"))
@@ -130,8 +126,6 @@ class LinearProbe:
     )
 
   def run(self, features_fn: Callable) -> dict[str, float]:
-    from vlrep.data import pipeline
-
     c = self.config
     t0 = time.time()
     test_x, test_y = self._extract(c.test_split, c.pp_eval, features_fn)
@@ -197,8 +191,6 @@ class Accuracy:
   feature_key = "logits"
 
   def __init__(self, config, context: dict, host: int = 0, num_hosts: int = 1):
-    from vlrep.data import pipeline
-
     self.config = config
     self.builder = pipeline.get_builder(config.dataset, config.get("data_dir"), config.get("config_name"))
     self.context, self.host, self.num_hosts = context, host, num_hosts

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from vlrep.data import records
+from vlrep.data import pipeline, records
 
 
 def pointing_and_iou(attention: np.ndarray, truth: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -44,8 +44,6 @@ class Localization:
   feature_key = None  # works on the whole model: run() receives the variables
 
   def __init__(self, config, context: dict, host: int = 0, num_hosts: int = 1):
-    from vlrep.data import pipeline
-
     self.config = config
     self.method = context.get("method")
     if not hasattr(self.method, "attention"):
@@ -60,8 +58,6 @@ class Localization:
 
   def run(self, features_fn: Callable, variables=None) -> dict[str, float]:
     from jax.experimental import multihost_utils
-
-    from vlrep.data import pipeline
 
     del features_fn
     c = self.config

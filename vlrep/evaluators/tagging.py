@@ -31,7 +31,7 @@ import numpy as np
 import optax
 from absl import logging
 
-from vlrep.data import records
+from vlrep.data import pipeline, records
 
 
 def ppmi_matrix(tags: np.ndarray) -> np.ndarray:
@@ -139,8 +139,6 @@ class Tagging:
   """Evaluator: PMI tag space, MLP on frozen features, mIOU@K on the test split."""
 
   def __init__(self, config, context: dict, host: int = 0, num_hosts: int = 1):
-    from vlrep.data import pipeline
-
     self.config = config
     self.feature_key = config.get("feature", "pre_logits")
     self.builder = pipeline.get_builder(config.dataset, config.get("data_dir"), config.get("config_name"))
@@ -149,8 +147,6 @@ class Tagging:
       raise ValueError(f"tagging batch_size {config.batch_size} is not divisible by the {jax.device_count()} devices.")
 
   def _extract(self, split: str, limit: int, features_fn: Callable):
-    from vlrep.data import pipeline
-
     c = self.config
     key = c.get("tags_key", "tags")
     split = records.first_examples(self.builder, split, limit)

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from vlrep.data import records
+from vlrep.data import pipeline, records
 from vlrep.evaluators import vl_metrics
 
 METRICS = ("vqa", "accuracy", "f1", "mlm")
@@ -29,8 +29,6 @@ class VLTask:
   feature_key = None  # works on the whole model: run() receives the variables
 
   def __init__(self, config, context: dict, host: int = 0, num_hosts: int = 1):
-    from vlrep.data import pipeline
-
     if config.metric not in METRICS:
       raise ValueError(f"Unknown vl_task metric {config.metric!r}; known: {METRICS}")
     method = context.get("method")
@@ -48,8 +46,6 @@ class VLTask:
     self._mlm = jax.jit(method.mlm_predictions)
 
   def run(self, features_fn: Callable, variables=None) -> dict[str, float]:
-    from vlrep.data import pipeline
-
     del features_fn
     c = self.config
     if self.num_hosts > 1:

@@ -23,6 +23,9 @@ from sklearn.metrics import average_precision_score
 from sklearn.model_selection import StratifiedKFold
 from sklearn.svm import LinearSVC
 
+from vlrep.data import pipeline
+from vlrep.evaluators import linear_svm
+
 DEFAULT_COSTS = (0.01, 0.1, 1.0, 10.0)
 AP_KINDS = ("sklearn", "11point")
 
@@ -171,8 +174,6 @@ def _all_classes_jax(
   """Every class x fold (plus the full trainval fit) as one batch of SVMs, per cost, warm-started along costs."""
   import jax.numpy as jnp
 
-  from vlrep.evaluators import linear_svm
-
   n, k = train_y.shape
   # Problem p = (class c, fold f); f == folds is the fit on all of trainval.
   cls = np.repeat(np.arange(k), folds + 1)
@@ -243,8 +244,6 @@ class Voc07Svm:
   """
 
   def __init__(self, config, context: dict, host: int = 0, num_hosts: int = 1):
-    from vlrep.data import pipeline
-
     self.config = config
     self.feature_key = config.get("feature", "pre_logits")
     self.builder = pipeline.get_builder(config.dataset, config.get("data_dir"), config.get("config_name"))
@@ -255,8 +254,6 @@ class Voc07Svm:
       raise ValueError(f"Eval batch_size {config.batch_size} is not divisible by the {jax.device_count()} devices.")
 
   def _features(self, split, features_fn):
-    from vlrep.data import pipeline
-
     feats, labels = [], []
     batches = pipeline.eval_batches(
       self.builder,

@@ -34,7 +34,7 @@ import numpy as np
 import optax
 from absl import logging
 
-from vlrep.data import records
+from vlrep.data import pipeline, records
 from vlrep.evaluators.retrieval import folded_metrics
 
 # The protocol's settings on COCO (train2017 pairs, 1K test folds of val2017); configs start from this.
@@ -190,8 +190,6 @@ class VsePP:
   """Evaluator: VSE++ trained on frozen backbone features; reports retrieval recalls on the test split."""
 
   def __init__(self, config, context: dict, host: int = 0, num_hosts: int = 1):
-    from vlrep.data import pipeline
-
     self.config = config
     self.feature_key = config.get("feature", "pre_logits")
     self.tokenizer = context.get("tokenizer")
@@ -204,8 +202,6 @@ class VsePP:
 
   def _extract(self, split: str, limit: int, features_fn: Callable):
     """(features [N, D], tokens [N, C, L], has_caption [N, C]) of the first `limit` images of a split."""
-    from vlrep.data import pipeline
-
     c = self.config
     split = records.first_examples(self.builder, split, limit)
     feats, tokens, has = [], [], []

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vlrep.models import bert as bert_lib
+from vlrep.models import resnet
 
 ARCHS = ("visual_bert", "vilbert")
 
@@ -273,8 +274,6 @@ class RegionFeatures(nn.Module):
 
   @nn.compact
   def __call__(self, images, boxes, mask):
-    from vlrep.models import resnet
-
     net = resnet.ResNet(**self.backbone, name="backbone")
     if self.mode == "crops":
       b, n = boxes.shape[:2]

@@ -19,6 +19,10 @@ import numpy as np
 from absl import app, flags
 from PIL import Image, ImageDraw
 
+from vlrep import evaluate, runs, visualize
+from vlrep.data import pipeline, tokenizers
+from vlrep.tools.caption import training_size
+
 
 def define_flags():
   flags.DEFINE_string("workdir", None, "The LocTex run's directory.")
@@ -35,8 +39,6 @@ def define_flags():
 
 def strip(image: np.ndarray, maps: np.ndarray, words: list[str], label_height: int = 14) -> Image.Image:
   """The image and one overlay per word side by side, each with its word underneath."""
-  from vlrep import visualize
-
   h, w = image.shape[:2]
   tiles = [image] + [visualize.overlay(image, m) for m in maps]
   labels = ["image"] + words
@@ -62,9 +64,6 @@ def render(
   """uint8 images [B, S, S, 3] and their captions -> {name: {'tokens', 'pngs', 'strip'}} (only the tokens
   in `words`, if given)."""
   import jax
-
-  from vlrep import evaluate, runs, visualize
-  from vlrep.data import tokenizers
 
   run = runs.load_run(workdir, checkpoint)
   ctx = evaluate.method_and_tokenizer(run)
@@ -108,9 +107,6 @@ def load_inputs(
 ):
   """(uint8 images, captions, names): image files with one --caption, or the first examples of the run's dataset
   (`text_pp` then `text_field` gives each example's caption). Shared by the attention tools."""
-  from vlrep import visualize
-  from vlrep.data import pipeline
-
   if paths:
     if not caption:
       raise app.UsageError("Give --caption with image files (or no files, to use the run's dataset).")
@@ -130,9 +126,6 @@ def load_inputs(
 
 
 def main(argv):
-  from vlrep import runs
-  from vlrep.tools.caption import training_size
-
   f = flags.FLAGS
   run_config = runs.load_run(f.workdir, f.checkpoint).config
   size = f.size or training_size(run_config)

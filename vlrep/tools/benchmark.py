@@ -27,6 +27,8 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from vlrep import methods, optim, sharding, train_step
+
 
 def _define_flags() -> None:
   """Defined when run as a program only, so importing this module (tests, other tools) defines no flags."""
@@ -117,8 +119,6 @@ def _image_size(config) -> int:
 def benchmark(
   config, steps: int, image_size: int, vocab_size: int, input_mode: str = "device", num_tags: int = 80
 ) -> dict:
-  from vlrep import methods, optim, sharding, train_step
-
   mesh = sharding.make_mesh(config.sharding.num_devices or None)
   bs = config.batch_size
   rng = np.random.default_rng(0)

@@ -8,13 +8,14 @@ Training runs do this on first use; run it ahead of time on one machine for mult
 from absl import app, flags
 from ml_collections import config_flags
 
+from vlrep.data import pipeline, tokenizers
+
 config_flags.DEFINE_config_file("config", None, "Run config.", lock_config=True)
 FLAGS = flags.FLAGS
 
 
 def main(argv):
   del argv
-  from vlrep.data import pipeline, tokenizers
 
   config = FLAGS.config
   builder = pipeline.get_builder(config.data.name, config.data.data_dir, config.data.get("config_name"))

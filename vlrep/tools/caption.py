@@ -18,6 +18,10 @@ import numpy as np
 from absl import app, flags
 from ml_collections import ConfigDict
 
+from vlrep import evaluate, runs, visualize
+from vlrep.data.tokenizers import EOS_ID
+from vlrep.evaluators.captioning import captioner_for
+
 
 def define_flags():
   flags.DEFINE_string("workdir", None, "The training run's directory.")
@@ -51,10 +55,6 @@ def caption_files(
 ) -> dict[str, dict]:
   """{path: {'caption', 'tokens', 'attention_pngs'}} for each image file."""
   import jax
-
-  from vlrep import evaluate, runs, visualize
-  from vlrep.data.tokenizers import EOS_ID
-  from vlrep.evaluators.captioning import captioner_for
 
   if not paths:
     raise ValueError("Give at least one image file.")

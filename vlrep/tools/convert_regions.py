@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from absl import app, flags
 
+from vlrep.data import region_files
+
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  from vlrep.data import region_files
 
   f = flags.FLAGS
   counts = region_files.convert_mmf(f.src, f.dst)

@@ -20,6 +20,11 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import ConfigDict
 
+from vlrep import evaluate, runs
+from vlrep.data import pipeline
+from vlrep.evaluators.captioning import captioner_for
+from vlrep.tools.caption import training_size
+
 
 def generate(
   workdir: str,
@@ -35,11 +40,6 @@ def generate(
   batch_size: int = 64,
   seed: int = 0,
 ) -> dict[str, list[str]]:
-  from vlrep import evaluate, runs
-  from vlrep.data import pipeline
-  from vlrep.evaluators.captioning import captioner_for
-  from vlrep.tools.caption import training_size
-
   run = runs.load_run(workdir, "best")
   ctx = evaluate.method_and_tokenizer(run)
   size = training_size(run.config)

@@ -19,6 +19,10 @@ import os
 import numpy as np
 from absl import app, flags
 
+from vlrep import evaluate, runs, visualize
+from vlrep.tools.attention_maps import load_inputs, strip
+from vlrep.tools.caption import training_size
+
 
 def define_flags():
   flags.DEFINE_string("workdir", None, "The ICMLM run's directory.")
@@ -35,9 +39,6 @@ def render(workdir, out_dir, images, captions, names, checkpoint="best", upscale
   """uint8 images [B, S, S, 3] and captions -> {name: {'words', 'predictions', 'pngs', 'strip'}}."""
   import jax
   from PIL import Image
-
-  from vlrep import evaluate, runs, visualize
-  from vlrep.tools.attention_maps import strip
 
   run = runs.load_run(workdir, checkpoint)
   ctx = evaluate.method_and_tokenizer(run)
@@ -71,10 +72,6 @@ def render(workdir, out_dir, images, captions, names, checkpoint="best", upscale
 
 
 def main(argv):
-  from vlrep import runs
-  from vlrep.tools.attention_maps import load_inputs
-  from vlrep.tools.caption import training_size
-
   f = flags.FLAGS
   run_config = runs.load_run(f.workdir, f.checkpoint).config
   size = f.size or training_size(run_config)

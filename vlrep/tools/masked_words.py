@@ -13,8 +13,10 @@ import collections
 import numpy as np
 from absl import app, flags
 
-from vlrep.data import records
+from vlrep import evaluate, runs
+from vlrep.data import pipeline, records
 from vlrep.data.builders import scenes
+from vlrep.evaluators.masked_tokens import MaskedTokens
 
 GROUPS = {
   "colour": list(scenes.COLOR_NAMES),
@@ -26,10 +28,6 @@ GROUPS = {
 def word_accuracy(workdir: str, checkpoint: str = "latest") -> dict[str, tuple[int, float]]:
   """{group: (occurrences, top-1 %)} over the run's masked-token evaluation set."""
   import jax
-
-  from vlrep import evaluate, runs
-  from vlrep.data import pipeline
-  from vlrep.evaluators.masked_tokens import MaskedTokens
 
   run = runs.load_run(workdir, checkpoint)
   ctx = evaluate.method_and_tokenizer(run)

@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from vlrep.data import registry
+from vlrep.data import pipeline, registry
 
 BATCH = 64
 CROP = 224
@@ -63,8 +63,6 @@ def make_jpegs(count: int, seed: int = 0, size: tuple[int, int] = (640, 480)) ->
 # --------------------------------------------------------------------------------------------------------
 def tfdata_batches(jpegs: list[bytes], threads: int, cache: bool):
   import tensorflow as tf
-
-  from vlrep.data import pipeline
 
   example_fn = registry.parse(f"decode|inception_crop({CROP}, area=(0.2, 1.0))|flip_lr_swap_words|normalize").example_fn
   if cache:

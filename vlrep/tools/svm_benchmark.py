@@ -20,6 +20,11 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
+from vlrep import runs
+from vlrep.data import pipeline
+from vlrep.evaluators import voc07_svm
+from vlrep.models import resnet
+
 flags.DEFINE_string("workdir", None, "Checkpoint whose backbone gives the synthetic_scenes features.")
 flags.DEFINE_string("config", "configs/virtex.py:runlocal", "Config whose backbone (random init) is used otherwise.")
 flags.DEFINE_list("sets", ["voc07_size", "synthetic_scenes"], "Feature sets to benchmark.")
@@ -50,9 +55,6 @@ def scenes_features(config_path: str, workdir: str | None):
 
   import jax
 
-  from vlrep import runs
-  from vlrep.evaluators import voc07_svm
-
   if workdir:
     run = runs.load_run(workdir)
     probe = run.config.evals.probe
@@ -62,7 +64,6 @@ def scenes_features(config_path: str, workdir: str | None):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     config = module.get_config(arg or None)
-    from vlrep.models import resnet
 
     net = resnet.ResNet(**dict(config.method.backbone))
     variables = net.init(jax.random.PRNGKey(0), np.zeros((1, 64, 64, 3), np.float32), False)
@@ -78,8 +79,6 @@ def scenes_features(config_path: str, workdir: str | None):
 
 
 def compare(name: str, train_x, train_y, test_x, test_y) -> dict:
-  from vlrep.evaluators import voc07_svm
-
   out = {"set": name, "train": list(train_x.shape), "test": list(test_x.shape)}
   # jax twice: the first call compiles (what the first probe of a process costs), the second does not (every
   # later probe in a training run: the shapes do not change).
@@ -105,8 +104,6 @@ def compare(name: str, train_x, train_y, test_x, test_y) -> dict:
 
 def chance_map(labels: np.ndarray, draws: int = 50, seed: int = 0) -> float:
   """Mean AP (the probe's: scikit-learn's) of random scores: the probe's chance level for these labels ({1, 0, -1})."""
-  from vlrep.evaluators import voc07_svm
-
   rng = np.random.default_rng(seed)
   aps = []
   for c in range(labels.shape[1]):
@@ -121,8 +118,6 @@ def main(argv):
 
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   if FLAGS.chance:
-    from vlrep.data import pipeline
-
     b = pipeline.get_builder("synthetic_scenes", "~/.cache/vlrep/tensorflow_datasets", "default")
     batches = pipeline.eval_batches(b, "probe_test", "voc_labels(10)", ("labels",), 500)
     labels = np.concatenate([x["labels"][x["_mask"].astype(bool)] for x in batches])

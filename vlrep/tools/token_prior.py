@@ -11,7 +11,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from vlrep.data import records
+from vlrep.data import pipeline, records, tokenizers
 
 config_flags.DEFINE_config_file("config", None, "Run config.", lock_config=True)
 FLAGS = flags.FLAGS
@@ -28,7 +28,6 @@ def image_blind_loss(token_sets: list[set[int]], vocab_size: int) -> float:
 
 def main(argv):
   del argv
-  from vlrep.data import pipeline, tokenizers
 
   c = FLAGS.config
   builder = pipeline.get_builder(c.data.name, c.data.data_dir, c.data.get("config_name"))

@@ -19,6 +19,9 @@ import re
 import numpy as np
 from absl import app, flags, logging
 
+from vlrep import runs
+from vlrep.models import bert as bert_lib
+
 ATTENTION = ("query", "key", "value", "attention_output")
 
 
@@ -61,9 +64,6 @@ def layer_distances(pretrained: dict, finetuned: dict) -> dict[str, dict[str, fl
 
 
 def starting_params(root: str, arch: str, source: str, finetuned_run) -> dict:
-  from vlrep import runs
-  from vlrep.models import bert as bert_lib
-
   if source != "none":
     return runs.load_run(os.path.join(root, f"{arch}_{source}"), "best").params
   cfg = finetuned_run.config.method
@@ -72,8 +72,6 @@ def starting_params(root: str, arch: str, source: str, finetuned_run) -> dict:
 
 
 def study_distances(root: str, arch: str, task: str, sources) -> dict[str, dict[str, dict[str, float]]]:
-  from vlrep import runs
-
   out = {}
   for source in sources:
     workdir = os.path.join(root, f"{arch}_{source}_{task}_finetune")
