@@ -2,9 +2,11 @@
 cycle (a module that needs one imported lazily to avoid a circle belongs in another layer)."""
 
 import ast
+import json
 import os
 
-from conftest import ROOT
+import numpy as np
+from conftest import ROOT, run_main
 
 
 def import_graph(package_dir: str, package: str) -> dict[str, set[str]]:
@@ -92,3 +94,84 @@ def test_a_cycle_through_a_function_local_import_is_found(tmp_path):
   (pkg / "d.py").write_text("from pkg import a\n")
   found = cycles(import_graph(str(pkg), "pkg"))
   assert found == [["pkg.a", "pkg.c", "pkg.sub.b"]]
+
+
+TOY_MODEL = '''
+import flax.linen as nn
+import jax.numpy as jnp
+
+from vlrep.models import resnet
+
+
+class Toy(nn.Module):
+  """A ResNet whose pooled features predict each image's mean colour."""
+
+  backbone: dict
+
+  @nn.compact
+  def __call__(self, images, train: bool = False):
+    _, aux = resnet.ResNet(**self.backbone, name="backbone")(images, train)
+    return nn.Dense(3, name="head")(aux["pre_logits"]), aux["pre_logits"]
+'''
+
+TOY_METHOD = """
+import jax
+import jax.numpy as jnp
+
+from toy_pkg.model import Toy
+
+
+class ToyMethod:
+  fields = ("image",)
+
+  def __init__(self, config, vocab_size):
+    self.model = Toy(backbone=dict(config.backbone))
+
+  def init(self, rng, batch):
+    return self.model.init(rng, batch["image"], False)
+
+  def loss(self, variables, batch, rng, train=True):
+    (pred, _), state = self.model.apply(variables, batch["image"], train, mutable=["batch_stats"])
+    loss = jnp.mean(jnp.square(pred - jnp.mean(batch["image"], axis=(1, 2))))
+    return loss, {"toy_loss": loss}, state
+
+  def features(self, variables, images):
+    return {"pre_logits": self.model.apply(variables, images, False)[1]}
+
+
+Method = ToyMethod
+"""
+
+TOY_CONFIG = """
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.environ["VLREP_ROOT"], "tests"))
+import tiny_virtex
+
+
+def get_config(arg=None):
+  c = tiny_virtex.get_config()
+  del c["tokenizer"]
+  del c.evals["captioning"]
+  c.data.pp = "decode|flip_lr_swap_words(keys=())|normalize"
+  c.method = dict(name="toy_pkg.method", backbone=dict(depth=10, width=8, bn_group_size=4))
+  c.optim.no_decay = ""
+  return c
+"""
+
+
+def test_a_method_of_your_own_trains_end_to_end_without_touching_vlrep(tmp_path):
+  """A method, its model and its config written outside vlrep: `method.name` is the module's dotted path."""
+  pkg = tmp_path / "toy_pkg"
+  pkg.mkdir()
+  (pkg / "__init__.py").write_text("")
+  (pkg / "model.py").write_text(TOY_MODEL)
+  (pkg / "method.py").write_text(TOY_METHOD)
+  (tmp_path / "toy_config.py").write_text(TOY_CONFIG)
+  env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "VLREP_ROOT": ROOT}
+  proc = run_main(tmp_path / "run", config=str(tmp_path / "toy_config.py"), env=env)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+  assert summary["steps"] == 6 and np.isfinite(summary["train/loss"]) and 0 < summary["probe/map"] <= 100
+  assert os.listdir(tmp_path / "run" / "checkpoints")  # checkpointed like any method

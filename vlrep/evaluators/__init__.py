@@ -1,10 +1,13 @@
 """Evaluators, built from `config.evals` = {name: {type: ..., every_steps: ..., ...}}.
 
-Each has `.config`, `.feature_key` (which of the method's `features` it needs) and `.run(features_fn)` ->
+An evaluator type is a module here (vlrep.evaluators.<type>, listed in KNOWN) whose `Evaluator` class has
+`.config`, `.feature_key` (which of the method's `features` it needs) and `.run(features_fn)` ->
 {metric: value}; the loop prefixes metrics with the evaluator's name (e.g. 'probe/map').
 """
 
 from __future__ import annotations
+
+import importlib
 
 KNOWN = (
   "voc07_svm",
@@ -21,47 +24,12 @@ KNOWN = (
 
 
 def build(config, context: dict, host: int = 0, num_hosts: int = 1):
-  if config.type == "voc07_svm":
-    from vlrep.evaluators.voc07_svm import Voc07Svm
-
-    return Voc07Svm(config, context, host, num_hosts)
-  if config.type == "linear_probe":
-    from vlrep.evaluators.linear_probe import LinearProbe
-
-    return LinearProbe(config, context, host, num_hosts)
-  if config.type == "accuracy":
-    from vlrep.evaluators.linear_probe import Accuracy
-
-    return Accuracy(config, context, host, num_hosts)
-  if config.type == "captioning":
-    from vlrep.evaluators.captioning import Captioning
-
-    return Captioning(config, context, host, num_hosts)
-  if config.type == "localization":
-    from vlrep.evaluators.localization import Localization
-
-    return Localization(config, context, host, num_hosts)
-  if config.type == "retrieval":
-    from vlrep.evaluators.retrieval import Retrieval
-
-    return Retrieval(config, context, host, num_hosts)
-  if config.type == "vsepp":
-    from vlrep.evaluators.vsepp import VsePP
-
-    return VsePP(config, context, host, num_hosts)
-  if config.type == "tagging":
-    from vlrep.evaluators.tagging import Tagging
-
-    return Tagging(config, context, host, num_hosts)
-  if config.type == "masked_tokens":
-    from vlrep.evaluators.masked_tokens import MaskedTokens
-
-    return MaskedTokens(config, context, host, num_hosts)
-  if config.type == "vl_task":
-    from vlrep.evaluators.vl_task import VLTask
-
-    return VLTask(config, context, host, num_hosts)
-  raise ValueError(f"Unknown evaluator type {config.type!r}. Known evaluators: {', '.join(KNOWN)}")
+  """The evaluator of `config.type`: the `Evaluator` class of the module vlrep.evaluators.<type> (or of the module
+  at that dotted path: an evaluator of your own)."""
+  if "." not in config.type and config.type not in KNOWN:
+    raise ValueError(f"Unknown evaluator type {config.type!r}. Known evaluators: {', '.join(KNOWN)}")
+  module = importlib.import_module(config.type if "." in config.type else f"vlrep.evaluators.{config.type}")
+  return module.Evaluator(config, context, host, num_hosts)
 
 
 def build_all(evals_config, context: dict, host: int = 0, num_hosts: int = 1) -> dict:

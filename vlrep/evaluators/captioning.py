@@ -96,3 +96,6 @@ class Captioning:
     )
     scores["mean_length"] = float(np.mean([len(caption_metrics.normalize(x)) for x in candidates.values()]))
     return scores
+
+
+Evaluator = Captioning  # what vlrep.evaluators.build instantiates for type "captioning"

@@ -97,3 +97,6 @@ class Localization:
       ", ".join(f"{k}={v:.2f}" for k, v in out.items()),
     )
     return out
+
+
+Evaluator = Localization  # what vlrep.evaluators.build instantiates for type "localization"

@@ -92,3 +92,6 @@ class MaskedTokens:
       out["top5"],
     )
     return out
+
+
+Evaluator = MaskedTokens  # what vlrep.evaluators.build instantiates for type "masked_tokens"

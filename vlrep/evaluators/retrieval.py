@@ -121,3 +121,6 @@ class Retrieval:
       out["chance_r1"],
     )
     return out
+
+
+Evaluator = Retrieval  # what vlrep.evaluators.build instantiates for type "retrieval"

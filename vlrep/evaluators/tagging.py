@@ -219,3 +219,6 @@ RUNLOCAL = dict(
   train_limit=2000,
   test_limit=500,
 )
+
+
+Evaluator = Tagging  # what vlrep.evaluators.build instantiates for type "tagging"

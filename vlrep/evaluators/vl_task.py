@@ -86,3 +86,6 @@ class VLTask:
       out = {c.metric: 100.0 * float(np.mean(scores)) if scores else 0.0, "pairs": float(len(scores))}
     logging.info("vl_task (%s) on %s: %s in %.1fs", c.metric, split, out, time.time() - t0)
     return out
+
+
+Evaluator = VLTask  # what vlrep.evaluators.build instantiates for type "vl_task"

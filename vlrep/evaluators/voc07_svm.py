@@ -308,3 +308,6 @@ class Voc07Svm:
       result["map"],
     )
     return {k: result[k] for k in ("map", "map_val") if k in result}
+
+
+Evaluator = Voc07Svm  # what vlrep.evaluators.build instantiates for type "voc07_svm"

@@ -265,3 +265,6 @@ class VsePP:
       out["chance_r1"],
     )
     return out
+
+
+Evaluator = VsePP  # what vlrep.evaluators.build instantiates for type "vsepp"

@@ -1,36 +1,22 @@
-"""Pretraining methods. Each is a class with `fields`, `init`, `loss` and `features` (README, "Architecture")."""
+"""Pretraining methods. Each is a module here whose `Method` class has `fields`, `init`, `loss` and `features`
+(README, "Architecture"); `config.method.name` names the module, or is the dotted path of a module elsewhere (a
+method of your own, outside vlrep, with the same `Method` contract)."""
 
 from __future__ import annotations
 
+import importlib
+
 import ml_collections
+
+KNOWN = ("virtex", "classifier", "loctex", "mct", "icmlm", "vlbert")
 
 
 def build(config: ml_collections.ConfigDict, vocab_size: int, concepts=None, answer_vocab=None):
-  """Instantiates the method named by `config.name`. `concepts` is the run's concept set (ICMLM);
-  `answer_vocab` its VQA answers (vlbert)."""
-  name = config.name
-  if name == "virtex":
-    from vlrep.methods.virtex import VirTex
-
-    return VirTex(config, vocab_size)
-  if name == "classifier":
-    from vlrep.methods.classifier import Classifier
-
-    return Classifier(config, vocab_size)
-  if name == "loctex":
-    from vlrep.methods.loctex import LocTex
-
-    return LocTex(config, vocab_size)
-  if name == "mct":
-    from vlrep.methods.mct import MCT
-
-    return MCT(config, vocab_size)
-  if name == "icmlm":
-    from vlrep.methods.icmlm import ICMLM
-
-    return ICMLM(config, vocab_size, concepts)
-  if name == "vlbert":
-    from vlrep.methods.vlbert import VLBert
-
-    return VLBert(config, vocab_size, answer_vocab)
-  raise ValueError(f"Unknown method {name!r}. Known methods: virtex, classifier, loctex, mct, icmlm, vlbert")
+  """The method named by `config.name`: the `Method` class of the module vlrep.methods.<name> (or of the module
+  at that dotted path). `concepts` is the run's concept set (ICMLM), `answer_vocab` its VQA answers (vlbert);
+  each is passed only when given."""
+  if "." not in config.name and config.name not in KNOWN:
+    raise ValueError(f"Unknown method {config.name!r}. Known methods: {', '.join(KNOWN)}, or a module's dotted path")
+  module = importlib.import_module(config.name if "." in config.name else f"vlrep.methods.{config.name}")
+  extra = {k: v for k, v in (("concepts", concepts), ("answer_vocab", answer_vocab)) if v is not None}
+  return module.Method(config, vocab_size, **extra)

@@ -73,3 +73,6 @@ class Classifier:
   def features(self, variables, images) -> dict:
     logits, aux = self.model.apply(variables, images, False)
     return {"logits": logits.astype(jnp.float32), "pre_logits": aux["pre_logits"]}
+
+
+Method = Classifier  # what vlrep.methods.build instantiates for name "classifier"

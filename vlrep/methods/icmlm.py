@@ -244,3 +244,6 @@ class ICMLM:
       mutable=["batch_stats", *extra_mutable],
     )
     return out, state
+
+
+Method = ICMLM  # what vlrep.methods.build instantiates for name "icmlm"

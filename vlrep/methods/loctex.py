@@ -140,3 +140,6 @@ class LocTex:
       r = int(round(logits.shape[2] ** 0.5))
       result[k] = jax.nn.softmax(logits, axis=2).reshape(*logits.shape[:2], r, r)
     return result
+
+
+Method = LocTex  # what vlrep.methods.build instantiates for name "loctex"

@@ -256,3 +256,6 @@ class MCT:
     if tokens is not None:
       out["text"] = l2_normalize(self.model.apply(v, tokens, False, method=MCTModel.embed_texts)["inter"])
     return out
+
+
+Method = MCT  # what vlrep.methods.build instantiates for name "mct"

@@ -136,3 +136,6 @@ class VirTex:
     seqs = {"forward": tokens, "backward": reverse_captions(tokens)}
     inputs = {d: seqs[d][:, :-1] for d in _DIRECTIONS[task]}
     return inputs, {d: x == tokenizers.PAD_ID for d, x in inputs.items()}, None
+
+
+Method = VirTex  # what vlrep.methods.build instantiates for name "virtex"

@@ -297,3 +297,6 @@ class VLBert:
     tokens = batch["tokens"]
     b, q, t = tokens.shape
     return tokens.reshape(b * q, t), batch["type_ids"].reshape(b * q, t), batch["pair_mask"].reshape(b * q)
+
+
+Method = VLBert  # what vlrep.methods.build instantiates for name "vlbert"

@@ -7,6 +7,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from vlrep.data import tokenizers
 from vlrep.models import resnet, transformer
 
 
@@ -61,8 +62,6 @@ class VirTexModel(nn.Module):
 
   def text_logits(self, visual, tokens, direction: str = "forward"):
     """Logits [B, T, V] and cross-attention ([L][B, heads, T, N]) of one direction given projected features."""
-    from vlrep.data import tokenizers
-
     logits, aux = self.textual_head(visual, {direction: tokens}, {direction: tokens == tokenizers.PAD_ID}, False)
     return logits[direction], aux[f"{direction}/cross_attention"]
 
