@@ -13,6 +13,8 @@ import collections
 import glob
 import os
 
+import numpy as np
+import tensorflow as tf
 from absl import app, flags
 
 FLAGS = flags.FLAGS
@@ -24,17 +26,12 @@ flags.DEFINE_enum("format", "table", ["table", "csv"], "Output format.")
 def read_scalars(workdir: str, patterns: list[str] | None = None) -> dict[int, dict[str, float]]:
   """{step: {tag: value}} for every scalar whose tag contains one of `patterns` (all when empty); a later
   event file or record overrides an earlier one at the same step and tag (a resumed run logs some steps twice)."""
-  import numpy as np
-  import tensorflow as tf
-  from tensorflow.core.util import event_pb2
-
   files = sorted(glob.glob(os.path.join(os.path.expanduser(workdir), "events.out.tfevents.*")), key=os.path.getmtime)
   if not files:
     raise FileNotFoundError(f"No events.out.tfevents.* in {workdir}: not a vlrep workdir, or nothing logged yet.")
   rows: dict[int, dict[str, float]] = collections.defaultdict(dict)
   for path in files:
-    for record in tf.data.TFRecordDataset(path):
-      event = event_pb2.Event.FromString(record.numpy())
+    for event in tf.compat.v1.train.summary_iterator(path):  # TensorFlow's own event-file reader
       for value in event.summary.value:
         if patterns and not any(p in value.tag for p in patterns):
           continue
