@@ -213,10 +213,11 @@ def _runlocal(c, arg, icmlm):
   c.method.update(dtype="float32", tfm_mlp_dim=768, att_dim=384)
   # 12 heads in tfm (the paper's VGG16 setting; its table 5 has more heads raising MLM accuracy): from the same
   # TP_Postag start, the ResNet-50 recipe's single head reached 24.8% masked top-1 here against 32.7% with 12, its
-  # attention share on the image (`train/visual_attention`) dipping to 0.04 mid-run (README, ICMLM).
+  # attention share on the image (`train/visual_attention`) dipping to 0.04 mid-run (1.1.0; git show 3853844:README.md, "ICMLM").
   c.method.tfm_heads = 12
-  # lambda = 1 (the paper's VGG16 value): with ResNet-50's 0.1 the 150 unfrozen ICMLM steps left tfm's probe below
-  # TP_Postag's at every seed (mean of 3: 33.89 vs 34.51); with 1 it ties (34.55) at the same masked-token accuracy.
+  # lambda = 1 (the paper's VGG16 value), chosen on 1.1.0 (on its probe test split; not re-chosen on 2.1.0's
+  # probe_val, docs/results/icmlm.md): with ResNet-50's 0.1 the 150 unfrozen ICMLM steps left tfm's probe below
+  # TP_Postag's at every seed (mean of 3: 33.89 vs 34.51); with 1 it tied (34.55) at the same masked-token accuracy.
   if icmlm and arg.tp_weight < 0:
     c.method.tp_weight = 1.0
   # VirTex runlocal's backbone, a ResNet-10 w16 with the small stem (chosen for VirTex on probe_val; not compared
