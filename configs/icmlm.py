@@ -213,7 +213,8 @@ def _runlocal(c, arg, icmlm):
   c.method.update(dtype="float32", tfm_mlp_dim=768, att_dim=384)
   # 12 heads in tfm (the paper's VGG16 setting; its table 5 has more heads raising MLM accuracy): from the same
   # TP_Postag start, the ResNet-50 recipe's single head reached 24.8% masked top-1 here against 32.7% with 12, its
-  # attention share on the image (`train/visual_attention`) dipping to 0.04 mid-run (1.1.0; git show 3853844:README.md, "ICMLM").
+  # attention share on the image (`train/visual_attention`) dipping to 0.04 mid-run (1.1.0; git show
+  # 3853844:README.md, "ICMLM").
   c.method.tfm_heads = 12
   # lambda = 1 (the paper's VGG16 value), chosen on 1.1.0 (on its probe test split; not re-chosen on 2.1.0's
   # probe_val, docs/results/icmlm.md): with ResNet-50's 0.1 the 150 unfrozen ICMLM steps left tfm's probe below
