@@ -163,7 +163,8 @@ def get_config(arg=None):
     b2=0.999,
     eps=1e-8,
   )
-  c.sharding = dict(params="replicate", num_devices=0)
+  # The key queues (model state) are split along their first dimension: each device holds 1/N of the keys.
+  c.sharding = dict(params="replicate", num_devices=0, rules=((r"(^|/)queues/", ("data",)),))
   c.checkpoint = dict(every_steps=2000, keep=2, async_save=True)
   c.log_every_steps = 100
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 from conftest import ROOT
 
 OVERRIDES = ["--config=tests/tiny_virtex.py", "--config.evals={}", "--config.checkpoint.every_steps=4"]
@@ -109,3 +110,22 @@ def test_bad_launches_fail_fast_with_a_clear_error(tmp_path):
   assert "did not form within --init_timeout=10s" in out["missing"], out["missing"][-2000:]
   # No run started: nothing was written where a checkpoint could be mistaken for progress.
   assert not any((tmp_path / d / "checkpoints").exists() for d in ("u", "m", "x"))
+
+
+def test_sharding_rules_from_the_config_place_matching_leaves():
+  import jax
+
+  from vlrep import sharding
+
+  mesh = sharding.make_mesh()
+  state = {
+    "params": {"w": jax.ShapeDtypeStruct((8, 4), np.float32)},
+    "model_state": {
+      "queues": {"keys": jax.ShapeDtypeStruct((16, 4), np.float32), "ptr": jax.ShapeDtypeStruct((), np.int32)}
+    },
+  }
+  sh = sharding.state_shardings(mesh, state, "replicate", rules=((r"(^|/)queues/", ("data",)),))
+  assert sh["model_state"]["queues"]["keys"].spec == sharding.P("data", None)
+  assert sh["model_state"]["queues"]["ptr"].spec == sharding.P() and sh["params"]["w"].spec == sharding.P()
+  plain = sharding.state_shardings(mesh, state, "replicate")
+  assert plain["model_state"]["queues"]["keys"].spec == sharding.P()  # no rule, no split: the config decides

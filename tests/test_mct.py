@@ -140,7 +140,7 @@ config, method, batch = _tiny_method_and_batch()
 mesh = sharding.make_mesh()
 k = config.method.queue_size
 variables = method.init(jax.random.PRNGKey(0), batch)
-state_sh = sharding.state_shardings(mesh, variables, "replicate")
+state_sh = sharding.state_shardings(mesh, variables, "replicate", rules=((r"(^|/)queues/", ("data",)),))
 variables = jax.device_put(variables, state_sh)
 batch_sh = sharding.batch_sharding(mesh)
 step = jax.jit(lambda v, b, r: {**v, **method.loss(v, b, r, True)[2]}, in_shardings=(state_sh, batch_sh, None),

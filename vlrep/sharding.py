@@ -7,6 +7,7 @@ data axis (ZeRO-3 / FSDP style; XLA inserts the all-gathers), which large backbo
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jax
@@ -42,19 +43,34 @@ def _fsdp_spec(shape, axis_size: int, min_size: int) -> P:
   return P()
 
 
-def state_shardings(mesh: Mesh, abstract_state: Any, strategy: str = "replicate", fsdp_min_size: int = 2**14):
-  """Shardings for every leaf of the (abstract) train state: params and optimizer state alike.
+def state_shardings(mesh: Mesh, abstract_state: Any, strategy: str = "replicate", fsdp_min_size: int = 2**14, rules=()):
+  """Shardings for every leaf of the (abstract) train state: params, optimizer and model state alike.
 
-  Whatever the strategy, arrays under a `queues` key (MoCo-style key queues in the model state) are split
-  along their first (queue) dimension over `data`: each device holds 1/N of the keys."""
+  `rules` (the config's `sharding.rules`) are (regex, spec) pairs tried in order on each leaf's '/'-joined path
+  (e.g. 'model_state/queues/image_intra'); the first whose regex matches (re.search) gives the PartitionSpec of
+  a leaf with at least as many dimensions as the spec, whose entries are mesh axis names or None. MCT declares
+  `((r"(^|/)queues/", ("data",)),)`, so each device holds 1/N of every key queue. A spec that does not divide the
+  leaf's shape is an error. Other leaves follow `strategy`: 'replicate', or 'fsdp' (the largest dimension
+  divisible by the data axis)."""
   if strategy not in ("replicate", "fsdp"):
     raise ValueError(f"Unknown parameter sharding {strategy!r}; expected 'replicate' or 'fsdp'.")
   size = mesh.shape[DATA]
+  compiled = [(re.compile(pattern), tuple(spec)) for pattern, spec in rules]
+
+  def key_name(k) -> str:
+    for attr in ("key", "name", "idx"):
+      if hasattr(k, attr):
+        return str(getattr(k, attr))
+    return str(k)
 
   def rule(path, x):
     shape = getattr(x, "shape", ())
-    if any(getattr(k, "key", None) == "queues" for k in path) and shape and shape[0] % size == 0:
-      return NamedSharding(mesh, P(DATA, *([None] * (len(shape) - 1))))
+    name = "/".join(key_name(k) for k in path)
+    for pattern, spec in compiled:
+      if pattern.search(name) and len(spec) <= len(shape):  # (scalars such as a queue's pointer: replicated)
+        if any(a and shape[d] % mesh.shape[a] for d, a in enumerate(spec)):
+          raise ValueError(f"sharding rule {pattern.pattern!r} -> {spec} does not divide {name} of shape {shape}.")
+        return NamedSharding(mesh, P(*spec, *([None] * (len(shape) - len(spec)))))
     if strategy == "fsdp":
       return NamedSharding(mesh, _fsdp_spec(shape, size, fsdp_min_size))
     return replicated(mesh)

@@ -149,7 +149,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   )
   init_state = functools.partial(init_train_state, method, tx)
   abstract = jax.eval_shape(init_state, init_rng, first_batch)
-  state_sh = sharding.state_shardings(mesh, abstract, config.sharding.params)
+  state_sh = sharding.state_shardings(mesh, abstract, config.sharding.params, rules=config.sharding.get("rules", ()))
   summary: dict[str, Any] = {}
   if start_step:
     abstract_sh = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh)

@@ -151,7 +151,7 @@ def benchmark(
   tx, schedules = optim.build(config.optim, jax.eval_shape(method.init, key, batch)["params"], 1000, 10)
   init = functools.partial(train_step.init_train_state, method, tx)
   abstract = jax.eval_shape(init, key, batch)
-  state_sh = sharding.state_shardings(mesh, abstract, config.sharding.params)
+  state_sh = sharding.state_shardings(mesh, abstract, config.sharding.params, rules=config.sharding.get("rules", ()))
   state = jax.jit(init, out_shardings=state_sh)(key, batch)
   step = jax.jit(
     train_step.make_train_step(method, tx, schedules, key),
