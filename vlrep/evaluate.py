@@ -13,26 +13,18 @@ from absl import app, flags, logging
 from ml_collections import ConfigDict, config_flags
 
 from vlrep import evaluators, methods, runs
-from vlrep.data import concepts as concepts_lib
-from vlrep.data import pipeline, tokenizers, vl_ops
+from vlrep.data import pipeline, tokenizers
 
 
 def method_and_tokenizer(run: runs.Run) -> dict:
-  """The run's method (whole model) and tokenizer, rebuilt from its config: what captioning and the
-  localization metric need."""
+  """The run's method (whole model) and tokenizer, rebuilt from its config as training built them, with what
+  the method's setup gave it (ICMLM's concepts, a VQA run's answers): what whole-model evaluators and tools need."""
   data = run.config.data
   builder = pipeline.get_builder(data.name, data.data_dir, data.get("config_name"))
   tokenizer = tokenizers.ensure_tokenizer(run.config.tokenizer, builder)
-  concepts = None
-  if run.config.get("concepts"):  # ICMLM: the concept set the run was trained with (cached next to the data)
-    concepts = concepts_lib.ensure_concepts(
-      run.config.concepts, builder, tokenizer, run.config.method.get("bert_path", "")
-    )
-  answer_vocab = None
-  if run.config.get("answers"):  # VQA runs: the answer vocabulary they were trained with (rebuilt from the data)
-    answer_vocab = vl_ops.answer_vocab(run.config.answers, builder)
-  method = methods.build(run.config.method, tokenizer.vocab_size, concepts=concepts, answer_vocab=answer_vocab)
-  return {"method": method, "tokenizer": tokenizer, "concepts": concepts, "answer_vocab": answer_vocab}
+  needs = methods.setup(run.config, builder, tokenizer)
+  method = methods.build(run.config.method, tokenizer.vocab_size, **needs)
+  return {"method": method, "tokenizer": tokenizer, **needs}
 
 
 def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", names=None) -> dict[str, float]:

@@ -19,8 +19,7 @@ from clu import metric_writers
 
 from vlrep import checkpoint as ckpt_lib
 from vlrep import evaluators, methods, optim, runs, sharding
-from vlrep.data import concepts as concepts_lib
-from vlrep.data import pipeline, records, tokenizers, vl_ops
+from vlrep.data import pipeline, records, tokenizers
 from vlrep.train_step import init_train_state, make_train_step
 
 
@@ -94,22 +93,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   builder = pipeline.get_builder(config.data.name, config.data.data_dir, config.data.get("config_name"))
   # Methods without text (e.g. the fine-tuning classifier) have no tokenizer.
   tokenizer = tokenizers.ensure_tokenizer(config.tokenizer, builder) if config.get("tokenizer") else None
-  context = {"tokenizer": tokenizer}
-  # Concept sets (ICMLM's tags and maskable words), built from the training captions on first use.
-  concepts = None
-  if config.get("concepts"):
-    bert_path = config.method.get("bert_path", "")
-    concepts = concepts_lib.ensure_concepts(config.concepts, builder, tokenizer, bert_path)
-  context["concepts"] = concepts
-  # VQA's answer vocabulary (the most frequent answers of the training questions).
-  if config.get("answers"):
-    context["answer_vocab"] = vl_ops.answer_vocab(config.answers, builder)
-  method = methods.build(
-    config.method,
-    tokenizer.vocab_size if tokenizer else 0,
-    concepts=concepts,
-    answer_vocab=context.get("answer_vocab"),
-  )
+  needs = methods.setup(config, builder, tokenizer)  # e.g. ICMLM's concept set, a VQA run's answer vocabulary
+  context = {"tokenizer": tokenizer, **needs}
+  method = methods.build(config.method, tokenizer.vocab_size if tokenizer else 0, **needs)
   context["method"] = method
   split, fraction = records.split_name(config.data.split)
   num_examples = int(builder.info.splits[split].num_examples * fraction)

@@ -11,12 +11,21 @@ import ml_collections
 KNOWN = ("virtex", "classifier", "loctex", "mct", "icmlm", "vlbert")
 
 
-def build(config: ml_collections.ConfigDict, vocab_size: int, concepts=None, answer_vocab=None):
+def _module(name: str):
+  if "." not in name and name not in KNOWN:
+    raise ValueError(f"Unknown method {name!r}. Known methods: {', '.join(KNOWN)}, or a module's dotted path")
+  return importlib.import_module(name if "." in name else f"vlrep.methods.{name}")
+
+
+def setup(config: ml_collections.ConfigDict, builder, tokenizer) -> dict:
+  """What the run's method needs from its data before it is built: its module's optional
+  `setup(config, builder, tokenizer) -> dict` (ICMLM: its concept set; VQA runs: their answer vocabulary). The
+  dict is the Method's extra keyword arguments and joins the preprocessing ops' context."""
+  module = _module(config.method.name)
+  return module.setup(config, builder, tokenizer) if hasattr(module, "setup") else {}
+
+
+def build(config: ml_collections.ConfigDict, vocab_size: int, **needs):
   """The method named by `config.name`: the `Method` class of the module vlrep.methods.<name> (or of the module
-  at that dotted path). `concepts` is the run's concept set (ICMLM), `answer_vocab` its VQA answers (vlbert);
-  each is passed only when given."""
-  if "." not in config.name and config.name not in KNOWN:
-    raise ValueError(f"Unknown method {config.name!r}. Known methods: {', '.join(KNOWN)}, or a module's dotted path")
-  module = importlib.import_module(config.name if "." in config.name else f"vlrep.methods.{config.name}")
-  extra = {k: v for k, v in (("concepts", concepts), ("answer_vocab", answer_vocab)) if v is not None}
-  return module.Method(config, vocab_size, **extra)
+  at that dotted path), given what `setup` returned."""
+  return _module(config.name).Method(config, vocab_size, **needs)

@@ -29,6 +29,7 @@ import numpy as np
 from absl import logging
 
 from vlrep import runs
+from vlrep.data import vl_ops
 from vlrep.models import bert as bert_lib
 from vlrep.models import resnet, vl_bert
 
@@ -300,3 +301,8 @@ class VLBert:
 
 
 Method = VLBert  # what vlrep.methods.build instantiates for name "vlbert"
+
+
+def setup(config, builder, tokenizer) -> dict:
+  """A VQA run's answer vocabulary (the most frequent answers of the training questions, rebuilt from the data)."""
+  return {"answer_vocab": vl_ops.answer_vocab(config.answers, builder)} if config.get("answers") else {}
