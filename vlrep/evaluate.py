@@ -38,8 +38,7 @@ def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", na
   if unknown:
     raise ValueError(f"Unknown evaluations {unknown}; this config defines {sorted(evals_cfg)}.")
   context = {"run": run}
-  # Whole-model evaluators (captioning, localization, retrieval) need the method; they and vsepp the tokenizer.
-  if any(cfg.type in ("captioning", "localization", "retrieval", "vsepp", "vl_task") for cfg in evals_cfg.values()):
+  if any(evaluators.needs_method(cfg) for cfg in evals_cfg.values()):
     context.update(method_and_tokenizer(run))
   host, num_hosts = jax.process_index(), jax.process_count()
   features = runs.backbone_fn(run)

@@ -23,13 +23,21 @@ KNOWN = (
 )
 
 
+def _module(evaluator_type: str):
+  if "." not in evaluator_type and evaluator_type not in KNOWN:
+    raise ValueError(f"Unknown evaluator type {evaluator_type!r}. Known evaluators: {', '.join(KNOWN)}")
+  return importlib.import_module(evaluator_type if "." in evaluator_type else f"vlrep.evaluators.{evaluator_type}")
+
+
 def build(config, context: dict, host: int = 0, num_hosts: int = 1):
   """The evaluator of `config.type`: the `Evaluator` class of the module vlrep.evaluators.<type> (or of the module
   at that dotted path: an evaluator of your own)."""
-  if "." not in config.type and config.type not in KNOWN:
-    raise ValueError(f"Unknown evaluator type {config.type!r}. Known evaluators: {', '.join(KNOWN)}")
-  module = importlib.import_module(config.type if "." in config.type else f"vlrep.evaluators.{config.type}")
-  return module.Evaluator(config, context, host, num_hosts)
+  return _module(config.type).Evaluator(config, context, host, num_hosts)
+
+
+def needs_method(config) -> bool:
+  """Whether the evaluator reads the run's method and tokenizer from its context (its class's `needs_method`)."""
+  return getattr(_module(config.type).Evaluator, "needs_method", False)
 
 
 def build_all(evals_config, context: dict, host: int = 0, num_hosts: int = 1) -> dict:

@@ -39,6 +39,7 @@ def captioner_for(method, config):
 
 
 class Captioning:
+  needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
   feature_key = None  # works on the whole model: run() receives the variables
 
   def __init__(self, config, context: dict, host: int = 0, num_hosts: int = 1):

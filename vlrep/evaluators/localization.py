@@ -41,6 +41,7 @@ def pointing_and_iou(attention: np.ndarray, truth: np.ndarray) -> tuple[np.ndarr
 
 
 class Localization:
+  needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
   feature_key = None  # works on the whole model: run() receives the variables
 
   def __init__(self, config, context: dict, host: int = 0, num_hosts: int = 1):

@@ -63,6 +63,7 @@ def folded_metrics(image_emb, text_emb, text_image, fold_size: int) -> dict[str,
 
 
 class Retrieval:
+  needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
   feature_key = None  # works on the whole model: run() receives the variables
 
   def __init__(self, config, context: dict, host: int = 0, num_hosts: int = 1):

@@ -26,6 +26,7 @@ METRICS = ("vqa", "accuracy", "f1", "mlm")
 
 
 class VLTask:
+  needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
   feature_key = None  # works on the whole model: run() receives the variables
 
   def __init__(self, config, context: dict, host: int = 0, num_hosts: int = 1):

@@ -189,6 +189,8 @@ def train_joint_embedding(
 class VsePP:
   """Evaluator: VSE++ trained on frozen backbone features; reports retrieval recalls on the test split."""
 
+  needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
+
   def __init__(self, config, context: dict, host: int = 0, num_hosts: int = 1):
     self.config = config
     self.feature_key = config.get("feature", "pre_logits")
