@@ -195,6 +195,16 @@ def test_linear_probe_learns_separable_classes_and_not_noise():
   assert float(step(59)) == 30.0 and float(step(61)) == pytest.approx(6.0) and float(step(81)) == pytest.approx(1.2)
 
 
+def test_icmlm_svm_config_searches_the_papers_cost_range():
+  """ICMLM's appendix: 40 costs between 1e-5 and 1e5 (log scale), 2x2-pooled last-stage features."""
+  sys.path.insert(0, os.path.join(ROOT, "configs"))
+  from eval import voc07_svm as svm_config
+
+  c = svm_config.get_config("variant=icmlm").evals.voc07_svm_icmlm
+  assert len(c.costs) == 40 and c.costs[0] == pytest.approx(1e-5) and c.costs[-1] == pytest.approx(1e5)
+  assert np.allclose(np.diff(np.log10(c.costs)), 10 / 39) and (c.feature, c.pooling) == ("grid", "2x2")
+
+
 def test_mct_linear_probe_config_is_the_papers_protocol():
   """MCT 4.2: 60 epochs, LR 30 / 5 at epochs 30, 40, 50, no weight decay, batch 256, no training augmentation."""
   sys.path.insert(0, os.path.join(ROOT, "configs"))
