@@ -161,10 +161,11 @@ def test_sigterm_checkpoints_exits_cleanly_and_resumes(tmp_path):
   while not (workdir / "checkpoints" / "5").exists() and proc.poll() is None and time.time() < deadline:
     time.sleep(0.01)
   proc.send_signal(signal.SIGTERM)
-  _, stderr = proc.communicate(timeout=120)
+  stdout, stderr = proc.communicate(timeout=120)
   assert proc.returncode == 0, stderr[-3000:]
   summary = json.loads((workdir / "summary.json").read_text())
-  assert summary["preempted"] is True and 5 <= summary["steps"] < 400
+  assert summary["preempted"] is True and 5 <= summary["steps"] < 400 and summary["seconds"] > 0
+  assert f"Preempted (SIGTERM) after {summary['steps']} steps" in stdout  # the console says what happened
   saved = max(int(p) for p in os.listdir(workdir / "checkpoints") if p.isdigit())
   assert saved == summary["steps"]  # the checkpoint is at the step where the signal was handled
   again = run_main(workdir, "--config.total_steps=" + str(saved + 2), "--config.evals={}")

@@ -175,8 +175,9 @@ def _wait_for_coordinator(address: str, timeout: float, advice: str) -> None:
 
 
 def _print_result(summary: dict) -> None:
+  done = "Preempted (SIGTERM) after" if summary.get("preempted") else "Finished"
   lines = [
-    f"Finished {int(summary.get('steps', 0))} steps in {summary.get('seconds', 0):.0f}s; "
+    f"{done} {int(summary.get('steps', 0))} steps in {summary.get('seconds', 0):.0f}s; "
     f"summary in {os.path.join(FLAGS.workdir, 'summary.json')}"
   ]
   for key in sorted(k for k in summary if k.endswith("/map")):

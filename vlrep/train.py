@@ -272,7 +272,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       save(step)
       ckpt.wait()
       logging.warning("Checkpoint at step %d saved after SIGTERM; exiting. Rerun the same command to resume.", step)
-      runs.write_summary(workdir, {**summary, "steps": step, "preempted": True})
+      summary.update({"steps": step, "preempted": True, "seconds": time.time() - t_start})
+      if host == 0:
+        runs.write_summary(workdir, summary)
       return summary
 
     is_last = step == total_steps
