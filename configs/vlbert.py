@@ -3,7 +3,8 @@ right? Digging deeper into visio-linguistic pretraining" (arXiv 2004.08744).
 
 A study is two stages, each a run:
   # 1. pretraining (MLM for VisualBERT, MMM for ViLBERT) on one source
-  python -m vlrep.main --config=configs/vlbert.py:arch=visual_bert,stage=pretrain,data=captions,bert=$BERT --workdir=$W/vb_coco
+  python -m vlrep.main --config=configs/vlbert.py:arch=visual_bert,stage=pretrain,data=captions,bert=$BERT \
+      --workdir=$W/vb_coco
   # 2. a downstream task, fine-tuned or with the base frozen, from that run (or from BERT alone: no pretraining)
   python -m vlrep.main --config=configs/vlbert.py:arch=visual_bert,stage=finetune,task=vqa,bert=$BERT \
       --config.method.pretrained_run=$W/vb_coco --workdir=$W/vb_coco_vqa
