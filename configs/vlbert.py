@@ -12,8 +12,12 @@ A study is two stages, each a run:
 The paper's recipe: both models start from bert-base-uncased (pass `bert=/path/to/folder`; `bert=minilm`
 = the packaged MiniLM-L6-H384), AdamW (eps 1e-8, betas 0.9/0.999), LR 5e-5, 2000 warmup steps then cosine,
 batch 1024, 88K updates; 15% of the tokens masked as BERT (80% [MASK], 10% random, 10% kept); ViLBERT also masks
-15% of the regions (zeroed 90% of the time) and predicts their class distribution. Regions here come from a frozen vlrep
-ResNet (`visual.init_from`: any vlrep run with a backbone; the 7x7 grid at 224 px, or RoIAlign over given boxes).
+15% of the regions (zeroed 90% of the time) and predicts the detector's class distribution (KL). The paper's regions
+are a Visual Genome Faster R-CNN's: pass them as `regions=DIR` (their cls_prob is the KL target). Without region
+files, a frozen vlrep ResNet extracts them (`--config.method.visual.init_from=RUN`, any vlrep run with a backbone):
+RoIAlign over the dataset's object boxes (COCO's ground truth; their class is ViLBERT's target), or the 7x7 grid
+at 224 px (`--config.method.visual.mode=grid --config.method.region_target=feature`: cells have no labels). A
+randomly initialised extractor is an error (`visual.allow_random_init` makes it a deliberate baseline).
 
 On the embedded synthetic_scenes (the study's analogues: in-domain captions = `train` captions, questions =
 `train` question/answer pairs, out-of-domain captions = the sketch-style `ood_train` captions, generated
@@ -34,7 +38,8 @@ Arguments (comma-separated; any key can also be set with --config.KEY=VALUE):
   frozen               train only the task head (the paper's "frozen base", Table 2)
   regions=DIR          precomputed region features (DIR/<image_id>.npz; `python -m vlrep.tools.convert_regions`
                        converts MMF's Faster R-CNN dumps) instead of the frozen vlrep ResNet; set
-                       --config.method.visual.dim to their width (2048 by default)
+                       --config.method.visual.dim to their width (2048 by default); ViLBERT pretraining reads
+                       their cls_prob as its masked-region target (region_classes = the detector's classes)
   bert=PATH            a local Hugging Face BERT folder (the recipe needs bert-base-uncased; 'minilm' = the
                        packaged MiniLM-L6-H384, runlocal's default)
   steps=N              training steps instead of the recipe's
@@ -94,6 +99,8 @@ def get_config(arg=None):
     arch=arg.arch,
     bert_path=bert,
     bert_layers=0,
+    # The pooled output reads BERT's [CLS] (the study's); 'mean' = the mean text state.
+    text_pool="cls",
     task="pretrain" if pretrain else "classify",
     loss=TASK_SETUP[arg.task][1],
     num_labels=TASK_SETUP[arg.task][2],  # -1: the answer vocabulary's size
@@ -105,6 +112,9 @@ def get_config(arg=None):
     mask_rate=0.15,
     region_mask_rate=0.15,
     region_classes=1601,  # Visual Genome's classes in the paper's detector; runlocal: synthetic_scenes' 10 shapes
+    # ViLBERT's masked-region target: 'distribution' (KL to the region files' cls_prob, the study's), 'classes'
+    # (each box's class label), 'feature' (MSE to the feature: grid cells) -- see vlrep.methods.vlbert.
+    region_target="classes",
     region_weight=1.0,
     # ViLBERT's visual stream and co-attention (the paper's sizes).
     v_layers=6,
@@ -116,9 +126,10 @@ def get_config(arg=None):
     dtype="bfloat16",
     visual=dict(
       backbone=dict(depth=50, width=64, bn_group_size=0),
-      init_from="",
+      init_from="",  # required without region files: the run whose backbone extracts the regions
+      allow_random_init=False,  # True: a random frozen extractor on purpose (runlocal), else an error
       seed=0,
-      mode="grid",
+      mode="roi_align",
       roi_size=7,
       crop_size=32,
     ),
@@ -235,8 +246,11 @@ def _region_files(c, directory):
   """Precomputed region features (DIR/<image_id>.npz, vlrep.data.region_files) instead of the frozen ResNet: no
   image is decoded; the host op looks each image's regions up by image_id."""
   c.method.visual.update(mode="file", dim=2048)
-  op = f"region_features('{directory}', 36)"
+  class_probs = c.method.arch == "vilbert" and c.method.task == "pretrain"
+  if class_probs:
+    c.method.region_target = "distribution"
   for holder in [c.data, *c.evals.values()]:
+    op = f"region_features('{directory}', 36, class_probs={class_probs})"
     parts = [p for p in holder.pp.split("|") if not p.startswith(("decode", "resize", "central_crop", "normalize"))]
     parts = [p for p in parts if not p.startswith("regions_from_objects")]
     holder.pp = "|".join(parts + [op])
@@ -251,8 +265,16 @@ def _runlocal(c, arg, pretrain):
   # No dropout at this budget: 0.1 (the recipe's) lowers fine-tuned VQA at 200 steps from 61.22 to 55.26
   # (VisualBERT) and from 62.70 to 54.33 (ViLBERT), one seed (git show 3853844:README.md, "VisualBERT and ViLBERT").
   c.method.bert_dropout = 0.0
+  # MiniLM was trained with mean pooling and its [CLS] never was: after 2 layers the [CLS] states of different
+  # questions have cosine 1.000, so a head on them sees nothing of the question (VisualBERT's frozen-base VQA sat
+  # at the answer prior, 18.31, at every seed). The mean text state is the sentence representation it learned.
+  c.method.text_pool = "mean"
   c.method.update(v_layers=2, v_hidden=256, v_heads=4, v_intermediate=512, bi_hidden=256, bi_heads=4)
-  c.method.visual.update(backbone=dict(depth=26, width=16, bn_group_size=0), mode="crops", crop_size=32)
+  # The extractor is frozen at random init, on purpose: a cheap, fixed region featurizer for a 2-core CPU (the
+  # recipe refuses one; see the deviation table in README).
+  c.method.visual.update(
+    backbone=dict(depth=26, width=16, bn_group_size=0), mode="crops", crop_size=32, allow_random_init=True
+  )
   image_pp = "decode|normalize|regions_from_objects(4)"
   old_pp = "decode|resize_small(64)|central_crop(64)|normalize|regions_from_objects(36)"
   # Text lengths that fit synthetic_scenes' texts (WordPiece pieces: captions <= 45, question + answer <= 16,

@@ -57,6 +57,28 @@ def test_resnet50_shapes_and_parameter_count():
   assert out[0].shape == (2, 7, 7, 2048) and out[1]["pre_logits"].shape == (2, 2048)
 
 
+def test_zero_init_last_bn_starts_every_block_as_the_identity():
+  import functools
+
+  from flax import linen as nn
+
+  norm = functools.partial(resnet.GroupedBatchNorm, group_size=0)
+  conv = functools.partial(nn.Conv, use_bias=False)
+  for block, channels in ((resnet.BasicBlock(8, 1, norm, conv, zero_init_last_bn=True), 8),
+                          (resnet.Bottleneck(4, 1, norm, conv, zero_init_last_bn=True), 16)):  # fmt: skip
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 8, 8, channels))
+    variables = block.init(jax.random.PRNGKey(1), x, train=False)
+    # The residual branch starts at exactly 0, so the block is relu(input) (torchvision's zero_init_residual).
+    np.testing.assert_array_equal(block.apply(variables, x, train=False), nn.relu(x))
+    plain = block.clone(zero_init_last_bn=False)
+    assert not np.allclose(plain.apply(plain.init(jax.random.PRNGKey(1), x, train=False), x, train=False), nn.relu(x))
+  # The whole network passes it to every block: the last BN of each has scale 0, the others 1.
+  params = resnet.ResNet(depth=26, width=8, zero_init_last_bn=True).init(jax.random.PRNGKey(0), x[..., :3])["params"]
+  for name, p in params.items():
+    if name.startswith("layer"):
+      assert not np.asarray(p["bn3"]["scale"]).any() and np.asarray(p["bn1"]["scale"]).all()
+
+
 def test_small_stem_keeps_resolution_and_the_imagenet_stem_is_unchanged():
   x = jnp.zeros((2, 64, 64, 3))
   grids = {}

@@ -98,6 +98,18 @@ def test_bert_masking_rates():
   assert kept == pytest.approx(0.1, abs=0.015) and replaced == pytest.approx(0.1, abs=0.015)
 
 
+def test_region_kl_on_hand_computed_distributions():
+  logits = jnp.array([[[0.0, 1.0, 2.0], [1.0, 1.0, 1.0], [3.0, 0.0, 0.0]]])
+  probs = jnp.array([[[0.5, 0.5, 0.0], [0.2, 0.3, 0.5], [0.0, 0.0, 0.0]]])  # region 3: no distribution
+  weights = jnp.array([[1.0, 1.0, 1.0]])
+  log_q0 = np.array([0.0, 1.0, 2.0]) - np.log(1 + np.e + np.e**2)
+  kl0 = 0.5 * (np.log(0.5) - log_q0[0]) + 0.5 * (np.log(0.5) - log_q0[1])  # the zero entry adds nothing
+  kl1 = sum(p * np.log(p / (1 / 3)) for p in (0.2, 0.3, 0.5))  # against the uniform prediction
+  got = float(vlbert.region_kl(logits, probs, weights))
+  assert got == pytest.approx((kl0 + kl1) / 2, rel=1e-5)  # the region without a distribution is left out
+  assert float(vlbert.region_kl(logits, probs, jnp.array([[0.0, 1.0, 1.0]]))) == pytest.approx(kl1, rel=1e-5)
+
+
 def test_roi_sample_is_bilinear_in_box_coordinates():
   h, w = 6, 8
   ys, xs = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
@@ -179,6 +191,29 @@ def test_vilbert_uses_the_loaded_bert_and_co_attention(minilm):
   # An image without regions ([IMG] only, mean over nothing = 0) stays finite.
   empty = model.apply({"params": loaded}, tokens, types, regions, boxes, jnp.zeros_like(mask))
   assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(empty))
+
+
+def test_text_pool_mean_reads_the_sentence_where_minilms_cls_does_not(minilm):
+  cfg, enc, _, folder = minilm
+  cfg2, enc2 = bert_lib.first_layers(cfg, enc, 2, folder)  # runlocal's 2 layers
+  tokens, types, regions, boxes = _inputs(np.random.default_rng(3))
+  mask = jnp.ones(regions.shape[:2], bool)
+  cos = lambda p: float(p[0] @ p[1] / (np.linalg.norm(p[0]) * np.linalg.norm(p[1])))  # noqa: E731
+  pooled = {}
+  for pool in vl_bert.TEXT_POOLS:
+    model = _model("visual_bert", cfg2, text_pool=pool)
+    params = dict(model.init(jax.random.PRNGKey(0), tokens, types, regions, boxes, mask)["params"])
+    params["bert"] = jax.tree.map(jnp.asarray, enc2)
+    t, _, pooled[pool], _ = model.apply({"params": params}, tokens, types, regions, boxes, mask, method=model.encode)
+    if pool == "mean":  # BERT's pooler over the mean of the 5 real tokens' states; padding left out
+      p = params["bert"]["pooler"]
+      want = np.tanh(np.asarray(t)[:, :5].mean(1) @ np.asarray(p["kernel"]) + np.asarray(p["bias"]))
+      np.testing.assert_allclose(np.asarray(pooled[pool]), want, atol=1e-5)
+  # "a red square" vs "a red circle": MiniLM's [CLS] (never trained) is the same vector for both; the mean is not.
+  assert cos(np.asarray(pooled["cls"])) > 0.999
+  assert cos(np.asarray(pooled["mean"])) < 0.99
+  with pytest.raises(ValueError, match="text_pool"):
+    _model("vilbert", cfg2, text_pool="max").init(jax.random.PRNGKey(0), tokens, types, regions, boxes, mask)
 
 
 def test_dropout_only_while_training_and_in_each_stream_where_vilbert_puts_it(minilm):
@@ -426,6 +461,109 @@ def test_config_tasks_and_pretraining_fractions():
     cfg.get_config("stage=finetune,fraction=10")
   with pytest.raises(ValueError, match="analogues"):
     cfg.get_config("runlocal,stage=finetune,task=mmimdb")
+
+
+def _recipe(arg):
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location("vlbert_config", os.path.join(ROOT, "configs", "vlbert.py"))
+  cfg = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(cfg)
+  return cfg.get_config(arg)
+
+
+def _recipe_batch(c, rng, b=2, classes=0):
+  """A batch at the recipe's shapes, read from its preprocessing: image size, regions per image, text length."""
+  import re
+
+  size = int(re.search(r"resize_small\((\d+)\)", c.data.pp).group(1)) if "resize_small" in c.data.pp else 0
+  n = int(re.search(r"(?:regions_from_objects|region_features)\([^,)]*?,? ?(\d+)", c.data.pp).group(1))
+  t = int(re.search(r"tokenize_pairs\((\d+)\)", c.data.pp).group(1))
+  tokens = np.zeros((b, 1, t), np.int32)
+  tokens[:, 0, :24] = [101, *rng.integers(1996, 3000, 22), 102]  # enough words that some are masked
+  batch = {
+    "boxes": np.tile(np.array([0.1, 0.2, 0.5, 0.7], np.float32), (b, n, 1)),
+    "box_mask": np.arange(n)[None].repeat(b, 0) < 20,
+    "region_labels": rng.integers(0, 80, (b, n)).astype(np.int32),
+    "tokens": tokens,
+    "type_ids": np.zeros_like(tokens),
+    "pair_mask": np.ones((b, 1), bool),
+  }
+  if size:
+    batch["image"] = rng.normal(size=(b, size, size, 3)).astype(np.float32)
+  else:
+    batch["regions"] = rng.normal(size=(b, n, int(c.method.visual.dim))).astype(np.float32)
+  if classes:
+    batch["region_probs"] = rng.dirichlet(np.ones(classes), (b, n)).astype(np.float32)
+  return batch
+
+
+@pytest.mark.parametrize(
+  "arch, regions, extra",
+  [
+    ("vilbert", "", {"visual.mode": "grid", "region_target": "feature"}),
+    ("vilbert", "", {}),  # RoIAlign over the dataset's object boxes, their classes as targets
+    ("vilbert", "files", {}),  # the study's detector features, KL to their cls_prob
+    ("visual_bert", "", {"visual.mode": "grid"}),
+    ("visual_bert", "files", {}),
+  ],
+)
+def test_recipe_configs_take_one_step_at_their_real_shapes(arch, regions, extra, tmp_path):
+  arg = f"arch={arch},stage=pretrain,bert=minilm" + (f",regions={tmp_path}" if regions else "")
+  c = _recipe(arg)
+  # Small widths (MiniLM's first 2 layers, a thin ResNet-50, a narrow visual stream); the data shapes are the
+  # recipe's.
+  c.method.update(bert_layers=2, v_layers=2, v_hidden=64, v_heads=2, v_intermediate=64, bi_hidden=64, bi_heads=2)
+  c.method.dtype = "float32"
+  c.method.visual.backbone.width = 8
+  c.method.visual.init_from = "stands-in-for-a-trained-run"  # its weights are not read by init
+  for key, value in extra.items():
+    holder, _, leaf = key.rpartition(".")
+    (c.method.visual if holder == "visual" else c.method)[leaf] = value
+  c.method.region_classes = 1601
+  method = vlbert.VLBert(c.method, 30522)
+  if regions:
+    assert method.fields[0] == "regions" and c.method.visual.dim == 2048
+  classes = 1601 if "region_probs" in method.fields else 0
+  assert (classes > 0) == (arch == "vilbert" and regions == "files")
+  batch = {k: jnp.asarray(v) for k, v in _recipe_batch(c, np.random.default_rng(0), classes=classes).items()}
+  variables = method.init(jax.random.PRNGKey(0), batch)
+  if "visual" in variables and extra.get("visual.mode") == "grid":
+    feats, _, mask = method.regions.apply(variables["visual"], batch["image"], batch["boxes"], batch["box_mask"])
+    assert feats.shape[1] == mask.shape[1] == 49  # the 7x7 grid at 224 px, not the 36 boxes
+  loss_fn = lambda p: method.loss({**variables, "params": p}, batch, jax.random.PRNGKey(1))[:2]  # noqa: E731
+  step = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+  (loss, metrics), grads = step(variables["params"])
+  assert np.isfinite(float(loss)) and float(metrics["mlm_loss"]) > 0
+  if arch == "vilbert":
+    assert float(metrics["masked_regions"]) > 0 and float(metrics["region_loss"]) > 0
+    assert float(jnp.abs(grads["region_head_2"]["kernel"]).max()) > 0
+  assert float(jnp.abs(grads["regions_embed"]["feature"]["kernel"]).max()) > 0
+
+
+def test_recipe_refuses_regions_that_would_train_silently_wrong(tmp_path):
+  c = _recipe("arch=vilbert,stage=pretrain,bert=minilm")
+  with pytest.raises(ValueError, match="randomly initialised"):
+    vlbert.VLBert(c.method, 30522)
+  c.method.visual.init_from = "/some/run"
+  c.method.visual.mode = "grid"
+  with pytest.raises(ValueError, match="grid.*region_target='feature'"):
+    vlbert.VLBert(c.method, 30522)
+  c.method.visual.mode, c.method.region_target = "roi_align", "distribution"
+  with pytest.raises(ValueError, match="region files"):
+    vlbert.VLBert(c.method, 30522)
+  # Region files without the detector's distribution cannot feed ViLBERT's KL target: the op names the file.
+  from vlrep.data import region_files
+
+  region_files.write_regions(str(tmp_path / "3.npz"), np.ones((2, 4)), [[0, 0, 4, 4]] * 2, 8, 8, [1, 2])
+  with pytest.raises(ValueError, match="3.npz has no cls_prob"):
+    registry.parse(f"region_features('{tmp_path}', 4, class_probs=True)")
+  region_files.write_regions(str(tmp_path / "3.npz"), np.ones((2, 4)), [[0, 0, 4, 4]] * 2, 8, 8, [1, 2], np.eye(2, 5))
+  out = registry.parse(f"region_features('{tmp_path}', 4, class_probs=True)").batch_fn({"image_id": np.array([3, 5])})
+  np.testing.assert_array_equal(out["region_probs"][0, :2], np.eye(2, 5))
+  assert out["region_probs"].shape == (2, 4, 5) and not out["region_probs"][1].any()  # image 5: no file
+  # runlocal's random frozen crops are its deliberate, documented choice.
+  assert _recipe("runlocal,arch=vilbert").method.visual.allow_random_init
 
 
 def test_study_grid_seeds_and_tables_average_the_seeds(tmp_path, monkeypatch):

@@ -10,9 +10,11 @@ MMF's dumps (`<name>.npy` features + `<name>_info.npy`, a pickled dict with bbox
 image_height, objects, cls_prob) convert with `--format=mmf`. Their info files are read with an unpickler that
 only rebuilds numpy arrays and plain containers, never arbitrary code.
 
-The `region_features(DIR, max_regions)` host op looks features up by `image_id`: `regions` [R, D], `boxes`
-[R, 4] normalised (ymin, xmin, ymax, xmax, TFDS order), `box_mask`, `region_labels` (-1 unknown). An image
-without a file gets no regions (box_mask all False), is counted in `stat_no_features`, and trains on its text.
+The `region_features(DIR, max_regions, class_probs=False)` host op looks features up by `image_id`: `regions`
+[R, D], `boxes` [R, 4] normalised (ymin, xmin, ymax, xmax, TFDS order), `box_mask`, `region_labels` (-1
+unknown), and with class_probs=True `region_probs` [R, C] (the detector's cls_prob, the target of ViLBERT's
+masked-region KL; a file without cls_prob, or with another C, is an error naming it). An image without a file gets
+no regions (box_mask all False), is counted in `stat_no_features`, and trains on its text.
 """
 
 from __future__ import annotations
@@ -117,17 +119,20 @@ def convert_mmf(src: str, dst: str) -> dict[str, int]:
 class RegionStore:
   """Reads DIR/<image_id>.npz into fixed-size, normalised arrays (kept in memory after the first read)."""
 
-  def __init__(self, directory: str, max_regions: int):
+  def __init__(self, directory: str, max_regions: int, class_probs: bool = False):
     directory = os.path.expanduser(directory)
     if not os.path.isdir(directory):
       raise FileNotFoundError(f"Region feature directory {directory!r} does not exist (see vlrep.data.region_files).")
-    self.directory, self.max_regions = directory, max_regions
+    self.directory, self.max_regions, self.class_probs = directory, max_regions, class_probs
     self._cache: dict[str, tuple] = {}
     first = next((f for f in sorted(os.listdir(directory)) if f.endswith(".npz")), None)
     if first is None:
       raise FileNotFoundError(f"{directory} holds no <image_id>.npz region files.")
     with np.load(os.path.join(directory, first)) as z:
       self.dim = int(z["features"].shape[1])
+      self.num_classes = int(z["cls_prob"].shape[1]) if class_probs and "cls_prob" in z else 0
+    if class_probs and not self.num_classes:
+      raise ValueError(_NO_PROBS.format(path=os.path.join(directory, first)))
 
   def get(self, image_id) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
     key = str(int(image_id))
@@ -145,6 +150,13 @@ class RegionStore:
       w, h = float(z["image_width"]), float(z["image_height"])
       boxes = np.clip(np.stack([y0 / h, x0 / w, y1 / h, x1 / w], -1), 0.0, 1.0)
       labels = np.asarray(z["labels"], np.int32)[:r] if "labels" in z else np.full(len(feats), -1, np.int32)
+      probs = None
+      if self.class_probs:
+        if "cls_prob" not in z:
+          raise ValueError(_NO_PROBS.format(path=path))
+        probs = np.asarray(z["cls_prob"], np.float32)[:r]
+        if probs.shape != (len(feats), self.num_classes):
+          raise ValueError(f"{path}: cls_prob is {probs.shape}, expected ({len(feats)}, {self.num_classes}).")
     n = len(feats)
     out = (
       np.pad(feats, ((0, r - n), (0, 0))),
@@ -152,15 +164,25 @@ class RegionStore:
       np.arange(r) < n,
       np.pad(labels, (0, r - n), constant_values=-1),
     )
+    if probs is not None:
+      out = out + (np.pad(probs, ((0, r - n), (0, 0))),)
     self._cache[key] = out
     return out
 
 
+_NO_PROBS = (
+  "{path} has no cls_prob (the detector's class distribution), which method.region_target='distribution' "
+  "(ViLBERT's masked-region KL) needs: convert dumps that carry it, or set method.region_target='classes'."
+)
+
+
 @registry.register_host
-def get_region_features(directory: str, max_regions: int = 36, key: str = "image_id", context=None):
+def get_region_features(
+  directory: str, max_regions: int = 36, class_probs: bool = False, key: str = "image_id", context=None
+):
   """Region features of each image from DIR/<image_id>.npz (see the module docstring)."""
   del context
-  store = RegionStore(directory, max_regions)
+  store = RegionStore(directory, max_regions, class_probs)
 
   def fn(batch):
     batch = dict(batch)
@@ -170,14 +192,20 @@ def get_region_features(directory: str, max_regions: int = 36, key: str = "image
     boxes = np.zeros((b, r, 4), np.float32)
     mask = np.zeros((b, r), bool)
     labels = np.full((b, r), -1, np.int32)
+    probs = np.zeros((b, r, store.num_classes), np.float32)
     missing = np.zeros((b,), bool)
     for i, image_id in enumerate(ids):
       got = store.get(image_id)
       if got is None:
         missing[i] = True
         continue
-      regions[i], boxes[i], mask[i], labels[i] = got
+      regions[i], boxes[i], mask[i], labels[i] = got[:4]
+      if store.class_probs:
+        probs[i] = got[4]
     batch.update(regions=regions, boxes=boxes, box_mask=mask, region_labels=labels, stat_no_features=missing)
+    if store.class_probs:
+      batch["region_probs"] = probs
     return batch
 
-  return registry.HostOp((key,), ("regions", "boxes", "box_mask", "region_labels", "stat_no_features"), fn)
+  outputs = ("regions", "boxes", "box_mask", "region_labels", "stat_no_features")
+  return registry.HostOp((key,), outputs + (("region_probs",) if class_probs else ()), fn)

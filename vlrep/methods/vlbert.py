@@ -7,8 +7,14 @@ Config (`configs/vlbert.py`):
   task            'pretrain' (MLM, plus masked-region prediction for ViLBERT: MMM) | 'classify' (a head on the
                   pooled output; `loss`: 'bce' for VQA soft scores and multi-label, 'softmax' for entailment).
   visual          the frozen region-feature extractor: a vlrep ResNet (`backbone`), its weights from the run
-                  `init_from` ('' = random init with `seed`), `mode` roi_align | crops | grid; or `mode='file'`:
-                  precomputed features of `dim` dims from the `region_features` op (vlrep.data.region_files).
+                  `init_from`, `mode` roi_align | crops | grid; or `mode='file'`: precomputed features of `dim`
+                  dims from the `region_features` op (vlrep.data.region_files). A randomly initialised extractor
+                  (no init_from, no pretrained_run) is an error unless `allow_random_init` (runlocal's choice).
+  region_target   ViLBERT's masked-region target: 'distribution' = KL to the detector's class distribution
+                  (region files' cls_prob: the study's MMM), 'classes' = cross-entropy to each box's class label,
+                  'feature' = MSE to the region's feature (grid cells, which have no labels).
+  text_pool       'cls' (BERT's and the study's pooled [CLS]) | 'mean' (the mean text state, for a BERT whose [CLS]
+                  was never trained: the packaged MiniLM).
   pretrained_run  a pretraining run whose best checkpoint initialises the transformer (and the extractor).
   freeze_base     train only the task head (the study's "frozen base"): gradients stop at the pooled output.
   bert_dropout    dropout while training on hidden states and attention weights of both streams, the region
@@ -37,6 +43,7 @@ TASKS = ("pretrain", "classify")
 LOSSES = ("bce", "softmax")
 # Parameters that belong to one task and are never copied from a pretraining run.
 _TASK_PARAMS = ("task_head", "region_head")
+REGION_TARGETS = ("distribution", "classes", "feature")
 
 
 def max_predictions(length: int, rate: float) -> int:
@@ -56,6 +63,16 @@ def bert_mask(rng, tokens, special, rate: float, vocab_size: int, mask_id: int):
   out = jnp.where(picked & (how < 0.8), mask_id, tokens)
   out = jnp.where(picked & (how >= 0.8) & (how < 0.9), random_tokens, out)
   return out, picked
+
+
+def region_kl(logits, probs, weights):
+  """Mean over the weighted regions of KL(probs || softmax(logits)) (MMF's masked-region loss against the
+  detector's class distribution); a region whose distribution is all zero (no target) is left out."""
+  probs = probs.astype(jnp.float32)
+  log_p = jnp.log(jnp.where(probs > 0, probs, 1.0))  # 0 * log 0 = 0
+  kl = jnp.sum(probs * (log_p - jax.nn.log_softmax(logits.astype(jnp.float32), -1)), -1)
+  w = weights * (jnp.sum(probs, -1) > 0)
+  return jnp.sum(kl * w) / jnp.maximum(w.sum(), 1.0)
 
 
 class VLBert:
@@ -83,7 +100,6 @@ class VLBert:
     with open(f"{folder}/vocab.txt", encoding="utf-8") as f:
       vocab = {line.rstrip("\n"): i for i, line in enumerate(f)}
     self.mask_id, self.cls_id, self.sep_id = vocab["[MASK]"], vocab["[CLS]"], vocab["[SEP]"]
-    self.region_classes = int(config.region_classes) if (self.task == "pretrain" and config.arch == "vilbert") else 0
     self.num_labels = int(config.num_labels) if self.task == "classify" else 0
     if self.num_labels == -1:  # VQA: one output per answer of the run's vocabulary
       if not answer_vocab:
@@ -93,6 +109,11 @@ class VLBert:
       raise ValueError("method.num_labels must be > 0 (or -1: the answer vocabulary) for task='classify'.")
     v = config.visual
     self.from_files = v.mode == "file"  # precomputed region features (vlrep.data.region_files), no extractor
+    _check_regions(config, self.from_files)
+    self.region_target = config.get("region_target", "classes")
+    self.region_classes = 0
+    if self.task == "pretrain" and config.arch == "vilbert":
+      self.region_classes = -1 if self.region_target == "feature" else int(config.region_classes)
     self.regions = vl_bert.RegionFeatures(
       backbone=dict(v.backbone), mode=v.mode, roi_size=v.get("roi_size", 7), crop_size=v.get("crop_size", 32)
     )
@@ -108,10 +129,13 @@ class VLBert:
       region_classes=self.region_classes,
       region_dim=self.regions_dim(),
       num_labels=self.num_labels,
+      text_pool=config.get("text_pool", "cls"),
       dtype=jnp.dtype(config.dtype),
     )
     visual_field = "regions" if self.from_files else "image"
     self.fields = (visual_field, "boxes", "box_mask", "region_labels", "tokens", "type_ids", "pair_mask")
+    if self.region_classes > 0 and self.region_target == "distribution":
+      self.fields = self.fields + ("region_probs",)
     if self.task == "classify":
       self.fields = self.fields + ("targets",)
 
@@ -132,6 +156,11 @@ class VLBert:
         jax.random.PRNGKey(self.config.visual.seed), batch["image"][:1], batch["boxes"][:1], batch["box_mask"][:1]
       )
       feats, boxes, mask = self.regions.apply(visual, batch["image"][:1], batch["boxes"][:1], batch["box_mask"][:1])
+    if "region_probs" in self.fields and batch["region_probs"].shape[-1] != self.region_classes:
+      raise ValueError(
+        f"The region files' cls_prob has {batch['region_probs'].shape[-1]} classes but method.region_classes is "
+        f"{self.region_classes}: set it to the detector's class count."
+      )
     t = batch["tokens"].shape[-1]
     params = self.model.init(
       params_rng, jnp.zeros((1, t), jnp.int32), jnp.zeros((1, t), jnp.int32), feats, boxes, mask
@@ -202,7 +231,10 @@ class VLBert:
       if self.region_classes:
         out = self.model.apply({"params": params}, v_states[:, 1:], method=vl_bert.VLBertModel.region_outputs)
         rw = region_picked.astype(jnp.float32)
-        if self.region_classes > 0:  # the region's class distribution (one-hot here: ground-truth labels)
+        if self.region_target == "distribution":  # KL(detector's distribution || predicted), MMF's MMM
+          region_loss = region_kl(out, rep(batch["region_probs"]), rw)
+          rw = rw * (jnp.sum(rep(batch["region_probs"]), -1) > 0)
+        elif self.region_target == "classes":  # cross-entropy to the box's class (one-hot: ground-truth labels)
           labels = rep(batch["region_labels"])
           in_range = (labels >= 0) & (labels < self.region_classes)
           # A label the head has no class for is left out of the loss and counted (check method.region_classes).
@@ -301,6 +333,33 @@ class VLBert:
 
 
 Method = VLBert  # what vlrep.methods.build instantiates for name "vlbert"
+
+
+def _check_regions(config, from_files: bool) -> None:
+  """Refuse region inputs that would train silently wrong: a random frozen extractor (the study's regions come
+  from a trained detector), grid cells scored against box labels, a distribution target without region files."""
+  v, target = config.visual, config.get("region_target", "classes")
+  if target not in REGION_TARGETS:
+    raise ValueError(f"Unknown method.region_target {target!r}; known: {REGION_TARGETS}")
+  if not from_files and not (v.get("init_from") or config.get("pretrained_run") or v.get("allow_random_init")):
+    raise ValueError(
+      "The region extractor would be a randomly initialised, frozen ResNet (the study's regions come from a trained "
+      "detector): pass regions=DIR (detector features, `python -m vlrep.tools.convert_regions`) or "
+      "--config.method.visual.init_from=RUN (a vlrep run whose backbone extracts the regions); "
+      "method.visual.allow_random_init=True only for a deliberate random-feature baseline."
+    )
+  vilbert_pretrain = config.arch == "vilbert" and config.task == "pretrain"
+  if vilbert_pretrain and v.mode == "grid" and target != "feature":
+    raise ValueError(
+      f"visual.mode='grid' regions are backbone cells, which have no class labels, so method.region_target="
+      f"{target!r} would score cells against unrelated boxes' classes: set method.region_target='feature', or use "
+      "boxes (visual.mode='roi_align' / 'crops') or region files (regions=DIR)."
+    )
+  if vilbert_pretrain and target == "distribution" and not from_files:
+    raise ValueError(
+      "method.region_target='distribution' is the detector's class distribution from region files (regions=DIR); "
+      "with boxes from the dataset use 'classes'."
+    )
 
 
 def setup(config, builder, tokenizer) -> dict:

@@ -64,6 +64,12 @@ class GroupedBatchNorm(nn.Module):
     return (y * scale + bias).astype(self.dtype)
 
 
+def _last_bn(zero_init: bool) -> dict:
+  """The last BatchNorm of a residual branch starts at scale 0 with zero_init (torchvision's zero_init_residual,
+  which VirTex's official code sets): each block starts as the identity."""
+  return {"scale_init": nn.initializers.zeros} if zero_init else {}
+
+
 class Bottleneck(nn.Module):
   width: int
   stride: int
@@ -71,6 +77,7 @@ class Bottleneck(nn.Module):
   conv: Any
   expansion: int = 4
   inner_multiplier: int = 1  # Wide ResNet: the 1x1 / 3x3 inner width is width * this; the output stays width * 4
+  zero_init_last_bn: bool = False
 
   @nn.compact
   def __call__(self, x, train: bool):
@@ -81,7 +88,7 @@ class Bottleneck(nn.Module):
     y = self.conv(inner, (3, 3), strides=(self.stride, self.stride), padding=((1, 1), (1, 1)), name="conv2")(y)
     y = nn.relu(self.norm(name="bn2")(y, train))
     y = self.conv(self.width * self.expansion, (1, 1), name="conv3")(y)
-    y = self.norm(name="bn3")(y, train)
+    y = self.norm(name="bn3", **_last_bn(self.zero_init_last_bn))(y, train)
     if residual.shape[-1] != y.shape[-1] or self.stride != 1:
       residual = self.conv(
         self.width * self.expansion, (1, 1), strides=(self.stride, self.stride), name="downsample_conv"
@@ -96,6 +103,7 @@ class BasicBlock(nn.Module):
   norm: Any
   conv: Any
   expansion: int = 1
+  zero_init_last_bn: bool = False
 
   @nn.compact
   def __call__(self, x, train: bool):
@@ -103,7 +111,7 @@ class BasicBlock(nn.Module):
     y = self.conv(self.width, (3, 3), strides=(self.stride, self.stride), padding=((1, 1), (1, 1)), name="conv1")(x)
     y = nn.relu(self.norm(name="bn1")(y, train))
     y = self.conv(self.width, (3, 3), padding=((1, 1), (1, 1)), name="conv2")(y)
-    y = self.norm(name="bn2")(y, train)
+    y = self.norm(name="bn2", **_last_bn(self.zero_init_last_bn))(y, train)
     if residual.shape[-1] != y.shape[-1] or self.stride != 1:
       residual = self.conv(self.width, (1, 1), strides=(self.stride, self.stride), name="downsample_conv")(residual)
       residual = self.norm(name="downsample_bn")(residual, train)
@@ -123,6 +131,8 @@ class ResNet(nn.Module):
       torchvision's and Detectron2's ResNets have) or 'small' (one 3x3 convolution of stride `stem_stride`, no
       max-pool: for small images, where the ImageNet stem's 4x downsampling leaves a shape a few cells wide).
     stem_stride: the small stem's stride (1 or 2); the ImageNet stem's is fixed.
+    zero_init_last_bn: start the last BatchNorm of every residual branch at scale 0 (torchvision's
+      zero_init_residual; VirTex's official backbone sets it).
   Returns:
     (features [B, H/32, W/32, C] (H/8 or H/16 with the small stem), {'stage1'..'stage4', 'pre_logits' [B, C]}).
   """
@@ -135,6 +145,7 @@ class ResNet(nn.Module):
   dtype: Any = jnp.float32
   stem: str = "imagenet"
   stem_stride: int = 2
+  zero_init_last_bn: bool = False
 
   @property
   def bottleneck(self) -> bool:
@@ -176,9 +187,11 @@ class ResNet(nn.Module):
       raise ValueError(f"Unknown ResNet stem {self.stem!r}; known: 'imagenet', 'small'.")
     if self.inner_multiplier != 1 and not self.bottleneck:
       raise ValueError(f"inner_multiplier={self.inner_multiplier} needs bottleneck blocks (depth 26 or more).")
-    block_cls = Bottleneck if self.bottleneck else BasicBlock
+    block_cls = functools.partial(BasicBlock, zero_init_last_bn=self.zero_init_last_bn)
     if self.bottleneck:
-      block_cls = functools.partial(Bottleneck, inner_multiplier=self.inner_multiplier)
+      block_cls = functools.partial(
+        Bottleneck, inner_multiplier=self.inner_multiplier, zero_init_last_bn=self.zero_init_last_bn
+      )
     for stage, num_blocks in enumerate(_stage_sizes(self.depth)):
       for b in range(num_blocks):
         stride = 2 if stage > 0 and b == 0 else 1

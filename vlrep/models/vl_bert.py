@@ -30,6 +30,7 @@ from vlrep.models import bert as bert_lib
 from vlrep.models import resnet
 
 ARCHS = ("visual_bert", "vilbert")
+TEXT_POOLS = ("cls", "mean")
 
 
 def box_features(boxes: jax.Array) -> jax.Array:
@@ -114,6 +115,9 @@ class VLBertModel(nn.Module):
     region_classes: > 0 adds the masked-region class head (KL to the region's class distribution); -1 a
       regression head to the region's feature (MSE); 0 none.
     num_labels: > 0 adds the downstream classifier on the pooled output.
+    text_pool: what the pooler reads of the text: 'cls' = the [CLS] state (BERT's and the study's), 'mean' = the
+      mean over the text's tokens (for a checkpoint whose [CLS] was never trained, as sentence-transformers'
+      MiniLM: its [CLS] states of different sentences have cosine 1.000 after 2 layers).
   """
 
   arch: str
@@ -127,11 +131,14 @@ class VLBertModel(nn.Module):
   region_classes: int = 0
   region_dim: int = 2048
   num_labels: int = 0
+  text_pool: str = "cls"
   dtype: Any = jnp.float32
 
   def setup(self):
     if self.arch not in ARCHS:
       raise ValueError(f"Unknown arch {self.arch!r}; known: {ARCHS}")
+    if self.text_pool not in TEXT_POOLS:
+      raise ValueError(f"Unknown text_pool {self.text_pool!r}; known: {TEXT_POOLS}")
     c = self.bert
     self.text = bert_lib.BertEncoder(c, self.dtype, name="bert")
     if self.arch == "visual_bert":
@@ -188,7 +195,7 @@ class VLBertModel(nn.Module):
       for layer in self.text.layers:
         x = layer(x, mask, deterministic)
       n_text = tokens.shape[1]
-      pooled = jnp.tanh(self.text.pooler(x[:, 0]))
+      pooled = jnp.tanh(self.text.pooler(self._text_summary(x[:, :n_text], t_mask)))
       return x[:, :n_text], x[:, n_text:], pooled, {}
     # ViLBERT: the [IMG] region is the mean feature over the real regions, boxed as the whole image.
     w = region_mask[..., None].astype(regions.dtype)
@@ -204,9 +211,16 @@ class VLBertModel(nn.Module):
       t, v = self.co_attention[k](t, t_mask, v, v_mask, deterministic)
       t = self.text.layers[first_co + k](t, t_mask, deterministic)
       v = self.v_stream[k](v, v_mask, deterministic)
-    t_pool = nn.relu(self.t_pooler(t[:, 0]))
+    t_pool = nn.relu(self.t_pooler(self._text_summary(t, t_mask)))
     v_pool = nn.relu(self.v_pooler(v[:, 0]))
     return t, v, t_pool * v_pool, {"t_pooled": t_pool, "v_pooled": v_pool}
+
+  def _text_summary(self, states, mask):
+    """[B, T, H] text states -> [B, H]: the [CLS] state, or the mean over the real tokens (text_pool)."""
+    if self.text_pool == "cls":
+      return states[:, 0]
+    w = mask[..., None].astype(states.dtype)
+    return jnp.sum(states * w, axis=1) / jnp.maximum(jnp.sum(w, axis=1), 1.0)
 
   def mlm_logits(self, text_states):
     return self.mlm_head(text_states, self.text.embeddings.word_embeddings.embedding)
