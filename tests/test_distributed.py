@@ -10,7 +10,7 @@ import sys
 import time
 
 import numpy as np
-from conftest import ROOT
+from conftest import ROOT, with_devices
 
 OVERRIDES = ["--config=tests/tiny_virtex.py", "--config.evals={}", "--config.checkpoint.every_steps=4"]
 
@@ -24,7 +24,7 @@ def _free_port() -> int:
 def _start(workdir, port, process_id, num_processes, *extra, log):
   cmd = [sys.executable, "-m", "vlrep.main", f"--workdir={workdir}", *OVERRIDES]
   cmd += [f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={num_processes}", f"--process_id={process_id}"]
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONUNBUFFERED": "1"}
+  env = {**with_devices(2), "PYTHONUNBUFFERED": "1"}
   # No persistent compilation cache here: the two processes must meet at each collective within Gloo's 30 s, and
   # with a shared cache one process can load an executable the other still compiles (CI failed exactly so:
   # "Gloo context initialization failed: DEADLINE_EXCEEDED").

@@ -402,6 +402,29 @@ def test_recipes_need_a_bert_folder_and_only_runlocal_defaults_to_minilm():
   assert os.path.isfile(os.path.join(bert.resolve_path("minilm"), "config.json"))
 
 
+def test_recipe_filters_captions_and_requires_spacy_where_runlocal_uses_the_lexicon(monkeypatch):
+  import tensorflow as tf
+
+  from configs import icmlm
+  from vlrep.data import registry
+
+  recipe, local = icmlm.get_config("variant=tp"), icmlm.get_config("runlocal,variant=tp")
+  assert "filter_captions(3, 25)|choose_caption(5)" in recipe.data.pp and "filter_captions" not in local.data.pp
+  assert recipe.concepts.tagger == "spacy" and local.concepts.tagger == "lexicon"
+  # The paper's filter: duplicates (case and outer spaces aside; the first copy stays) and < 3 or > 25 words go.
+  captions = ["A red circle.", "a red circle. ", "too short", "a horse", " ".join(["word"] * 26), "Two dogs run."]
+  out = registry.parse("filter_captions(3, 25)").example_fn({"captions": tf.constant(captions)})
+  assert [c.decode() for c in out["captions"].numpy()] == ["A red circle.", "Two dogs run."]
+  assert int(out["stat_captions_filtered"]) == 4
+  out = registry.parse("filter_captions(3, 25)").example_fn({"captions": tf.constant([], tf.string)})
+  assert out["captions"].shape == (0,) and int(out["stat_captions_filtered"]) == 0
+  # Without spaCy the recipe's tagger is an error that says how to install it; the lexicon needs nothing.
+  monkeypatch.setattr(concepts_lib, "_spacy_model", lambda: None)
+  with pytest.raises(RuntimeError, match="pip install 'vlrep\\[icmlm\\]'.*en_core_web_sm"):
+    concepts_lib.resolve_tagger(recipe.concepts.tagger)
+  assert concepts_lib.resolve_tagger("lexicon") == "lexicon"
+
+
 def test_vgg16_backbone_option_builds_every_variant(minilm):
   import tiny_icmlm
 

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import ROOT, run_main
+from conftest import ROOT, run_main, with_devices
 from PIL import Image
 
 from vlrep.data import pipeline, prepare, registry, tokenizers, traces
@@ -265,7 +265,7 @@ out["devices"] = len(jax.devices())
 print(json.dumps(out))
 """
   )
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  env = with_devices(8)
   res = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert res.returncode == 0, res.stderr[-3000:]
   out = json.loads(res.stdout.strip().splitlines()[-1])

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, run_main
+from conftest import ROOT, run_main, with_devices
 
 from vlrep.data import ops, registry  # noqa: F401  (ops registers the paraphrase ops)
 from vlrep.evaluators import retrieval
@@ -168,7 +168,7 @@ print(json.dumps({"devices": jax.device_count(), "rows_per_device": shard_rows,
 def test_queue_order_and_wraparound_on_1_and_8_devices():
   results = []
   for n in (1, 8):
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", "JAX_PLATFORMS": "cpu"}
+    env = {**with_devices(n), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", QUEUE_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results.append(json.loads(proc.stdout.strip().splitlines()[-1]))

@@ -502,7 +502,7 @@ def _recipe_batch(c, rng, b=2, classes=0):
   "arch, regions, extra",
   [
     ("vilbert", "", {"visual.mode": "grid", "region_target": "feature"}),
-    ("vilbert", "", {}),  # RoIAlign over the dataset's object boxes, their classes as targets
+    ("vilbert", "", {}),  # the recipe's default: RoIAlign over the dataset's 36 object boxes, their classes
     ("vilbert", "files", {}),  # the study's detector features, KL to their cls_prob
     ("visual_bert", "", {"visual.mode": "grid"}),
     ("visual_bert", "files", {}),
@@ -515,7 +515,7 @@ def test_recipe_configs_take_one_step_at_their_real_shapes(arch, regions, extra,
   # recipe's.
   c.method.update(bert_layers=2, v_layers=2, v_hidden=64, v_heads=2, v_intermediate=64, bi_hidden=64, bi_heads=2)
   c.method.dtype = "float32"
-  c.method.visual.backbone.width = 8
+  c.method.visual.backbone.update(depth=26, width=8)  # stride 32 as ResNet-50's: the same 7x7 grid at 224 px
   c.method.visual.init_from = "stands-in-for-a-trained-run"  # its weights are not read by init
   for key, value in extra.items():
     holder, _, leaf = key.rpartition(".")

