@@ -112,8 +112,9 @@ class VLBertModel(nn.Module):
     arch: 'visual_bert' or 'vilbert'.
     bert: the text BERT's config (from the checkpoint's config.json).
     v_layers, v_hidden, v_heads, v_intermediate, bi_hidden, bi_heads: ViLBERT's visual stream and co-attention.
-    region_classes: > 0 adds the masked-region class head (KL to the region's class distribution); -1 a
-      regression head to the region's feature (MSE); 0 none.
+    region_classes: > 0 adds the masked-region class head (logits over the classes; the method scores them by KL
+      to a detector's distribution or cross-entropy to a box's class: `region_target`); -1 a regression head to
+      the region's feature (MSE); 0 none.
     num_labels: > 0 adds the downstream classifier on the pooled output.
     text_pool: what the pooler reads of the text: 'cls' = the [CLS] state (BERT's and the study's), 'mean' = the
       mean over the text's tokens (for a checkpoint whose [CLS] was never trained, as sentence-transformers'
