@@ -154,6 +154,42 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(params)), step
 
 
+def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path, caplog):
+  from vlrep import checkpoint, train
+
+  config = load_tiny_config()
+  config.evals = {}
+  config.total_steps = 8
+  config.checkpoint.update(every_steps=4, keep=3, async_save=False)
+  train.run(config, str(tmp_path))
+  ckpts = tmp_path / "checkpoints"
+  assert sorted(int(p) for p in os.listdir(ckpts) if p.isdigit()) == [4, 8]
+
+  def damage(step):  # truncate every array file of the step's state to half its size
+    files = [os.path.join(d, f) for d, _, fs in os.walk(ckpts / str(step) / "state") for f in fs]
+    data = [f for f in files if os.path.getsize(f) > 1024]
+    assert data, files
+    for f in data:
+      with open(f, "r+b") as fh:
+        fh.truncate(os.path.getsize(f) // 2)
+
+  damage(8)
+  config.total_steps = 10
+  with caplog.at_level("WARNING"):
+    train.run(config, str(tmp_path))
+  text = caplog.text
+  assert "Checkpoint at step 8 does not restore" in text and "newest intact checkpoint, instead of 8" in text
+  # It trained steps 5..10 from step 4's state; the damaged step 8 was moved aside, not deleted, and saved anew.
+  assert sorted(int(p) for p in os.listdir(ckpts) if p.isdigit()) == [4, 8, 10] and (ckpts / "damaged_8").is_dir()
+  assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 10
+  # With every checkpoint damaged the run refuses to start over from step 0 and names them.
+  for step in [int(p) for p in os.listdir(ckpts) if p.isdigit()]:
+    damage(step)
+  config.total_steps = 12
+  with pytest.raises(checkpoint.NoIntactCheckpointError, match="(?s)would start again from step 0.*step 10"):
+    train.run(config, str(tmp_path))
+
+
 def test_sigterm_checkpoints_exits_cleanly_and_resumes(tmp_path):
   workdir = tmp_path / "preempted"
   overrides = ["--config.total_steps=400", "--config.checkpoint.every_steps=5", "--config.evals={}"]

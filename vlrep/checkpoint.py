@@ -3,7 +3,10 @@ resume, and a model-signature check so that a checkpoint from a different model 
 
 Layout: WORKDIR/checkpoints/<step>/{state, meta} and WORKDIR/best/<step>/{state, meta}. `meta` holds the
 parameter shapes and the run's config. Orbax writes into a temporary directory and renames it when complete,
-so a run killed mid-save leaves the previous checkpoint intact.
+so a run killed mid-save leaves the previous checkpoint intact. A checkpoint damaged afterwards (truncated or
+corrupted files) fails to restore: `restore_newest_intact` then falls back to the newest one that restores,
+naming what it skipped and moving each skipped step aside to `checkpoints/damaged_<step>` (kept for inspection,
+out of the way of the resumed run's saves), and refuses to start from scratch while checkpoints exist.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from vlrep.optim import param_paths
 
@@ -22,6 +26,14 @@ def signature(params) -> dict[str, list[int]]:
   paths = jax.tree.leaves(param_paths(params))
   shapes = [list(np.shape(x)) for x in jax.tree.leaves(params)]
   return dict(zip(paths, shapes, strict=True))
+
+
+class ModelMismatchError(ValueError):
+  """The checkpoint holds another model's parameters (never a reason to fall back to an older checkpoint)."""
+
+
+class NoIntactCheckpointError(RuntimeError):
+  """Checkpoints exist but none restores: starting from step 0 would silently discard them."""
 
 
 def check_signature(saved: dict, current: dict, where: str) -> None:
@@ -38,7 +50,7 @@ def check_signature(saved: dict, current: dict, where: str) -> None:
   if extra:
     lines.append(f"  {len(extra)} parameters only in the checkpoint, e.g. {extra[:3]}")
   lines.append("Use a fresh --workdir, or the config the checkpoint was trained with.")
-  raise ValueError("\n".join(lines))
+  raise ModelMismatchError("\n".join(lines))
 
 
 class Checkpointer:
@@ -72,6 +84,45 @@ class Checkpointer:
     )
     restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
     return restored["state"], meta
+
+  def restore_newest_intact(self, abstract_state: Any) -> tuple[int, Any, dict, list[tuple[int, str]]]:
+    """The newest periodic checkpoint that restores: (step, state, meta, [(skipped step, why)]). A checkpoint
+    of another model is an error (ModelMismatchError), not skipped; if every checkpoint fails to restore,
+    NoIntactCheckpointError names them all."""
+    skipped: list[tuple[int, str]] = []
+    for step in sorted(self.latest.all_steps(), reverse=True):
+      try:
+        state, meta = self.restore(step, abstract_state)
+      except ModelMismatchError:
+        raise
+      except Exception as e:  # noqa: BLE001 -- any read failure of one checkpoint: try the one before it
+        skipped.append((step, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]))
+        continue
+      self._set_aside([s for s, _ in skipped])
+      return step, state, meta, skipped
+    where = os.path.join(self.workdir, "checkpoints")
+    lines = [f"  step {step}: {why}" for step, why in skipped]
+    raise NoIntactCheckpointError(
+      f"No checkpoint in {where} restores, so the run would start again from step 0:\n" + "\n".join(lines) + "\n"
+      "Move the damaged step directories away to start over, or point --workdir elsewhere."
+    )
+
+  def _set_aside(self, steps) -> None:
+    """Renames damaged step directories to damaged_<step> (one process; the others wait), so that the resumed run
+    can save those steps again; nothing is deleted."""
+    if not steps:
+      return
+    if jax.process_index() == 0:
+      root = os.path.join(self.workdir, "checkpoints")
+      for step in steps:
+        target = os.path.join(root, f"damaged_{step}")
+        n = 1
+        while os.path.exists(target):
+          target, n = os.path.join(root, f"damaged_{step}.{n}"), n + 1
+        os.rename(os.path.join(root, str(step)), target)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("vlrep_checkpoints_set_aside")
+    self.latest.reload()
 
   def wait(self) -> None:
     self.latest.wait_until_finished()

@@ -105,23 +105,28 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
   ckpt = ckpt_lib.Checkpointer(workdir, keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
   start_step = ckpt.latest_step() or 0
-  stream = pipeline.train_stream(
-    builder,
-    config.data.split,
-    config.data.pp,
-    method.fields,
-    local_bs,
-    config.seed,
-    start_step,
-    host,
-    num_hosts,
-    context,
-    config.data.prefetch,
-    config.data.get("cache_image_size", 0),
-  )
   batch_sharding = sharding.batch_sharding(mesh)
-  # A thread assembles global batches and starts their transfer while the previous step runs.
-  device_batches = sharding.device_prefetch(stream, batch_sharding, config.data.get("device_prefetch", 2))
+
+  def input_batches(step: int):
+    """Global device batches from `step` on: a thread assembles them and starts their transfer while the
+    previous step runs."""
+    stream = pipeline.train_stream(
+      builder,
+      config.data.split,
+      config.data.pp,
+      method.fields,
+      local_bs,
+      config.seed,
+      step,
+      host,
+      num_hosts,
+      context,
+      config.data.prefetch,
+      config.data.get("cache_image_size", 0),
+    )
+    return sharding.device_prefetch(stream, batch_sharding, config.data.get("device_prefetch", 2))
+
+  device_batches = input_batches(start_step)
   first_batch = next(device_batches)
 
   # ---------------------------------------------------------------------------------------------------- #
@@ -139,7 +144,15 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   summary: dict[str, Any] = {}
   if start_step:
     abstract_sh = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh)
-    state, meta = ckpt.restore(start_step, abstract_sh)
+    restored_step, state, meta, skipped = ckpt.restore_newest_intact(abstract_sh)
+    for step, why in skipped:
+      logging.warning("Checkpoint at step %d does not restore (%s): skipped.", step, why)
+    if restored_step != start_step:  # the data stream restarts where the restored state left it
+      logging.warning("Resuming from step %d, the newest intact checkpoint, instead of %d.", restored_step, start_step)
+      device_batches.close()
+      start_step = restored_step
+      device_batches = input_batches(start_step)
+      first_batch = next(device_batches)
     summary.update(meta.get("summary", {}))
     logging.info("Resumed from step %d in %s.", start_step, workdir)
   else:
