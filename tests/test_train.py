@@ -190,6 +190,28 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_pat
     train.run(config, str(tmp_path))
 
 
+def test_a_failed_save_is_a_clear_error_and_keeps_the_earlier_checkpoints(tmp_path, monkeypatch):
+  from vlrep import checkpoint, train
+
+  config = load_tiny_config()
+  config.evals = {}
+  config.total_steps = 8
+  config.checkpoint.update(every_steps=4, keep=3, async_save=False)
+  real_save = ocp.CheckpointManager.save
+
+  def disk_full_after_step_4(self, step, *args, **kwargs):
+    if step > 4:
+      raise OSError(28, "No space left on device")
+    return real_save(self, step, *args, **kwargs)
+
+  monkeypatch.setattr(ocp.CheckpointManager, "save", disk_full_after_step_4)
+  with pytest.raises(checkpoint.CheckpointSaveError, match=r"(?s)step 8.*No space left.*steps \[4\]\) are untouched"):
+    train.run(config, str(tmp_path))
+  monkeypatch.setattr(ocp.CheckpointManager, "save", real_save)
+  assert sorted(int(p) for p in os.listdir(tmp_path / "checkpoints") if p.isdigit()) == [4]
+  assert _final_params(tmp_path)[0] == 4  # and it restores
+
+
 def test_sigterm_checkpoints_exits_cleanly_and_resumes(tmp_path):
   workdir = tmp_path / "preempted"
   overrides = ["--config.total_steps=400", "--config.checkpoint.every_steps=5", "--config.evals={}"]

@@ -32,6 +32,10 @@ class ModelMismatchError(ValueError):
   """The checkpoint holds another model's parameters (never a reason to fall back to an older checkpoint)."""
 
 
+class CheckpointSaveError(RuntimeError):
+  """A save failed (disk full, permissions, a vanished filesystem); the checkpoints already written are intact."""
+
+
 class NoIntactCheckpointError(RuntimeError):
   """Checkpoints exist but none restores: starting from step 0 would silently discard them."""
 
@@ -70,9 +74,22 @@ class Checkpointer:
     return self.latest.latest_step()
 
   def save(self, step: int, state: Any, meta: dict, best: bool = False) -> None:
+    """Saves (asynchronously when configured: an earlier save's failure surfaces here or in `wait`)."""
     mngr = self.best if best else self.latest
-    mngr.save(
-      step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True
+    try:
+      mngr.save(
+        step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True
+      )
+    except Exception as e:  # noqa: BLE001 -- every failure gets the same actionable message
+      raise self._save_error(step, mngr, e) from e
+
+  def _save_error(self, step: int, mngr, error: Exception) -> CheckpointSaveError:
+    # Orbax writes into a temporary directory and renames it when complete: a failed save leaves no partial step.
+    intact = sorted(int(p) for p in os.listdir(mngr.directory) if p.isdigit()) if os.path.isdir(mngr.directory) else []
+    return CheckpointSaveError(
+      f"Saving a checkpoint (step {step}) to {mngr.directory} failed: {type(error).__name__}: {error}\n"
+      f"The checkpoints already there (steps {intact or 'none'}) are untouched. Free disk space or fix the "
+      "directory's permissions, then rerun the same command: it resumes from the newest of them."
     )
 
   def restore(self, step: int, abstract_state: Any, best: bool = False) -> tuple[Any, dict]:
@@ -125,8 +142,11 @@ class Checkpointer:
     self.latest.reload()
 
   def wait(self) -> None:
-    self.latest.wait_until_finished()
-    self.best.wait_until_finished()
+    for mngr in (self.latest, self.best):
+      try:
+        mngr.wait_until_finished()
+      except Exception as e:  # noqa: BLE001 -- an asynchronous save's failure
+        raise self._save_error(mngr.latest_step() or 0, mngr, e) from e
 
   def close(self) -> None:
     self.latest.close()
