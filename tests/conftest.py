@@ -36,6 +36,24 @@ def with_devices(n: int, env=None) -> dict:
   return env
 
 
+def final_params(workdir):
+  """(step, params as numpy) of the newest checkpoint in `workdir`: a raw restore (no target), onto this
+  process's first device whatever device count wrote it."""
+  import jax
+  import numpy as np
+  import orbax.checkpoint as ocp
+
+  step = max(int(p) for p in os.listdir(os.path.join(workdir, "checkpoints")) if p.isdigit())
+  path = os.path.join(workdir, "checkpoints", str(step), "state")
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  checkpointer = ocp.StandardCheckpointer()
+  meta = checkpointer.metadata(path).item_metadata
+  state = checkpointer.restore(
+    path, jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), meta)
+  )
+  return step, jax.tree.map(np.asarray, state["params"])
+
+
 def load_tiny_config(arg=None):
   import tiny_virtex
 
