@@ -77,7 +77,7 @@ def get_config(arg=None):
     step_factor=0.1,
   )
   c.sharding = dict(params="replicate", num_devices=0)
-  c.checkpoint = dict(every_steps=5000, keep=2, async_save=True)
+  c.checkpoint = dict(every_steps=5000, keep=2, async_save=True, exit_deadline_secs=20.0)
   c.log_every_steps = 100
   c.evals = dict(
     val=dict(

@@ -158,7 +158,7 @@ def get_config(arg=None):
   if arg.variant == "text_only":
     # The backbone is unused: LR 0 keeps it at its initialisation (weight decay would otherwise shrink it).
     c.optim.lr_groups = (("^backbone/", 0.0), (".*", 3e-2))
-  c.checkpoint = dict(every_steps=5000, keep=2, async_save=True)
+  c.checkpoint = dict(every_steps=5000, keep=2, async_save=True, exit_deadline_secs=20.0)
   c.log_every_steps = 100
   c.init_from = ""
 

@@ -110,7 +110,7 @@ def get_config(arg=None):
     eps=1e-8,
   )
   c.sharding = dict(params="replicate", num_devices=0)
-  c.checkpoint = dict(every_steps=2000, keep=2, async_save=True)
+  c.checkpoint = dict(every_steps=2000, keep=2, async_save=True, exit_deadline_secs=20.0)
   c.log_every_steps = 100
 
   c.evals = dict(

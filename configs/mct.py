@@ -165,7 +165,7 @@ def get_config(arg=None):
   )
   # The key queues (model state) are split along their first dimension: each device holds 1/N of the keys.
   c.sharding = dict(params="replicate", num_devices=0, rules=((r"(^|/)queues/", ("data",)),))
-  c.checkpoint = dict(every_steps=2000, keep=2, async_save=True)
+  c.checkpoint = dict(every_steps=2000, keep=2, async_save=True, exit_deadline_secs=20.0)
   c.log_every_steps = 100
 
   c.evals = dict(

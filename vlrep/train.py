@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -49,10 +50,14 @@ def to_steps(config: ml_collections.ConfigDict, prefix: str, steps_per_epoch: fl
 
 
 class _Preemption:
-  """SIGTERM sets a flag; the loop checkpoints at the next step boundary and exits cleanly."""
+  """SIGTERM sets a flag that the loop checks between steps and before long phases: it saves the newest trained
+  step (if not saved yet) and exits cleanly. A timer bounds the whole exit: `deadline_secs` after the signal the
+  process ends even if a compilation, evaluation or save is still running (Orbax renames a checkpoint only once it
+  is complete, so the newest complete one survives). 0 disables the timer."""
 
-  def __init__(self):
+  def __init__(self, deadline_secs: float):
     self.requested = False
+    self.deadline_secs = deadline_secs
     try:
       signal.signal(signal.SIGTERM, self._handle)
     except ValueError:  # not the main thread (e.g. notebooks): rely on periodic checkpoints
@@ -60,8 +65,23 @@ class _Preemption:
 
   def _handle(self, signum, frame):
     del frame
+    if self.requested:
+      return
     logging.warning("Received signal %d: saving a checkpoint and exiting.", signum)
     self.requested = True
+    if self.deadline_secs > 0:
+      timer = threading.Timer(self.deadline_secs, self._expire)
+      timer.daemon = True
+      timer.start()
+
+  def _expire(self):
+    logging.error(
+      "SIGTERM deadline (%.0f s) passed before a clean exit: exiting now. The newest complete checkpoint is kept; "
+      "rerun the same command to resume.",
+      self.deadline_secs,
+    )
+    logging.flush()
+    os._exit(143)  # 128 + SIGTERM, what a scheduler expects of a terminated task
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -70,7 +90,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   os.makedirs(workdir, exist_ok=True)
   host, num_hosts = jax.process_index(), jax.process_count()
   writer = metric_writers.create_default_writer(workdir, just_logging=host > 0)
-  preemption = _Preemption()
+  preemption = _Preemption(config.checkpoint.get("exit_deadline_secs", 20.0))
 
   # ---------------------------------------------------------------------------------------------------- #
   # Devices, data, tokenizer, method.
@@ -239,9 +259,24 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
           f"(step {last}) in {workdir} is untouched; lower the learning rate or check the data."
         )
 
+  saved_step = start_step  # the newest step with a periodic checkpoint (restored or written by this run)
+
   def save(at_step):
+    nonlocal saved_step
     check_finite(pending_fetched())
     ckpt.save(at_step, state, meta())
+    saved_step = at_step
+
+  def stop_for_preemption(at_step):
+    """Saves `at_step` unless it is already saved, and returns the preempted run's summary."""
+    if at_step > saved_step:
+      save(at_step)
+    ckpt.wait()
+    logging.warning("Checkpoint at step %d saved after SIGTERM; exiting. Rerun the same command to resume.", at_step)
+    summary.update({"steps": at_step, "preempted": True, "seconds": time.time() - t_start})
+    if host == 0:
+      runs.write_summary(workdir, summary)
+    return summary
 
   def pending_fetched():
     fetched = jax.device_get(pending)
@@ -249,6 +284,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     return pending
 
   while step < total_steps:
+    if preemption.requested:  # a signal during startup, the random-init evaluation, or the last evaluations / save
+      return stop_for_preemption(step)
     state, metrics = step_fn(state, batch)
     pending.append(metrics)
     step += 1
@@ -281,14 +318,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       pending.clear()
       last_log_time, last_log_step = now, step
 
-    if preemption.requested:
-      save(step)
-      ckpt.wait()
-      logging.warning("Checkpoint at step %d saved after SIGTERM; exiting. Rerun the same command to resume.", step)
-      summary.update({"steps": step, "preempted": True, "seconds": time.time() - t_start})
-      if host == 0:
-        runs.write_summary(workdir, summary)
-      return summary
+    if preemption.requested:  # before this step's evaluations
+      return stop_for_preemption(step)
 
     is_last = step == total_steps
     eval_names = [n for n, e in evals.items() if is_last or (e.config.every_steps and step % e.config.every_steps == 0)]
