@@ -301,14 +301,10 @@ def _runlocal(c, arg, pretrain):
     if arg.task == "vqa":
       c.answers.update(size=100)
   c.batch_size = 64
-  # 600 steps of pretraining and of a frozen-base head, chosen on probe_val's questions (VisualBERT, 3 seeds; the
-  # base's 200 steps reached 71.6% masked-token accuracy, 600 78.4%; a head of 200 steps is still climbing: with
-  # it, no pretraining 59.55 +- 2.16 and captions 61.98 +- 1.09, with 600 steps 62.72 +- 1.50 and 65.15 +- 0.08).
-  # Fine-tuning the whole model stays at 200 steps.
-  c.total_steps = arg.steps or (600 if pretrain or arg.frozen else 200)
+  c.total_steps = arg.steps or 200
   c.optim.warmup_steps = 20
   c.optim.lr_groups = (("^task_head", 1e-3), (".*", 0.0)) if arg.frozen else ((".*", 1e-4),)
   c.checkpoint.every_steps = 200
   c.log_every_steps = 50
   for ev in c.evals.values():
-    ev.update(batch_size=64, every_steps=0 if pretrain else (200 if arg.frozen else 100))
+    ev.update(batch_size=64, every_steps=0 if pretrain else 100)
