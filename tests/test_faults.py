@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,7 +63,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
 
 
 def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path, caplog):
-  from vlrep import checkpoint, train
+  from vlrep import checkpoint, runs, train
 
   config = load_tiny_config()
   config.evals = {}
@@ -80,7 +81,20 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_pat
       with open(f, "r+b") as fh:
         fh.truncate(os.path.getsize(f) // 2)
 
+  # The best-by-metric copy follows the same rules: a damaged best falls back to the newest intact latest step.
+  shutil.copytree(ckpts / "8", tmp_path / "best" / "8")
   damage(8)
+  for f in [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "best" / "8" / "state") for f in fs]:
+    if os.path.getsize(f) > 1024:
+      with open(f, "r+b") as fh:
+        fh.truncate(os.path.getsize(f) // 2)
+  with caplog.at_level("WARNING"):
+    assert runs.load_run(str(tmp_path), "best").step == 4
+  assert "best/8 does not restore" in caplog.text and "checkpoints/8 does not restore" in caplog.text
+  with pytest.raises(ValueError):  # a step asked for by number never falls back (a truncated file: ValueError)
+    runs.load_run(str(tmp_path), "8")
+  shutil.rmtree(tmp_path / "best")
+  caplog.clear()
   config.total_steps = 10
   with caplog.at_level("WARNING"):
     train.run(config, str(tmp_path))

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
 from ml_collections import ConfigDict
 
 from vlrep import sharding
@@ -39,7 +40,9 @@ class Run:
 def load_run(workdir: str, checkpoint: str = "best") -> Run:
   """Restores WORKDIR's 'best' or 'latest' checkpoint, or the one of a given step (as a string of digits).
 
-  'best' falls back to 'latest' when the run kept no best checkpoint (no evaluator had a best metric).
+  'best' falls back to 'latest' when the run kept no best checkpoint (no evaluator had a best metric) or when
+  its best checkpoint does not restore (damaged files); 'latest' falls back to the newest step that restores.
+  Each fallback is logged with the error that caused it; a step asked for by number never falls back.
   """
   workdir = os.path.abspath(os.path.expanduser(workdir))
   if not os.path.isdir(workdir):
@@ -49,24 +52,38 @@ def load_run(workdir: str, checkpoint: str = "best") -> Run:
   def steps_in(d):
     return sorted(int(s) for s in os.listdir(d) if s.isdigit()) if os.path.isdir(d) else []
 
-  if checkpoint == "best" and not steps_in(dirs["best"]):
-    checkpoint = "latest"
-  if checkpoint in dirs:
-    directory, steps = dirs[checkpoint], steps_in(dirs[checkpoint])
-    if not steps:
-      raise FileNotFoundError(f"{workdir} has no checkpoint (looked in {directory}). Train with vlrep.main first.")
-    step = steps[-1]
-  elif checkpoint.isdigit():
+  if checkpoint.isdigit():
     step = int(checkpoint)
     directory = next((d for d in dirs.values() if step in steps_in(d)), None)
     if directory is None:
       available = sorted(set(steps_in(dirs["best"]) + steps_in(dirs["latest"])))
       raise FileNotFoundError(f"{workdir} has no checkpoint of step {step}; available steps: {available}")
-  else:
+    return _restore_run(directory, step)
+  if checkpoint not in dirs:
     raise ValueError(f"--checkpoint must be 'best', 'latest' or a step number, got {checkpoint!r}.")
+  candidates = [(dirs["best"], s) for s in steps_in(dirs["best"])[::-1]] if checkpoint == "best" else []
+  candidates += [(dirs["latest"], s) for s in steps_in(dirs["latest"])[::-1]]
+  if not candidates:
+    raise FileNotFoundError(f"{workdir} has no checkpoint (looked in {dirs[checkpoint]}). Train with vlrep.main first.")
+  failures = []
+  for directory, step in candidates:
+    try:
+      run = _restore_run(directory, step)
+    except Exception as e:  # noqa: BLE001 -- a damaged checkpoint: the next candidate, said in the log
+      path, why = os.path.join(directory, str(step)), f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+      failures.append(f"{path}: {why}")
+      logging.warning("Checkpoint %s does not restore (%s); trying the next one.", path, why)
+      continue
+    return run
+  raise RuntimeError(f"No checkpoint of {workdir} restores:\n  " + "\n  ".join(failures))
+
+
+def _restore_run(directory: str, step: int) -> Run:
   mngr = ocp.CheckpointManager(directory)
-  meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-  mngr.close()
+  try:
+    meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  finally:
+    mngr.close()
   # Onto this process's first device, whatever device count and sharding wrote the checkpoint.
   state_path = os.path.join(directory, str(step), "state")
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import optax
 
 
 def make_train_step(method, tx, schedules: dict, base_rng):
@@ -19,7 +20,7 @@ def make_train_step(method, tx, schedules: dict, base_rng):
 
     (loss, (metrics, new_model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    params = jax.tree.map(jnp.add, state["params"], updates)
+    params = optax.apply_updates(state["params"], updates)
     new = {
       "step": state["step"] + 1,
       "params": params,
@@ -32,7 +33,7 @@ def make_train_step(method, tx, schedules: dict, base_rng):
     new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, {**state, "step": state["step"] + 1})
     metrics = {f"train/{k}": v for k, v in metrics.items()}
     metrics["train/loss"] = loss
-    metrics["train/grad_norm"] = optax_global_norm(grads)
+    metrics["train/grad_norm"] = optax.tree.norm(grads)
     for name, schedule in schedules.items():
       metrics[f"train/lr_{name}"] = schedule(state["step"])
     for k, v in batch.items():
@@ -53,7 +54,3 @@ def init_train_state(method, tx, rng, batch) -> dict:
     "model_state": {k: v for k, v in variables.items() if k != "params"},
     "opt_state": tx.init(params),
   }
-
-
-def optax_global_norm(tree) -> jax.Array:
-  return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
