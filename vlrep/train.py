@@ -58,6 +58,7 @@ class _Preemption:
   def __init__(self, deadline_secs: float):
     self.requested = False
     self.deadline_secs = deadline_secs
+    self._timer: threading.Timer | None = None
     try:
       signal.signal(signal.SIGTERM, self._handle)
     except ValueError:  # not the main thread (e.g. notebooks): rely on periodic checkpoints
@@ -70,9 +71,14 @@ class _Preemption:
     logging.warning("Received signal %d: saving a checkpoint and exiting.", signum)
     self.requested = True
     if self.deadline_secs > 0:
-      timer = threading.Timer(self.deadline_secs, self._expire)
-      timer.daemon = True
-      timer.start()
+      self._timer = threading.Timer(self.deadline_secs, self._expire)
+      self._timer.daemon = True
+      self._timer.start()
+
+  def exited_cleanly(self):
+    """The clean exit finished in time: the deadline no longer applies (run() may be called in-process again)."""
+    if self._timer is not None:
+      self._timer.cancel()
 
   def _expire(self):
     logging.error(
@@ -269,13 +275,16 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
   def stop_for_preemption(at_step):
     """Saves `at_step` unless it is already saved, and returns the preempted run's summary."""
-    if at_step > saved_step:
+    newly_trained = at_step > saved_step
+    if newly_trained:
       save(at_step)
     ckpt.wait()
-    logging.warning("Checkpoint at step %d saved after SIGTERM; exiting. Rerun the same command to resume.", at_step)
+    what = f"Checkpoint at step {at_step} saved" if newly_trained else f"Nothing trained since step {at_step}"
+    logging.warning("%s after SIGTERM; exiting. Rerun the same command to resume.", what)
     summary.update({"steps": at_step, "preempted": True, "seconds": time.time() - t_start})
     if host == 0:
       runs.write_summary(workdir, summary)
+    preemption.exited_cleanly()
     return summary
 
   def pending_fetched():

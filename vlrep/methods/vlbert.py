@@ -232,8 +232,9 @@ class VLBert:
         out = self.model.apply({"params": params}, v_states[:, 1:], method=vl_bert.VLBertModel.region_outputs)
         rw = region_picked.astype(jnp.float32)
         if self.region_target == "distribution":  # KL(detector's distribution || predicted), MMF's MMM
-          region_loss = region_kl(out, rep(batch["region_probs"]), rw)
-          rw = rw * (jnp.sum(rep(batch["region_probs"]), -1) > 0)
+          probs = rep(batch["region_probs"])
+          rw = rw * (jnp.sum(probs, -1) > 0)  # regions without a distribution are not scored (nor counted)
+          region_loss = region_kl(out, probs, rw)
         elif self.region_target == "classes":  # cross-entropy to the box's class (one-hot: ground-truth labels)
           labels = rep(batch["region_labels"])
           in_range = (labels >= 0) & (labels < self.region_classes)
