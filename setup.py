@@ -35,7 +35,7 @@ setuptools.setup(
     # nbclient and ipykernel run the inspection notebook.
     "test": [
       "pytest>=8",
-      "pytest-xdist>=3.5",  # the suite runs on 2 workers (README's test command)
+      "pytest-xdist>=3.6",  # the suite runs on 2 workers (README's test command), slowest files first
       "filelock>=3.12",  # tests/conftest.py: one worker generates the tiny dataset
       "ruff>=0.5",
       "torch==2.13.0",

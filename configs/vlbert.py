@@ -226,7 +226,7 @@ def get_config(arg=None):
   if arg.fraction:
     if not (pretrain and 0 < arg.fraction <= 100):
       raise ValueError(f"fraction={arg.fraction} needs stage=pretrain and 0 < P <= 100.")
-    # A fraction of what the split already holds: 'train' -> 'train[:P%]', 'train[:12.5%]' -> 'train[:12.5*P/100%]'.
+    # A fraction of what the split already holds: 'train' -> 'train[:P%]', 'train[:6.25%]' -> 'train[:6.25*P/100%]'.
     name, held = pipeline_split(c.data.split)
     c.data.split = f"{name}[:{held * arg.fraction:g}%]"
   if arg.regions:
@@ -235,7 +235,7 @@ def get_config(arg=None):
 
 
 def pipeline_split(split):
-  """('train', 100.0) for 'train'; ('train', 12.5) for 'train[:12.5%]'."""
+  """('train', 100.0) for 'train'; ('train', 0.0625) for 'train[:6.25%]'."""
   m = re.fullmatch(r"(\w+)(?:\[:([\d.]+)%\])?", split)
   if not m:
     raise ValueError(f"Cannot take a fraction of split {split!r}.")
@@ -291,8 +291,9 @@ def _runlocal(c, arg, pretrain):
   for ev in c.evals.values():
     ev.update(dataset="synthetic_scenes", config_name="default", data_dir=data_dir, pp=local(ev.pp))
   if pretrain:
-    # Every source clipped to 500 images (the size of ood_train), as the study clips VQA and CC to COCO's size.
-    c.data.split = "ood_train" if arg.data in ("ood_captions", "generated") else "train[:12.5%]"
+    # Every source clipped to 500 images (the size of ood_train; 6.25% of train's 8000), as the study clips VQA and CC
+    # to COCO's size.
+    c.data.split = "ood_train" if arg.data in ("ood_captions", "generated") else "train[:6.25%]"
     c.evals.mlm.update(limit=200)
     if arg.data in ("ood_captions", "generated"):
       c.evals.mlm.split = "ood_val"

@@ -449,7 +449,7 @@ def test_config_tasks_and_pretraining_fractions():
   cfg = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(cfg)
   assert cfg.get_config("fraction=10").data.split == "train[:10%]"
-  assert cfg.get_config("runlocal,fraction=50").data.split == "train[:6.25%]"  # half of the 500-image clip
+  assert cfg.get_config("runlocal,fraction=50").data.split == "train[:3.125%]"  # half of the 500-image clip
   assert cfg.get_config("data=ood_captions,fraction=1.2").data.name == "conceptual_captions"
   mm = cfg.get_config("stage=finetune,task=mmimdb")
   assert (mm.data.name, mm.method.loss, mm.method.num_labels, mm.best_metric) == ("mm_imdb", "bce", 23, "task/micro_f1")
@@ -516,7 +516,7 @@ def test_recipe_configs_take_one_step_at_their_real_shapes(arch, regions, extra,
   c.method.update(bert_layers=2, v_layers=2, v_hidden=64, v_heads=2, v_intermediate=64, bi_hidden=64, bi_heads=2)
   c.method.dtype = "float32"
   c.method.visual.backbone.update(depth=26, width=8)  # stride 32 as ResNet-50's: the same 7x7 grid at 224 px
-  c.method.visual.init_from = "stands-in-for-a-trained-run"  # its weights are not read by init
+  c.method.visual.allow_random_init = True  # a trained extractor's weights are not read by init
   for key, value in extra.items():
     holder, _, leaf = key.rpartition(".")
     (c.method.visual if holder == "visual" else c.method)[leaf] = value
@@ -539,6 +539,54 @@ def test_recipe_configs_take_one_step_at_their_real_shapes(arch, regions, extra,
     assert float(metrics["masked_regions"]) > 0 and float(metrics["region_loss"]) > 0
     assert float(jnp.abs(grads["region_head_2"]["kernel"]).max()) > 0
   assert float(jnp.abs(grads["regions_embed"]["feature"]["kernel"]).max()) > 0
+
+
+def test_regions_come_from_the_init_from_runs_backbone_whatever_visual_backbone_says(monkeypatch):
+  """`visual.init_from` names a trained run (e.g. a VirTex run): its ResNet, architecture and weights, extracts the
+  regions; a downstream run of a VL run pretrained that way extracts with the same ResNet."""
+  from vlrep import runs
+  from vlrep.models import resnet
+
+  backbone = dict(depth=10, width=8, stem="small", stem_stride=2)
+  net = resnet.ResNet(**backbone, bn_group_size=0)
+  net_vars = net.init(jax.random.PRNGKey(3), jnp.zeros((1, 32, 32, 3)), train=False)
+  # Batch statistics a fresh init would not have: the extractor must use these, not its own.
+  stats = jax.tree.map(lambda a: a + 0.5, net_vars["batch_stats"])
+  virtex = runs.Run(
+    config=ConfigDict({"method": {"backbone": {**backbone, "bn_group_size": 32}}}),
+    params={"backbone": net_vars["params"], "head": {"w": np.zeros(3)}},
+    model_state={"batch_stats": {"backbone": stats}},
+    step=5,
+    path="/runs/virtex/best/5",
+    meta={},
+  )
+  c = _recipe("arch=visual_bert,stage=pretrain,bert=minilm")
+  c.method.update(bert_layers=1, dtype="float32")
+  c.method.visual.update(init_from="/runs/virtex", backbone=dict(depth=50, width=64, bn_group_size=0))
+  available = {"/runs/virtex": virtex}
+  monkeypatch.setattr(runs, "load_run", lambda path, checkpoint="best": available[path])
+  method = vlbert.VLBert(c.method, 30522)
+  assert method.regions.backbone == runs.resnet_kwargs(virtex) and method.regions_dim() == net.num_features
+  batch = {k: jnp.asarray(v) for k, v in _recipe_batch(c, np.random.default_rng(0)).items()}
+  variables = method.init(jax.random.PRNGKey(0), batch)
+  visual = method.pretrained_variables()["model_state"]["visual"]
+  assert jax.tree.map(jnp.shape, visual) == jax.tree.map(jnp.shape, dict(variables["visual"]))
+  feats, _, _ = method.regions.apply(visual, batch["image"], batch["boxes"], batch["box_mask"])
+  grid, _ = net.apply({"params": net_vars["params"], "batch_stats": stats}, batch["image"], train=False)
+  expected = vl_bert.roi_sample(grid.astype(jnp.float32), batch["boxes"], 7).mean(axis=(2, 3))
+  np.testing.assert_allclose(feats, expected, rtol=1e-5, atol=1e-5)
+  # Downstream of a VL run pretrained with that extractor: the same ResNet, without repeating init_from.
+  c2 = _recipe("arch=visual_bert,stage=finetune,task=vqa,bert=minilm")
+  c2.method.update(bert_layers=1, dtype="float32", num_labels=3, pretrained_run="/runs/vl")
+  available["/runs/vl"] = runs.Run(
+    config=ConfigDict({"method": c.method.to_dict()}),
+    params={},
+    model_state={"visual": visual},
+    step=7,
+    path="/runs/vl/best/7",
+    meta={},
+  )
+  assert vlbert.VLBert(c2.method, 30522).regions.backbone == runs.resnet_kwargs(virtex)
 
 
 def test_recipe_refuses_regions_that_would_train_silently_wrong(tmp_path):

@@ -13,7 +13,7 @@ def get_config(arg=None):
   c = vlbert.get_config("runlocal" + ("," + arg if arg else ""))
   data_dir = os.environ.get("VLREP_TEST_DATA_DIR", "/tmp/vlrep_test_data")
   c.data.update(config_name="tiny", data_dir=data_dir)
-  if c.data.split == "train[:12.5%]":
+  if c.data.split == "train[:6.25%]":
     c.data.split = "train"
   c.method.update(bert_layers=1, v_layers=1, v_hidden=32, v_heads=2, v_intermediate=64, bi_hidden=32, bi_heads=2)
   c.method.visual.update(backbone=dict(depth=10, width=8, bn_group_size=0), crop_size=16)

@@ -114,19 +114,25 @@ def backbone_of(run: Run) -> tuple[Any, dict]:
   if cfg.get("arch", "resnet") == "vgg16":
     module = vgg.VGG16(width=cfg.get("width", 64))
   else:
-    module = resnet.ResNet(
-      depth=cfg.get("depth", 50),
-      width=cfg.get("width", 64),
-      inner_multiplier=cfg.get("inner_multiplier", 1),
-      bn_group_size=0,
-      stem=cfg.get("stem", "imagenet"),
-      stem_stride=cfg.get("stem_stride", 2),
-    )
+    module = resnet.ResNet(**resnet_kwargs(run))
   variables = {"params": run.params["backbone"]}
   stats = run.model_state.get("batch_stats", {}).get("backbone")
   if stats is not None:
     variables["batch_stats"] = stats
   return module, variables
+
+
+def resnet_kwargs(run: Run) -> dict:
+  """The keyword arguments of `resnet.ResNet` that rebuild a run's backbone for inference (no BN groups)."""
+  cfg = run.config.method.get("backbone", {})
+  return dict(
+    depth=cfg.get("depth", 50),
+    width=cfg.get("width", 64),
+    inner_multiplier=cfg.get("inner_multiplier", 1),
+    bn_group_size=0,
+    stem=cfg.get("stem", "imagenet"),
+    stem_stride=cfg.get("stem_stride", 2),
+  )
 
 
 def backbone_fn(run: Run, mesh=None):

@@ -114,8 +114,13 @@ class VLBert:
     self.region_classes = 0
     if self.task == "pretrain" and config.arch == "vilbert":
       self.region_classes = -1 if self.region_target == "feature" else int(config.region_classes)
+    self._pretrained_run = runs.load_run(config.pretrained_run, "best") if config.get("pretrained_run") else None
+    self._extractor_run = None  # the run whose backbone extracts the regions (visual.init_from)
+    if v.get("init_from") and not self.from_files and self._pretrained_run is None:
+      self._extractor_run = runs.load_run(v.init_from, "best")
+    self.extractor_backbone = self._extractor_backbone()
     self.regions = vl_bert.RegionFeatures(
-      backbone=dict(v.backbone), mode=v.mode, roi_size=v.get("roi_size", 7), crop_size=v.get("crop_size", 32)
+      backbone=self.extractor_backbone, mode=v.mode, roi_size=v.get("roi_size", 7), crop_size=v.get("crop_size", 32)
     )
     self.model = vl_bert.VLBertModel(
       arch=config.arch,
@@ -139,10 +144,26 @@ class VLBert:
     if self.task == "classify":
       self.fields = self.fields + ("targets",)
 
+  def _extractor_backbone(self) -> dict:
+    """The region extractor's ResNet: `visual.init_from`'s backbone, or the one a `pretrained_run` extracted
+    with (so a downstream run need not repeat it), else `visual.backbone`."""
+    if self.from_files:
+      return dict(self.config.visual.backbone)
+    source = self._extractor_run
+    if self._pretrained_run is not None and self._pretrained_run.config.method.visual.get("init_from"):
+      source = runs.load_run(self._pretrained_run.config.method.visual.init_from, "best")
+    if source is None:
+      return dict(self.config.visual.backbone)
+    if source.config.method.get("backbone", {}).get("arch", "resnet") != "resnet":
+      raise ValueError(f"visual.init_from: {source.path}'s backbone is not a ResNet; the region extractor is one.")
+    backbone = runs.resnet_kwargs(source)
+    logging.info("Region extractor: %s's ResNet %s (visual.backbone is not used).", source.path, backbone)
+    return backbone
+
   def regions_dim(self) -> int:
     if self.config.visual.mode == "file":
       return int(self.config.visual.dim)
-    return resnet.ResNet(**dict(self.config.visual.backbone)).num_features
+    return resnet.ResNet(**self.extractor_backbone).num_features
 
   # -- contract -----------------------------------------------------------------------------------------
   def init(self, rng, batch) -> dict:
@@ -173,16 +194,16 @@ class VLBert:
     out = {"params": {"bert": self._bert}}
     if self._mlm_head is not None:
       out["params"]["mlm_head"] = self._mlm_head
-    if self.config.get("pretrained_run"):
-      run = runs.load_run(self.config.pretrained_run, "best")
+    if self._pretrained_run is not None:
+      run = self._pretrained_run
       out["params"] = {k: v for k, v in run.params.items() if not k.startswith(_TASK_PARAMS)}
       if "visual" in run.model_state and not self.from_files:
         out["model_state"] = {"visual": run.model_state["visual"]}
       elif not self.from_files:
         raise ValueError(f"{run.path} has no region extractor (a file-features run?); this config extracts regions.")
       logging.info("Transformer and region extractor from %s (step %d).", run.path, run.step)
-    elif self.config.visual.get("init_from") and not self.from_files:
-      run = runs.load_run(self.config.visual.init_from, "best")
+    elif self._extractor_run is not None:
+      run = self._extractor_run
       _, variables = runs.backbone_of(run)
       visual = {"params": {"backbone": variables["params"]}}
       if "batch_stats" in variables:
@@ -304,7 +325,7 @@ class VLBert:
     net_vars = {"params": v["params"]["backbone"]}
     if "batch_stats" in v:
       net_vars["batch_stats"] = v["batch_stats"]["backbone"]
-    grid, aux = resnet.ResNet(**dict(self.config.visual.backbone)).apply(net_vars, images, train=False)
+    grid, aux = resnet.ResNet(**self.extractor_backbone).apply(net_vars, images, train=False)
     return {"pre_logits": aux["pre_logits"], "grid": grid.astype(jnp.float32)}
 
   # -- helpers ------------------------------------------------------------------------------------------
