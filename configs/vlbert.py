@@ -40,6 +40,9 @@ Arguments (comma-separated; any key can also be set with --config.KEY=VALUE):
                        converts MMF's Faster R-CNN dumps) instead of the frozen vlrep ResNet; set
                        --config.method.visual.dim to their width (2048 by default); ViLBERT pretraining reads
                        their cls_prob as its masked-region target (region_classes = the detector's classes)
+  extractor=RUN        the vlrep run whose backbone (architecture and weights) extracts the regions, frozen: sets
+                       method.visual.init_from (runlocal: e.g. the quick start's VirTex run; without it runlocal's
+                       extractor is a random ResNet-26, a deliberate baseline)
   bert=PATH            a local Hugging Face BERT folder (the recipe needs bert-base-uncased; 'minilm' = the
                        packaged MiniLM-L6-H384, runlocal's default)
   steps=N              training steps instead of the recipe's
@@ -73,6 +76,7 @@ def get_config(arg=None):
     data="captions",
     generated="",
     regions="",
+    extractor="",
     task="vqa",
     frozen=False,
     bert="",
@@ -229,8 +233,14 @@ def get_config(arg=None):
     # A fraction of what the split already holds: 'train' -> 'train[:P%]', 'train[:6.25%]' -> 'train[:6.25*P/100%]'.
     name, held = pipeline_split(c.data.split)
     c.data.split = f"{name}[:{held * arg.fraction:g}%]"
+  if arg.regions and arg.extractor:
+    raise ValueError(
+      "regions=DIR (precomputed features) and extractor=RUN (a ResNet extracting them) exclude each other."
+    )
   if arg.regions:
     _region_files(c, arg.regions)
+  if arg.extractor:
+    c.method.visual.update(init_from=arg.extractor, allow_random_init=False)
   return c
 
 

@@ -450,6 +450,10 @@ def test_config_tasks_and_pretraining_fractions():
   spec.loader.exec_module(cfg)
   assert cfg.get_config("fraction=10").data.split == "train[:10%]"
   assert cfg.get_config("runlocal,fraction=50").data.split == "train[:3.125%]"  # half of the 500-image clip
+  extracted = cfg.get_config("runlocal,extractor=/runs/virtex").method.visual
+  assert (extracted.init_from, extracted.allow_random_init) == ("/runs/virtex", False)
+  with pytest.raises(ValueError, match="exclude each other"):
+    cfg.get_config("extractor=/runs/virtex,regions=/regions")
   assert cfg.get_config("data=ood_captions,fraction=1.2").data.name == "conceptual_captions"
   mm = cfg.get_config("stage=finetune,task=mmimdb")
   assert (mm.data.name, mm.method.loss, mm.method.num_labels, mm.best_metric) == ("mm_imdb", "bce", 23, "task/micro_f1")
