@@ -20,7 +20,6 @@ sys.path.insert(0, TESTS)
 
 import pytest  # noqa: E402
 
-
 # Test files, slowest first (their CI durations on 2 cores). With `--dist loadfile` each file is one unit of work
 # and xdist hands them out in this order, so the long ones start first and both workers stay busy to the end (the
 # longest-processing-time-first rule; by default xdist orders files by how many tests they hold, which started the

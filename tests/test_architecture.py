@@ -83,6 +83,34 @@ def test_vlrep_has_no_import_cycle():
   assert cycles(graph) == []
 
 
+# Layers, lowest first: a module imports only its own layer and those below it (README's "Architecture").
+LAYERS = {
+  "vlrep.models": 0,  # Flax modules: tensors in, tensors out
+  "vlrep.data": 1,  # datasets, ops and tokenizers (token ids and BERT folders come from models)
+  "vlrep.evaluators": 2,
+  "vlrep.methods": 2,
+}
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+  def layer(module):
+    return next((v for k, v in LAYERS.items() if module == k or module.startswith(k + ".")), None)
+
+  return sorted(
+    f"{a} -> {b}"
+    for a, targets in graph.items()
+    for b in targets
+    if layer(a) is not None and layer(b) is not None and layer(b) > layer(a)
+  )
+
+
+def test_models_import_no_data_and_data_imports_no_evaluator_or_method():
+  graph = import_graph(os.path.join(ROOT, "vlrep"), "vlrep")
+  assert layer_violations(graph) == []
+  # The check sees a violation where there is one.
+  assert layer_violations({"vlrep.models.x": {"vlrep.data.tokenizers"}}) == ["vlrep.models.x -> vlrep.data.tokenizers"]
+
+
 def test_a_cycle_through_a_function_local_import_is_found(tmp_path):
   pkg = tmp_path / "pkg"
   (pkg / "sub").mkdir(parents=True)

@@ -1,4 +1,5 @@
-"""Faults: SIGKILL mid-run and resume, a non-finite loss, damaged checkpoints, failed saves. (SIGTERM: test_preemption.)"""
+"""Faults: SIGKILL mid-run and resume, a non-finite loss, damaged checkpoints, failed saves (SIGTERM:
+test_preemption)."""
 
 import json
 import os

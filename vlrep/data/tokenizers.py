@@ -19,9 +19,7 @@ from absl import logging
 from vlrep.data import records
 from vlrep.data.wordpiece import WordPieceTokenizer
 from vlrep.models.bert import resolve_path
-
-PAD_ID, UNK_ID, SOS_ID, EOS_ID, MASK_ID = 0, 1, 2, 3, 4
-NUM_SPECIAL = 5
+from vlrep.models.special_tokens import EOS_ID, MASK_ID, NUM_SPECIAL, PAD_ID, SOS_ID, UNK_ID  # noqa: F401
 
 
 def normalize_text(text: str) -> str:

@@ -13,8 +13,7 @@ import json
 import numpy as np
 import tensorflow as tf
 
-from vlrep.data import records, registry
-from vlrep.evaluators import vl_metrics
+from vlrep.data import records, registry, vqa_answers
 
 SOURCES = ("captions", "qa", "entailment", "plot")
 
@@ -203,7 +202,7 @@ def get_answer_targets(key: str = "answers", out: str = "targets", context=None)
     lead = answers.shape[:-1]
     dec = lambda t: t.decode("utf-8") if isinstance(t, bytes) else str(t)  # noqa: E731
     per_question = answers.reshape(-1, answers.shape[-1])
-    rows = [vl_metrics.soft_scores([dec(h) for h in humans if dec(h)], index) for humans in per_question]
+    rows = [vqa_answers.soft_scores([dec(h) for h in humans if dec(h)], index) for humans in per_question]
     batch[out] = np.stack([r[0] for r in rows]).reshape(lead + (len(vocab),))
     mask = np.asarray(batch["pair_mask"], bool)
     batch["stat_answer_oov"] = (~np.array([r[1] for r in rows]).reshape(lead) & mask).reshape(-1)
@@ -264,9 +263,9 @@ def answer_vocab(config, builder) -> list[str]:
   answers = read_answers(builder, config.split)
   if not answers:
     raise ValueError(f"{builder.name}/{config.split} has no questions to build an answer vocabulary from.")
-  vocab = vl_metrics.build_answer_vocab(answers, config.size, config.get("min_count", 1))
+  vocab = vqa_answers.build_answer_vocab(answers, config.size, config.get("min_count", 1))
   index = set(vocab)
-  covered = sum(any(vl_metrics.normalize_answer(a) in index for a in humans) for humans in answers)
+  covered = sum(any(vqa_answers.normalize_answer(a) in index for a in humans) for humans in answers)
   logging.info(
     "Answer vocabulary: %d answers from %d questions of %s/%s; %.1f%% of the questions have an answer in it.",
     len(vocab),

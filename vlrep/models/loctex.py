@@ -13,8 +13,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from vlrep.data import tokenizers
-from vlrep.models import resnet, transformer
+from vlrep.models import resnet, special_tokens, transformer
 
 SCALE_TO_STAGE = {1: "stage4", 2: "stage3", 4: "stage2"}
 
@@ -33,7 +32,7 @@ class TextEncoder(nn.Module):
 
   @nn.compact
   def __call__(self, tokens, train: bool = False):
-    keep = tokens != tokenizers.PAD_ID
+    keep = tokens != special_tokens.PAD_ID
     mask = keep[:, None, None, :]
     x = transformer.WordAndPositionEmbedding(
       self.vocab_size, self.hidden, self.max_len, self.dropout, self.dtype, name="embedding"
@@ -72,7 +71,7 @@ class LocTexModel(nn.Module):
     """Returns ({'image_embedding', 'text_embedding' [B, D], 'attention_logits_<s>x' [B, T, R_s^2]}, aux)."""
     grid, aux = self.visual(images, train)
     words = self.textual(tokens, train)
-    keep = (tokens != tokenizers.PAD_ID).astype(jnp.float32)[..., None]
+    keep = (tokens != special_tokens.PAD_ID).astype(jnp.float32)[..., None]
     text_pooled = jnp.sum(words.astype(jnp.float32) * keep, 1) / jnp.maximum(jnp.sum(keep, 1), 1.0)
     out = {
       "image_embedding": self.visual_contrastive(aux["pre_logits"].astype(self.dtype)).astype(jnp.float32),

@@ -13,9 +13,8 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from vlrep.data import tokenizers
 from vlrep.models import bert as bert_lib
-from vlrep.models import resnet
+from vlrep.models import resnet, special_tokens
 from vlrep.models.loctex import TextEncoder
 
 
@@ -88,7 +87,7 @@ class MCTModel(nn.Module):
     # BERT's pooled output: the first token's ([SOS] / [CLS]) final state (or the tokens' mean) through dense and
     # tanh. A pretrained BERT's 'cls' pooling is its own pretrained pooler.
     if self.bert is not None:
-      states, aux = self.textual(tokens, mask=tokens != tokenizers.PAD_ID, deterministic=not train)
+      states, aux = self.textual(tokens, mask=tokens != special_tokens.PAD_ID, deterministic=not train)
     else:
       states, aux = self.textual(tokens, train), None
     if self.text_pool == "cls" and aux is not None:
@@ -96,7 +95,7 @@ class MCTModel(nn.Module):
     elif self.text_pool == "cls":
       pooled = jnp.tanh(self.text_pooler(states[:, 0]))
     elif self.text_pool == "mean":
-      keep = (tokens != tokenizers.PAD_ID)[..., None].astype(states.dtype)
+      keep = (tokens != special_tokens.PAD_ID)[..., None].astype(states.dtype)
       pooled = jnp.tanh(self.text_pooler(jnp.sum(states * keep, 1) / jnp.maximum(jnp.sum(keep, 1), 1.0)))
     else:
       raise ValueError(f"Unknown text_pool {self.text_pool!r}; expected 'cls' or 'mean'.")

@@ -7,8 +7,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from vlrep.data import tokenizers
-from vlrep.models import resnet, transformer
+from vlrep.models import resnet, special_tokens, transformer
 
 
 class VirTexModel(nn.Module):
@@ -62,7 +61,7 @@ class VirTexModel(nn.Module):
 
   def text_logits(self, visual, tokens, direction: str = "forward"):
     """Logits [B, T, V] and cross-attention ([L][B, heads, T, N]) of one direction given projected features."""
-    logits, aux = self.textual_head(visual, {direction: tokens}, {direction: tokens == tokenizers.PAD_ID}, False)
+    logits, aux = self.textual_head(visual, {direction: tokens}, {direction: tokens == special_tokens.PAD_ID}, False)
     return logits[direction], aux[f"{direction}/cross_attention"]
 
   def __call__(self, images, tokens_by_direction=None, padding_by_direction=None, train: bool = False):
