@@ -29,6 +29,7 @@ import numpy as np
 from absl import logging
 
 from vlrep.data import records
+from vlrep.data.registry import HostOp, register_host
 from vlrep.data.wordpiece import WordPieceTokenizer, basic_tokenize
 from vlrep.models import bert
 
@@ -286,3 +287,24 @@ def ensure_concepts(config, builder, tokenizer, bert_path: str = "") -> ConceptS
   concepts = ConceptSet.load(path)
   logging.info("Concept set %s: %d %s concepts.", path, len(concepts), concepts.kind)
   return concepts
+
+
+@register_host
+def get_concept_tags(key: str = "captions", out: str = "tags", context=None):
+  """Tag-prediction targets (float32[B, K] multi-hot) from the run's concept set (`context['concepts']`, see
+  vlrep.data.concepts): the concepts that the example's captions mention, or their caption clusters. Images whose
+  captions mention no concept get an all-zero row, which the loss skips and `stat_no_tags` counts."""
+  concepts = (context or {}).get("concepts")
+  if concepts is None:
+    raise ValueError("concept_tags() needs the run's concept set; set config.concepts (kind=postag|cluster).")
+
+  def fn(batch):
+    batch = dict(batch)
+    caps = np.asarray(batch[key], dtype=object)
+    caps = caps.reshape(len(caps), -1)
+    texts = [[c.decode("utf-8") if isinstance(c, bytes) else str(c) for c in row] for row in caps]
+    batch[out] = np.stack([concepts.tags(row) for row in texts]) if texts else np.zeros((0, len(concepts)), np.float32)
+    batch["stat_no_tags"] = batch[out].sum(1) == 0
+    return batch
+
+  return HostOp((key,), (out, "stat_no_tags"), fn)

@@ -1,7 +1,8 @@
 """Preprocessing ops: a registry of `name(args)` -> function(example dict) -> example dict, in TensorFlow.
 
-The general image and caption ops, registered in `vlrep.data.registry`; the trace ops (traces.py) and the
-vision-and-language ops (vl_ops.py, region_files.py) register there too. A preprocessing string chains ops
+The general image and caption ops, registered in `vlrep.data.registry`; the method-specific ops register there
+from their own modules: LocTex's traces (traces.py), MCT's caption views and paraphrases (caption_views.py),
+ICMLM's concept tags (concepts.py), the vision-and-language ops (vl_ops.py, region_files.py). A preprocessing string chains ops
 with `|`, e.g.
   `decode|inception_crop(64, area=(0.2, 1.0))|flip_lr_swap_words|color_jitter(0.4, 0.4, 0.4, 0.1)|normalize`
   `|choose_caption|tokenize(30)`
@@ -10,8 +11,6 @@ Randomness is stateless (`registry.next_rng`): the same example index always get
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import tensorflow as tf
@@ -288,27 +287,6 @@ def get_fixed_captions(num_captions: int = 5, key: str = "captions", out: str = 
   return op
 
 
-@register_host
-def get_concept_tags(key: str = "captions", out: str = "tags", context=None):
-  """Tag-prediction targets (float32[B, K] multi-hot) from the run's concept set (`context['concepts']`, see
-  vlrep.data.concepts): the concepts that the example's captions mention, or their caption clusters. Images whose
-  captions mention no concept get an all-zero row, which the loss skips and `stat_no_tags` counts."""
-  concepts = (context or {}).get("concepts")
-  if concepts is None:
-    raise ValueError("concept_tags() needs the run's concept set; set config.concepts (kind=postag|cluster).")
-
-  def fn(batch):
-    batch = dict(batch)
-    caps = np.asarray(batch[key], dtype=object)
-    caps = caps.reshape(len(caps), -1)
-    texts = [[c.decode("utf-8") if isinstance(c, bytes) else str(c) for c in row] for row in caps]
-    batch[out] = np.stack([concepts.tags(row) for row in texts]) if texts else np.zeros((0, len(concepts)), np.float32)
-    batch["stat_no_tags"] = batch[out].sum(1) == 0
-    return batch
-
-  return HostOp((key,), (out, "stat_no_tags"), fn)
-
-
 @register
 def get_voc_labels(num_classes: int, key: str = "objects", out: str = "labels", field: str = "label"):
   """VOC07 classification targets from object annotations: 1 present, 0 only difficult, -1 absent.
@@ -417,96 +395,6 @@ def get_gaussian_blur(
     return ex
 
   return op
-
-
-@register
-def get_caption_views(drop: float = 0.1, swap: float = 0.1, key: str = "caption", outs=("caption_q", "caption_k")):
-  """Two augmented views of a caption for contrastive text training, offline (no translation models): each
-  word dropped with probability `drop` (at least one kept) and each adjacent pair swapped with probability
-  `swap`, independently per view. Empty captions stay empty."""
-
-  def view(words, seed):
-    seeds = tf.random.experimental.stateless_split(seed, num=2)
-    n = tf.shape(words)[0]
-    u = tf.random.stateless_uniform([n], seeds[0])
-    keep = (u >= drop) | (tf.range(n) == tf.cast(tf.argmax(u), tf.int32))  # the highest draw always stays
-    words = tf.boolean_mask(words, keep)
-    n = tf.shape(words)[0]
-    # Swap pair (i, i+1) for the even i whose draw falls under `swap` (non-overlapping pairs).
-    s = tf.random.stateless_uniform([n], seeds[1]) < swap
-    idx = tf.range(n)
-    even = (idx % 2 == 0) & (idx + 1 < n)
-    swap_here = even & s
-    swap_prev = tf.concat([[False], swap_here[:-1]], 0)
-    src = tf.where(swap_here, idx + 1, tf.where(swap_prev, idx - 1, idx))
-    return tf.strings.reduce_join(tf.gather(words, src), separator=" ")
-
-  def op(ex):
-    ex = dict(ex)
-    words = tf.strings.split(tf.strings.strip(ex[key]))
-    seeds = tf.random.experimental.stateless_split(next_rng(ex), num=2)
-    for out, seed in zip(outs, tf.unstack(seeds), strict=True):
-      ex[out] = tf.cond(tf.size(words) > 0, lambda seed=seed: view(words, seed), lambda: tf.constant(""))
-    return ex
-
-  return op
-
-
-@register
-def get_paraphrase_draws(out: str = "paraphrase_u", num: int = 2):
-  """`num` uniform draws per example (one per caption view) for the host-side `paraphrases` op: the choice of a
-  paraphrase stays a pure function of the example's stream position, so resumed runs repeat it."""
-
-  def op(ex):
-    ex = dict(ex)
-    ex[out] = tf.random.stateless_uniform([num], next_rng(ex))
-    return ex
-
-  return op
-
-
-@register_host
-def get_paraphrases(
-  path: str,
-  prob: float = 0.5,
-  key: str = "caption",
-  outs=("caption_q", "caption_k"),
-  draws: str = "paraphrase_u",
-  context=None,
-):
-  """Replaces each caption view, with probability `prob`, by one of the caption's pre-computed paraphrases (MCT
-  section 3.3 uses back-translation, whose models cannot be fetched here: compute them elsewhere). The file is
-  JSON {caption: [paraphrase, ...]}, keyed by the caption text exactly as the dataset stores it. Captions without
-  an entry keep their offline views and are counted in `stat_no_paraphrase`. Put `paraphrase_draws` among the
-  TF ops, after `caption_views`."""
-  del context
-  import json
-
-  with open(os.path.expanduser(path)) as f:
-    table = {k: [p for p in v if p.strip()] for k, v in json.load(f).items()}
-  if not any(table.values()):
-    raise ValueError(f"{path} holds no paraphrases.")
-
-  def fn(batch):
-    batch = dict(batch)
-    dec = lambda t: t.decode("utf-8") if isinstance(t, bytes) else str(t)  # noqa: E731
-    captions = [dec(c) for c in np.asarray(batch[key]).reshape(-1)]
-    u = np.asarray(batch[draws], np.float64).reshape(len(captions), -1)
-    missing = np.zeros(len(captions), bool)
-    for v, out in enumerate(outs):
-      views = np.array([dec(c) for c in np.asarray(batch[out]).reshape(-1)], dtype=object)
-      for i, caption in enumerate(captions):
-        options = table.get(caption)
-        if not options:
-          missing[i] = bool(caption)
-          continue
-        if u[i, v] < prob:
-          views[i] = options[min(int(u[i, v] / prob * len(options)), len(options) - 1)]
-      batch[out] = views
-    batch["stat_no_paraphrase"] = missing
-    return batch
-
-  return HostOp((key, *outs, draws), (*outs, "stat_no_paraphrase"), fn)
 
 
 @register

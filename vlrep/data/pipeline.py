@@ -20,7 +20,7 @@ import tensorflow_datasets as tfds
 from absl import logging
 
 # ops, region_files, traces and vl_ops are imported for their side effect: they register their ops in `registry`.
-from vlrep.data import ops, records, region_files, registry, traces, vl_ops  # noqa: F401
+from vlrep.data import caption_views, concepts, ops, records, region_files, registry, traces, vl_ops  # noqa: F401
 from vlrep.data.builders import coco_captions, localized_narratives, synthetic_scenes, vl_datasets, voc2007
 
 _STREAM_END = 2**62
