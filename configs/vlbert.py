@@ -45,6 +45,8 @@ Arguments (comma-separated; any key can also be set with --config.KEY=VALUE):
                        extractor is a random ResNet-26, a deliberate baseline)
   bert=PATH            a local Hugging Face BERT folder (the recipe needs bert-base-uncased; 'minilm' = the
                        packaged MiniLM-L6-H384, runlocal's default)
+  pairs=N              texts of each image per training step, sampled (the recipe's 1; runlocal fine-tuning: all of
+                       an image's questions or statements, whose regions are then extracted once)
   steps=N              training steps instead of the recipe's
   fraction=P           pretrain on the first P% of the source (the paper's 10/50/100% of COCO and VQA; its
                        0.04M/0.2M/0.4M CC subsets are P = 1.2/6/12 of CC's 3.3M); runlocal: P% of the 500-image clip
@@ -77,6 +79,7 @@ def get_config(arg=None):
     generated="",
     regions="",
     extractor="",
+    pairs=0,
     task="vqa",
     frozen=False,
     bert="",
@@ -227,12 +230,16 @@ def get_config(arg=None):
     c.best_metric = TASK_SETUP[arg.task][4]
   if arg.runlocal:
     _runlocal(c, arg, pretrain)
+    if not pretrain and not arg.pairs:
+      arg.pairs = {"vqa": 5, "ve": 4}[arg.task]  # synthetic_scenes' most per image
   if arg.fraction:
     if not (pretrain and 0 < arg.fraction <= 100):
       raise ValueError(f"fraction={arg.fraction} needs stage=pretrain and 0 < P <= 100.")
     # A fraction of what the split already holds: 'train' -> 'train[:P%]', 'train[:6.25%]' -> 'train[:6.25*P/100%]'.
     name, held = pipeline_split(c.data.split)
     c.data.split = f"{name}[:{held * arg.fraction:g}%]"
+  if arg.pairs:  # texts of each image per training step (their regions are extracted once for all of them)
+    c.data.pp = re.sub(r"vl_pairs\('(\w+)', 1\b", rf"vl_pairs('\1', {arg.pairs}", c.data.pp)
   if arg.regions and arg.extractor:
     raise ValueError(
       "regions=DIR (precomputed features) and extractor=RUN (a ResNet extracting them) exclude each other."

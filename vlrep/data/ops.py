@@ -2,8 +2,8 @@
 
 The general image and caption ops, registered in `vlrep.data.registry`; the method-specific ops register there
 from their own modules: LocTex's traces (traces.py), MCT's caption views and paraphrases (caption_views.py),
-ICMLM's concept tags (concepts.py), the vision-and-language ops (vl_ops.py, region_files.py). A preprocessing string chains ops
-with `|`, e.g.
+ICMLM's concept tags (concepts.py), the vision-and-language ops (vl_ops.py, region_files.py). A preprocessing
+string chains ops with `|`, e.g.
   `decode|inception_crop(64, area=(0.2, 1.0))|flip_lr_swap_words|color_jitter(0.4, 0.4, 0.4, 0.1)|normalize`
   `|choose_caption|tokenize(30)`
 
