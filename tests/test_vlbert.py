@@ -450,6 +450,13 @@ def test_config_tasks_and_pretraining_fractions():
   spec.loader.exec_module(cfg)
   assert cfg.get_config("fraction=10").data.split == "train[:10%]"
   assert cfg.get_config("runlocal,fraction=50").data.split == "train[:3.125%]"  # half of the 500-image clip
+  # Texts per image per training step: runlocal fine-tunes on all of an image's questions (statements), pretrains on
+  # one caption; pairs=N sets it in either stage.
+  assert "|vl_pairs('qa', 5)|" in cfg.get_config("runlocal,stage=finetune,task=vqa,frozen").data.pp
+  assert "|vl_pairs('entailment', 4)|" in cfg.get_config("runlocal,stage=finetune,task=ve").data.pp
+  assert "|vl_pairs('captions', 1)|" in cfg.get_config("runlocal").data.pp
+  assert "|vl_pairs('qa', 3)|" in cfg.get_config("stage=finetune,task=vqa,pairs=3").data.pp
+  assert "vl_pairs('qa', 2, answer_as_text_b=True)" in cfg.get_config("runlocal,data=questions,pairs=2").data.pp
   extracted = cfg.get_config("runlocal,extractor=/runs/virtex").method.visual
   assert (extracted.init_from, extracted.allow_random_init) == ("/runs/virtex", False)
   with pytest.raises(ValueError, match="exclude each other"):
