@@ -21,8 +21,9 @@ randomly initialised extractor is an error (`visual.allow_random_init` makes it 
 
 On the embedded synthetic_scenes (the study's analogues: in-domain captions = `train` captions, questions =
 `train` question/answer pairs, out-of-domain captions = the sketch-style `ood_train` captions, generated
-captions = a VirTex captioner's captions of the `ood_train` images; every source clipped to 500 images):
-  python -m vlrep.main --config=configs/vlbert.py:runlocal,arch=visual_bert,stage=pretrain,data=questions \
+captions = a VirTex captioner's captions of the `ood_train` images; every source clipped to 500 images), with the
+quick start's VirTex run ($V, e.g. /tmp/vlrep_virtex_local) extracting the regions:
+  python -m vlrep.main --config=configs/vlbert.py:runlocal,arch=visual_bert,stage=pretrain,data=questions,extractor=$V \
       --workdir=/tmp/vb_q
   python -m vlrep.main --config=configs/vlbert.py:runlocal,arch=visual_bert,stage=finetune,task=vqa,frozen \
       --config.method.pretrained_run=/tmp/vb_q --workdir=/tmp/vb_q_vqa_frozen
@@ -274,8 +275,9 @@ def _region_files(c, directory):
 
 
 def _runlocal(c, arg, pretrain):
-  """synthetic_scenes at 64 px; a frozen ResNet-26 w16 over box crops; MiniLM's first 2 layers; sized for a 2-core
-  CPU."""
+  """synthetic_scenes at 64 px; a frozen ResNet over box crops (extractor=RUN's backbone, e.g. the quick start's
+  VirTex run, as docs/results/vlbert.md measures; else a random ResNet-26 w16); MiniLM's first 2 layers; all of an
+  image's questions per fine-tuning step; sized for a 2-core CPU."""
   data_dir = "~/.cache/vlrep/tensorflow_datasets"
   c.data.update(name="synthetic_scenes", config_name="default", data_dir=data_dir)
   c.method.update(dtype="float32", bert_layers=2, region_classes=10)
