@@ -14,7 +14,7 @@ The paper's recipe: both models start from bert-base-uncased (pass `bert=/path/t
 batch 1024, 88K updates; 15% of the tokens masked as BERT (80% [MASK], 10% random, 10% kept); ViLBERT also masks
 15% of the regions (zeroed 90% of the time) and predicts the detector's class distribution (KL). The paper's regions
 are a Visual Genome Faster R-CNN's: pass them as `regions=DIR` (their cls_prob is the KL target). Without region
-files, a frozen vlrep ResNet extracts them (`--config.method.visual.init_from=RUN`, any vlrep run with a backbone):
+files, a frozen vlrep ResNet extracts them (`extractor=RUN`, any vlrep run with a ResNet backbone):
 RoIAlign over the dataset's object boxes (COCO's ground truth; their class is ViLBERT's target), or the 7x7 grid
 at 224 px (`--config.method.visual.mode=grid --config.method.region_target=feature`: cells have no labels). A
 randomly initialised extractor is an error (`visual.allow_random_init` makes it a deliberate baseline).
@@ -25,8 +25,11 @@ captions = a VirTex captioner's captions of the `ood_train` images; every source
 quick start's VirTex run ($V, e.g. /tmp/vlrep_virtex_local) extracting the regions:
   python -m vlrep.main --config=configs/vlbert.py:runlocal,arch=visual_bert,stage=pretrain,data=questions,extractor=$V \
       --workdir=/tmp/vb_q
-  python -m vlrep.main --config=configs/vlbert.py:runlocal,arch=visual_bert,stage=finetune,task=vqa,frozen \
+  python -m vlrep.main \
+      --config=configs/vlbert.py:runlocal,arch=visual_bert,stage=finetune,task=vqa,frozen,extractor=$V \
       --config.method.pretrained_run=/tmp/vb_q --workdir=/tmp/vb_q_vqa_frozen
+(a downstream run names the pretraining run's extractor too: it builds that ResNet and takes its weights from the
+pretraining run; a different one is an error when the run starts).
 
 Arguments (comma-separated; any key can also be set with --config.KEY=VALUE):
   arch=visual_bert|vilbert
@@ -42,8 +45,9 @@ Arguments (comma-separated; any key can also be set with --config.KEY=VALUE):
                        --config.method.visual.dim to their width (2048 by default); ViLBERT pretraining reads
                        their cls_prob as its masked-region target (region_classes = the detector's classes)
   extractor=RUN        the vlrep run whose backbone (architecture and weights) extracts the regions, frozen: sets
-                       method.visual.init_from (runlocal: e.g. the quick start's VirTex run; without it runlocal's
-                       extractor is a random ResNet-26, a deliberate baseline)
+                       method.visual.init_from and method.visual.backbone (read from RUN's saved config, so the run
+                       saves the architecture it builds); runlocal: e.g. the quick start's VirTex run; without it
+                       runlocal's extractor is a random ResNet-26, a deliberate baseline
   bert=PATH            a local Hugging Face BERT folder (the recipe needs bert-base-uncased; 'minilm' = the
                        packaged MiniLM-L6-H384, runlocal's default)
   pairs=N              texts of each image per training step, sampled (the recipe's 1; runlocal fine-tuning: all of
@@ -55,6 +59,7 @@ Arguments (comma-separated; any key can also be set with --config.KEY=VALUE):
 
 import re
 
+from vlrep import runs
 from vlrep.config_utils import parse_arg
 
 ARCHS = ("visual_bert", "vilbert")
@@ -248,8 +253,17 @@ def get_config(arg=None):
   if arg.regions:
     _region_files(c, arg.regions)
   if arg.extractor:
-    c.method.visual.update(init_from=arg.extractor, allow_random_init=False)
+    c.method.visual.update(init_from=arg.extractor, allow_random_init=False, backbone=extractor_backbone(arg.extractor))
   return c
+
+
+def extractor_backbone(run):
+  """RUN's ResNet as `visual.backbone` (read from its saved config, no weights): this run then builds, and saves,
+  the architecture whose weights it takes from RUN, so evaluating or resuming it needs only its own directory."""
+  backbone = runs.read_config(run).method.get("backbone")
+  if backbone is None or backbone.get("arch", "resnet") != "resnet":
+    raise ValueError(f"extractor={run}: that run has no ResNet backbone to extract regions with.")
+  return runs.resnet_kwargs(backbone)
 
 
 def pipeline_split(split):

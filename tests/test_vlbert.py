@@ -457,8 +457,8 @@ def test_config_tasks_and_pretraining_fractions():
   assert "|vl_pairs('captions', 1)|" in cfg.get_config("runlocal").data.pp
   assert "|vl_pairs('qa', 3)|" in cfg.get_config("stage=finetune,task=vqa,pairs=3").data.pp
   assert "vl_pairs('qa', 2, answer_as_text_b=True)" in cfg.get_config("runlocal,data=questions,pairs=2").data.pp
-  extracted = cfg.get_config("runlocal,extractor=/runs/virtex").method.visual
-  assert (extracted.init_from, extracted.allow_random_init) == ("/runs/virtex", False)
+  with pytest.raises(FileNotFoundError, match="No run directory /runs/virtex"):  # read for its architecture
+    cfg.get_config("runlocal,extractor=/runs/virtex")
   with pytest.raises(ValueError, match="exclude each other"):
     cfg.get_config("extractor=/runs/virtex,regions=/regions")
   assert cfg.get_config("data=ood_captions,fraction=1.2").data.name == "conceptual_captions"
@@ -552,9 +552,11 @@ def test_recipe_configs_take_one_step_at_their_real_shapes(arch, regions, extra,
   assert float(jnp.abs(grads["regions_embed"]["feature"]["kernel"]).max()) > 0
 
 
-def test_regions_come_from_the_init_from_runs_backbone_whatever_visual_backbone_says(monkeypatch):
-  """`visual.init_from` names a trained run (e.g. a VirTex run): its ResNet, architecture and weights, extracts the
-  regions; a downstream run of a VL run pretrained that way extracts with the same ResNet."""
+def test_extractor_run_supplies_the_regions_resnet_and_runs_need_no_other_run_until_they_start(monkeypatch):
+  """extractor=RUN (e.g. a VirTex run): its ResNet, architecture (copied into visual.backbone, so the VL run saves
+  what it builds) and weights, extracts the regions. Building the method reads no other run, so evaluating or
+  resuming a VL run works without its extractor or pretraining run; a start whose visual.backbone differs from
+  the ResNet the weights come from is an error."""
   from vlrep import runs
   from vlrep.models import resnet
 
@@ -564,20 +566,26 @@ def test_regions_come_from_the_init_from_runs_backbone_whatever_visual_backbone_
   # Batch statistics a fresh init would not have: the extractor must use these, not its own.
   stats = jax.tree.map(lambda a: a + 0.5, net_vars["batch_stats"])
   virtex = runs.Run(
-    config=ConfigDict({"method": {"backbone": {**backbone, "bn_group_size": 32}}}),
+    config=ConfigDict({"method": {"name": "virtex", "backbone": {**backbone, "bn_group_size": 32}}}),
     params={"backbone": net_vars["params"], "head": {"w": np.zeros(3)}},
     model_state={"batch_stats": {"backbone": stats}},
     step=5,
     path="/runs/virtex/best/5",
     meta={},
   )
-  c = _recipe("arch=visual_bert,stage=pretrain,bert=minilm")
-  c.method.update(bert_layers=1, dtype="float32")
-  c.method.visual.update(init_from="/runs/virtex", backbone=dict(depth=50, width=64, bn_group_size=0))
-  available = {"/runs/virtex": virtex}
+  vl_only = runs.Run(ConfigDict({"method": {"name": "vlbert"}}), {}, {}, 1, "/runs/vl_only/best/1", {})
+  available = {"/runs/virtex": virtex, "/runs/vl_only": vl_only}
+  monkeypatch.setattr(runs, "read_config", lambda path: available[path].config)
   monkeypatch.setattr(runs, "load_run", lambda path, checkpoint="best": available[path])
+  with pytest.raises(ValueError, match="no ResNet backbone"):
+    _recipe("arch=visual_bert,stage=pretrain,bert=minilm,extractor=/runs/vl_only")
+
+  c = _recipe("arch=visual_bert,stage=pretrain,bert=minilm,extractor=/runs/virtex")
+  c.method.update(bert_layers=1, dtype="float32")
+  assert c.method.visual.init_from == "/runs/virtex"
+  assert dict(c.method.visual.backbone) == {**backbone, "inner_multiplier": 1, "bn_group_size": 0}
   method = vlbert.VLBert(c.method, 30522)
-  assert method.regions.backbone == runs.resnet_kwargs(virtex) and method.regions_dim() == net.num_features
+  assert method.regions_dim() == net.num_features
   batch = {k: jnp.asarray(v) for k, v in _recipe_batch(c, np.random.default_rng(0)).items()}
   variables = method.init(jax.random.PRNGKey(0), batch)
   visual = method.pretrained_variables()["model_state"]["visual"]
@@ -586,9 +594,15 @@ def test_regions_come_from_the_init_from_runs_backbone_whatever_visual_backbone_
   grid, _ = net.apply({"params": net_vars["params"], "batch_stats": stats}, batch["image"], train=False)
   expected = vl_bert.roi_sample(grid.astype(jnp.float32), batch["boxes"], 7).mean(axis=(2, 3))
   np.testing.assert_allclose(feats, expected, rtol=1e-5, atol=1e-5)
-  # Downstream of a VL run pretrained with that extractor: the same ResNet, without repeating init_from.
-  c2 = _recipe("arch=visual_bert,stage=finetune,task=vqa,bert=minilm")
-  c2.method.update(bert_layers=1, dtype="float32", num_labels=3, pretrained_run="/runs/vl")
+
+  # init_from set alone leaves the recipe's ResNet-50 in visual.backbone: refused when the weights load.
+  wrong = _recipe("arch=visual_bert,stage=pretrain,bert=minilm")
+  wrong.method.update(bert_layers=1, dtype="float32")
+  wrong.method.visual.init_from = "/runs/virtex"
+  with pytest.raises(ValueError, match="depth': 10.*builds.*depth': 50.*extractor=RUN"):
+    vlbert.VLBert(wrong.method, 30522).pretrained_variables()
+
+  # Downstream of a VL run pretrained with that extractor: its extractor weights, the same ResNet.
   available["/runs/vl"] = runs.Run(
     config=ConfigDict({"method": c.method.to_dict()}),
     params={},
@@ -597,7 +611,19 @@ def test_regions_come_from_the_init_from_runs_backbone_whatever_visual_backbone_
     path="/runs/vl/best/7",
     meta={},
   )
-  assert vlbert.VLBert(c2.method, 30522).regions.backbone == runs.resnet_kwargs(virtex)
+  down = _recipe("arch=visual_bert,stage=finetune,task=vqa,bert=minilm,extractor=/runs/virtex")
+  down.method.update(bert_layers=1, dtype="float32", num_labels=3, pretrained_run="/runs/vl")
+  got = vlbert.VLBert(down.method, 30522).pretrained_variables()["model_state"]["visual"]
+  assert jax.tree.map(np.shape, got) == jax.tree.map(np.shape, visual)
+  down_default = _recipe("arch=visual_bert,stage=finetune,task=vqa,bert=minilm")
+  down_default.method.update(bert_layers=1, dtype="float32", num_labels=3, pretrained_run="/runs/vl")
+  with pytest.raises(ValueError, match="/runs/vl/best/7's region extractor is a ResNet"):
+    vlbert.VLBert(down_default.method, 30522).pretrained_variables()
+
+  # Every run gone: the methods of all these runs still build (as vlrep.evaluate and a resume build them).
+  available.clear()
+  for config in (c, down, wrong):
+    assert vlbert.VLBert(config.method, 30522).regions_dim() > 0
 
 
 def test_recipe_refuses_regions_that_would_train_silently_wrong(tmp_path):

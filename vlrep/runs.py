@@ -44,29 +44,18 @@ def load_run(workdir: str, checkpoint: str = "best") -> Run:
   its best checkpoint does not restore (damaged files); 'latest' falls back to the newest step that restores.
   Each fallback is logged with the error that caused it; a step asked for by number never falls back.
   """
-  workdir = os.path.abspath(os.path.expanduser(workdir))
-  if not os.path.isdir(workdir):
-    raise FileNotFoundError(f"No run directory {workdir}.")
-  dirs = {"best": os.path.join(workdir, "best"), "latest": os.path.join(workdir, "checkpoints")}
-
-  def steps_in(d):
-    return sorted(int(s) for s in os.listdir(d) if s.isdigit()) if os.path.isdir(d) else []
-
+  workdir, dirs = _run_dirs(workdir)
   if checkpoint.isdigit():
     step = int(checkpoint)
-    directory = next((d for d in dirs.values() if step in steps_in(d)), None)
+    directory = next((d for d in dirs.values() if step in _steps_in(d)), None)
     if directory is None:
-      available = sorted(set(steps_in(dirs["best"]) + steps_in(dirs["latest"])))
+      available = sorted(set(_steps_in(dirs["best"]) + _steps_in(dirs["latest"])))
       raise FileNotFoundError(f"{workdir} has no checkpoint of step {step}; available steps: {available}")
     return _restore_run(directory, step)
   if checkpoint not in dirs:
     raise ValueError(f"--checkpoint must be 'best', 'latest' or a step number, got {checkpoint!r}.")
-  candidates = [(dirs["best"], s) for s in steps_in(dirs["best"])[::-1]] if checkpoint == "best" else []
-  candidates += [(dirs["latest"], s) for s in steps_in(dirs["latest"])[::-1]]
-  if not candidates:
-    raise FileNotFoundError(f"{workdir} has no checkpoint (looked in {dirs[checkpoint]}). Train with vlrep.main first.")
   failures = []
-  for directory, step in candidates:
+  for directory, step in _candidates(workdir, dirs, checkpoint):
     try:
       run = _restore_run(directory, step)
     except Exception as e:  # noqa: BLE001 -- a damaged checkpoint: the next candidate, said in the log
@@ -78,12 +67,49 @@ def load_run(workdir: str, checkpoint: str = "best") -> Run:
   raise RuntimeError(f"No checkpoint of {workdir} restores:\n  " + "\n  ".join(failures))
 
 
-def _restore_run(directory: str, step: int) -> Run:
+def read_config(workdir: str) -> ConfigDict:
+  """The training config a run saved with its newest checkpoint (best or latest), read without restoring any
+  weights: cheap enough for a config file to resolve what it inherits from another run."""
+  workdir, dirs = _run_dirs(workdir)
+  failures = []
+  for directory, step in _candidates(workdir, dirs, "best"):
+    try:
+      return ConfigDict(_restore_meta(directory, step)["config"])
+    except Exception as e:  # noqa: BLE001 -- a damaged checkpoint's metadata: the next candidate
+      failures.append(f"{os.path.join(directory, str(step))}: {type(e).__name__}: {str(e)[:200]}")
+  raise RuntimeError(f"No checkpoint of {workdir} has a readable config:\n  " + "\n  ".join(failures))
+
+
+def _run_dirs(workdir):
+  workdir = os.path.abspath(os.path.expanduser(workdir))
+  if not os.path.isdir(workdir):
+    raise FileNotFoundError(f"No run directory {workdir}.")
+  return workdir, {"best": os.path.join(workdir, "best"), "latest": os.path.join(workdir, "checkpoints")}
+
+
+def _steps_in(d):
+  return sorted(int(s) for s in os.listdir(d) if s.isdigit()) if os.path.isdir(d) else []
+
+
+def _candidates(workdir, dirs, checkpoint):
+  """(directory, step) to try, newest first: the best checkpoints (for 'best'), then the latest ones."""
+  candidates = [(dirs["best"], s) for s in _steps_in(dirs["best"])[::-1]] if checkpoint == "best" else []
+  candidates += [(dirs["latest"], s) for s in _steps_in(dirs["latest"])[::-1]]
+  if not candidates:
+    raise FileNotFoundError(f"{workdir} has no checkpoint (looked in {dirs[checkpoint]}). Train with vlrep.main first.")
+  return candidates
+
+
+def _restore_meta(directory: str, step: int) -> dict:
   mngr = ocp.CheckpointManager(directory)
   try:
-    meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    return mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
   finally:
     mngr.close()
+
+
+def _restore_run(directory: str, step: int) -> Run:
+  meta = _restore_meta(directory, step)
   # Onto this process's first device, whatever device count and sharding wrote the checkpoint.
   state_path = os.path.join(directory, str(step), "state")
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -114,7 +140,7 @@ def backbone_of(run: Run) -> tuple[Any, dict]:
   if cfg.get("arch", "resnet") == "vgg16":
     module = vgg.VGG16(width=cfg.get("width", 64))
   else:
-    module = resnet.ResNet(**resnet_kwargs(run))
+    module = resnet.ResNet(**resnet_kwargs(cfg))
   variables = {"params": run.params["backbone"]}
   stats = run.model_state.get("batch_stats", {}).get("backbone")
   if stats is not None:
@@ -122,9 +148,9 @@ def backbone_of(run: Run) -> tuple[Any, dict]:
   return module, variables
 
 
-def resnet_kwargs(run: Run) -> dict:
-  """The keyword arguments of `resnet.ResNet` that rebuild a run's backbone for inference (no BN groups)."""
-  cfg = run.config.method.get("backbone", {})
+def resnet_kwargs(cfg) -> dict:
+  """The keyword arguments of `resnet.ResNet` that rebuild a backbone config section (a run's `method.backbone`)
+  for inference (no BN groups); the section's omitted keys take ResNet's defaults."""
   return dict(
     depth=cfg.get("depth", 50),
     width=cfg.get("width", 64),

@@ -114,13 +114,8 @@ class VLBert:
     self.region_classes = 0
     if self.task == "pretrain" and config.arch == "vilbert":
       self.region_classes = -1 if self.region_target == "feature" else int(config.region_classes)
-    self._pretrained_run = runs.load_run(config.pretrained_run, "best") if config.get("pretrained_run") else None
-    self._extractor_run = None  # the run whose backbone extracts the regions (visual.init_from)
-    if v.get("init_from") and not self.from_files and self._pretrained_run is None:
-      self._extractor_run = runs.load_run(v.init_from, "best")
-    self.extractor_backbone = self._extractor_backbone()
     self.regions = vl_bert.RegionFeatures(
-      backbone=self.extractor_backbone, mode=v.mode, roi_size=v.get("roi_size", 7), crop_size=v.get("crop_size", 32)
+      backbone=dict(v.backbone), mode=v.mode, roi_size=v.get("roi_size", 7), crop_size=v.get("crop_size", 32)
     )
     self.model = vl_bert.VLBertModel(
       arch=config.arch,
@@ -144,26 +139,20 @@ class VLBert:
     if self.task == "classify":
       self.fields = self.fields + ("targets",)
 
-  def _extractor_backbone(self) -> dict:
-    """The region extractor's ResNet: `visual.init_from`'s backbone, or the one a `pretrained_run` extracted
-    with (so a downstream run need not repeat it), else `visual.backbone`."""
-    if self.from_files:
-      return dict(self.config.visual.backbone)
-    source = self._extractor_run
-    if self._pretrained_run is not None and self._pretrained_run.config.method.visual.get("init_from"):
-      source = runs.load_run(self._pretrained_run.config.method.visual.init_from, "best")
-    if source is None:
-      return dict(self.config.visual.backbone)
-    if source.config.method.get("backbone", {}).get("arch", "resnet") != "resnet":
-      raise ValueError(f"visual.init_from: {source.path}'s backbone is not a ResNet; the region extractor is one.")
-    backbone = runs.resnet_kwargs(source)
-    logging.info("Region extractor: %s's ResNet %s (visual.backbone is not used).", source.path, backbone)
-    return backbone
+  def _check_extractor(self, backbone, source: str) -> None:
+    """The regions of a run's extractor need the same ResNet here: `visual.backbone` is what this run builds (and
+    saves, so that evaluating or resuming it needs no other run); configs/vlbert.py's extractor=RUN copies it."""
+    ours, theirs = runs.resnet_kwargs(self.config.visual.backbone), runs.resnet_kwargs(backbone)
+    if ours != theirs:
+      raise ValueError(
+        f"{source} is a ResNet {theirs} but method.visual.backbone builds {ours}: pass extractor=RUN to "
+        "configs/vlbert.py (it copies RUN's architecture) or set --config.method.visual.backbone.* to match."
+      )
 
   def regions_dim(self) -> int:
     if self.config.visual.mode == "file":
       return int(self.config.visual.dim)
-    return resnet.ResNet(**self.extractor_backbone).num_features
+    return resnet.ResNet(**dict(self.config.visual.backbone)).num_features
 
   # -- contract -----------------------------------------------------------------------------------------
   def init(self, rng, batch) -> dict:
@@ -194,17 +183,21 @@ class VLBert:
     out = {"params": {"bert": self._bert}}
     if self._mlm_head is not None:
       out["params"]["mlm_head"] = self._mlm_head
-    if self._pretrained_run is not None:
-      run = self._pretrained_run
+    if self.config.get("pretrained_run"):
+      run = runs.load_run(self.config.pretrained_run, "best")
       out["params"] = {k: v for k, v in run.params.items() if not k.startswith(_TASK_PARAMS)}
       if "visual" in run.model_state and not self.from_files:
+        self._check_extractor(run.config.method.visual.backbone, f"{run.path}'s region extractor")
         out["model_state"] = {"visual": run.model_state["visual"]}
       elif not self.from_files:
         raise ValueError(f"{run.path} has no region extractor (a file-features run?); this config extracts regions.")
       logging.info("Transformer and region extractor from %s (step %d).", run.path, run.step)
-    elif self._extractor_run is not None:
-      run = self._extractor_run
+    elif self.config.visual.get("init_from") and not self.from_files:
+      run = runs.load_run(self.config.visual.init_from, "best")
+      if run.config.method.get("backbone", {}).get("arch", "resnet") != "resnet":
+        raise ValueError(f"visual.init_from: {run.path}'s backbone is not a ResNet; the region extractor is one.")
       _, variables = runs.backbone_of(run)
+      self._check_extractor(run.config.method.backbone, f"visual.init_from {run.path}'s backbone")
       visual = {"params": {"backbone": variables["params"]}}
       if "batch_stats" in variables:
         visual["batch_stats"] = {"backbone": variables["batch_stats"]}
@@ -325,7 +318,7 @@ class VLBert:
     net_vars = {"params": v["params"]["backbone"]}
     if "batch_stats" in v:
       net_vars["batch_stats"] = v["batch_stats"]["backbone"]
-    grid, aux = resnet.ResNet(**self.extractor_backbone).apply(net_vars, images, train=False)
+    grid, aux = resnet.ResNet(**dict(self.config.visual.backbone)).apply(net_vars, images, train=False)
     return {"pre_logits": aux["pre_logits"], "grid": grid.astype(jnp.float32)}
 
   # -- helpers ------------------------------------------------------------------------------------------
