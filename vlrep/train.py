@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import functools
 import os
-import signal
-import threading
 import time
 from typing import Any
 
@@ -20,6 +18,7 @@ from clu import metric_writers
 
 from vlrep import checkpoint as ckpt_lib
 from vlrep import evaluators, methods, optim, runs, sharding
+from vlrep import preemption as preemption_lib
 from vlrep.data import pipeline, records, tokenizers
 from vlrep.train_step import init_train_state, make_train_step
 
@@ -49,54 +48,22 @@ def to_steps(config: ml_collections.ConfigDict, prefix: str, steps_per_epoch: fl
   return int(round(value / global_batch))
 
 
-class _Preemption:
-  """SIGTERM sets a flag that the loop checks between steps and before long phases: it saves the newest trained
-  step (if not saved yet) and exits cleanly. A timer bounds the whole exit: `deadline_secs` after the signal the
-  process ends even if a compilation, evaluation or save is still running (Orbax renames a checkpoint only once it
-  is complete, so the newest complete one survives). 0 disables the timer."""
-
-  def __init__(self, deadline_secs: float):
-    self.requested = False
-    self.deadline_secs = deadline_secs
-    self._timer: threading.Timer | None = None
-    try:
-      signal.signal(signal.SIGTERM, self._handle)
-    except ValueError:  # not the main thread (e.g. notebooks): rely on periodic checkpoints
-      pass
-
-  def _handle(self, signum, frame):
-    del frame
-    if self.requested:
-      return
-    logging.warning("Received signal %d: saving a checkpoint and exiting.", signum)
-    self.requested = True
-    if self.deadline_secs > 0:
-      self._timer = threading.Timer(self.deadline_secs, self._expire)
-      self._timer.daemon = True
-      self._timer.start()
-
-  def exited_cleanly(self):
-    """The clean exit finished in time: the deadline no longer applies (run() may be called in-process again)."""
-    if self._timer is not None:
-      self._timer.cancel()
-
-  def _expire(self):
-    logging.error(
-      "SIGTERM deadline (%.0f s) passed before a clean exit: exiting now. The newest complete checkpoint is kept; "
-      "rerun the same command to resume.",
-      self.deadline_secs,
-    )
-    logging.flush()
-    os._exit(143)  # 128 + SIGTERM, what a scheduler expects of a terminated task
-
-
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains (or resumes) the run defined by `config` in `workdir`; returns the final summary."""
+  preemption = preemption_lib.Preemption(
+    config.checkpoint.get("exit_deadline_secs", 20.0), interrupt_evaluations=jax.process_count() == 1
+  )
+  try:
+    return _train(config, workdir, preemption)
+  finally:
+    preemption.close()
+
+
+def _train(config: ml_collections.ConfigDict, workdir: str, preemption: preemption_lib.Preemption) -> dict[str, Any]:
   t_start = time.time()
   os.makedirs(workdir, exist_ok=True)
   host, num_hosts = jax.process_index(), jax.process_count()
   writer = metric_writers.create_default_writer(workdir, just_logging=host > 0)
-  preemption = _Preemption(config.checkpoint.get("exit_deadline_secs", 20.0))
 
   # ---------------------------------------------------------------------------------------------------- #
   # Devices, data, tokenizer, method.
@@ -236,16 +203,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     return {"signature": ckpt_lib.signature(state["params"]), "config": config.to_dict(), "summary": summary}
 
   # ---------------------------------------------------------------------------------------------------- #
-  # Evaluate the random initialisation once (the baseline every table compares to).
-  # ---------------------------------------------------------------------------------------------------- #
-  if start_step == 0 and evals:
-    t0 = time.time()
-    init_metrics = run_evals(state, [n for n, e in evals.items() if e.config.get("random_init", False)])
-    summary.update({f"{k}_random_init": v for k, v in init_metrics.items()})
-    for k, v in init_metrics.items():
-      logging.info("Random init: %s = %.2f (%.1fs)", k, v, time.time() - t0)
-
-  # ---------------------------------------------------------------------------------------------------- #
   # The loop.
   # ---------------------------------------------------------------------------------------------------- #
   pending: list[dict] = []
@@ -292,6 +249,21 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     pending[:] = [dict(m) for m in fetched]
     return pending
 
+  # ---------------------------------------------------------------------------------------------------- #
+  # Evaluate the random initialisation once (the baseline every table compares to).
+  # ---------------------------------------------------------------------------------------------------- #
+  if preemption.requested:  # during startup, data loading or the state's creation: nothing new to save
+    return stop_for_preemption(step)
+  if start_step == 0 and evals:
+    t0 = time.time()
+    try:
+      init_metrics = run_evals(state, [n for n, e in evals.items() if e.config.get("random_init", False)])
+    except preemption_lib.Interrupted:
+      return stop_for_preemption(step)
+    summary.update({f"{k}_random_init": v for k, v in init_metrics.items()})
+    for k, v in init_metrics.items():
+      logging.info("Random init: %s = %.2f (%.1fs)", k, v, time.time() - t0)
+
   while step < total_steps:
     if preemption.requested:  # a signal during startup, the random-init evaluation, or the last evaluations / save
       return stop_for_preemption(step)
@@ -334,7 +306,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     eval_names = [n for n, e in evals.items() if is_last or (e.config.every_steps and step % e.config.every_steps == 0)]
     if eval_names:
       t0 = time.time()
-      eval_metrics = run_evals(state, eval_names)
+      try:
+        eval_metrics = run_evals(state, eval_names)
+      except preemption_lib.Interrupted:  # SIGTERM during the evaluation: this step's state is what is saved
+        logging.warning("Step %d evaluations interrupted by SIGTERM.", step)
+        return stop_for_preemption(step)
       writer.write_scalars(step, eval_metrics)
       logging.info(
         "Step %d evals (%.1fs): %s", step, time.time() - t0, ", ".join(f"{k}={v:.2f}" for k, v in eval_metrics.items())

@@ -20,6 +20,7 @@ import tensorflow_datasets as tfds
 from absl import logging
 
 # ops, region_files, traces and vl_ops are imported for their side effect: they register their ops in `registry`.
+from vlrep import preemption
 from vlrep.data import caption_views, concepts, ops, records, region_files, registry, traces, vl_ops  # noqa: F401
 from vlrep.data.builders import coco_captions, localized_narratives, synthetic_scenes, vl_datasets, voc2007
 
@@ -283,6 +284,7 @@ def eval_batches(
   count = 0
   example = None
   for batch in ds.as_numpy_iterator():
+    preemption.check()  # SIGTERM: the evaluation stops here, and the loop saves and exits
     batch = _finish(batch, preprocess, fields)
     example = batch
     yield _pad_batch(batch, local_batch)

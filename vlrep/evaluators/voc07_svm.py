@@ -23,6 +23,7 @@ from sklearn.metrics import average_precision_score
 from sklearn.model_selection import StratifiedKFold
 from sklearn.svm import LinearSVC
 
+from vlrep import preemption
 from vlrep.data import pipeline
 from vlrep.evaluators import linear_svm
 
@@ -148,6 +149,7 @@ def fit_and_score(
 
 def _one_class_sklearn(c, train_x, train_y, test_x, fold_ids, costs, folds, ap) -> tuple[np.ndarray | None, float]:
   """(test scores of class c's SVM at the cross-validated cost, that cost); (None, NaN) for a skipped class."""
+  preemption.check()  # SIGTERM: stop between classes
   fold = fold_ids[:, c]
   if (fold < 0).all():
     return None, float("nan")
@@ -195,6 +197,7 @@ def _all_classes_jax(
   test_scores = {}
   w_host = np.zeros((xr.shape[1], len(cls)), np.float32)
   for i in np.argsort(costs):  # ascending costs: each warm-starts the next
+    preemption.check()  # SIGTERM: stop between costs
     s = (costs[i] * class_weight * in_set).astype(np.float32)
     w, b, _ = linear_svm.solve(xr_device, y, s, tol=tol, append_bias=False, w_init=w_host)
     w_host = np.concatenate([np.asarray(w), np.asarray(b)[None]], axis=0)
