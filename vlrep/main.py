@@ -80,7 +80,7 @@ def main(argv):
     jax.device_count(),
   )
   try:
-    summary = train.run(FLAGS.config, FLAGS.workdir)
+    summary = train.run(FLAGS.config, FLAGS.workdir, on_preempted=_exit_preempted)
   except Exception as e:
     if jax.process_count() > 1 and "NonFinite" not in type(e).__name__:
       # A collective failing mid-run almost always means another process died; the runtime then stops this
@@ -172,6 +172,17 @@ def _wait_for_coordinator(address: str, timeout: float, advice: str) -> None:
       if time.time() > deadline:
         raise DistributedSetupError(f"{advice} The coordinator {address} never accepted a connection: {e}") from e
       time.sleep(0.5)
+
+
+def _exit_preempted(summary: dict) -> None:
+  """Ends a preempted process once its checkpoint and summary are written, skipping the interpreter's teardown:
+  releasing tf.data's iterators waits for their workers (measured: 4-30 s on a loaded 2-core machine)."""
+  import jax
+
+  if jax.process_index() == 0:
+    _print_result(summary)
+  logging.flush()
+  os._exit(0)
 
 
 def _print_result(summary: dict) -> None:

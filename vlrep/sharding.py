@@ -7,7 +7,9 @@ data axis (ZeRO-3 / FSDP style; XLA inserts the all-gathers), which large backbo
 
 from __future__ import annotations
 
+import queue
 import re
+import threading
 from typing import Any
 
 import jax
@@ -83,48 +85,75 @@ def global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> dict[
   return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
 
 
-def device_prefetch(batches, sharding: NamedSharding, size: int = 2):
-  """Yields global device batches while a thread assembles and transfers up to `size` more ahead, so the
-  host-to-device copy overlaps the running step. `.close()` stops the thread (and closes `batches`)."""
-  import queue
-  import threading
+def _produce(batches, sharding, buffer, stop, done):
+  def put(item) -> bool:  # False once the consumer stopped (it may never take another item)
+    while not stop.is_set():
+      try:
+        buffer.put(item, timeout=0.1)
+        return True
+      except queue.Full:
+        continue
+    return False
 
-  buffer: queue.Queue = queue.Queue(maxsize=max(1, size))
-  stop = threading.Event()
-  done = object()
+  try:
+    for local in batches:
+      if not put(global_batch(local, sharding)):
+        return
+    put(done)
+  except BaseException as e:  # surfaced in the consumer, with its traceback
+    put(e)
 
-  def produce():
-    try:
-      for local in batches:
-        item = global_batch(local, sharding)
-        while not stop.is_set():
-          try:
-            buffer.put(item, timeout=0.1)
-            break
-          except queue.Full:
-            continue
-        if stop.is_set():
-          return
-      buffer.put(done)
-    except BaseException as e:  # surfaced in the consumer, with its traceback
-      buffer.put(e)
 
-  thread = threading.Thread(target=produce, name="device_prefetch", daemon=True)
-  thread.start()
+def device_prefetch(batches, sharding: NamedSharding, size: int = 2) -> DevicePrefetch:
+  """Global device batches of `batches` (local ones), assembled and transferred `size` ahead by a thread."""
+  return DevicePrefetch(batches, sharding, size)
 
-  def consume():
-    try:
-      while True:
-        item = buffer.get()
-        if item is done:
-          return
-        if isinstance(item, BaseException):
-          raise item
-        yield item
-    finally:
-      stop.set()
-      thread.join(timeout=60)
-      if hasattr(batches, "close") and not thread.is_alive():
-        batches.close()
 
-  return consume()
+class DevicePrefetch:
+  """An iterator of global device batches while a thread assembles and transfers up to `size` more ahead, so the
+  host-to-device copy overlaps the running step. `close()` stops the thread and closes `batches`;
+  `close(wait=False)` (a preempted process about to exit) only tells the thread to stop: waiting would last until
+  the input pipeline finished the batch it is building, seconds under load. Dropping the iterator (e.g. on an
+  error) also tells it to stop: the thread holds no reference to it."""
+
+  _DONE = object()
+
+  def __init__(self, batches, sharding: NamedSharding, size: int = 2):
+    self._batches = batches
+    self._buffer: queue.Queue = queue.Queue(maxsize=max(1, size))
+    self._stop = threading.Event()
+    self._finished = False
+    self._thread = threading.Thread(
+      target=_produce,
+      args=(batches, sharding, self._buffer, self._stop, self._DONE),
+      name="device_prefetch",
+      daemon=True,
+    )
+    self._thread.start()
+
+  def __del__(self):
+    self._stop.set()
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    if self._finished:
+      raise StopIteration
+    item = self._buffer.get()
+    if item is self._DONE:
+      self._finished = True
+      raise StopIteration
+    if isinstance(item, BaseException):
+      self._finished = True
+      raise item
+    return item
+
+  def close(self, wait: bool = True) -> None:
+    self._finished = True
+    self._stop.set()
+    if not wait:
+      return
+    self._thread.join(timeout=60)
+    if hasattr(self._batches, "close") and not self._thread.is_alive():
+      self._batches.close()

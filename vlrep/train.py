@@ -48,18 +48,22 @@ def to_steps(config: ml_collections.ConfigDict, prefix: str, steps_per_epoch: fl
   return int(round(value / global_batch))
 
 
-def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """Trains (or resumes) the run defined by `config` in `workdir`; returns the final summary."""
+def run(config: ml_collections.ConfigDict, workdir: str, on_preempted=None) -> dict[str, Any]:
+  """Trains (or resumes) the run defined by `config` in `workdir`; returns the final summary.
+
+  After a SIGTERM the run saves, writes summary.json and calls `on_preempted(summary)` (if given) before tearing
+  anything down: a command-line process ends there (vlrep.main), because releasing the input pipeline waits for
+  tf.data's workers to finish their elements, seconds to tens of seconds on a loaded machine."""
   preemption = preemption_lib.Preemption(
     config.checkpoint.get("exit_deadline_secs", 20.0), interrupt_evaluations=jax.process_count() == 1
   )
   try:
-    return _train(config, workdir, preemption)
+    return _train(config, workdir, preemption, on_preempted)
   finally:
     preemption.close()
 
 
-def _train(config: ml_collections.ConfigDict, workdir: str, preemption: preemption_lib.Preemption) -> dict[str, Any]:
+def _train(config, workdir: str, preemption: preemption_lib.Preemption, on_preempted) -> dict[str, Any]:
   t_start = time.time()
   os.makedirs(workdir, exist_ok=True)
   host, num_hosts = jax.process_index(), jax.process_count()
@@ -232,6 +236,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, preemption: preempti
 
   def stop_for_preemption(at_step):
     """Saves `at_step` unless it is already saved, and returns the preempted run's summary."""
+    device_batches.close(wait=False)  # the input thread stops on its own; the process is about to exit
     newly_trained = at_step > saved_step
     if newly_trained:
       save(at_step)
@@ -241,7 +246,10 @@ def _train(config: ml_collections.ConfigDict, workdir: str, preemption: preempti
     summary.update({"steps": at_step, "preempted": True, "seconds": time.time() - t_start})
     if host == 0:
       runs.write_summary(workdir, summary)
+    writer.flush()
     preemption.exited_cleanly()
+    if on_preempted is not None:
+      on_preempted(summary)
     return summary
 
   def pending_fetched():

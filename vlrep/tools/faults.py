@@ -77,18 +77,23 @@ class Fault:
 
 
 def schedule(kills: int, seed: int) -> list[Fault]:
-  """`kills` faults covering every kind and phase: SIGTERM and SIGKILL in each phase, a corruption and a full
-  disk in every round of 14; in a random order (corruption never first: it needs two checkpoints)."""
+  """`kills` faults in rounds of 14: SIGTERM and SIGKILL in each phase, a corruption and a full disk, in a random
+  order. A partial round takes one fault of each kind first, so that 4 or more faults cover every kind. A
+  corruption never comes first (it needs two checkpoints)."""
   rng = np.random.default_rng(seed)
   one_round = [(k, p) for k in ("sigterm", "sigkill") for p in PHASES]
   one_round += [("corrupt", "train"), ("disk_full", "checkpoint")]
   plan = []
   while len(plan) < kills:
     order = [one_round[i] for i in rng.permutation(len(one_round))]
+    left = kills - len(plan)
+    if left < len(order):
+      firsts = [next(x for x in order if x[0] == kind) for kind in KINDS]
+      rest = [x for x in order if x not in firsts]
+      order = [(firsts + rest)[:left][i] for i in rng.permutation(left)]
     plan += order
-  plan = plan[:kills]
-  if plan and plan[0][0] == "corrupt":
-    plan.append(plan.pop(0))
+  first_other = next((i for i, (k, _) in enumerate(plan) if k != "corrupt"), 0)
+  plan[0], plan[first_other] = plan[first_other], plan[0]
   return [Fault(k, p, float(rng.uniform(0.0, 0.5))) for k, p in plan]
 
 
@@ -101,14 +106,12 @@ class _Process:
   """A `vlrep.main` subprocess whose output is read line by line (a pipe: RLIMIT_FSIZE does not limit it)."""
 
   def __init__(self, cmd, log_path, fsize_limit=0):
-    def limit():
-      if fsize_limit:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_limit, fsize_limit))
-
     self.lines: list[str] = []
     self.proc = subprocess.Popen(
-      cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=limit, start_new_session=True
+      cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
+    if fsize_limit:  # set from outside (no preexec_fn in a threaded parent); the process needs seconds to start
+      resource.prlimit(self.proc.pid, resource.RLIMIT_FSIZE, (fsize_limit, fsize_limit))
     self._log = open(log_path, "a")  # noqa: SIM115 -- closed by the reader thread
     self._reader = threading.Thread(target=self._read, daemon=True)
     self._reader.start()
