@@ -67,7 +67,7 @@ class Fault:
   delay: float  # seconds after the arming line
   attempt: int = 0
   injected: bool = False
-  step_before: int = 0  # the newest complete checkpoint before the process started
+  step_before: int = 0  # the newest intact checkpoint when the process started
   exit_code: int | None = None
   exit_seconds: float | None = None  # SIGTERM: signal to process exit
   newest_after: int = 0  # the newest complete checkpoint when the process had ended
@@ -151,12 +151,15 @@ class _Process:
     return "".join(self.lines)
 
 
-def _arming(phase: str, resumed: int, total: int, every_ckpt: int, every_eval: int, rng):
-  """The predicate on log lines that arms a fault of `phase` (None: the phase does not come in this process)."""
-  if phase in _ARMING_LINES:
+def _arming(kind: str, phase: str, resumed: int, checkpoints: int, total, every_ckpt, every_eval, rng):
+  """The predicate on log lines that arms a fault (None: its phase does not come in this process). A corruption
+  waits until two checkpoints exist (`checkpoints` exist when the process starts), so one intact one remains."""
+  if kind == "corrupt":
+    target = (resumed // every_ckpt + max(1, 2 - checkpoints)) * every_ckpt + 1  # the step after that save
+  elif phase in _ARMING_LINES:
     needle = _ARMING_LINES[phase]
     return lambda line: needle in line
-  if phase == "train":
+  elif phase == "train":
     target = min(total, resumed + int(rng.integers(2, 2 * every_ckpt + 1)))
   elif phase == "checkpoint":
     target = min(total, (resumed // every_ckpt + 1) * every_ckpt)
@@ -236,21 +239,26 @@ def harness(
 
   faults = schedule(kills, seed)
   queue = list(faults)
-  expect = None  # (fault, the step the next process must resume from)
+  expect: list = []  # [(fault, the step the next process that restores must resume from)]
 
   def check_resume(text):
-    """Once a process got as far as restoring: did it resume from the step the last fault left?"""
-    nonlocal expect
-    if expect is None:
-      return
+    """Once a process got as far as restoring: did it resume from the step the last faults left?"""
     m = _RESUMED.search(text)
     if m is None and "parameters," not in text:
       return  # it ended before restoring: the next process is checked
-    fault, want = expect
-    fault.resumed_from = int(m.group(1)) if m else 0
-    if fault.resumed_from != want:
-      fault.ok, fault.note = False, fault.note + f" resumed from step {fault.resumed_from}, expected {want};"
-    expect = None
+    for fault, want in expect:
+      fault.resumed_from = int(m.group(1)) if m else 0
+      if fault.resumed_from != want:
+        fault.ok, fault.note = False, fault.note + f" resumed from step {fault.resumed_from}, expected {want};"
+    expect.clear()
+
+  def expect_resume(fault):
+    """A fault whose process did not restore leaves the checkpoints as they were, so an earlier fault still
+    waiting for its check expects the same step, unless this fault changed the newest one (a corruption)."""
+    for earlier, want in expect:
+      if want != fault.newest_after:
+        earlier.note += f" its resume check passed to the next fault (step {fault.newest_after});"
+    expect[:] = [(f, fault.newest_after) for f, _ in expect] + [(fault, fault.newest_after)]
 
   t0 = time.time()
   attempt = 0
@@ -258,8 +266,9 @@ def harness(
     attempt += 1
     before = complete_steps(faulty)
     newest_before = before[-1] if before else 0
-    resumes_at = expect[1] if expect else newest_before
-    armed = ((f, _arming(f.phase, resumes_at, total, every_ckpt, every_eval, rng)) for f in queue)
+    resumes_at = expect[-1][1] if expect else newest_before
+    intact = len([step for step in before if step <= resumes_at])
+    armed = ((f, _arming(f.kind, f.phase, resumes_at, intact, total, every_ckpt, every_eval, rng)) for f in queue)
     fault, arm = next(((f, a) for f, a in armed if f.kind == "disk_full" or a is not None), (None, None))
     if fault is None:  # no fault can come any more: the run goes to its end
       p = start(faulty, log_path)
@@ -269,7 +278,7 @@ def harness(
         raise RuntimeError(f"The last process failed (exit {code}); see {log_path}:\n{p.text[-3000:]}")
       break
     queue.remove(fault)
-    fault.attempt, fault.step_before = attempt, newest_before
+    fault.attempt, fault.step_before = attempt, resumes_at
     if fault.kind == "disk_full":  # the whole process runs on a "full disk": its next save must fail clearly
       p = start(faulty, log_path, fsize_limit=disk_bytes)
       fault.injected = True
@@ -277,13 +286,13 @@ def harness(
       check_resume(p.text)
       after = complete_steps(faulty)
       clear = "CheckpointSaveError" in p.text and "are untouched" in p.text
-      kept = bool(after) and after[-1] >= newest_before if before else True
+      kept = bool(after) and after[-1] >= resumes_at if resumes_at else True
       fault.ok = fault.exit_code != 0 and clear and kept
       fault.note += (" the save failed with the clear error;" if clear else " no CheckpointSaveError;") + (
         "" if kept else " a checkpoint was lost;"
       )
       fault.newest_after = after[-1] if after else 0
-      expect = (fault, fault.newest_after)
+      expect_resume(fault)
       continue
     p = start(faulty, log_path)
     if not p.wait_for(arm, attempt_timeout):
@@ -301,18 +310,20 @@ def harness(
     check_resume(p.text)
     after = complete_steps(faulty)
     fault.newest_after = after[-1] if after else 0
-    fault.ok = fault.newest_after >= newest_before
+    fault.ok = fault.newest_after >= resumes_at  # (a corrupted newest one is set aside by the restore: not lost)
     if not fault.ok:
-      fault.note += f" the newest checkpoint went from {newest_before} to {fault.newest_after};"
+      fault.note += f" the newest intact checkpoint went from {resumes_at} to {fault.newest_after};"
     if fault.kind == "sigterm":
       fault.exit_seconds = time.time() - sent
       if fault.exit_seconds > deadline:
         fault.ok, fault.note = False, fault.note + f" exit took {fault.exit_seconds:.1f} s;"
       if fault.exit_code == 0:
         s = json.load(open(os.path.join(faulty, "summary.json")))
-        if not (s.get("preempted") is True and s.get("steps") == fault.newest_after):
+        if not (s.get("preempted") is True and s.get("steps") == fault.newest_after and s.get("seconds", 0) > 0):
           fault.ok = False
           fault.note += f" summary.json: preempted={s.get('preempted')}, steps={s.get('steps')};"
+        if f"Preempted (SIGTERM) after {s.get('steps')} steps" not in p.text:  # what the console tells the user
+          fault.ok, fault.note = False, fault.note + " the console does not say it was preempted;"
       elif fault.exit_code == -signal.SIGTERM and "parameters," not in p.text:
         fault.note += " ended by the signal itself (before vlrep's handler: nothing to save);"
       else:
@@ -322,11 +333,11 @@ def harness(
         fault.note += f" truncated {_corrupt_newest(faulty)};"
         fault.newest_after = after[-2]
       else:
-        fault.note += " one checkpoint only, left intact;"
-    expect = (fault, fault.newest_after)
+        fault.ok, fault.note = False, fault.note + " one checkpoint only: nothing corrupted;"
+    expect_resume(fault)
   faulty_seconds = time.time() - t0
-  if expect is not None:
-    expect[0].ok, expect[0].note = False, expect[0].note + " no process resumed after it;"
+  for fault, _ in expect:
+    fault.ok, fault.note = False, fault.note + " no process resumed after it;"
 
   equal = _equal(_variables(reference, total), _variables(faulty, total))
   damaged = sorted(p for p in os.listdir(os.path.join(faulty, "checkpoints")) if p.startswith("damaged_"))
