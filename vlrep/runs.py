@@ -161,28 +161,37 @@ def resnet_kwargs(cfg) -> dict:
   )
 
 
-def backbone_fn(run: Run, mesh=None):
-  """features_fn(local batch) -> {'pre_logits', 'grid', 'stage1'..'stage4'} as evaluators call it.
-
-  Returns a function of (local batch dict with 'image', feature key) -> (global features np, global batch np),
-  jitted and sharded over the mesh's data axis like the training loop's extraction.
-  """
-  module, variables = backbone_of(run)
-  mesh = mesh or sharding.make_mesh()
+def sharded_features(features, mesh):
+  """THE feature extraction of every backbone evaluation (the training loop's and vlrep.evaluate's):
+  `features(variables, images) -> {name: array}` jitted once, the batch sharded over the mesh's data axis.
+  Returns extract(variables, local batch dict with 'image', name) -> (global features np, global batch np)."""
   batch_sharding = sharding.batch_sharding(mesh)
-  variables = jax.device_put(variables, sharding.replicated(mesh))
 
-  def extract(variables, batch, key):
-    grid, aux = module.apply(variables, batch["image"], False)
-    return {"grid": grid, **aux}[key], batch
+  def apply(variables, batch, key):
+    return features(variables, batch["image"])[key], batch
 
-  jitted = jax.jit(extract, static_argnums=2, out_shardings=sharding.replicated(mesh))
+  jitted = jax.jit(apply, static_argnums=2, out_shardings=sharding.replicated(mesh))
 
-  def features(local_batch, key):
+  def extract(variables, local_batch, key):
     f, b = jitted(variables, sharding.global_batch(local_batch, batch_sharding), key)
     return np.asarray(f), {k: np.asarray(v) for k, v in b.items()}
 
-  return features
+  return extract
+
+
+def backbone_fn(run: Run, mesh=None):
+  """features_fn(local batch, key) -> (global features np, global batch np) of a run's backbone, with key one of
+  'pre_logits', 'grid', 'stage1'..'stage4'; what evaluators call."""
+  module, variables = backbone_of(run)
+  mesh = mesh or sharding.make_mesh()
+
+  def features(v, images):
+    grid, aux = module.apply(v, images, False)
+    return {"grid": grid, **aux}
+
+  extract = sharded_features(features, mesh)
+  variables = jax.device_put(variables, sharding.replicated(mesh))
+  return lambda local_batch, key: extract(variables, local_batch, key)
 
 
 def write_summary(workdir: str, values: dict[str, Any]) -> None:

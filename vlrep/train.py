@@ -177,10 +177,7 @@ def _train(config, workdir: str, preemption: preemption_lib.Preemption, on_preem
     train_step, in_shardings=(state_sh, batch_sharding), out_shardings=(state_sh, None), donate_argnums=(0,)
   )
 
-  def extract(variables, batch, key):
-    return method.features(variables, batch["image"])[key], batch
-
-  extract_fn = jax.jit(extract, static_argnums=2, out_shardings=sharding.replicated(mesh))
+  extract = runs.sharded_features(method.features, mesh)  # the same extraction as vlrep.evaluate's
 
   def variables_of(st):
     return {"params": st["params"], **st["model_state"]}
@@ -194,8 +191,7 @@ def _train(config, workdir: str, preemption: preemption_lib.Preemption, on_preem
         continue
 
       def features(batch, st=st, key=ev.feature_key):
-        f, b = extract_fn(variables_of(st), sharding.global_batch(batch, batch_sharding), key)
-        return np.asarray(f), {k: np.asarray(v) for k, v in b.items()}
+        return extract(variables_of(st), batch, key)
 
       # Evaluators of backbone features get features_fn; whole-model ones (captioning) the variables.
       result = ev.run(features) if ev.feature_key else ev.run(None, variables=variables_of(st))
