@@ -29,6 +29,12 @@ flags.DEFINE_list(
   "local_device_ids", None, "This process's accelerators (default: all, or on SLURM the task's SLURM_LOCALID)."
 )
 flags.DEFINE_integer("init_timeout", 300, "Seconds to wait for all processes to join the distributed runtime.")
+flags.DEFINE_string(
+  "compilation_cache",
+  "~/.cache/vlrep/jax_compilation_cache",
+  "JAX's persistent compilation cache ('' disables; JAX_COMPILATION_CACHE_DIR, when set, wins): a restarted run, "
+  "after a preemption, loads its compiled steps instead of compiling them again.",
+)
 flags.DEFINE_integer("heartbeat_timeout", 100, "Seconds without a heartbeat after which a process counts as dead.")
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -53,6 +59,8 @@ def main(argv):
   tf.config.set_visible_devices([], "GPU")
   import jax
 
+  if FLAGS.compilation_cache and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(FLAGS.compilation_cache))
   if FLAGS.coordinator_address or FLAGS.multihost:
     try:
       initialize_distributed(jax)
