@@ -37,16 +37,18 @@ def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", na
   unknown = [n for n in (names or []) if n not in evals_cfg]
   if unknown:
     raise ValueError(f"Unknown evaluations {unknown}; this config defines {sorted(evals_cfg)}.")
-  context = {"run": run}
-  if any(evaluators.needs_method(cfg) for cfg in evals_cfg.values()):
-    context.update(method_and_tokenizer(run))
   host, num_hosts = jax.process_index(), jax.process_count()
+  run_inputs = evaluators.RunInputs(host=host, num_hosts=num_hosts)
+  if any(evaluators.needs_method(cfg) for cfg in evals_cfg.values()):
+    parts = method_and_tokenizer(run)
+    method, tokenizer = parts.pop("method"), parts.pop("tokenizer")
+    run_inputs = evaluators.RunInputs(tokenizer=tokenizer, method=method, needs=parts, host=host, num_hosts=num_hosts)
   features = runs.backbone_fn(run)
   results: dict[str, float] = {}
   for name, cfg in evals_cfg.items():
     if names and name not in names:
       continue
-    ev = evaluators.build(cfg, context, host, num_hosts)
+    ev = evaluators.build(cfg, run_inputs)
     if ev.feature_key:
       metrics = ev.run(lambda batch, key=ev.feature_key: features(batch, key))
     else:

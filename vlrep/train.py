@@ -91,9 +91,8 @@ def _train(config, workdir: str, preemption: preemption_lib.Preemption, on_preem
   # Methods without text (e.g. the fine-tuning classifier) have no tokenizer.
   tokenizer = tokenizers.ensure_tokenizer(config.tokenizer, builder) if config.get("tokenizer") else None
   needs = methods.setup(config, builder, tokenizer)  # e.g. ICMLM's concept set, a VQA run's answer vocabulary
-  context = {"tokenizer": tokenizer, **needs}
   method = methods.build(config.method, tokenizer.vocab_size if tokenizer else 0, **needs)
-  context["method"] = method
+  run_inputs = evaluators.RunInputs(tokenizer=tokenizer, method=method, needs=needs, host=host, num_hosts=num_hosts)
   split, fraction = records.split_name(config.data.split)
   num_examples = int(builder.info.splits[split].num_examples * fraction)
   steps_per_epoch = num_examples / global_bs
@@ -117,7 +116,7 @@ def _train(config, workdir: str, preemption: preemption_lib.Preemption, on_preem
       step,
       host,
       num_hosts,
-      context,
+      run_inputs.pp_context,
       config.data.prefetch,
       config.data.get("cache_image_size", 0),
     )
@@ -182,7 +181,7 @@ def _train(config, workdir: str, preemption: preemption_lib.Preemption, on_preem
   def variables_of(st):
     return {"params": st["params"], **st["model_state"]}
 
-  evals = evaluators.build_all(config.get("evals", {}), context, host=host, num_hosts=num_hosts)
+  evals = evaluators.build_all(config.get("evals", {}), run_inputs)
 
   def run_evals(st, names=None) -> dict[str, float]:
     out = {}

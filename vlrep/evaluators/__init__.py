@@ -1,13 +1,16 @@
 """Evaluators, built from `config.evals` = {name: {type: ..., every_steps: ..., ...}}.
 
-An evaluator type is a module here (vlrep.evaluators.<type>, listed in KNOWN) whose `Evaluator` class has
-`.config`, `.feature_key` (which of the method's `features` it needs) and `.run(features_fn)` ->
+An evaluator type is a module here (vlrep.evaluators.<type>, listed in KNOWN) whose `Evaluator(config, run)` (run:
+`RunInputs`, what it may use of the run, and its `batches`) has `.config`, `.feature_key` (which of the method's
+`features` it needs) and `.run(features_fn)` ->
 {metric: value}; the loop prefixes metrics with the evaluator's name (e.g. 'probe/map').
 """
 
 from __future__ import annotations
 
 import importlib
+
+from vlrep.evaluators.run_inputs import RunInputs
 
 KNOWN = (
   "voc07_svm",
@@ -29,18 +32,19 @@ def _module(evaluator_type: str):
   return importlib.import_module(evaluator_type if "." in evaluator_type else f"vlrep.evaluators.{evaluator_type}")
 
 
-def build(config, context: dict, host: int = 0, num_hosts: int = 1):
+def build(config, run: RunInputs):
   """The evaluator of `config.type`: the `Evaluator` class of the module vlrep.evaluators.<type> (or of the module
-  at that dotted path: an evaluator of your own)."""
-  return _module(config.type).Evaluator(config, context, host, num_hosts)
+  at that dotted path: an evaluator of your own), given what it may use of the run (`RunInputs`)."""
+  return _module(config.type).Evaluator(config, run)
 
 
 def needs_method(config) -> bool:
-  """Whether the evaluator reads the run's method and tokenizer from its context (its class's `needs_method`)."""
+  """Whether the evaluator uses the run's method and tokenizer (its class's `needs_method`): vlrep.evaluate then
+  rebuilds them."""
   return getattr(_module(config.type).Evaluator, "needs_method", False)
 
 
-def build_all(evals_config, context: dict, host: int = 0, num_hosts: int = 1) -> dict:
+def build_all(evals_config, run: RunInputs) -> dict:
   for name, cfg in evals_config.items():
     every = cfg.get("every_steps", 0)
     if not isinstance(every, int) or every < 0:
@@ -48,4 +52,4 @@ def build_all(evals_config, context: dict, host: int = 0, num_hosts: int = 1) ->
       raise ValueError(
         f"evals.{name}.every_steps={every!r}: use a step count > 0, or 0 to evaluate only after the last step."
       )
-  return {name: build(cfg, context, host, num_hosts) for name, cfg in evals_config.items()}
+  return {name: build(cfg, run) for name, cfg in evals_config.items()}

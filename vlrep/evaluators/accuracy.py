@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from vlrep.data import pipeline
 from vlrep.evaluators.linear_probe import extract_labeled, topk_accuracy
+from vlrep.evaluators.run_inputs import RunInputs
 
 
 class Accuracy:
@@ -16,23 +16,15 @@ class Accuracy:
 
   feature_key = "logits"
 
-  def __init__(self, config, context: dict, host: int = 0, num_hosts: int = 1):
+  def __init__(self, config, run: RunInputs):
     self.config = config
-    self.builder = pipeline.get_builder(config.dataset, config.get("data_dir"), config.get("config_name"))
-    self.context, self.host, self.num_hosts = context, host, num_hosts
+    self.builder = run.builder(config)
+    self.run_inputs = run
 
   def run(self, features_fn: Callable) -> dict[str, float]:
     c = self.config
     logits, labels = extract_labeled(
-      self.builder,
-      c.split,
-      c.pp,
-      c.get("label_key", "label"),
-      c.batch_size,
-      features_fn,
-      self.host,
-      self.num_hosts,
-      self.context,
+      self.run_inputs, self.builder, c.split, c.pp, c.get("label_key", "label"), c.batch_size, features_fn
     )
     return {"top1": topk_accuracy(logits, labels, 1), "top5": topk_accuracy(logits, labels, min(5, logits.shape[1]))}
 

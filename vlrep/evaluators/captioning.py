@@ -16,8 +16,9 @@ import numpy as np
 from absl import logging
 
 from vlrep import decoding
-from vlrep.data import pipeline, records
+from vlrep.data import records
 from vlrep.evaluators import caption_metrics
+from vlrep.evaluators.run_inputs import RunInputs
 
 
 def captioner_for(method, config):
@@ -42,17 +43,17 @@ class Captioning:
   needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
   feature_key = None  # works on the whole model: run() receives the variables
 
-  def __init__(self, config, context: dict, host: int = 0, num_hosts: int = 1):
+  def __init__(self, config, run: RunInputs):
     self.config = config
     if config.get("decoding", "beam") not in decoding.METHODS:
       raise ValueError(f"Unknown decoding {config.decoding!r}; expected one of {decoding.METHODS}.")
     for key in ("method", "tokenizer"):
-      if key not in context:
-        raise ValueError(f"The captioning evaluator needs the run's {key} (context has {sorted(context)}).")
-    self.method, self.tokenizer = context["method"], context["tokenizer"]
+      if getattr(run, key) is None:
+        raise ValueError(f"The captioning evaluator needs the run's {key}.")
+    self.method, self.tokenizer = run.method, run.tokenizer
     self.caption = captioner_for(self.method, config)
-    self.builder = pipeline.get_builder(config.dataset, config.get("data_dir"), config.get("config_name"))
-    self.host, self.num_hosts, self.context = host, num_hosts, context
+    self.builder = run.builder(config)
+    self.run_inputs = run
 
   def run(self, features_fn: Callable, variables=None) -> dict[str, float]:
     from jax.experimental import multihost_utils
@@ -64,16 +65,12 @@ class Captioning:
     refs_all = records.read_example_texts(self.builder, split, c.get("references", "captions"))
     rng = jax.random.PRNGKey(c.get("seed", 0))
     tokens, masks = [], []
-    for i, batch in enumerate(
-      pipeline.eval_batches(
-        self.builder, split, c.pp, ("image",), c.batch_size // self.num_hosts, self.host, self.num_hosts, self.context
-      )
-    ):
+    for i, batch in enumerate(self.run_inputs.batches(self.builder, split, c.pp, ("image",), c.batch_size)):
       t, _ = self.caption(variables, batch["image"], jax.random.fold_in(rng, i))
       tokens.append(np.asarray(t))
       masks.append(batch["_mask"].astype(bool))
     tokens, masks = np.concatenate(tokens), np.concatenate(masks)
-    if self.num_hosts > 1:
+    if self.run_inputs.num_hosts > 1:
       tokens = np.asarray(multihost_utils.process_allgather(tokens))  # [hosts, n, T]
       masks = np.asarray(multihost_utils.process_allgather(masks))
     else:
@@ -81,7 +78,7 @@ class Captioning:
     candidates = {}
     for h in range(tokens.shape[0]):
       for j in np.flatnonzero(masks[h]):
-        candidates[h + j * self.num_hosts] = self.tokenizer.decode(tokens[h, j].tolist())
+        candidates[h + j * self.run_inputs.num_hosts] = self.tokenizer.decode(tokens[h, j].tolist())
     references = {i: refs_all[i] for i in candidates}
     t1 = time.time()
     scores = caption_metrics.score_all(candidates, references)

@@ -26,6 +26,7 @@ import optax
 from absl import logging
 
 from vlrep.data import pipeline, records
+from vlrep.evaluators.run_inputs import RunInputs
 
 
 def make_schedule(config, total_steps: int, steps_per_epoch: float):
@@ -82,13 +83,11 @@ def topk_accuracy(logits: np.ndarray, labels: np.ndarray, k: int) -> float:
 
 
 def extract_labeled(
-  builder, split, pp, label_key, batch_size, features_fn, host=0, num_hosts=1, context=None
+  run: RunInputs, builder, split, pp, label_key, batch_size, features_fn
 ) -> tuple[np.ndarray, np.ndarray]:
   """(features [N, D] float32, labels [N] int32) of a split, through features_fn, padding rows dropped."""
   feats, labels = [], []
-  for local in pipeline.eval_batches(
-    builder, split, pp, ("image", label_key), batch_size // num_hosts, host, num_hosts, context
-  ):
+  for local in run.batches(builder, split, pp, ("image", label_key), batch_size):
     f, batch = features_fn(local)
     m = batch["_mask"].astype(bool)
     feats.append(f[m].reshape(int(m.sum()), -1))
@@ -101,11 +100,11 @@ def extract_labeled(
 class LinearProbe:
   """Evaluator: trains a linear classifier on frozen features; reports top-1 / top-5 accuracy (%)."""
 
-  def __init__(self, config, context: dict, host: int = 0, num_hosts: int = 1):
+  def __init__(self, config, run: RunInputs):
     self.config = config
     self.feature_key = config.get("feature", "pre_logits")
-    self.builder = pipeline.get_builder(config.dataset, config.get("data_dir"), config.get("config_name"))
-    self.context, self.host, self.num_hosts = context, host, num_hosts
+    self.builder = run.builder(config)
+    self.run_inputs = run
     self.label_key = config.get("label_key", "label")
     if config.get("mode", "features") not in ("features", "images"):
       raise ValueError(f"Unknown linear-probe mode {config.mode!r}; expected 'features' or 'images'.")
@@ -114,15 +113,7 @@ class LinearProbe:
 
   def _extract(self, split: str, pp: str, features_fn) -> tuple[np.ndarray, np.ndarray]:
     return extract_labeled(
-      self.builder,
-      split,
-      pp,
-      self.label_key,
-      self.config.batch_size,
-      features_fn,
-      self.host,
-      self.num_hosts,
-      self.context,
+      self.run_inputs, self.builder, split, pp, self.label_key, self.config.batch_size, features_fn
     )
 
   def run(self, features_fn: Callable) -> dict[str, float]:
@@ -151,12 +142,12 @@ class LinearProbe:
         c.train_split,
         c.pp_train,
         ("image", self.label_key),
-        c.batch_size // self.num_hosts,
+        c.batch_size // self.run_inputs.num_hosts,
         c.get("seed", 0),
         0,
-        self.host,
-        self.num_hosts,
-        self.context,
+        self.run_inputs.host,
+        self.run_inputs.num_hosts,
+        self.run_inputs.pp_context,
         prefetch=2,
       )
 

@@ -23,7 +23,8 @@ import jax
 import numpy as np
 from absl import logging
 
-from vlrep.data import pipeline, records
+from vlrep.data import records
+from vlrep.evaluators.run_inputs import RunInputs
 
 
 def pointing_and_iou(attention: np.ndarray, truth: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -44,17 +45,17 @@ class Localization:
   needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
   feature_key = None  # works on the whole model: run() receives the variables
 
-  def __init__(self, config, context: dict, host: int = 0, num_hosts: int = 1):
+  def __init__(self, config, run: RunInputs):
     self.config = config
-    self.method = context.get("method")
+    self.method = run.method
     if not hasattr(self.method, "attention"):
       raise ValueError(
         "The localization evaluator needs a method with image-caption attention maps (LocTex); this run's is "
         f"{type(self.method).__name__}."
       )
     self.grid_sizes = tuple(config.grid_sizes)
-    self.builder = pipeline.get_builder(config.dataset, config.get("data_dir"), config.get("config_name"))
-    self.host, self.num_hosts, self.context = host, num_hosts, context
+    self.builder = run.builder(config)
+    self.run_inputs = run
     self.attention = jax.jit(self.method.attention)
 
   def run(self, features_fn: Callable, variables=None) -> dict[str, float]:
@@ -66,9 +67,7 @@ class Localization:
     fields = ("image", "tokens", *(f"trace_mask_{r}" for r in self.grid_sizes))
     t0 = time.time()
     sums: dict[str, np.ndarray] = {}
-    for batch in pipeline.eval_batches(
-      self.builder, split, c.pp, fields, c.batch_size // self.num_hosts, self.host, self.num_hosts, self.context
-    ):
+    for batch in self.run_inputs.batches(self.builder, split, c.pp, fields, c.batch_size):
       maps = self.attention(variables, batch["image"], batch["tokens"])
       real = batch["_mask"].astype(bool)
       for name, att in maps.items():
@@ -81,7 +80,7 @@ class Localization:
         acc += [hit.sum(), iou.sum(), chance.sum(), len(hit)]
     names = sorted(sums)
     totals = np.stack([sums[n] for n in names])
-    if self.num_hosts > 1:
+    if self.run_inputs.num_hosts > 1:
       totals = np.asarray(multihost_utils.process_allgather(totals)).sum(0)
     out = {}
     for name, (hits, ious, chance, n) in zip(names, totals, strict=True):

@@ -18,24 +18,25 @@ import jax
 import numpy as np
 from absl import logging
 
-from vlrep.data import pipeline, records
+from vlrep.data import records
+from vlrep.evaluators.run_inputs import RunInputs
 
 
 class MaskedTokens:
   needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
   feature_key = None  # works on the whole model: run() receives the variables
 
-  def __init__(self, config, context: dict, host: int = 0, num_hosts: int = 1):
+  def __init__(self, config, run: RunInputs):
     self.config = config
-    self.method = context.get("method")
+    self.method = run.method
     if not hasattr(self.method, "predict_masked") or getattr(self.method, "variant", "") == "tp":
       raise ValueError("The masked_tokens evaluator needs an ICMLM method that predicts masked tokens (not 'tp').")
-    self.tokenizer = context.get("tokenizer")
+    self.tokenizer = run.tokenizer
     if self.tokenizer is None:
       raise ValueError("The masked_tokens evaluator needs the run's WordPiece tokenizer (config.tokenizer).")
     self.concept_mask = np.asarray(self.method.concept_mask)
-    self.builder = pipeline.get_builder(config.dataset, config.get("data_dir"), config.get("config_name"))
-    self.host, self.num_hosts, self.context = host, num_hosts, context
+    self.builder = run.builder(config)
+    self.run_inputs = run
     self.predict = jax.jit(lambda v, x, t, p: jax.lax.top_k(self.method.predict_masked(v, x, t, p), 5)[1])
 
   def triplets(self, captions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -64,10 +65,7 @@ class MaskedTokens:
     t0 = time.time()
     hits1 = hits5 = count = 0
     bs = c.batch_size
-    local_bs = bs // self.num_hosts
-    for batch in pipeline.eval_batches(
-      self.builder, split, c.pp, ("image", "captions"), local_bs, self.host, self.num_hosts, self.context
-    ):
+    for batch in self.run_inputs.batches(self.builder, split, c.pp, ("image", "captions"), bs):
       real = batch["_mask"].astype(bool)
       caps = np.array(batch["captions"], dtype=object).reshape(len(real), -1)
       caps[~real] = b""

@@ -23,7 +23,8 @@ import jax
 import numpy as np
 from absl import logging
 
-from vlrep.data import pipeline, records
+from vlrep.data import records
+from vlrep.evaluators.run_inputs import RunInputs
 
 RECALL_AT = (1, 5, 10)
 
@@ -66,19 +67,19 @@ class Retrieval:
   needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
   feature_key = None  # works on the whole model: run() receives the variables
 
-  def __init__(self, config, context: dict, host: int = 0, num_hosts: int = 1):
+  def __init__(self, config, run: RunInputs):
     self.config = config
-    self.method = context.get("method")
+    self.method = run.method
     if not hasattr(self.method, "embed"):
       raise ValueError(
         f"The retrieval evaluator needs a method with image and caption towers (MCT); this run's is "
         f"{type(self.method).__name__}."
       )
-    self.tokenizer = context.get("tokenizer")
+    self.tokenizer = run.tokenizer
     if self.tokenizer is None:
       raise ValueError("The retrieval evaluator needs the run's tokenizer (config.tokenizer) to encode captions.")
-    self.builder = pipeline.get_builder(config.dataset, config.get("data_dir"), config.get("config_name"))
-    self.host, self.num_hosts, self.context = host, num_hosts, context
+    self.builder = run.builder(config)
+    self.run_inputs = run
     self.embed_images = jax.jit(lambda v, x: self.method.embed(v, images=x)["image"])
     self.embed_texts = jax.jit(lambda v, t: self.method.embed(v, tokens=t)["text"])
 
@@ -90,10 +91,7 @@ class Retrieval:
     split = records.first_examples(self.builder, c.split, c.get("limit", 0))
     t0 = time.time()
     images, texts, owners, real_images = [], [], [], []
-    local_bs = c.batch_size // self.num_hosts
-    for batch in pipeline.eval_batches(
-      self.builder, split, c.pp, ("image", c.captions_key), local_bs, self.host, self.num_hosts, self.context
-    ):
+    for batch in self.run_inputs.batches(self.builder, split, c.pp, ("image", c.captions_key), c.batch_size):
       images.append(np.asarray(self.embed_images(variables, batch["image"])))
       real_images.append(batch["_mask"].astype(bool))
       caps = np.asarray(batch[c.captions_key], dtype=object).reshape(len(batch["_mask"]), -1)[:, : c.num_captions]

@@ -31,7 +31,8 @@ import numpy as np
 import optax
 from absl import logging
 
-from vlrep.data import pipeline, records
+from vlrep.data import records
+from vlrep.evaluators.run_inputs import RunInputs
 
 
 def ppmi_matrix(tags: np.ndarray) -> np.ndarray:
@@ -138,11 +139,11 @@ def fit_and_score(train_x, train_tags, test_x, test_tags, config) -> dict[str, f
 class Tagging:
   """Evaluator: PMI tag space, MLP on frozen features, mIOU@K on the test split."""
 
-  def __init__(self, config, context: dict, host: int = 0, num_hosts: int = 1):
+  def __init__(self, config, run: RunInputs):
     self.config = config
     self.feature_key = config.get("feature", "pre_logits")
-    self.builder = pipeline.get_builder(config.dataset, config.get("data_dir"), config.get("config_name"))
-    self.context, self.host, self.num_hosts = context, host, num_hosts
+    self.builder = run.builder(config)
+    self.run_inputs = run
     if config.batch_size % jax.device_count():
       raise ValueError(f"tagging batch_size {config.batch_size} is not divisible by the {jax.device_count()} devices.")
 
@@ -151,10 +152,7 @@ class Tagging:
     key = c.get("tags_key", "tags")
     split = records.first_examples(self.builder, split, limit)
     feats, tags = [], []
-    for local in pipeline.eval_batches(
-      self.builder, split, c.pp, ("image", key), c.batch_size // self.num_hosts, self.host, self.num_hosts,
-      self.context,
-    ):  # fmt: skip
+    for local in self.run_inputs.batches(self.builder, split, c.pp, ("image", key), c.batch_size):  # fmt: skip
       f, batch = features_fn(local)
       m = batch["_mask"].astype(bool)
       feats.append(f[m].reshape(int(m.sum()), -1))

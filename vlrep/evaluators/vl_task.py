@@ -19,8 +19,9 @@ import jax
 import numpy as np
 from absl import logging
 
-from vlrep.data import pipeline, records
+from vlrep.data import records
 from vlrep.evaluators import vl_metrics
+from vlrep.evaluators.run_inputs import RunInputs
 
 METRICS = ("vqa", "accuracy", "f1", "mlm")
 
@@ -29,18 +30,18 @@ class VLTask:
   needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
   feature_key = None  # works on the whole model: run() receives the variables
 
-  def __init__(self, config, context: dict, host: int = 0, num_hosts: int = 1):
+  def __init__(self, config, run: RunInputs):
     if config.metric not in METRICS:
       raise ValueError(f"Unknown vl_task metric {config.metric!r}; known: {METRICS}")
-    method = context.get("method")
+    method = run.method
     if method is None or not hasattr(method, "classify"):
-      raise ValueError("The vl_task evaluator needs a vlbert run (context['method'] with `classify`).")
+      raise ValueError("The vl_task evaluator needs a vlbert run (a method with `classify`).")
     if config.metric != "mlm" and method.task != "classify":
       raise ValueError(f"metric={config.metric!r} needs a fine-tuning run (method.task='classify').")
-    self.config, self.method, self.context = config, method, context
-    self.builder = pipeline.get_builder(config.dataset, config.get("data_dir"), config.get("config_name"))
-    self.host, self.num_hosts = host, num_hosts
-    self.vocab = context.get("answer_vocab") or []
+    self.config, self.method = config, method
+    self.builder = run.builder(config)
+    self.run_inputs = run
+    self.vocab = run.needs.get("answer_vocab") or []
     if config.metric == "vqa" and not self.vocab:
       raise ValueError("metric='vqa' needs the run's answer vocabulary (config.answers).")
     self._classify = jax.jit(method.classify)
@@ -49,7 +50,7 @@ class VLTask:
   def run(self, features_fn: Callable, variables=None) -> dict[str, float]:
     del features_fn
     c = self.config
-    if self.num_hosts > 1:
+    if self.run_inputs.num_hosts > 1:
       raise NotImplementedError("vl_task evaluates on one host; run `vlrep.evaluate` on a single host.")
     split = records.first_examples(self.builder, c.split, c.get("limit", 0))
     fields = tuple(self.method.fields) + {"vqa": ("answers",), "accuracy": ("label",)}.get(c.metric, ())
@@ -57,7 +58,7 @@ class VLTask:
     rng = jax.random.PRNGKey(c.get("seed", 0))
     scores, hits, masked = [], 0.0, 0.0
     preds, labels = [], []
-    batches = pipeline.eval_batches(self.builder, split, c.pp, fields, c.batch_size, context=self.context)
+    batches = self.run_inputs.batches(self.builder, split, c.pp, fields, c.batch_size)  # one host (checked above)
     for i, batch in enumerate(batches):
       mask = (batch["pair_mask"] & batch["_mask"][:, None]).reshape(-1)
       arrays = {k: v for k, v in batch.items() if k in self.method.fields}

@@ -24,8 +24,8 @@ from sklearn.model_selection import StratifiedKFold
 from sklearn.svm import LinearSVC
 
 from vlrep import preemption
-from vlrep.data import pipeline
 from vlrep.evaluators import linear_svm
+from vlrep.evaluators.run_inputs import RunInputs
 
 DEFAULT_COSTS = (0.01, 0.1, 1.0, 10.0)
 AP_KINDS = ("sklearn", "11point")
@@ -246,11 +246,11 @@ class Voc07Svm:
   reported), every_steps, random_init.
   """
 
-  def __init__(self, config, context: dict, host: int = 0, num_hosts: int = 1):
+  def __init__(self, config, run: RunInputs):
     self.config = config
     self.feature_key = config.get("feature", "pre_logits")
-    self.builder = pipeline.get_builder(config.dataset, config.get("data_dir"), config.get("config_name"))
-    self.context, self.host, self.num_hosts = context, host, num_hosts
+    self.builder = run.builder(config)
+    self.run_inputs = run
     import jax
 
     if config.batch_size % jax.device_count():
@@ -258,16 +258,7 @@ class Voc07Svm:
 
   def _features(self, split, features_fn):
     feats, labels = [], []
-    batches = pipeline.eval_batches(
-      self.builder,
-      split,
-      self.config.pp,
-      ("image", "labels"),
-      self.config.batch_size // self.num_hosts,
-      self.host,
-      self.num_hosts,
-      self.context,
-    )
+    batches = self.run_inputs.batches(self.builder, split, self.config.pp, ("image", "labels"), self.config.batch_size)
     for local in batches:
       f, batch = features_fn(local)
       m = batch["_mask"].astype(bool)

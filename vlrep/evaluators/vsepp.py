@@ -34,8 +34,9 @@ import numpy as np
 import optax
 from absl import logging
 
-from vlrep.data import pipeline, records
+from vlrep.data import records
 from vlrep.evaluators.retrieval import folded_metrics
+from vlrep.evaluators.run_inputs import RunInputs
 
 # The protocol's settings on COCO (train2017 pairs, 1K test folds of val2017); configs start from this.
 COCO_PROTOCOL = dict(
@@ -191,14 +192,14 @@ class VsePP:
 
   needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
 
-  def __init__(self, config, context: dict, host: int = 0, num_hosts: int = 1):
+  def __init__(self, config, run: RunInputs):
     self.config = config
     self.feature_key = config.get("feature", "pre_logits")
-    self.tokenizer = context.get("tokenizer")
+    self.tokenizer = run.tokenizer
     if self.tokenizer is None:
       raise ValueError("The vsepp evaluator needs the run's tokenizer (config.tokenizer) to encode captions.")
-    self.builder = pipeline.get_builder(config.dataset, config.get("data_dir"), config.get("config_name"))
-    self.context, self.host, self.num_hosts = context, host, num_hosts
+    self.builder = run.builder(config)
+    self.run_inputs = run
     if config.batch_size % jax.device_count():
       raise ValueError(f"vsepp batch_size {config.batch_size} is not divisible by the {jax.device_count()} devices.")
 
@@ -207,10 +208,7 @@ class VsePP:
     c = self.config
     split = records.first_examples(self.builder, split, limit)
     feats, tokens, has = [], [], []
-    for local in pipeline.eval_batches(
-      self.builder, split, c.pp, ("image", c.captions_key), c.batch_size // self.num_hosts, self.host,
-      self.num_hosts, self.context,
-    ):  # fmt: skip
+    for local in self.run_inputs.batches(self.builder, split, c.pp, ("image", c.captions_key), c.batch_size):
       n = len(local["_mask"])
       caps = np.asarray(local[c.captions_key], dtype=object).reshape(n, -1)[:, : c.num_captions]
       caps = np.concatenate([caps, np.full((n, c.num_captions - caps.shape[1]), b"", object)], axis=1)

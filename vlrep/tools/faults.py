@@ -76,12 +76,12 @@ class Fault:
   note: str = ""
 
 
-def schedule(kills: int, seed: int) -> list[Fault]:
-  """`kills` faults in rounds of 14: SIGTERM and SIGKILL in each phase, a corruption and a full disk, in a random
+def schedule(kills: int, seed: int, phases=PHASES) -> list[Fault]:
+  """`kills` faults in rounds: SIGTERM and SIGKILL in each of `phases`, a corruption and a full disk, in a random
   order. A partial round takes one fault of each kind first, so that 4 or more faults cover every kind. A
   corruption never comes first (it needs two checkpoints)."""
   rng = np.random.default_rng(seed)
-  one_round = [(k, p) for k in ("sigterm", "sigkill") for p in PHASES]
+  one_round = [(k, p) for k in ("sigterm", "sigkill") for p in phases]
   one_round += [("corrupt", "train"), ("disk_full", "checkpoint")]
   plan = []
   while len(plan) < kills:
@@ -208,6 +208,7 @@ def harness(
   seed: int = 0,
   disk_bytes: int = 64 << 10,
   attempt_timeout: float = 600.0,
+  phases=PHASES,
 ) -> dict:
   """Runs the reference and the faulty run; -> {'faults': [...], 'equal': bool, 'ok': bool, ...}."""
   rng = np.random.default_rng(seed + 1)
@@ -237,7 +238,9 @@ def harness(
   deadline = float(saved.checkpoint.get("exit_deadline_secs", 20.0))
   logging.info("Reference: %d steps in %.0f s (checkpoint every %d).", total, reference_seconds, every_ckpt)
 
-  faults = schedule(kills, seed)
+  if set(phases) - set(PHASES):
+    raise ValueError(f"Unknown phases {sorted(set(phases) - set(PHASES))}; known: {PHASES}")
+  faults = schedule(kills, seed, phases)
   queue = list(faults)
   expect: list = []  # [(fault, the step the next process that restores must resume from)]
 
@@ -396,6 +399,7 @@ def define_flags():
   flags.DEFINE_integer("kills", 30, "Faults to inject.")
   flags.DEFINE_list("overrides", [], "KEY=VALUE config overrides for both runs (without --config.).")
   flags.DEFINE_integer("seed", 0, "Seed of the fault schedule and delays.")
+  flags.DEFINE_list("phases", list(PHASES), "Phases to inject SIGTERM and SIGKILL into ('eval' needs an evaluator).")
   flags.DEFINE_integer("disk_bytes", 64 << 10, "RLIMIT_FSIZE of the full-disk process: smaller than a checkpoint.")
 
 
@@ -403,7 +407,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   f = flags.FLAGS
-  result = harness(f.config, f.workdir, f.kills, f.overrides, f.seed, f.disk_bytes)
+  result = harness(f.config, f.workdir, f.kills, f.overrides, f.seed, f.disk_bytes, phases=tuple(f.phases))
   print(table(result))
   if not result["ok"]:
     sys.exit(1)

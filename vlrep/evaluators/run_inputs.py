@@ -1,0 +1,43 @@
+"""What an evaluator gets of the run it evaluates, by name (`RunInputs`), and the one way evaluators read a split.
+
+Built once by the training loop (and by `vlrep.evaluate`): the run's tokenizer, its method (for whole-model
+evaluators: captioning, retrieval, masked tokens, localization, VL tasks), what the method's setup derived from the
+data (ICMLM's concepts, a VQA run's answer vocabulary: `needs`), and this process's place among the hosts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from vlrep.data import pipeline
+
+
+@dataclasses.dataclass(frozen=True)
+class RunInputs:
+  tokenizer: Any = None
+  method: Any = None
+  needs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  host: int = 0
+  num_hosts: int = 1
+
+  @property
+  def pp_context(self) -> dict:
+    """What preprocessing ops read (the tokenizer, the method's needs), as `pipeline` takes it."""
+    return {"tokenizer": self.tokenizer, **self.needs}
+
+  def builder(self, config):
+    """The TFDS builder of an evaluator config's `dataset`, `data_dir`, `config_name`."""
+    return pipeline.get_builder(config.dataset, config.get("data_dir"), config.get("config_name"))
+
+  def batches(
+    self, builder, split: str, pp: str, fields: Sequence[str], batch_size: int
+  ) -> Iterator[dict[str, np.ndarray]]:
+    """One pass over this host's shard of `split` in batches of `batch_size` (global) / hosts, padded rows
+    marked by `_mask`; every host yields as many batches."""
+    return pipeline.eval_batches(
+      builder, split, pp, fields, batch_size // self.num_hosts, self.host, self.num_hosts, self.pp_context
+    )
