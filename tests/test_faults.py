@@ -20,7 +20,7 @@ def test_the_fault_harness_survives_every_kind_of_fault(tmp_path):
 
   # Without evaluations (CI time): the 30-fault run of docs/reliability.md has them, and test_preemption checks that
   # an evaluation stops between batches.
-  overrides = ["total_steps=32", "checkpoint.every_steps=4", "evals={}"]
+  overrides = ["total_steps=24", "checkpoint.every_steps=4", "evals={}"]
   phases = ("startup", "data", "init", "train", "checkpoint")
   config = os.path.join(ROOT, "tests", "tiny_virtex.py")
   result = faults.harness(config, str(tmp_path), kills=8, overrides=overrides, phases=phases)
