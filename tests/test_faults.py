@@ -121,3 +121,16 @@ def test_a_failed_save_is_a_clear_error_and_keeps_the_earlier_checkpoints(tmp_pa
   monkeypatch.setattr(ocp.CheckpointManager, "save", real_save)
   assert sorted(int(p) for p in os.listdir(tmp_path / "checkpoints") if p.isdigit()) == [4]
   assert final_params(tmp_path)[0] == 4  # and it restores
+
+
+def test_the_fault_harness_refuses_bad_arguments_before_training(tmp_path):
+  from vlrep.tools import faults
+
+  config = os.path.join(ROOT, "tests", "tiny_virtex.py")
+  with pytest.raises(ValueError, match="--kills must be at least 1"):
+    faults.harness(config, str(tmp_path), kills=0)
+  with pytest.raises(ValueError, match="--phases must be among"):
+    faults.harness(config, str(tmp_path), kills=2, phases=("compile",))
+  with pytest.raises(FileNotFoundError, match="No config file"):
+    faults.harness(str(tmp_path / "missing.py"), str(tmp_path), kills=2)
+  assert not os.path.exists(tmp_path / "reference")  # nothing was started

@@ -63,7 +63,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, on_preempted=None) -> d
     preemption.close()
 
 
-def _train(config, workdir: str, preemption: preemption_lib.Preemption, on_preempted) -> dict[str, Any]:
+def _train(
+  config: ml_collections.ConfigDict, workdir: str, preemption: preemption_lib.Preemption, on_preempted
+) -> dict[str, Any]:
   t_start = time.time()
   os.makedirs(workdir, exist_ok=True)
   host, num_hosts = jax.process_index(), jax.process_count()

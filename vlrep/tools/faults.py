@@ -211,6 +211,13 @@ def harness(
   phases=PHASES,
 ) -> dict:
   """Runs the reference and the faulty run; -> {'faults': [...], 'equal': bool, 'ok': bool, ...}."""
+  # Bad arguments fail before the reference run, not minutes later.
+  if kills < 1:
+    raise ValueError(f"--kills must be at least 1, got {kills}.")
+  if not phases or set(phases) - set(PHASES):
+    raise ValueError(f"--phases must be among {PHASES}, got {list(phases)}.")
+  if not os.path.exists(config.partition(":")[0]):
+    raise FileNotFoundError(f"No config file {config.partition(':')[0]}.")
   rng = np.random.default_rng(seed + 1)
   overrides = [*overrides, "log_every_steps=1"]
   reference, faulty = os.path.join(workdir, "reference"), os.path.join(workdir, "faulty")
@@ -238,8 +245,6 @@ def harness(
   deadline = float(saved.checkpoint.get("exit_deadline_secs", 20.0))
   logging.info("Reference: %d steps in %.0f s (checkpoint every %d).", total, reference_seconds, every_ckpt)
 
-  if set(phases) - set(PHASES):
-    raise ValueError(f"Unknown phases {sorted(set(phases) - set(PHASES))}; known: {PHASES}")
   faults = schedule(kills, seed, phases)
   queue = list(faults)
   expect: list = []  # [(fault, the step the next process that restores must resume from)]
