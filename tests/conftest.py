@@ -98,6 +98,27 @@ def load_tiny_config(arg=None):
 
 
 @pytest.fixture(scope="session")
+def tiny_virtex_run(tmp_path_factory):
+  """One default tiny VirTex run (`run_main` with no overrides: 6 steps, the probe and captioning evaluations),
+  trained once per test session and shared by every xdist worker (under a file lock in the session's shared temp
+  root): tests that only need *a* trained run read it; tests that change a run copy it first. Returns the
+  workdir and the run's console (returncode, stdout, stderr)."""
+  import json
+  import types
+
+  from filelock import FileLock
+
+  base = tmp_path_factory.getbasetemp()
+  root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+  workdir, console = root / "tiny_virtex_run", root / "tiny_virtex_run.json"
+  with FileLock(str(root / "tiny_virtex_run.lock")):
+    if not console.exists():
+      proc = run_main(workdir)
+      console.write_text(json.dumps({"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}))
+  return types.SimpleNamespace(workdir=workdir, **json.loads(console.read_text()))
+
+
+@pytest.fixture(scope="session")
 def tiny_builder():
   from vlrep.data import pipeline
 

@@ -112,6 +112,36 @@ def test_models_import_no_data_and_data_imports_no_evaluator_or_method():
   assert layer_violations({"vlrep.models.x": {"vlrep.data.tokenizers"}}) == ["vlrep.models.x -> vlrep.data.tokenizers"]
 
 
+def checkpoint_readers(folder: str) -> list[str]:
+  """Files under `folder` that read checkpoints: call `load_run`, or import orbax or vlrep.checkpoint."""
+  found = set()
+  for dirpath, _, names in os.walk(folder):
+    for name in sorted(n for n in names if n.endswith(".py")):
+      path = os.path.join(dirpath, name)
+      for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        if isinstance(node, ast.Call):
+          reads = getattr(node.func, "attr", getattr(node.func, "id", None)) == "load_run"
+        elif isinstance(node, ast.Import):
+          reads = any(a.name.startswith(("orbax", "vlrep.checkpoint")) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+          modules = [f"{node.module}.{a.name}" for a in node.names] + [node.module or ""]
+          reads = any(m.startswith(("orbax", "vlrep.checkpoint")) for m in modules)
+        else:
+          reads = False
+        if reads:
+          found.add(os.path.relpath(path, folder))
+  return sorted(found)
+
+
+def test_methods_and_evaluators_read_no_checkpoint_the_loop_hands_them_runs(tmp_path):
+  for layer in ("methods", "evaluators", "models", "data"):
+    assert checkpoint_readers(os.path.join(ROOT, "vlrep", layer)) == [], layer
+  # The check sees a method that loads a run itself.
+  (tmp_path / "m.py").write_text("from vlrep import runs\ndef f(p):\n  return runs.load_run(p)\n")
+  (tmp_path / "n.py").write_text("import orbax.checkpoint as ocp\n")
+  assert checkpoint_readers(str(tmp_path)) == ["m.py", "n.py"]
+
+
 def test_a_cycle_through_a_function_local_import_is_found(tmp_path):
   pkg = tmp_path / "pkg"
   (pkg / "sub").mkdir(parents=True)

@@ -310,11 +310,9 @@ def test_greedy_beam_and_nucleus_decoding():
 # The commands on a tiny trained run: evaluate, caption, export, sweep, notebook.
 # ------------------------------------------------------------------------------------------------------ #
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-  workdir = tmp_path_factory.mktemp("tiny") / "run"
-  proc = run_main(workdir)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return str(workdir)
+def tiny_run(tiny_virtex_run):
+  assert tiny_virtex_run.returncode == 0, tiny_virtex_run.stderr[-3000:]
+  return str(tiny_virtex_run.workdir)
 
 
 def _tiny_eval_config(**overrides):

@@ -334,7 +334,7 @@ def test_pretrained_bert_text_tower_loads_into_query_and_momentum_towers():
   tx = optax.sgd(0.1)
   fresh = init_train_state(method, tx, jax.random.PRNGKey(0), batch)
   state_sh = sharding.state_shardings(sharding.make_mesh(), fresh, "replicate")
-  state = train.load_pretrained_variables(fresh, method.pretrained_variables(), tx, state_sh)
+  state = train.load_pretrained_variables(fresh, train.pretrained_variables_of(method), tx, state_sh)
 
   bert_config, want, _, _ = bert_lib.load_pretrained("minilm")
   bert_config, want = bert_lib.first_layers(bert_config, want, 1)
@@ -372,7 +372,7 @@ def test_pretrained_bert_text_tower_trains_with_dropout_set_by_the_config():
   >= 1 is refused."""
   import tiny_mct
 
-  from vlrep import methods
+  from vlrep import methods, train
   from vlrep.data import tokenizers
 
   assert tiny_mct.mct.get_config("text=bert").method.bert_dropout == 0.1  # the recipe; runlocal measured none
@@ -389,7 +389,7 @@ def test_pretrained_bert_text_tower_trains_with_dropout_set_by_the_config():
 
   method = build(0.1)
   params = method.model.init(jax.random.PRNGKey(0), tokens, False, method=embed)["params"]
-  params["textual"] = method.pretrained_variables()["params"]["textual"]
+  params["textual"] = train.pretrained_variables_of(method)["params"]["textual"]
 
   def text_embeddings(method, train, seed=0):
     rngs = {"dropout": jax.random.PRNGKey(seed)}

@@ -20,21 +20,25 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _start(workdir, port, process_id, num_processes, *extra, log):
+def _start(workdir, port, process_id, num_processes, *extra, log, cache=None):
   cmd = [sys.executable, "-m", "vlrep.main", f"--workdir={workdir}", *OVERRIDES]
   cmd += [f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={num_processes}", f"--process_id={process_id}"]
   env = {**with_devices(2), "PYTHONUNBUFFERED": "1"}
-  # No persistent compilation cache here: the two processes must meet at each collective within Gloo's 30 s, and
-  # with a shared cache one process can load an executable the other still compiles (CI failed exactly so:
-  # "Gloo context initialization failed: DEADLINE_EXCEEDED").
+  # The two processes must meet at each collective within Gloo's 30 s. With the session's shared compilation cache
+  # one process could load an executable that the other still compiles (CI failed exactly so: "Gloo context
+  # initialization failed: DEADLINE_EXCEEDED"). A cache of the pair's own (`cache`: empty when they first start)
+  # holds only what one of them already compiled, so loading from it can only let a process that is behind catch
+  # up; without one, nothing is cached.
   env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  if cache is not None:
+    env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
   return subprocess.Popen([*cmd, *extra], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def _run_pair(tmp_path, tag, workdir, *extra, timeout=400):
+def _run_pair(tmp_path, tag, workdir, *extra, timeout=400, cache=None):
   port = _free_port()
   logs = [open(tmp_path / f"{tag}{i}.log", "w") for i in range(2)]
-  procs = [_start(workdir, port, i, 2, *extra, log=logs[i]) for i in range(2)]
+  procs = [_start(workdir, port, i, 2, *extra, log=logs[i], cache=cache) for i in range(2)]
   for p in procs:
     p.wait(timeout=timeout)
   for f in logs:
@@ -47,7 +51,8 @@ def test_two_processes_train_together_survive_a_dead_host_and_resume(tmp_path):
   steps = ["--config.total_steps=16", "--heartbeat_timeout=10"]
   port = _free_port()
   logs = [open(tmp_path / f"a{i}.log", "w") for i in range(2)]
-  procs = [_start(workdir, port, i, 2, *steps, log=logs[i]) for i in range(2)]
+  cache = tmp_path / "jax_cache"  # the pair's own: filled by this pair, read by the resuming pair
+  procs = [_start(workdir, port, i, 2, *steps, log=logs[i], cache=cache) for i in range(2)]
   # Kill process 1 (SIGKILL: no chance to clean up) once a checkpoint exists.
   deadline = time.time() + 300
   while not (workdir / "checkpoints" / "8").exists() and procs[0].poll() is None and time.time() < deadline:
@@ -70,7 +75,7 @@ def test_two_processes_train_together_survive_a_dead_host_and_resume(tmp_path):
   assert 8 <= saved < 16
 
   # The same command on both hosts resumes from the last checkpoint and finishes in step.
-  codes, outs = _run_pair(tmp_path, "b", workdir, *steps)
+  codes, outs = _run_pair(tmp_path, "b", workdir, *steps, cache=cache)
   assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
   for i, out in enumerate(outs):
     assert f"Resumed from step {saved}" in out, out[-3000:]

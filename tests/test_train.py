@@ -2,6 +2,7 @@
 device-count invariance and multi-host: test_distributed.py.)"""
 
 import json
+import shutil
 
 import jax
 import numpy as np
@@ -9,9 +10,10 @@ import pytest
 from conftest import run_main
 
 
-def test_main_end_to_end_writes_summary_and_refuses_to_resume_another_model(tmp_path):
-  proc = run_main(tmp_path / "run")
+def test_main_end_to_end_writes_summary_and_refuses_to_resume_another_model(tiny_virtex_run, tmp_path):
+  proc = tiny_virtex_run  # `run_main(workdir)`, shared with test_evaluation
   assert proc.returncode == 0, proc.stderr[-3000:]
+  shutil.copytree(proc.workdir, tmp_path / "run")  # the resume below must not touch the shared run
   summary = json.loads((tmp_path / "run" / "summary.json").read_text())
   # runlocal keeps the best checkpoint by probe/map_val (probe_val), and reports probe/map (probe_test).
   keys = ("probe/map", "probe/map_random_init", "train/loss", "steps", "seconds", "probe/map_val", "probe/map_val_best")

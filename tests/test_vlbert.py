@@ -557,7 +557,7 @@ def test_extractor_run_supplies_the_regions_resnet_and_runs_need_no_other_run_un
   what it builds) and weights, extracts the regions. Building the method reads no other run, so evaluating or
   resuming a VL run works without its extractor or pretraining run; a start whose visual.backbone differs from
   the ResNet the weights come from is an error."""
-  from vlrep import runs
+  from vlrep import runs, train
   from vlrep.models import resnet
 
   backbone = dict(depth=10, width=8, stem="small", stem_stride=2)
@@ -588,7 +588,7 @@ def test_extractor_run_supplies_the_regions_resnet_and_runs_need_no_other_run_un
   assert method.regions_dim() == net.num_features
   batch = {k: jnp.asarray(v) for k, v in _recipe_batch(c, np.random.default_rng(0)).items()}
   variables = method.init(jax.random.PRNGKey(0), batch)
-  visual = method.pretrained_variables()["model_state"]["visual"]
+  visual = train.pretrained_variables_of(method)["model_state"]["visual"]
   assert jax.tree.map(jnp.shape, visual) == jax.tree.map(jnp.shape, dict(variables["visual"]))
   feats, _, _ = method.regions.apply(visual, batch["image"], batch["boxes"], batch["box_mask"])
   grid, _ = net.apply({"params": net_vars["params"], "batch_stats": stats}, batch["image"], train=False)
@@ -600,7 +600,7 @@ def test_extractor_run_supplies_the_regions_resnet_and_runs_need_no_other_run_un
   wrong.method.update(bert_layers=1, dtype="float32")
   wrong.method.visual.init_from = "/runs/virtex"
   with pytest.raises(ValueError, match="depth': 10.*builds.*depth': 50.*extractor=RUN"):
-    vlbert.VLBert(wrong.method, 30522).pretrained_variables()
+    train.pretrained_variables_of(vlbert.VLBert(wrong.method, 30522))
 
   # Downstream of a VL run pretrained with that extractor: its extractor weights, the same ResNet.
   available["/runs/vl"] = runs.Run(
@@ -613,12 +613,12 @@ def test_extractor_run_supplies_the_regions_resnet_and_runs_need_no_other_run_un
   )
   down = _recipe("arch=visual_bert,stage=finetune,task=vqa,bert=minilm,extractor=/runs/virtex")
   down.method.update(bert_layers=1, dtype="float32", num_labels=3, pretrained_run="/runs/vl")
-  got = vlbert.VLBert(down.method, 30522).pretrained_variables()["model_state"]["visual"]
+  got = train.pretrained_variables_of(vlbert.VLBert(down.method, 30522))["model_state"]["visual"]
   assert jax.tree.map(np.shape, got) == jax.tree.map(np.shape, visual)
   down_default = _recipe("arch=visual_bert,stage=finetune,task=vqa,bert=minilm")
   down_default.method.update(bert_layers=1, dtype="float32", num_labels=3, pretrained_run="/runs/vl")
   with pytest.raises(ValueError, match="/runs/vl/best/7's region extractor is a ResNet"):
-    vlbert.VLBert(down_default.method, 30522).pretrained_variables()
+    train.pretrained_variables_of(vlbert.VLBert(down_default.method, 30522))
 
   # Every run gone: the methods of all these runs still build (as vlrep.evaluate and a resume build them).
   available.clear()

@@ -155,8 +155,7 @@ def _train(
     logging.info("Resumed from step %d in %s.", start_step, workdir)
   else:
     state = jax.jit(init_state, out_shardings=state_sh)(init_rng, first_batch)
-    if hasattr(method, "pretrained_variables"):
-      state = load_pretrained_variables(state, method.pretrained_variables(), tx, state_sh)
+    state = load_pretrained_variables(state, pretrained_variables_of(method), tx, state_sh)
     if config.get("init_from"):
       state = init_from_checkpoint(state, config.init_from, tx, state_sh)
   num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
@@ -357,6 +356,16 @@ def params_fingerprint(params) -> str:
   for leaf in jax.tree.leaves(params):
     digest.update(np.asarray(leaf.addressable_shards[0].data).tobytes())
   return digest.hexdigest()[:16]
+
+
+def pretrained_variables_of(method) -> dict:
+  """A method's pretrained values (its optional `pretrained_variables(pretrained)`), given the runs it names in
+  its optional `pretrained_runs()` ({name: workdir}), each loaded here at its best checkpoint: methods read
+  checkpoints only through the loop."""
+  if not hasattr(method, "pretrained_variables"):
+    return {}
+  wanted = method.pretrained_runs() if hasattr(method, "pretrained_runs") else {}
+  return method.pretrained_variables({name: runs.load_run(path, "best") for name, path in wanted.items()})
 
 
 def load_pretrained_variables(state: dict, pretrained: dict, tx, state_sh) -> dict:

@@ -122,7 +122,7 @@ class ICMLM:
       variables["bert"] = self.bert.init(bert_rng, jnp.zeros((1, 2), jnp.int32))["params"]
     return variables
 
-  def pretrained_variables(self) -> dict:
+  def pretrained_variables(self, pretrained: dict) -> dict:
     """Values the loop writes into a fresh state: the frozen BERT, and the checkpoint's token classifier as the
     initialisation of `mlm_head` when the checkpoint has one (MiniLM does not: then it trains from scratch)."""
     out = {}

@@ -140,7 +140,7 @@ class MCT:
     return {"params": params, "batch_stats": stats, "momentum": {"params": copy(params), "batch_stats": copy(stats)},
             "queues": queues}  # fmt: skip
 
-  def pretrained_variables(self) -> dict:
+  def pretrained_variables(self, pretrained: dict) -> dict:
     """With text_tower='bert': BERT's weights for the text tower and for its momentum copy."""
     if self._bert is None:
       return {}

@@ -177,14 +177,25 @@ class VLBert:
     )["params"]
     return {"params": params} if visual is None else {"params": params, "visual": dict(visual)}
 
-  def pretrained_variables(self) -> dict:
-    """BERT's weights (and its MLM head when the checkpoint has one); or, with `pretrained_run`, everything that
-    run learned except its task heads, and its region extractor; plus the extractor of `visual.init_from`."""
+  def pretrained_runs(self) -> dict[str, str]:
+    """The runs this method starts from (the loop loads each at its best checkpoint): `pretrained_run` (the
+    transformer and extractor of a VL pretraining run), else `visual.init_from` (a run whose backbone extracts
+    the regions)."""
+    if self.config.get("pretrained_run"):
+      return {"pretrained_run": self.config.pretrained_run}
+    if self.config.visual.get("init_from") and not self.from_files:
+      return {"visual.init_from": self.config.visual.init_from}
+    return {}
+
+  def pretrained_variables(self, pretrained: dict[str, runs.Run]) -> dict:
+    """BERT's weights (and its MLM head when the checkpoint has one); or, from `pretrained_run`, everything that
+    run learned except its task heads, and its region extractor; or the extractor from `visual.init_from`'s
+    backbone. `pretrained` holds the runs `pretrained_runs` named, loaded by the loop."""
     out = {"params": {"bert": self._bert}}
     if self._mlm_head is not None:
       out["params"]["mlm_head"] = self._mlm_head
-    if self.config.get("pretrained_run"):
-      run = runs.load_run(self.config.pretrained_run, "best")
+    if "pretrained_run" in pretrained:
+      run = pretrained["pretrained_run"]
       out["params"] = {k: v for k, v in run.params.items() if not k.startswith(_TASK_PARAMS)}
       if "visual" in run.model_state and not self.from_files:
         self._check_extractor(run.config.method.visual.backbone, f"{run.path}'s region extractor")
@@ -192,8 +203,8 @@ class VLBert:
       elif not self.from_files:
         raise ValueError(f"{run.path} has no region extractor (a file-features run?); this config extracts regions.")
       logging.info("Transformer and region extractor from %s (step %d).", run.path, run.step)
-    elif self.config.visual.get("init_from") and not self.from_files:
-      run = runs.load_run(self.config.visual.init_from, "best")
+    elif "visual.init_from" in pretrained:
+      run = pretrained["visual.init_from"]
       if run.config.method.get("backbone", {}).get("arch", "resnet") != "resnet":
         raise ValueError(f"visual.init_from: {run.path}'s backbone is not a ResNet; the region extractor is one.")
       _, variables = runs.backbone_of(run)
