@@ -49,6 +49,7 @@ def get_config(arg=None):
     split="train",
     prefetch=2,
     cache_image_size=0,
+    in_memory=False,
     device_prefetch=2,
     pp="decode|inception_crop(224, area=(0.08, 1.0))|flip_lr_swap_words(keys=())|normalize",
   )

@@ -122,6 +122,7 @@ def get_config(arg=None):
     split="train",
     prefetch=2,
     cache_image_size=0,
+    in_memory=False,
     device_prefetch=2,
     pp=(
       f"{keep}|decode|inception_crop({image_size}, area=(0.2, 1.0))|flip_lr_swap_words|normalize"

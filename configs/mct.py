@@ -131,6 +131,7 @@ def get_config(arg=None):
     split="train",
     prefetch=2,
     cache_image_size=0,
+    in_memory=False,
     device_prefetch=2,
     pp=(
       "keep('image', 'captions', 'objects')|decode|copy('image', 'image_q')|copy('image', 'image_k')"

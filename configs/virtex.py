@@ -77,6 +77,7 @@ def get_config(arg=None):
     split=split,
     prefetch=2,  # batches prepared ahead on each host
     cache_image_size=0,  # >0: decode every image once into host memory at this shorter side (docs/speed.md)
+    in_memory=False,  # True: hold this host's encoded records in memory (ArrayRecord splits are read from disk)
     device_prefetch=2,  # global batches transferred to the devices ahead of the step
     pp=(
       "decode|inception_crop(224, area=(0.2, 1.0))|flip_lr_swap_words|color_jitter(0.4, 0.4, 0.4, 0.1)"

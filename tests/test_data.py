@@ -182,6 +182,54 @@ def test_hosts_read_disjoint_shards(tiny_builder):
   assert len(a) + len(b) == 64 and not set(a) & set(b)
 
 
+@pytest.fixture(scope="module")
+def tiny_in_both_formats(tmp_path_factory):
+  """The tiny dataset prepared twice: ArrayRecord (vlrep's storage) and TFRecord (older vlrep, TFDS's default)."""
+  from vlrep.data import prepare
+
+  root = tmp_path_factory.mktemp("formats")
+  for fmt in ("array_record", "tfrecord"):
+    prepare.prepare("synthetic_scenes", None, str(root / fmt), "tiny", fmt)
+  return {
+    fmt: pipeline.get_builder("synthetic_scenes", str(root / fmt), "tiny") for fmt in ("array_record", "tfrecord")
+  }
+
+
+def test_disk_stream_reads_only_its_hosts_records_and_equals_the_in_memory_stream(tiny_in_both_formats, monkeypatch):
+  disk, tfrecord = tiny_in_both_formats["array_record"], tiny_in_both_formats["tfrecord"]
+  assert records.is_array_record(disk) and not records.is_array_record(tfrecord)
+  read = []
+  plain_read = records.SplitReader.read
+  monkeypatch.setattr(
+    records.SplitReader, "read", lambda self, idx: read.extend(np.ravel(idx)) or plain_read(self, idx)
+  )
+  pp = "decode|inception_crop(32, area=(0.5, 1.0))|flip_lr_swap_words|normalize"
+
+  def stream(builder, **kw):
+    return pipeline.train_stream(
+      builder, "train", pp, ("image",), 4, seed=5, start_step=3, host_index=1, host_count=2, **kw
+    )
+
+  from_disk, from_memory, from_tfrecord = stream(disk), stream(disk, in_memory=True), stream(tfrecord)
+  for _ in range(10):  # 10 batches of 4 from 32 records: past an epoch of this host's share
+    image = next(from_disk)["image"]
+    np.testing.assert_array_equal(image, next(from_memory)["image"])
+    np.testing.assert_array_equal(image, next(from_tfrecord)["image"])
+  # Host 1 of 2 read only its own records (odd indices), whether streaming them or loading its share.
+  assert read and all(i % 2 == 1 for i in read), sorted(set(read))
+  assert records.load_records(disk, "train", 1, 2) == records.load_records(tfrecord, "train", 1, 2)
+  # Evaluation order and texts are the storage's too.
+  ev = [b["image"] for b in pipeline.eval_batches(disk, "val", "decode|resize(32)", ("image",), 8, 1, 2)]
+  ev_tf = [b["image"] for b in pipeline.eval_batches(tfrecord, "val", "decode|resize(32)", ("image",), 8, 1, 2)]
+  np.testing.assert_array_equal(np.concatenate(ev), np.concatenate(ev_tf))
+  assert records.read_texts(disk, "train[:50%]") == records.read_texts(tfrecord, "train[:50%]")
+  reader = records.SplitReader(disk, "train[:50%]")
+  with pytest.raises(IndexError, match=r"Record index 32 is past the end of synthetic_scenes/train\[:50%\] \(32"):
+    reader.read([0, 32])
+  with pytest.raises(ValueError, match="no random access.*data.in_memory=True"):
+    records.SplitReader(tfrecord, "train")
+
+
 def test_voc_labels_mark_difficult_objects():
   ex = {"objects": {"label": tf.constant([2, 5, 5, 7]), "is_difficult": tf.constant([False, True, False, True])}}
   labels = registry.parse("voc_labels(8)").example_fn(ex)["labels"].numpy()
@@ -239,7 +287,7 @@ def test_largest_object_label_is_the_most_visible_object(tiny_builder):
 
   op = ops.get_largest_object_label()
   checked = 0
-  for ex in tiny_builder.as_dataset(split="val", decoders={"object_map": tfds.decode.SkipDecoding()}).take(8):
+  for ex in records.examples(tiny_builder, "val").take(8):
     ids = tf.io.decode_png(ex["object_map"]).numpy().reshape(-1)
     counts = np.bincount(ids, minlength=len(ex["objects"]["label"]) + 1)[1:]
     expected = int(ex["objects"]["label"].numpy()[np.argmax(counts)])
@@ -328,5 +376,7 @@ def test_generation_is_deterministic_from_the_seed(tiny_builder):
   for (_, a), (_, b) in zip(first, second, strict=True):
     assert a["image"] == b["image"] and a["object_map"] == b["object_map"]  # PNG bytes
     assert a["captions"] == b["captions"] and a["narration"] == b["narration"]
-  stored = {ex["image"].tobytes() for ex in tfds.as_numpy(tiny_builder.as_dataset(split="probe_val"))}
+  stored = {
+    ex["image"].tobytes() for ex in tfds.as_numpy(records.examples(tiny_builder, "probe_val", decode_images=True))
+  }
   assert {tf.io.decode_png(rec["image"]).numpy().tobytes() for _, rec in first} <= stored

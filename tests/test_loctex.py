@@ -12,7 +12,7 @@ import tensorflow as tf
 from conftest import ROOT, run_main, with_devices
 from PIL import Image
 
-from vlrep.data import pipeline, prepare, registry, tokenizers, traces
+from vlrep.data import pipeline, prepare, records, registry, tokenizers, traces
 
 
 def _narration(words_times, points, caption=None, size=32):
@@ -162,7 +162,7 @@ def test_tokenize_words_gathers_masks_per_token(tiny_tokenizer):
 
 
 def test_oracle_masks_come_from_the_named_objects(tiny_builder):
-  ds = tiny_builder.as_dataset(split="val").take(12)
+  ds = records.examples(tiny_builder, "val", decode_images=True).take(12)
   synonyms = 0
   pp = "trace_words(64, sizes=(4,))|oracle_word_masks(sizes=(4,), match_traces=False)"
   for ex in ds:
@@ -334,7 +334,7 @@ def test_localized_narratives_from_local_files(tmp_path, tiny_tokenizer):
     "narration without trace points (kept)": 1,
   }
   builder = pipeline.get_builder("localized_narratives", str(tmp_path / "tfds"), "coco")
-  ex = next(iter(builder.as_dataset(split="train").take(1)))
+  ex = next(iter(records.examples(builder, "train", decode_images=True).take(1)))
   assert ex["image"].shape == (30, 40, 3) and ex["narration"].numpy().decode() == "In this picture left."
   np.testing.assert_allclose(ex["traces"].numpy(), np.asarray(segs[0] + segs[1], np.float32))
   assert [u.decode() for u in ex["timed_caption"]["utterance"].numpy()] == [w for w, _, _ in words]
@@ -343,7 +343,7 @@ def test_localized_narratives_from_local_files(tmp_path, tiny_tokenizer):
   report = prepare.prepare("localized_narratives", str(root), str(tmp_path / "tfds"), "coco_openimages")
   assert report["splits"] == {"train": 3, "val": 1}
   oi = pipeline.get_builder("localized_narratives", str(tmp_path / "tfds"), "coco_openimages")
-  shapes = sorted(tuple(e["image"].shape) for e in oi.as_dataset(split="train"))
+  shapes = sorted(tuple(e["image"].shape) for e in records.examples(oi, "train", decode_images=True))
   assert shapes == [(30, 40, 3), (30, 40, 3), (30, 60, 3)]
 
   # The LocTex pipeline reads it: the word 'left.' gets its trace's cell, the outside point is counted.

@@ -6,7 +6,7 @@ import os
 import numpy as np
 from PIL import Image
 
-from vlrep.data import pipeline, prepare
+from vlrep.data import pipeline, prepare, records
 from vlrep.data.builders import voc2007
 
 
@@ -41,7 +41,7 @@ def test_coco_captions_from_local_files(tmp_path):
     "instance with unknown category": 1,
   }
   builder = pipeline.get_builder("coco_captions2017", str(tmp_path / "tfds"))
-  examples = {int(e["image_id"]): e for e in builder.as_dataset(split="train")}
+  examples = {int(e["image_id"]): e for e in records.examples(builder, "train", decode_images=True)}
   assert examples[1]["image"].shape == (24, 32, 3) and len(examples[1]["captions"]) == 5
   assert (
     sorted(examples[1]["objects"]["label"].numpy().tolist()) == [1, 2] and len(examples[2]["objects"]["label"]) == 0

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
-from vlrep.data import pipeline, prepare, registry, vl_ops
+from vlrep.data import pipeline, prepare, records, registry, vl_ops
 from vlrep.data.builders import vl_datasets
 
 
@@ -29,7 +29,7 @@ def _write(path, obj):
 
 def _examples(name, data_dir, split):
   builder = pipeline.get_builder(name, str(data_dir))
-  return builder, {int(e["image_id"]): e for e in builder.as_dataset(split=split)}
+  return builder, {int(e["image_id"]): e for e in records.examples(builder, split, decode_images=True)}
 
 
 def _human(answers):

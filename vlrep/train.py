@@ -121,6 +121,7 @@ def _train(
       run_inputs.pp_context,
       config.data.prefetch,
       config.data.get("cache_image_size", 0),
+      config.data.get("in_memory", False),
     )
     return sharding.device_prefetch(stream, batch_sharding, config.data.get("device_prefetch", 2))
 

@@ -41,6 +41,11 @@ def _builders() -> dict[str, Any]:
   }
 
 
+# How vlrep prepares datasets: ArrayRecord files, read by index (training reads each host's records from disk as
+# it needs them). Datasets prepared as TFRecord (older vlrep, or TFDS's own builders) still read, into memory.
+FILE_FORMAT = "array_record"
+
+
 def prepare_command(name: str) -> str:
   return f"python -m vlrep.data.prepare --dataset={name} --manual_dir=PATH --data_dir=DATA_DIR"
 
@@ -64,7 +69,8 @@ def get_builder(name: str, data_dir: str | None, config_name: str | None = None)
       )
     if records.jax_process_index() == 0:
       logging.info("Generating %s/%s in %s (first use).", name, builder.builder_config.name, data_dir)
-      builder.download_and_prepare()
+      kwargs = {"config": config_name} if config_name else {}
+      cls(data_dir=data_dir, file_format=FILE_FORMAT, **kwargs).download_and_prepare()
     records.sync_hosts(f"prepare {name}")
     builder = cls(config=config_name, data_dir=data_dir) if config_name else cls(data_dir=data_dir)
   return builder
@@ -190,16 +196,24 @@ def train_stream(
   context: dict | None = None,
   prefetch: int = 2,
   cache_image_size: int = 0,
+  in_memory: bool = False,
 ) -> Iterator[dict[str, np.ndarray]]:
   """Infinite iterator of local training batches, starting at batch `start_step`.
 
-  `prefetch` bounds the batches prepared ahead: an autotuned buffer grows over a long run, competes with
-  evaluation for host cores and makes teardown slow. `cache_image_size` > 0 decodes every image once into
-  memory, resized to that shorter side (`decode` then passes the cached pixels through). Call `.close()` when
-  done to stop the workers.
+  Records stored as ArrayRecord are read from disk by index as the stream needs them (this host's share only);
+  `in_memory` (or TFRecord storage, which has no random access) holds this host's share of the encoded records
+  in memory instead. Either way batch k is the same. `prefetch` bounds the batches prepared ahead: an autotuned
+  buffer grows over a long run, competes with evaluation for host cores and makes teardown slow.
+  `cache_image_size` > 0 decodes every image once into memory, resized to that shorter side (`decode` then
+  passes the cached pixels through). Call `.close()` when done to stop the workers.
   """
-  shard = records.load_records(builder, split, host_index, host_count)
-  lookup = _lookup_fn(shard)
+  from_disk = records.is_array_record(builder) and not in_memory and not cache_image_size
+  if from_disk:
+    reader = records.SplitReader(builder, split)
+    num_records, lookup = reader.host_lookup(host_index, host_count)
+  else:
+    shard = records.load_records(builder, split, host_index, host_count)
+    num_records, lookup = len(shard), _lookup_fn(shard)
   decoders = records.skip_image_decoding(builder.info.features)
   preprocess = registry.parse(pp, context)
   tf_fields = _tf_fields(preprocess, fields)
@@ -227,16 +241,17 @@ def train_stream(
     return ex
 
   logging.info(
-    "Training stream over %d records of %s/%s (host %d/%d), starting at batch %d.",
-    len(shard),
+    "Training stream over %d records of %s/%s (host %d/%d, %s), starting at batch %d.",
+    num_records,
     builder.name,
     split,
     host_index,
     host_count,
+    "read from disk" if from_disk else "in memory",
     start_step,
   )
   ds = stream_dataset(
-    len(shard),
+    num_records,
     make_raw_example,
     lambda ex: _select(preprocess.example_fn(ex), tf_fields),
     local_batch,
@@ -263,9 +278,7 @@ def eval_batches(
 
   Every host yields the same number of batches (the longest shard's), so collective ops stay in step.
   """
-  shard = records.load_records(builder, split, host_index, host_count)
-  name, fraction = records.split_name(split)
-  total = max(1, int(round(builder.info.splits[name].num_examples * fraction)))
+  total = records.split_size(builder, split)
   num_batches = math.ceil(math.ceil(total / host_count) / local_batch)
   decoders = records.skip_image_decoding(builder.info.features)
   preprocess = registry.parse(pp, context)
@@ -278,7 +291,12 @@ def eval_batches(
     ex["_mask"] = tf.constant(True)
     return ex
 
-  ds = tf.data.Dataset.from_tensor_slices(np.array(shard, dtype=object))
+  if records.is_array_record(builder):  # this host's records, read from disk in order
+    count, lookup = records.SplitReader(builder, split).host_lookup(host_index, host_count)
+    ds = tf.data.Dataset.range(count).map(lookup, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+  else:
+    shard = records.load_records(builder, split, host_index, host_count)
+    ds = tf.data.Dataset.from_tensor_slices(np.array(shard, dtype=object))
   ds = ds.map(make_example, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
   ds = ds.batch(local_batch, drop_remainder=False)
   count = 0

@@ -33,10 +33,23 @@ flags.DEFINE_string(
   None,
   "Builder config (synthetic_scenes: default | tiny; localized_narratives: coco | coco_openimages).",
 )
+flags.DEFINE_enum(
+  "file_format",
+  pipeline.FILE_FORMAT,
+  ["array_record", "tfrecord"],
+  "Storage: array_record (random access: training reads each host's records from disk) or tfrecord (sequential: "
+  "training holds each host's share in memory).",
+)
 FLAGS = flags.FLAGS
 
 
-def prepare(dataset: str, manual_dir: str | None, data_dir: str, config_name: str | None = None) -> dict:
+def prepare(
+  dataset: str,
+  manual_dir: str | None,
+  data_dir: str,
+  config_name: str | None = None,
+  file_format: str = pipeline.FILE_FORMAT,
+) -> dict:
   import tensorflow_datasets as tfds
 
   registry = pipeline._builders()  # noqa: SLF001
@@ -46,12 +59,14 @@ def prepare(dataset: str, manual_dir: str | None, data_dir: str, config_name: st
   if not generated and not (manual_dir and os.path.isdir(manual_dir) and os.listdir(manual_dir)):
     raise FileNotFoundError(f"--manual_dir={manual_dir!r} is not a folder or is empty. Expected layout:\n{cls.__doc__}")
   data_dir = os.path.expanduser(data_dir)
-  builder = cls(config=config_name, data_dir=data_dir) if config_name else cls(data_dir=data_dir)
+  kwargs = {"config": config_name} if config_name else {}
+  builder = cls(data_dir=data_dir, file_format=file_format, **kwargs)
   common.SKIPPED.clear()
   builder.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
   report = {
     "dataset": dataset,
     "data_dir": builder.data_dir,
+    "file_format": builder.info.file_format.value,
     "splits": {k: v.num_examples for k, v in builder.info.splits.items()},
     "skipped": {reason: n for (_, reason), n in common.SKIPPED.items()},
   }
@@ -63,7 +78,7 @@ def prepare(dataset: str, manual_dir: str | None, data_dir: str, config_name: st
 
 def main(argv):
   del argv
-  report = prepare(FLAGS.dataset, FLAGS.manual_dir, FLAGS.data_dir, FLAGS.config_name)
+  report = prepare(FLAGS.dataset, FLAGS.manual_dir, FLAGS.data_dir, FLAGS.config_name, FLAGS.file_format)
   print(json.dumps(report, indent=2))
 
 

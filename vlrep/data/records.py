@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
+from array_record.python import array_record_data_source
 from jax.experimental import multihost_utils
 
 
@@ -43,20 +44,101 @@ def first_examples(builder, split: str, limit: int = 0) -> str:
   return f"{split}[:{100.0 * min(limit, total) / total}%]"
 
 
-def load_records(
-  builder: tfds.core.DatasetBuilder, split: str, host_index: int = 0, host_count: int = 1
-) -> list[bytes]:
-  """The serialized examples of this host's shard of `split` (records host_index::host_count)."""
+def split_size(builder, split: str) -> int:
+  """How many records `split` (a name, or 'name[:N%]': its first N%) holds."""
   name, fraction = split_name(split)
   if name not in builder.info.splits:
     raise ValueError(f"Split {name!r} not in {builder.name}; splits: {sorted(builder.info.splits)}")
-  files = [os.fspath(p) for p in builder.info.splits[name].filepaths]
-  records = list(tf.data.TFRecordDataset(files).as_numpy_iterator())
-  records = records[: max(1, int(round(len(records) * fraction)))]
-  shard = records[host_index::host_count]
+  return max(1, int(round(builder.info.splits[name].num_examples * fraction)))
+
+
+def is_array_record(builder) -> bool:
+  """Whether the dataset is stored in ArrayRecord files (random access by index: reads from disk)."""
+  return builder.info.file_format == tfds.core.FileFormat.ARRAY_RECORD
+
+
+class SplitReader:
+  """Random access to one split's serialized examples in its ArrayRecord files, by index in the split; `reads`
+  counts the records this process has read (each host reads only its own indices)."""
+
+  def __init__(self, builder, split: str):
+    if not is_array_record(builder):
+      raise ValueError(
+        f"{builder.name} is stored as {builder.info.file_format.value}, which has no random access: prepare it again "
+        "with `python -m vlrep.data.prepare` (ArrayRecord), or set data.in_memory=True."
+      )
+    name, _ = split_name(split)
+    self.size = split_size(builder, split)
+    self.name = f"{builder.name}/{split}"
+    self._source = array_record_data_source.ArrayRecordDataSource(
+      [os.fspath(p) for p in builder.info.splits[name].filepaths]
+    )
+    self.reads = 0
+
+  def __len__(self) -> int:
+    return self.size
+
+  def read(self, indices) -> list[bytes]:
+    indices = [int(i) for i in np.asarray(indices).reshape(-1)]
+    bad = [i for i in indices if not 0 <= i < self.size]
+    if bad:
+      raise IndexError(f"Record index {bad[0]} is past the end of {self.name} ({self.size} records).")
+    self.reads += len(indices)
+    return list(self._source.__getitems__(indices))
+
+  def host_lookup(self, host_index: int = 0, host_count: int = 1):
+    """(this host's record count, a tf function: position p in this host's share -> its serialized example).
+    The host's share is records host_index, host_index + host_count, ... (as `load_records`), read on demand."""
+    count = len(range(host_index, self.size, host_count))
+    if not count:
+      raise ValueError(f"{self.name} has {self.size} examples, too few for {host_count} hosts.")
+
+    def read_one(position):
+      return np.array(self.read([host_index + int(position) * host_count])[0], dtype=object)
+
+    def lookup(position):
+      record = tf.numpy_function(read_one, [position], tf.string, stateful=False)
+      record.set_shape([])
+      return record
+
+    return count, lookup
+
+
+def load_records(
+  builder: tfds.core.DatasetBuilder, split: str, host_index: int = 0, host_count: int = 1
+) -> list[bytes]:
+  """The serialized examples of this host's shard of `split` (records host_index::host_count), in memory. From
+  ArrayRecord files a host reads only its own records; TFRecord files are read whole (no random access)."""
+  total = split_size(builder, split)
+  if is_array_record(builder):
+    shard = SplitReader(builder, split).read(range(host_index, total, host_count))
+  else:
+    files = [os.fspath(p) for p in builder.info.splits[split_name(split)[0]].filepaths]
+    shard = list(tf.data.TFRecordDataset(files).take(total).as_numpy_iterator())[host_index::host_count]
   if not shard:
-    raise ValueError(f"{builder.name}/{split} has {len(records)} examples, too few for {host_count} hosts.")
+    raise ValueError(f"{builder.name}/{split} has {total} examples, too few for {host_count} hosts.")
   return shard
+
+
+def serialized_records(builder, split: str) -> tf.data.Dataset:
+  """Every serialized example of `split`, in order, as a tf.data.Dataset (either storage format)."""
+  total = split_size(builder, split)
+  if is_array_record(builder):
+    count, lookup = SplitReader(builder, split).host_lookup()
+    return tf.data.Dataset.range(count).map(lookup, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+  files = [os.fspath(p) for p in builder.info.splits[split_name(split)[0]].filepaths]
+  return tf.data.TFRecordDataset(files).take(total)
+
+
+def examples(builder, split: str, decode_images: bool = False) -> tf.data.Dataset:
+  """Every example of `split` in order, images left encoded unless `decode_images` (what `as_dataset` gives, for
+  either storage format: TFDS reads ArrayRecord only through data sources)."""
+  decoders = None if decode_images else skip_image_decoding(builder.info.features)
+  return serialized_records(builder, split).map(
+    lambda ser: builder.info.features.deserialize_example(ser, decoders=decoders),
+    num_parallel_calls=tf.data.AUTOTUNE,
+    deterministic=True,
+  )
 
 
 def skip_image_decoding(features) -> dict:
@@ -78,10 +160,8 @@ def skip_image_decoding(features) -> dict:
 
 def read_texts(builder, split: str, key: str = "captions") -> list[str]:
   """All strings of a text feature (or sequence of texts) in a split: the tokenizer's training corpus."""
-  name, _ = split_name(split)
-  ds = builder.as_dataset(split=name, decoders=skip_image_decoding(builder.info.features))
   texts = []
-  for ex in ds.map(lambda e: e[key]).as_numpy_iterator():
+  for ex in examples(builder, split).map(lambda e: e[key]).as_numpy_iterator():
     if isinstance(ex, np.ndarray):
       texts.extend(t.decode("utf-8") for t in ex.reshape(-1))
     else:
@@ -91,10 +171,8 @@ def read_texts(builder, split: str, key: str = "captions") -> list[str]:
 
 def read_example_texts(builder, split: str, key: str = "captions") -> list[list[str]]:
   """Per example of `split` (in record order, all hosts' shards), its texts: the references for captioning."""
-  decoders = skip_image_decoding(builder.info.features)
   out = []
-  for ser in load_records(builder, split):
-    value = builder.info.features.deserialize_example(ser, decoders=decoders)[key].numpy()
+  for value in examples(builder, split).map(lambda e: e[key]).as_numpy_iterator():
     texts = value.reshape(-1) if isinstance(value, np.ndarray) else [value]
     out.append([t.decode("utf-8") for t in texts])
   return out

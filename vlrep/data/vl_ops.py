@@ -243,11 +243,7 @@ def get_generated_captions(path: str, key: str = "image_id", out: str = "text_a"
 
 def read_answers(builder, split: str) -> list[list[str]]:
   """Every question's human answers in a split (the answer vocabulary's corpus), images skipped undecoded."""
-
-  name, fraction = records.split_name(split)
-  if fraction < 1.0:
-    name = f"{name}[:{int(round(fraction * 100))}%]"
-  ds = builder.as_dataset(split=name, decoders=records.skip_image_decoding(builder.info.features))
+  ds = records.examples(builder, split)
   out = []
   key = "answers" if "answers" in builder.info.features["questions"].feature.keys() else "answer"  # VQA 2.0 / synthetic
   for answers in ds.map(lambda e: e["questions"][key]).as_numpy_iterator():
