@@ -223,11 +223,11 @@ def test_disk_stream_reads_only_its_hosts_records_and_equals_the_in_memory_strea
   ev_tf = [b["image"] for b in pipeline.eval_batches(tfrecord, "val", "decode|resize(32)", ("image",), 8, 1, 2)]
   np.testing.assert_array_equal(np.concatenate(ev), np.concatenate(ev_tf))
   assert records.read_texts(disk, "train[:50%]") == records.read_texts(tfrecord, "train[:50%]")
-  reader = records.SplitReader(disk, "train[:50%]")
+  reader = records.split_reader(disk, "train[:50%]")
   with pytest.raises(IndexError, match=r"Record index 32 is past the end of synthetic_scenes/train\[:50%\] \(32"):
     reader.read([0, 32])
   with pytest.raises(ValueError, match="no random access.*data.in_memory=True"):
-    records.SplitReader(tfrecord, "train")
+    records.split_reader(tfrecord, "train")
 
 
 def test_voc_labels_mark_difficult_objects():

@@ -89,7 +89,7 @@ def test_torch_reference_matches_the_model_and_learns():
     assert float(model(images, tokens)) < float(loss) - 1.0
 
 
-def test_pipeline_benchmark_implementations_do_the_same_work():
+def test_pipeline_benchmark_implementations_do_the_same_work(tmp_path):
   pytest.importorskip("torch")
   from vlrep.tools import pipeline_benchmark as pb
 
@@ -110,3 +110,6 @@ def test_pipeline_benchmark_implementations_do_the_same_work():
     assert 0.19 * 640 * 480 <= (x1 - x0) * (y1 - y0) <= 640 * 480
   cached = next(pb.tfdata_batches(jpegs, 1, cache=True))["image"]
   assert cached.shape == (64, 224, 224, 3)
+  # Read by index from an ArrayRecord file: the very same batch as from memory.
+  disk = next(pb.tfdata_batches(jpegs, 1, cache=False, disk=str(tmp_path / "jpegs.array_record")))["image"]
+  np.testing.assert_array_equal(disk, tf_batch)

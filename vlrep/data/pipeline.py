@@ -150,6 +150,7 @@ def _cached_lookup_fn(cache):
 
 def stream_dataset(
   num_records: int,
+  read_records,
   make_raw_example,
   example_fn,
   local_batch: int,
@@ -159,23 +160,31 @@ def stream_dataset(
   host_count: int = 1,
   prefetch: int = 2,
   threads: int | None = None,
+  read_chunk: int = 32,
 ) -> tf.data.Dataset:
-  """The training tf.data graph over `num_records` in-memory records: epoch-wise stateless permutation,
-  `make_raw_example(index)` -> example, per-example seed, parallel deterministic map, batch, prefetch."""
+  """The training tf.data graph over a host's `num_records`: epoch-wise stateless permutation, records fetched
+  `read_chunk` at a time (`read_records(indices) -> serialized records`: one call per chunk, so reading from disk
+  costs one Python call per chunk, not per example), `make_raw_example(index, record)` -> example, per-example
+  seed, parallel deterministic map, batch, prefetch."""
   n = num_records
 
-  def make_example(i):
+  def position(i):
     epoch, pos = i // n, i % n
-    perm = tf.random.experimental.index_shuffle(
+    return tf.random.experimental.index_shuffle(
       pos, tf.stack([tf.constant(seed * 1_000_003 + host_index, tf.int64), epoch]), tf.constant(n - 1, tf.int64)
     )
-    ex = make_raw_example(perm)
+
+  def make_example(i, index, record):
+    ex = make_raw_example(index, record)
     # Augmentation seed: the example's position in the global stream.
     ex["_rng"] = tf.stack([tf.constant(seed, tf.int64), i * host_count + host_index])
     return example_fn(ex)
 
+  parallel = {"num_parallel_calls": tf.data.AUTOTUNE, "deterministic": True}
   ds = tf.data.Dataset.range(start_step * local_batch, _STREAM_END)
-  ds = ds.map(make_example, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+  ds = ds.map(lambda i: (i, position(i)), **parallel).batch(read_chunk)
+  ds = ds.map(lambda i, index: (i, index, read_records(index)), **parallel).unbatch()
+  ds = ds.map(make_example, **parallel)
   ds = ds.batch(local_batch, drop_remainder=True).prefetch(prefetch)
   options = tf.data.Options()
   options.deterministic = True
@@ -209,7 +218,7 @@ def train_stream(
   """
   from_disk = records.is_array_record(builder) and not in_memory and not cache_image_size
   if from_disk:
-    reader = records.SplitReader(builder, split)
+    reader = records.split_reader(builder, split)
     num_records, lookup = reader.host_lookup(host_index, host_count)
   else:
     shard = records.load_records(builder, split, host_index, host_count)
@@ -234,10 +243,10 @@ def train_stream(
     )
     cached = _cached_lookup_fn(cache)
 
-  def make_raw_example(i):
-    ex = deserialize(lookup(i))
+  def make_raw_example(index, record):
+    ex = deserialize(record)
     if cached is not None:
-      ex["image"] = cached(i)
+      ex["image"] = cached(index)
     return ex
 
   logging.info(
@@ -252,6 +261,7 @@ def train_stream(
   )
   ds = stream_dataset(
     num_records,
+    lookup,
     make_raw_example,
     lambda ex: _select(preprocess.example_fn(ex), tf_fields),
     local_batch,
@@ -292,8 +302,8 @@ def eval_batches(
     return ex
 
   if records.is_array_record(builder):  # this host's records, read from disk in order
-    count, lookup = records.SplitReader(builder, split).host_lookup(host_index, host_count)
-    ds = tf.data.Dataset.range(count).map(lookup, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    count, lookup = records.split_reader(builder, split).host_lookup(host_index, host_count)
+    ds = tf.data.Dataset.range(count).batch(32).map(lookup, num_parallel_calls=tf.data.AUTOTUNE).unbatch()
   else:
     shard = records.load_records(builder, split, host_index, host_count)
     ds = tf.data.Dataset.from_tensor_slices(np.array(shard, dtype=object))

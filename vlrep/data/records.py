@@ -6,6 +6,7 @@ of the data layer: tokenizers, concept sets and the pipeline read through it.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -58,21 +59,13 @@ def is_array_record(builder) -> bool:
 
 
 class SplitReader:
-  """Random access to one split's serialized examples in its ArrayRecord files, by index in the split; `reads`
-  counts the records this process has read (each host reads only its own indices)."""
+  """Random access to serialized examples in ArrayRecord files (one split's, or its first `size`), by index;
+  `reads` counts the records this process has read (each host reads only its own indices)."""
 
-  def __init__(self, builder, split: str):
-    if not is_array_record(builder):
-      raise ValueError(
-        f"{builder.name} is stored as {builder.info.file_format.value}, which has no random access: prepare it again "
-        "with `python -m vlrep.data.prepare` (ArrayRecord), or set data.in_memory=True."
-      )
-    name, _ = split_name(split)
-    self.size = split_size(builder, split)
-    self.name = f"{builder.name}/{split}"
-    self._source = array_record_data_source.ArrayRecordDataSource(
-      [os.fspath(p) for p in builder.info.splits[name].filepaths]
-    )
+  def __init__(self, files: Sequence[str], name: str, size: int | None = None):
+    self._source = array_record_data_source.ArrayRecordDataSource(list(files))
+    self.size = len(self._source) if size is None else min(size, len(self._source))
+    self.name = name
     self.reads = 0
 
   def __len__(self) -> int:
@@ -84,24 +77,40 @@ class SplitReader:
     if bad:
       raise IndexError(f"Record index {bad[0]} is past the end of {self.name} ({self.size} records).")
     self.reads += len(indices)
-    return list(self._source.__getitems__(indices))
+    # One by one: __getitems__ starts a thread pool per call, which costs more than the reads themselves.
+    return [self._source[i] for i in indices]
 
   def host_lookup(self, host_index: int = 0, host_count: int = 1):
-    """(this host's record count, a tf function: position p in this host's share -> its serialized example).
-    The host's share is records host_index, host_index + host_count, ... (as `load_records`), read on demand."""
+    """(this host's record count, a tf function: positions in this host's share -> their serialized examples, of
+    the positions' shape). The host's share is records host_index, host_index + host_count, ... (as
+    `load_records`), read on demand."""
     count = len(range(host_index, self.size, host_count))
     if not count:
       raise ValueError(f"{self.name} has {self.size} examples, too few for {host_count} hosts.")
 
-    def read_one(position):
-      return np.array(self.read([host_index + int(position) * host_count])[0], dtype=object)
+    def read_positions(positions):
+      positions = np.asarray(positions)
+      found = self.read(host_index + positions.reshape(-1) * host_count)
+      return np.array(found + [b""], dtype=object)[:-1].reshape(positions.shape)  # [b""]: never a 2-D byte array
 
-    def lookup(position):
-      record = tf.numpy_function(read_one, [position], tf.string, stateful=False)
-      record.set_shape([])
-      return record
+    def lookup(positions):
+      positions = tf.convert_to_tensor(positions, tf.int64)
+      found = tf.numpy_function(read_positions, [positions], tf.string, stateful=False)
+      found.set_shape(positions.shape)
+      return found
 
     return count, lookup
+
+
+def split_reader(builder, split: str) -> SplitReader:
+  """A `SplitReader` over `split` ('name' or 'name[:N%]') of a dataset stored as ArrayRecord."""
+  if not is_array_record(builder):
+    raise ValueError(
+      f"{builder.name} is stored as {builder.info.file_format.value}, which has no random access: prepare it again "
+      "with `python -m vlrep.data.prepare` (ArrayRecord), or set data.in_memory=True."
+    )
+  files = [os.fspath(p) for p in builder.info.splits[split_name(split)[0]].filepaths]
+  return SplitReader(files, f"{builder.name}/{split}", split_size(builder, split))
 
 
 def load_records(
@@ -111,7 +120,7 @@ def load_records(
   ArrayRecord files a host reads only its own records; TFRecord files are read whole (no random access)."""
   total = split_size(builder, split)
   if is_array_record(builder):
-    shard = SplitReader(builder, split).read(range(host_index, total, host_count))
+    shard = split_reader(builder, split).read(range(host_index, total, host_count))
   else:
     files = [os.fspath(p) for p in builder.info.splits[split_name(split)[0]].filepaths]
     shard = list(tf.data.TFRecordDataset(files).take(total).as_numpy_iterator())[host_index::host_count]
@@ -124,8 +133,8 @@ def serialized_records(builder, split: str) -> tf.data.Dataset:
   """Every serialized example of `split`, in order, as a tf.data.Dataset (either storage format)."""
   total = split_size(builder, split)
   if is_array_record(builder):
-    count, lookup = SplitReader(builder, split).host_lookup()
-    return tf.data.Dataset.range(count).map(lookup, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    count, lookup = split_reader(builder, split).host_lookup()
+    return tf.data.Dataset.range(count).batch(32).map(lookup, num_parallel_calls=tf.data.AUTOTUNE).unbatch()
   files = [os.fspath(p) for p in builder.info.splits[split_name(split)[0]].filepaths]
   return tf.data.TFRecordDataset(files).take(total)
 

@@ -9,6 +9,7 @@ resized crop (area 0.2-1, aspect 3/4-4/3) to 224x224 with antialiased bilinear r
 flip, ImageNet normalisation to float32, batches of 64.
 - `tfdata`: `vlrep.data.pipeline.stream_dataset` with the ops `decode|inception_crop(224, area=(0.2, 1.0))
   |flip_lr_swap_words|normalize`, as training runs them.
+- `tfdata_disk`: the same with the JPEGs read by index from an ArrayRecord file (training's default storage).
 - `tfdata_cache`: the same from the in-memory cache of decoded images (`data.cache_image_size=256`).
 - `torch`: a `torch.utils.data.DataLoader` over a Dataset that decodes with PIL, crops like torchvision's
   RandomResizedCrop (written out: torchvision is not required), flips, and normalises with numpy.
@@ -25,11 +26,12 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
 
-from vlrep.data import pipeline, registry
+from vlrep.data import pipeline, records, registry
 
 BATCH = 64
 CROP = 224
@@ -61,19 +63,35 @@ def make_jpegs(count: int, seed: int = 0, size: tuple[int, int] = (640, 480)) ->
 # --------------------------------------------------------------------------------------------------------
 # The two implementations, each returning an iterator of batches.
 # --------------------------------------------------------------------------------------------------------
-def tfdata_batches(jpegs: list[bytes], threads: int, cache: bool):
+def tfdata_batches(jpegs: list[bytes], threads: int, cache: bool, disk: str | None = None):
   import tensorflow as tf
 
   example_fn = registry.parse(f"decode|inception_crop({CROP}, area=(0.2, 1.0))|flip_lr_swap_words|normalize").example_fn
   if cache:
     lookup = pipeline._cached_lookup_fn(pipeline.decoded_image_cache(jpegs, lambda r: {"image": r}, 256))
+  elif disk:  # the JPEGs as records of an ArrayRecord file, read by index as training reads its records
+    write_array_record(disk, jpegs)
+    _, lookup = records.SplitReader([disk], "benchmark").host_lookup()
   else:
     table = tf.Variable(np.array(jpegs, dtype=object), trainable=False)
     lookup = lambda i: tf.gather(table, i)  # noqa: E731
+  if cache:  # the cached pixels by index; the records themselves are not needed
+    read, make = (lambda index: tf.zeros_like(index, tf.string)), (lambda index, _: {"image": lookup(index)})
+  else:
+    read, make = lookup, (lambda _, record: {"image": record})
   ds = pipeline.stream_dataset(
-    len(jpegs), lambda i: {"image": lookup(i)}, lambda ex: {"image": example_fn(ex)["image"]}, BATCH, 0, threads=threads
+    len(jpegs), read, make, lambda ex: {"image": example_fn(ex)["image"]}, BATCH, 0, threads=threads
   )
   return ds.as_numpy_iterator()
+
+
+def write_array_record(path: str, items: list[bytes]) -> None:
+  from array_record.python import array_record_module
+
+  writer = array_record_module.ArrayRecordWriter(path, "group_size:1")  # TFDS's choice: random access per record
+  for item in items:
+    writer.write(item)
+  writer.close()
 
 
 class _PilDataset:
@@ -129,8 +147,16 @@ def measure(kind: str, cores: int, seconds: float, num_images: int) -> dict:
   t0 = time.time()
   if kind == "torch":
     batches = torch_batches(jpegs, cores)
+  elif kind == "tfdata_disk":
+    with tempfile.TemporaryDirectory() as tmp:
+      batches = tfdata_batches(jpegs, cores, cache=False, disk=os.path.join(tmp, "images.array_record"))
+      return _time(batches, kind, cores, seconds, t0)
   else:
     batches = tfdata_batches(jpegs, cores, cache=kind == "tfdata_cache")
+  return _time(batches, kind, cores, seconds, t0)
+
+
+def _time(batches, kind: str, cores: int, seconds: float, t0: float) -> dict:
   for _ in range(3):  # warm-up: worker start, graph tracing, (cache) decoding everything once
     next(batches)
   setup_s = time.time() - t0
@@ -145,7 +171,7 @@ def measure(kind: str, cores: int, seconds: float, num_images: int) -> dict:
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--cores", default=None, help="comma-separated core counts (default: 1 and all)")
-  p.add_argument("--kinds", default="tfdata,tfdata_cache,torch")
+  p.add_argument("--kinds", default="tfdata,tfdata_disk,tfdata_cache,torch")
   p.add_argument("--seconds", type=float, default=15.0, help="timed seconds per measurement")
   p.add_argument("--num_images", type=int, default=256, help="distinct JPEGs in memory (cycled)")
   p.add_argument("--output", default=None)
@@ -174,7 +200,7 @@ def main(argv=None):
   ratios = {
     f"{kind}_vs_torch_{c}cores": by[(kind, c)] / by[("torch", c)]
     for c in cores
-    for kind in ("tfdata", "tfdata_cache")
+    for kind in ("tfdata", "tfdata_disk", "tfdata_cache")
     if (kind, c) in by and ("torch", c) in by
   }
   for k, v in ratios.items():
