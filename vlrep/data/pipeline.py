@@ -22,7 +22,7 @@ from absl import logging
 # ops, region_files, traces and vl_ops are imported for their side effect: they register their ops in `registry`.
 from vlrep import preemption
 from vlrep.data import caption_views, concepts, ops, records, region_files, registry, traces, vl_ops  # noqa: F401
-from vlrep.data.builders import coco_captions, localized_narratives, synthetic_scenes, vl_datasets, voc2007
+from vlrep.data.builders import coco_captions, image_text, localized_narratives, synthetic_scenes, vl_datasets, voc2007
 
 _STREAM_END = 2**62
 
@@ -38,6 +38,7 @@ def _builders() -> dict[str, Any]:
     "snli_ve": (vl_datasets.SnliVe, False),
     "mm_imdb": (vl_datasets.MmImdb, False),
     "conceptual_captions": (vl_datasets.ConceptualCaptions, False),
+    "image_text": (image_text.ImageText, False),
   }
 
 

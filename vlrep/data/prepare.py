@@ -5,6 +5,8 @@
   python -m vlrep.data.prepare --dataset=localized_narratives --manual_dir=/data/coco [--config_name=coco_openimages]
   python -m vlrep.data.prepare --dataset=vqa2 --manual_dir=/data/vqa2          (also vizwiz, snli_ve, mm_imdb,
                                                                               conceptual_captions)
+  python -m vlrep.data.prepare --dataset=image_text --manual_dir=/data/mine     (your own: webdataset shards, or
+                                                                              images + captions.jsonl / .csv)
 
 Skipped inputs (undecodable or missing images, empty captions, ...) are counted, printed, and saved to
 DATA_DIR/<dataset>_prepare_report.json.
@@ -24,7 +26,7 @@ flags.DEFINE_string(
   "dataset",
   None,
   "coco_captions2017 | voc2007 | localized_narratives | synthetic_scenes | vqa2 | vizwiz | snli_ve | mm_imdb | "
-  "conceptual_captions",
+  "conceptual_captions | image_text",
 )
 flags.DEFINE_string("manual_dir", None, "Folder with the local copy (see the builder's docstring for its layout).")
 flags.DEFINE_string("data_dir", "~/tensorflow_datasets", "TFDS data_dir to write to.")

@@ -1,0 +1,155 @@
+"""Your own image-text data (`image_text`): webdataset shards and a folder with a JSONL or CSV index, prepared
+with their bad rows skipped and counted, then trained on end to end."""
+
+import io
+import json
+import os
+import tarfile
+
+import numpy as np
+import pytest
+from conftest import load_tiny_config, run_main
+from PIL import Image
+
+from vlrep.data import pipeline, prepare, records, tokenizers
+
+
+def _image(color, fmt="JPEG", size=(40, 30)) -> bytes:
+  out = io.BytesIO()
+  Image.new("RGB", size, color).save(out, fmt)
+  return out.getvalue()
+
+
+def _add(tar, name, data: bytes):
+  info = tarfile.TarInfo(name)
+  info.size = len(data)
+  tar.addfile(info, io.BytesIO(data))
+
+
+def write_shards(root) -> None:
+  """Two img2dataset-style shards: good pairs (.txt, .json with tags), a corrupt JPEG, an image without a caption,
+  a caption without an image, an empty caption, metadata that is not UTF-8."""
+  os.makedirs(root)
+  with tarfile.open(os.path.join(root, "00000.tar"), "w") as tar:
+    _add(tar, "000.jpg", _image("red"))
+    _add(tar, "000.txt", b"a red square")
+    _add(tar, "001.jpg", _image("blue"))
+    _add(tar, "001.json", json.dumps({"caption": "a blue field", "tags": ["blue", "field"]}).encode())
+    _add(tar, "002.jpg", b"\xff\xd8 not a jpeg at all")
+    _add(tar, "002.txt", b"broken image")
+    _add(tar, "003.jpg", _image("green"))  # no caption: mismatched keys
+  with tarfile.open(os.path.join(root, "00001.tar"), "w") as tar:
+    _add(tar, "004.txt", b"a caption whose image is missing")
+    _add(tar, "005.png", _image("white", "PNG"))  # PNG: stored as JPEG
+    _add(tar, "005.txt", b"  a white page  ")
+    _add(tar, "006.jpg", _image("black"))
+    _add(tar, "006.txt", b"   ")  # empty caption
+    _add(tar, "007.jpg", _image("gray"))
+    _add(tar, "007.txt", b"caf\xe9 latin-1, not UTF-8")
+
+
+def write_folder(root, index="jsonl") -> None:
+  """Images and an index: a grouped second caption, tags, a corrupt JPEG, a missing file, an empty caption, a
+  line that is not UTF-8, a line that is not JSON, a row without a caption field."""
+  os.makedirs(os.path.join(root, "imgs"))
+  for name, color in (("a.jpg", "red"), ("b.jpg", "blue")):
+    with open(os.path.join(root, "imgs", name), "wb") as f:
+      f.write(_image(color))
+  with open(os.path.join(root, "imgs", "c.jpg"), "wb") as f:
+    f.write(b"\xff\xd8\xff garbage")
+  rows = [
+    ("imgs/a.jpg", "a red square", ["red"]),
+    ("imgs/a.jpg", "the same red image", []),
+    ("imgs/b.jpg", "a blue field", ["blue", "field"]),
+    ("imgs/b.jpg", "", []),
+    ("imgs/c.jpg", "a corrupt image", []),
+    ("imgs/d.jpg", "a missing image", []),
+  ]
+  if index == "jsonl":
+    lines = [json.dumps({"image": i, "caption": c, "tags": t}).encode() for i, c, t in rows]
+    lines += [
+      b'{"image": "imgs/a.jpg", "caption": "caf\xe9"}',
+      b"not json",
+      json.dumps({"image": "imgs/b.jpg"}).encode(),
+    ]
+    with open(os.path.join(root, "captions.jsonl"), "wb") as f:
+      f.write(b"\n".join(lines) + b"\n")
+  else:
+    lines = [b"image,caption,tags"] + [f'{i},"{c}",{"|".join(t)}'.encode() for i, c, t in rows]
+    lines += [b"imgs/a.jpg,caf\xe9,"]
+    with open(os.path.join(root, "captions.csv"), "wb") as f:
+      f.write(b"\n".join(lines) + b"\n")
+
+
+def _examples(data_dir):
+  builder = pipeline.get_builder("image_text", str(data_dir))
+  assert records.is_array_record(builder)
+  return builder, {e["key"].numpy().decode(): e for e in records.examples(builder, "train", decode_images=True)}
+
+
+def test_webdataset_shards_prepare_with_bad_members_skipped_and_counted(tmp_path):
+  write_shards(tmp_path / "shards")
+  report = prepare.prepare("image_text", str(tmp_path / "shards"), str(tmp_path / "tfds"))
+  assert report["splits"] == {"train": 3} and report["file_format"] == "array_record"
+  assert report["skipped"] == {
+    "undecodable image (UnidentifiedImageError)": 1,
+    "image without a caption (mismatched keys)": 1,
+    "caption without an image (mismatched keys)": 1,
+    "empty caption": 1,
+    "image without captions": 2,  # the empty caption's image, and the image whose caption is not UTF-8
+    "caption not UTF-8": 1,
+  }, report["skipped"]
+  _, ex = _examples(tmp_path / "tfds")
+  assert sorted(ex) == ["00000.tar/000", "00000.tar/001", "00001.tar/005"]
+  assert [c.decode() for c in ex["00000.tar/001"]["captions"].numpy()] == ["a blue field"]
+  assert [t.decode() for t in ex["00000.tar/001"]["tags"].numpy()] == ["blue", "field"]
+  assert [c.decode() for c in ex["00001.tar/005"]["captions"].numpy()] == ["a white page"]
+  white = ex["00001.tar/005"]["image"].numpy()
+  assert white.shape == (30, 40, 3) and white.min() > 240  # the PNG, re-encoded as JPEG
+  red = ex["00000.tar/000"]["image"].numpy().reshape(-1, 3).mean(0)
+  assert red[0] > 200 and red[1] < 40 and red[2] < 40
+
+
+@pytest.mark.parametrize("index", ["jsonl", "csv"])
+def test_a_folder_with_an_index_prepares_grouped_captions_and_counts_bad_rows(tmp_path, index):
+  write_folder(tmp_path / "mine", index)
+  report = prepare.prepare("image_text", str(tmp_path / "mine"), str(tmp_path / "tfds"))
+  assert report["splits"] == {"train": 2}, report
+  expected = {"undecodable image (UnidentifiedImageError)": 1, "missing image file": 1, "empty caption": 1}
+  expected["line not UTF-8"] = 1
+  if index == "jsonl":
+    expected.update({"line not JSON": 1, "row without an image or caption field": 1})
+  assert report["skipped"] == expected, report["skipped"]
+  _, ex = _examples(tmp_path / "tfds")
+  assert sorted(ex) == ["imgs/a.jpg", "imgs/b.jpg"]
+  assert [c.decode() for c in ex["imgs/a.jpg"]["captions"].numpy()] == ["a red square", "the same red image"]
+  assert [t.decode() for t in ex["imgs/b.jpg"]["tags"].numpy()] == ["blue", "field"]
+  assert sorted(int(e["image_id"]) for e in ex.values()) == [0, 1]
+
+
+def test_a_manual_dir_of_neither_format_is_a_clear_error(tmp_path):
+  (tmp_path / "other").mkdir()
+  (tmp_path / "other" / "notes.txt").write_text("hello")
+  with pytest.raises(FileNotFoundError, match=r"neither webdataset shards \(\*\.tar\) nor captions\.jsonl"):
+    prepare.prepare("image_text", str(tmp_path / "other"), str(tmp_path / "tfds"))
+
+
+def test_virtex_trains_on_your_own_data_end_to_end(tmp_path, tiny_builder):
+  write_shards(tmp_path / "shards")
+  data_dir = tmp_path / "tfds"
+  prepare.prepare("image_text", str(tmp_path / "shards"), str(data_dir))
+  vocab = tokenizers.default_path(load_tiny_config().tokenizer, tiny_builder)  # the tiny set's, built by conftest
+  proc = run_main(
+    tmp_path / "run",
+    "--config.data.name=image_text",
+    f"--config.data.data_dir={data_dir}",
+    "--config.data.config_name=",
+    f"--config.tokenizer.path={vocab}",
+    "--config.batch_size=2",
+    "--config.total_steps=3",
+    "--config.evals={}",
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "Training stream over 3 records of image_text/train (host 0/1, read from disk)" in proc.stderr
+  summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+  assert summary["steps"] == 3 and np.isfinite(summary["train/loss"])
