@@ -34,6 +34,7 @@ SLOWEST_FIRST = (
   "test_distributed.py",
   "test_preemption.py",
   "test_data.py",
+  "test_own_data.py",
   "test_loctex.py",
   "test_models_optim_eval.py",
   "test_architecture.py",

@@ -251,7 +251,7 @@ def train_stream(
     return ex
 
   logging.info(
-    "Training stream over %d records of %s/%s (host %d/%d, %s), starting at batch %d.",
+    "Training stream over %d records of %s/%s (host %d/%d), %s, starting at batch %d.",
     num_records,
     builder.name,
     split,
