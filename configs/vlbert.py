@@ -148,7 +148,9 @@ def get_config(arg=None):
     ),
   )
   c.tokenizer = dict(kind="wordpiece", path=bert)
-  c.data = dict(name="coco_captions2017", config_name="", data_dir="", split="train", prefetch=2, device_prefetch=2)
+  c.data = dict(
+    name="coco_captions2017", config_name="", data_dir="", split="train", prefetch=2, in_memory=False, device_prefetch=2
+  )
   image_pp = f"decode|resize_small({image_size})|central_crop({image_size})|normalize|regions_from_objects(36)"
   if pretrain:
     source = {"captions": "captions", "questions": "qa", "ood_captions": "captions", "generated": "captions"}[arg.data]
