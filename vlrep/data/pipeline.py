@@ -161,7 +161,7 @@ def stream_dataset(
   host_count: int = 1,
   prefetch: int = 2,
   threads: int | None = None,
-  read_chunk: int = 32,
+  read_chunk: int = records.READ_CHUNK,
 ) -> tf.data.Dataset:
   """The training tf.data graph over a host's `num_records`: epoch-wise stateless permutation, records fetched
   `read_chunk` at a time (`read_records(indices) -> serialized records`: one call per chunk, so reading from disk
@@ -219,8 +219,7 @@ def train_stream(
   """
   from_disk = records.is_array_record(builder) and not in_memory and not cache_image_size
   if from_disk:
-    reader = records.split_reader(builder, split)
-    num_records, lookup = reader.host_lookup(host_index, host_count)
+    num_records, lookup = records.split_reader(builder, split).host_lookup(host_index, host_count)
   else:
     shard = records.load_records(builder, split, host_index, host_count)
     num_records, lookup = len(shard), _lookup_fn(shard)
@@ -302,12 +301,7 @@ def eval_batches(
     ex["_mask"] = tf.constant(True)
     return ex
 
-  if records.is_array_record(builder):  # this host's records, read from disk in order
-    count, lookup = records.split_reader(builder, split).host_lookup(host_index, host_count)
-    ds = tf.data.Dataset.range(count).batch(32).map(lookup, num_parallel_calls=tf.data.AUTOTUNE).unbatch()
-  else:
-    shard = records.load_records(builder, split, host_index, host_count)
-    ds = tf.data.Dataset.from_tensor_slices(np.array(shard, dtype=object))
+  ds = records.serialized_records(builder, split, host_index, host_count)
   ds = ds.map(make_example, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
   ds = ds.batch(local_batch, drop_remainder=False)
   count = 0

@@ -45,6 +45,10 @@ def first_examples(builder, split: str, limit: int = 0) -> str:
   return f"{split}[:{100.0 * min(limit, total) / total}%]"
 
 
+# Records fetched per read call from ArrayRecord files: one Python call per chunk, not per example.
+READ_CHUNK = 32
+
+
 def split_size(builder, split: str) -> int:
   """How many records `split` (a name, or 'name[:N%]': its first N%) holds."""
   name, fraction = split_name(split)
@@ -129,14 +133,18 @@ def load_records(
   return shard
 
 
-def serialized_records(builder, split: str) -> tf.data.Dataset:
-  """Every serialized example of `split`, in order, as a tf.data.Dataset (either storage format)."""
+def serialized_records(builder, split: str, host_index: int = 0, host_count: int = 1) -> tf.data.Dataset:
+  """This host's serialized examples of `split` (records host_index::host_count; all of them by default), in
+  order, as a tf.data.Dataset: read from disk (ArrayRecord) or streamed from TFRecord files."""
   total = split_size(builder, split)
+  if not len(range(host_index, total, host_count)):
+    raise ValueError(f"{builder.name}/{split} has {total} examples, too few for {host_count} hosts.")
   if is_array_record(builder):
-    count, lookup = split_reader(builder, split).host_lookup()
-    return tf.data.Dataset.range(count).batch(32).map(lookup, num_parallel_calls=tf.data.AUTOTUNE).unbatch()
+    count, lookup = split_reader(builder, split).host_lookup(host_index, host_count)
+    ds = tf.data.Dataset.range(count).batch(READ_CHUNK)
+    return ds.map(lookup, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
   files = [os.fspath(p) for p in builder.info.splits[split_name(split)[0]].filepaths]
-  return tf.data.TFRecordDataset(files).take(total)
+  return tf.data.TFRecordDataset(files).take(total).shard(host_count, host_index)
 
 
 def examples(builder, split: str, decode_images: bool = False) -> tf.data.Dataset:
