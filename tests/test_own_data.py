@@ -28,7 +28,8 @@ def _add(tar, name, data: bytes):
 
 def write_shards(root) -> None:
   """Two img2dataset-style shards: good pairs (.txt, .json with tags), a corrupt JPEG, an image without a caption,
-  a caption without an image, an empty caption, metadata that is not UTF-8."""
+  a caption without an image, an empty caption, metadata that is not UTF-8, a caption that is not a string; and a
+  third shard cut off mid-file (a download that died)."""
   os.makedirs(root)
   with tarfile.open(os.path.join(root, "00000.tar"), "w") as tar:
     _add(tar, "000.jpg", _image("red"))
@@ -46,6 +47,17 @@ def write_shards(root) -> None:
     _add(tar, "006.txt", b"   ")  # empty caption
     _add(tar, "007.jpg", _image("gray"))
     _add(tar, "007.txt", b"caf\xe9 latin-1, not UTF-8")
+    _add(tar, "008.jpg", _image("yellow"))
+    _add(tar, "008.json", json.dumps({"caption": 42}).encode())
+  with tarfile.open(os.path.join(root, "00002.tar"), "w") as tar:
+    _add(tar, "009.jpg", _image("purple"))
+    _add(tar, "009.txt", b"a purple square")
+    _add(tar, "010.txt", b"cut off with its image")
+    _add(tar, "010.jpg", _image("orange", size=(200, 200)))
+  with tarfile.open(os.path.join(root, "00002.tar")) as tar:
+    cut = tar.getmember("010.jpg").offset_data + 100
+  with open(os.path.join(root, "00002.tar"), "r+b") as f:
+    f.truncate(cut)  # inside 010.jpg's data
 
 
 def write_folder(root, index="jsonl") -> None:
@@ -90,17 +102,19 @@ def _examples(data_dir):
 def test_webdataset_shards_prepare_with_bad_members_skipped_and_counted(tmp_path):
   write_shards(tmp_path / "shards")
   report = prepare.prepare("image_text", str(tmp_path / "shards"), str(tmp_path / "tfds"))
-  assert report["splits"] == {"train": 3} and report["file_format"] == "array_record"
+  assert report["splits"] == {"train": 4} and report["file_format"] == "array_record"
   assert report["skipped"] == {
     "undecodable image (UnidentifiedImageError)": 1,
     "image without a caption (mismatched keys)": 1,
     "caption without an image (mismatched keys)": 1,
     "empty caption": 1,
-    "image without captions": 2,  # the empty caption's image, and the image whose caption is not UTF-8
+    "image without captions": 3,  # the images whose caption is empty, not UTF-8, not a string
     "caption not UTF-8": 1,
+    "caption not a string": 1,
+    "unreadable shard or shard tail (ReadError)": 1,
   }, report["skipped"]
   _, ex = _examples(tmp_path / "tfds")
-  assert sorted(ex) == ["00000.tar/000", "00000.tar/001", "00001.tar/005"]
+  assert sorted(ex) == ["00000.tar/000", "00000.tar/001", "00001.tar/005", "00002.tar/009"]
   assert [c.decode() for c in ex["00000.tar/001"]["captions"].numpy()] == ["a blue field"]
   assert [t.decode() for t in ex["00000.tar/001"]["tags"].numpy()] == ["blue", "field"]
   assert [c.decode() for c in ex["00001.tar/005"]["captions"].numpy()] == ["a white page"]

@@ -10,7 +10,8 @@ Prepared with `python -m vlrep.data.prepare --dataset=image_text --manual_dir=MA
 (take a validation set with 'train[:N%]' elsewhere or keep one in another folder). Rows naming the same image are
 grouped into one example holding all its captions and tags. Skipped and counted in the prepare report: lines that
 are not UTF-8 or not JSON, rows without an image or caption field, empty captions, missing and undecodable
-images, images without a caption and captions without an image (mismatched keys in a shard).
+images, captions that are not strings, unreadable shards (a torn shard keeps the examples before the break),
+images without a caption and captions without an image (mismatched keys in a shard).
 """
 
 from __future__ import annotations
@@ -93,11 +94,14 @@ def _jpeg(data: bytes, what: str) -> bytes | None:
 
 def _text_fields(meta: dict, what: str) -> tuple[list[str], list[str]]:
   captions = meta.get("caption", meta.get("captions", []))
-  captions = [captions] if isinstance(captions, str) else list(captions or [])
-  tags = meta.get("tags", [])
-  tags = tags.split("|") if isinstance(tags, str) else list(tags or [])
-  kept = [c.strip() for c in captions if isinstance(c, str) and c.strip()]
-  if len(kept) < len(captions):
+  captions = list(captions) if isinstance(captions, list | tuple) else [captions]
+  tags = meta.get("tags") or []
+  tags = tags.split("|") if isinstance(tags, str) else list(tags) if isinstance(tags, list | tuple) else []
+  strings = [c for c in captions if isinstance(c, str)]
+  if len(strings) < len(captions):  # e.g. {"caption": 3} or {"captions": [null]}
+    common.skip(NAME, "caption not a string", what)
+  kept = [c.strip() for c in strings if c.strip()]
+  if len(kept) < len(strings):
     common.skip(NAME, "empty caption", what)
   return kept, [t.strip() for t in tags if isinstance(t, str) and t.strip()]
 
@@ -105,15 +109,18 @@ def _text_fields(meta: dict, what: str) -> tuple[list[str], list[str]]:
 def _from_shards(shards: list[str]):
   for shard in shards:
     members: dict[str, dict[str, bytes]] = collections.defaultdict(dict)
+    key = None  # the key whose member is being read
     try:
       with tarfile.open(shard) as tar:
         for member in tar:
           if member.isfile():
-            base, ext = os.path.splitext(member.name)
-            members[base][ext.lower()] = tar.extractfile(member).read()
+            key, ext = os.path.splitext(member.name)
+            members[key][ext.lower()] = tar.extractfile(member).read()
     except (tarfile.TarError, OSError) as e:
-      common.skip(NAME, f"unreadable shard ({type(e).__name__})", shard)
-      continue
+      # A torn download or a damaged file: the examples read before the break are kept; the one being read is
+      # dropped with everything after it. A file that is no tar at all keeps nothing.
+      common.skip(NAME, f"unreadable shard or shard tail ({type(e).__name__})", shard)
+      members.pop(key, None)
     for key in sorted(members):
       files, what = members[key], f"{os.path.basename(shard)}:{key}"
       image = next((files[s] for s in IMAGE_SUFFIXES if s in files), None)
