@@ -114,6 +114,9 @@ def get_config(arg=None):
     bert_layers=0,
     # The pooled output reads BERT's [CLS] (the study's); 'mean' = the mean text state.
     text_pool="cls",
+    # ViLBERT's pooled output joins its pooled text and image: 'mul' (their product; ViLBERT's and MMF's
+    # fusion_method default) or 'sum'.
+    fusion="mul",
     task="pretrain" if pretrain else "classify",
     loss=TASK_SETUP[arg.task][1],
     num_labels=TASK_SETUP[arg.task][2],  # -1: the answer vocabulary's size

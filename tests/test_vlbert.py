@@ -216,6 +216,24 @@ def test_text_pool_mean_reads_the_sentence_where_minilms_cls_does_not(minilm):
     _model("vilbert", cfg2, text_pool="max").init(jax.random.PRNGKey(0), tokens, types, regions, boxes, mask)
 
 
+def test_vilbert_fusion_is_the_product_or_the_sum_of_the_pooled_streams(minilm):
+  cfg, enc, _, folder = minilm
+  cfg2, _ = bert_lib.first_layers(cfg, enc, 2, folder)
+  tokens, types, regions, boxes = _inputs(np.random.default_rng(4))
+  mask = jnp.ones(regions.shape[:2], bool)
+  params = _model("vilbert", cfg2).init(jax.random.PRNGKey(0), tokens, types, regions, boxes, mask)["params"]
+  out = {}
+  for fusion in vl_bert.FUSIONS:  # the same parameters: fusion adds none
+    model = _model("vilbert", cfg2, fusion=fusion)
+    _, _, out[fusion], aux = model.apply({"params": params}, tokens, types, regions, boxes, mask, method=model.encode)
+  t, v = np.asarray(aux["t_pooled"]), np.asarray(aux["v_pooled"])
+  assert (t > 0).any() and (v > 0).any()
+  np.testing.assert_allclose(np.asarray(out["mul"]), t * v, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(out["sum"]), t + v, rtol=1e-6)
+  with pytest.raises(ValueError, match="fusion"):
+    _model("vilbert", cfg2, fusion="concat").init(jax.random.PRNGKey(0), tokens, types, regions, boxes, mask)
+
+
 def test_dropout_only_while_training_and_in_each_stream_where_vilbert_puts_it(minilm):
   """Evaluation (deterministic) and rate 0 are the same function; rate 0.1 changes both archs' outputs and the
   task head's; in a co-attention block the text stream's dropout moves only the text states and the visual

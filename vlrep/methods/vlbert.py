@@ -15,6 +15,7 @@ Config (`configs/vlbert.py`):
                   'feature' = MSE to the region's feature (grid cells, which have no labels).
   text_pool       'cls' (BERT's and the study's pooled [CLS]) | 'mean' (the mean text state, for a BERT whose [CLS]
                   was never trained: the packaged MiniLM).
+  fusion          ViLBERT's pooled output: 'mul' (pooled text x pooled image, ViLBERT's and MMF's default) | 'sum'.
   pretrained_run  a pretraining run whose best checkpoint initialises the transformer (and the extractor).
   freeze_base     train only the task head (the study's "frozen base"): gradients stop at the pooled output.
   bert_dropout    dropout while training on hidden states and attention weights of both streams, the region
@@ -130,6 +131,7 @@ class VLBert:
       region_dim=self.regions_dim(),
       num_labels=self.num_labels,
       text_pool=config.get("text_pool", "cls"),
+      fusion=config.get("fusion", "mul"),
       dtype=jnp.dtype(config.dtype),
     )
     visual_field = "regions" if self.from_files else "image"

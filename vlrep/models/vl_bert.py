@@ -31,6 +31,7 @@ from vlrep.models import resnet
 
 ARCHS = ("visual_bert", "vilbert")
 TEXT_POOLS = ("cls", "mean")
+FUSIONS = ("mul", "sum")
 
 
 def box_features(boxes: jax.Array) -> jax.Array:
@@ -119,6 +120,8 @@ class VLBertModel(nn.Module):
     text_pool: what the pooler reads of the text: 'cls' = the [CLS] state (BERT's and the study's), 'mean' = the
       mean over the text's tokens (for a checkpoint whose [CLS] was never trained, as sentence-transformers'
       MiniLM: its [CLS] states of different sentences have cosine 1.000 after 2 layers).
+    fusion: how ViLBERT joins its pooled text and image ('mul': their product, the default of ViLBERT's and MMF's
+      `fusion_method`; 'sum': their sum, the other).
   """
 
   arch: str
@@ -133,6 +136,7 @@ class VLBertModel(nn.Module):
   region_dim: int = 2048
   num_labels: int = 0
   text_pool: str = "cls"
+  fusion: str = "mul"
   dtype: Any = jnp.float32
 
   def setup(self):
@@ -140,6 +144,8 @@ class VLBertModel(nn.Module):
       raise ValueError(f"Unknown arch {self.arch!r}; known: {ARCHS}")
     if self.text_pool not in TEXT_POOLS:
       raise ValueError(f"Unknown text_pool {self.text_pool!r}; known: {TEXT_POOLS}")
+    if self.fusion not in FUSIONS:
+      raise ValueError(f"Unknown fusion {self.fusion!r}; known: {FUSIONS}")
     c = self.bert
     self.text = bert_lib.BertEncoder(c, self.dtype, name="bert")
     if self.arch == "visual_bert":
@@ -214,7 +220,8 @@ class VLBertModel(nn.Module):
       v = self.v_stream[k](v, v_mask, deterministic)
     t_pool = nn.relu(self.t_pooler(self._text_summary(t, t_mask)))
     v_pool = nn.relu(self.v_pooler(v[:, 0]))
-    return t, v, t_pool * v_pool, {"t_pooled": t_pool, "v_pooled": v_pool}
+    pooled = t_pool * v_pool if self.fusion == "mul" else t_pool + v_pool
+    return t, v, pooled, {"t_pooled": t_pool, "v_pooled": v_pool}
 
   def _text_summary(self, states, mask):
     """[B, T, H] text states -> [B, H]: the [CLS] state, or the mean over the real tokens (text_pool)."""
