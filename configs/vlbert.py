@@ -40,6 +40,8 @@ Arguments (comma-separated; any key can also be set with --config.KEY=VALUE):
                        scores, BCE, VQA accuracy), SNLI-VE visual entailment (3-way softmax, accuracy), MM-IMDB
                        (23 genres, multi-label BCE, micro/macro F1); runlocal has analogues of vqa and ve
   frozen               train only the task head (the paper's "frozen base", Table 2)
+  lr=X                 the learning rate of what trains (the whole model, or the head when frozen) instead of the
+                       recipe's 5e-5 (runlocal's: 1e-4 pretraining and fine-tuning, 1e-3 for a frozen base's head)
   regions=DIR          precomputed region features (DIR/<image_id>.npz; `python -m vlrep.tools.convert_regions`
                        converts MMF's Faster R-CNN dumps) instead of the frozen vlrep ResNet; set
                        --config.method.visual.dim to their width (2048 by default); ViLBERT pretraining reads
@@ -88,6 +90,7 @@ def get_config(arg=None):
     pairs=0,
     task="vqa",
     frozen=False,
+    lr=0.0,
     bert="",
     steps=0,
     fraction=0.0,
@@ -243,6 +246,8 @@ def get_config(arg=None):
     _runlocal(c, arg, pretrain)
     if not pretrain and not arg.pairs:
       arg.pairs = {"vqa": 5, "ve": 4}[arg.task]  # synthetic_scenes' most per image
+  if arg.lr:
+    c.optim.lr_groups = (("^task_head", arg.lr), (".*", 0.0)) if arg.frozen else ((".*", arg.lr),)
   if arg.fraction:
     if not (pretrain and 0 < arg.fraction <= 100):
       raise ValueError(f"fraction={arg.fraction} needs stage=pretrain and 0 < P <= 100.")

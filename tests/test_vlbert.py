@@ -486,6 +486,11 @@ def test_config_tasks_and_pretraining_fractions():
   # Dropout: MMF's 0.1 in the recipe, none in runlocal (measured: it costs 6-8 VQA points at 200 steps).
   assert cfg.get_config("stage=finetune,task=vqa").method.bert_dropout == 0.1
   assert cfg.get_config("runlocal,stage=finetune,task=vqa").method.bert_dropout == 0.0
+  # lr=X: what trains, at X (the head alone when frozen), in the recipe and runlocal alike.
+  assert cfg.get_config("stage=finetune,task=vqa,frozen").optim.lr_groups == (("^task_head", 5e-5), (".*", 0.0))
+  assert cfg.get_config("stage=finetune,task=vqa,frozen,lr=0.01").optim.lr_groups == (("^task_head", 0.01), (".*", 0.0))
+  assert cfg.get_config("runlocal,stage=finetune,task=vqa,frozen,lr=0.01").optim.lr_groups[0] == ("^task_head", 0.01)
+  assert cfg.get_config("runlocal,lr=3e-4").optim.lr_groups == ((".*", 3e-4),)
   with pytest.raises(ValueError, match="stage=pretrain"):
     cfg.get_config("stage=finetune,fraction=10")
   with pytest.raises(ValueError, match="analogues"):
