@@ -223,9 +223,9 @@ def _runlocal(c, arg, icmlm):
   # attention share on the image (`train/visual_attention`) dipping to 0.04 mid-run (1.1.0; git show
   # 3853844:README.md, "ICMLM").
   c.method.tfm_heads = 12
-  # lambda = 1 (the paper's VGG16 value), chosen on 1.1.0 (on its probe test split; not re-chosen on 2.1.0's
-  # probe_val, docs/results/icmlm.md): with ResNet-50's 0.1 the 150 unfrozen ICMLM steps left tfm's probe below
-  # TP_Postag's at every seed (mean of 3: 33.89 vs 34.51); with 1 it tied (34.55) at the same masked-token accuracy.
+  # lambda = 1 (the paper's VGG16 value) against its ResNet-50 value 0.1, on probe_val (ICMLM_tfm from the same
+  # TP_Postag starts, 3 seeds, docs/results/icmlm.md): 52.04 +- 1.72 against 50.17 +- 2.40, a tie; 1 kept (its
+  # masked-token top-1 is higher, 32.2 vs 30.1%).
   if icmlm and arg.tp_weight < 0:
     c.method.tp_weight = 1.0
   # VirTex runlocal's backbone, a ResNet-10 w16 with the small stem (chosen for VirTex on probe_val; not compared
