@@ -378,7 +378,7 @@ def test_lambda_defaults_follow_the_recipe():
   weight = lambda arg: icmlm.get_config(arg).method.tp_weight  # noqa: E731
   assert weight("variant=tfm") == 0.1  # the paper's ResNet-50 lambda
   assert weight("variant=att_fc,backbone=vgg16") == 1.0  # the paper's VGG16 lambda
-  assert weight("runlocal,variant=tfm") == weight("runlocal,variant=att_fc") == 1.0  # measured: README, ICMLM
+  assert weight("runlocal,variant=tfm") == weight("runlocal,variant=att_fc") == 1.0  # docs/results/icmlm.md
   assert weight("runlocal,variant=tfm,tp_weight=0.1") == 0.1  # an explicit lambda is kept
   assert weight("variant=tfm,backbone=vgg16,tp_weight=0") == 0.0
   assert weight("runlocal,variant=tp") == 1.0  # TP is l_tp alone

@@ -457,7 +457,7 @@ def test_loss_weights_follow_the_recipe_and_the_measured_runlocal_rule():
 
   assert weights("") == (1.0, 1.0)  # the paper: L_C and L_L with equal weights
   assert weights("loss=localization") == (0.0, 1.0) and weights("loss=contrastive") == (1.0, 0.0)
-  assert weights("runlocal") == (1.0, 0.5)  # measured: README, LocTex
+  assert weights("runlocal") == (1.0, 0.5)  # chosen on probe_val: docs/results/loctex.md
   assert weights("runlocal,loss=localization") == (0.0, 0.5)  # the same L_L as in L_C + L_L
   assert weights("runlocal,loss=contrastive") == (1.0, 0.0)
   assert weights("runlocal,oracle=True") == pytest.approx((1.0, 0.165))
