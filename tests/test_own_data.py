@@ -164,6 +164,6 @@ def test_virtex_trains_on_your_own_data_end_to_end(tmp_path, tiny_builder):
     "--config.evals={}",
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "Training stream over 3 records of image_text/train (host 0/1), read from disk" in proc.stderr
+  assert "Training stream over 4 records of image_text/train (host 0/1), read from disk" in proc.stderr
   summary = json.loads((tmp_path / "run" / "summary.json").read_text())
   assert summary["steps"] == 3 and np.isfinite(summary["train/loss"])
