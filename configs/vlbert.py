@@ -247,6 +247,8 @@ def get_config(arg=None):
     _runlocal(c, arg, pretrain)
     if not pretrain and not arg.pairs:
       arg.pairs = {"vqa": 5, "ve": 4}[arg.task]  # synthetic_scenes' most per image
+  if arg.lr < 0:
+    raise ValueError(f"lr={arg.lr}: a learning rate must be > 0 (or leave lr out for the config's).")
   if arg.lr:
     c.optim.lr_groups = (("^task_head", arg.lr), (".*", 0.0)) if arg.frozen else ((".*", arg.lr),)
   if arg.fraction:
@@ -352,7 +354,7 @@ def _runlocal(c, arg, pretrain):
   c.total_steps = arg.steps or 200
   c.optim.warmup_steps = 20
   # A frozen base's head: 1e-3 for VisualBERT; 1e-2 for ViLBERT, whose pooled output (a product of two ReLUs) is
-  # smaller, chosen on probe_val (frozen-base VQA, 3 seeds): 63.20 +- 0.46 (none) and 63.86 +- 0.27 (captions)
+  # smaller, chosen on probe_val (frozen-base VQA, 3 seeds): 63.20 +- 0.47 (none) and 63.86 +- 0.27 (captions)
   # against 61.05 +- 1.15 and 61.45 +- 0.30 with 1e-3 (docs/results/vlbert.md).
   head_lr = 1e-2 if arg.arch == "vilbert" else 1e-3
   c.optim.lr_groups = (("^task_head", head_lr), (".*", 0.0)) if arg.frozen else ((".*", 1e-4),)

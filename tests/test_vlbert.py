@@ -491,6 +491,8 @@ def test_config_tasks_and_pretraining_fractions():
   assert cfg.get_config("stage=finetune,task=vqa,frozen,lr=0.01").optim.lr_groups == (("^task_head", 0.01), (".*", 0.0))
   assert cfg.get_config("runlocal,stage=finetune,task=vqa,frozen,lr=0.01").optim.lr_groups[0] == ("^task_head", 0.01)
   assert cfg.get_config("runlocal,lr=3e-4").optim.lr_groups == ((".*", 3e-4),)
+  with pytest.raises(ValueError, match="must be > 0"):
+    cfg.get_config("stage=finetune,task=vqa,lr=-0.01")
   for arch, head_lr in (("visual_bert", 1e-3), ("vilbert", 1e-2)):  # runlocal's, chosen on probe_val
     assert cfg.get_config(f"runlocal,arch={arch},stage=finetune,task=vqa,frozen").optim.lr_groups[0][1] == head_lr
   with pytest.raises(ValueError, match="stage=pretrain"):
