@@ -136,6 +136,9 @@ def get_config(arg=None):
     # (each box's class label), 'feature' (MSE to the feature: grid cells) -- see vlrep.methods.vlbert.
     region_target="classes",
     region_weight=1.0,
+    # Image-text alignment in pretraining (ViLBERT's multimodal alignment prediction): the study drops it (0), as
+    # VQA-P's questions fit many images; > 0 adds it with that weight (vlrep.methods.vlbert).
+    alignment_weight=0.0,
     # ViLBERT's visual stream and co-attention (the paper's sizes).
     v_layers=6,
     v_hidden=1024,

@@ -353,13 +353,66 @@ def test_num_labels_from_the_answer_vocabulary_and_clear_errors():
     vlbert.VLBert(ConfigDict({**cfg.to_dict(), "task": "nsp"}), 30522)
 
 
+def test_alignment_scores_masked_tokens_on_aligned_pairs_and_trains_the_poolers():
+  """ViLBERT's alignment objective (method.alignment_weight): half the texts meet the batch's next image, the
+  masked losses score only the aligned pairs, and the alignment head's loss trains both poolers."""
+  import tiny_vlbert
+
+  c = tiny_vlbert.get_config("arch=vilbert,stage=pretrain")
+  c.method.alignment_weight = -1.0
+  with pytest.raises(ValueError, match="alignment_weight must be >= 0"):
+    vlbert.VLBert(c.method, 30522)
+  c.method.alignment_weight = 0.0
+  without = vlbert.VLBert(c.method, 30522)
+  c.method.alignment_weight = 1.0
+  method = vlbert.VLBert(c.method, 30522)
+  b, t = 8, 8
+  rng = np.random.default_rng(0)
+  colours = rng.uniform(-2, 2, (b, 1, 1, 3)).astype(np.float32)
+  tokens = np.zeros((b, 1, t), np.int32)
+  # Caption i: one word three times (a masked copy leaves the others to read).
+  tokens[:, 0, :5] = [[101, w, w, w, 102] for w in (2417, 2630, 2665, 3756, 2304, 2317, 5061, 4589)]
+  batch = {
+    "image": jnp.asarray(np.broadcast_to(colours, (b, 32, 32, 3))),  # image i: one colour; caption i: one word
+    "boxes": jnp.tile(jnp.array([0.0, 0.0, 1.0, 1.0]), (b, 4, 1)),
+    "box_mask": jnp.asarray(np.arange(4)[None].repeat(b, 0) < 2),
+    "region_labels": jnp.zeros((b, 4), jnp.int32),
+    "tokens": jnp.asarray(tokens),
+    "type_ids": jnp.zeros_like(tokens),
+    "pair_mask": jnp.ones((b, 1), bool),
+  }
+  variables = method.init(jax.random.PRNGKey(0), batch)
+  assert (
+    "align_head" in variables["params"] and "align_head" not in without.init(jax.random.PRNGKey(0), batch)["params"]
+  )
+  rngs = [jax.random.PRNGKey(i) for i in range(6)]
+  with_align = [method.loss(variables, batch, r)[1] for r in rngs]
+  no_align = [without.loss(variables, batch, r)[1] for r in rngs]
+  # The same token masks (alignment's coin is folded in), scored on the aligned pairs only: fewer masked tokens.
+  masked = [float(m["masked_tokens"]) for m in with_align], [float(m["masked_tokens"]) for m in no_align]
+  assert all(a <= n for a, n in zip(*masked, strict=True)) and 0 < sum(masked[0]) < sum(masked[1]), masked
+
+  # The alignment loss reaches the head and, through the product of the pooled streams, both poolers.
+  grads = jax.grad(lambda p: method.loss({**variables, "params": p}, batch, rngs[0])[0])(variables["params"])
+  for name in ("align_head", "t_pooler", "v_pooler"):
+    assert float(jnp.abs(grads[name]["kernel"]).max()) > 0, name
+  assert all(0 <= float(m["alignment_accuracy"]) <= 1 and np.isfinite(float(m["alignment_loss"])) for m in with_align)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # End to end: pretrain (MMM) -> fine-tune with the base frozen -> weight distances.
 # ---------------------------------------------------------------------------------------------------------
 def test_vilbert_pretrain_then_frozen_vqa_end_to_end(tmp_path):
   pre = tmp_path / "vilbert_questions"
-  proc = run_main(pre, config="tests/tiny_vlbert.py:arch=vilbert,stage=pretrain,data=questions")
+  # With the alignment objective: its head is the pretraining run's own, never loaded downstream (which would be
+  # an error: "Pretrained values for params/align_head, which this model does not have").
+  proc = run_main(
+    pre,
+    "--config.method.alignment_weight=1.0",
+    config="tests/tiny_vlbert.py:arch=vilbert,stage=pretrain,data=questions",
+  )
   assert proc.returncode == 0, proc.stderr[-4000:]
+  assert "alignment_accuracy" in proc.stderr
   summary = json.loads((pre / "summary.json").read_text())
   assert summary["steps"] == 4 and np.isfinite(summary["train/loss"])
   assert 0 <= summary["mlm/mlm_accuracy"] <= 100 and summary["mlm/masked_tokens"] > 0

@@ -16,6 +16,11 @@ Config (`configs/vlbert.py`):
   text_pool       'cls' (BERT's and the study's pooled [CLS]) | 'mean' (the mean text state, for a BERT whose [CLS]
                   was never trained: the packaged MiniLM).
   fusion          ViLBERT's pooled output: 'mul' (pooled text x pooled image, ViLBERT's and MMF's default) | 'sum'.
+  alignment_weight  > 0 adds image-text alignment to pretraining (ViLBERT's multimodal alignment prediction,
+                  VisualBERT's sentence-image prediction; the study drops it: 0): each pair's image is replaced by
+                  the batch's next image with probability 1/2, a head on the pooled output predicts which pairs
+                  are aligned, and the masked-token and masked-region losses score the aligned pairs only (a
+                  caption's masked word cannot be read off another image).
   pretrained_run  a pretraining run whose best checkpoint initialises the transformer (and the extractor).
   freeze_base     train only the task head (the study's "frozen base"): gradients stop at the pooled output.
   bert_dropout    dropout while training on hidden states and attention weights of both streams, the region
@@ -43,7 +48,7 @@ from vlrep.models import resnet, vl_bert
 TASKS = ("pretrain", "classify")
 LOSSES = ("bce", "softmax")
 # Parameters that belong to one task and are never copied from a pretraining run.
-_TASK_PARAMS = ("task_head", "region_head")
+_TASK_PARAMS = ("task_head", "region_head", "align_head")
 REGION_TARGETS = ("distribution", "classes", "feature")
 
 
@@ -112,6 +117,12 @@ class VLBert:
     self.from_files = v.mode == "file"  # precomputed region features (vlrep.data.region_files), no extractor
     _check_regions(config, self.from_files)
     self.region_target = config.get("region_target", "classes")
+    self.alignment_weight = float(config.get("alignment_weight", 0.0))
+    if self.alignment_weight < 0:
+      raise ValueError(
+        f"method.alignment_weight must be >= 0 (0: no alignment objective), got {self.alignment_weight}."
+      )
+    self.alignment = self.task == "pretrain" and self.alignment_weight > 0
     self.region_classes = 0
     if self.task == "pretrain" and config.arch == "vilbert":
       self.region_classes = -1 if self.region_target == "feature" else int(config.region_classes)
@@ -132,6 +143,7 @@ class VLBert:
       num_labels=self.num_labels,
       text_pool=config.get("text_pool", "cls"),
       fusion=config.get("fusion", "mul"),
+      alignment=self.alignment,
       dtype=jnp.dtype(config.dtype),
     )
     visual_field = "regions" if self.from_files else "image"
@@ -234,16 +246,31 @@ class VLBert:
         mask_rng, tokens, special, self.config.mask_rate, self.bert_config.vocab_size, self.mask_id
       )
       r_feats, r_boxes, r_mask = rep(feats), rep(boxes), rep(region_mask)
+      aligned = pair_mask
+      if self.alignment:
+        if feats.shape[0] < 2:
+          raise ValueError("method.alignment_weight > 0 pairs texts with other images of the batch: it needs >= 2.")
+        # Folded in (as dropout's rng) so that the token and region masks stay those of a run without alignment.
+        swap = jax.random.uniform(jax.random.fold_in(rng, 2), pair_mask.shape) < 0.5
+        other = lambda x: rep(jnp.roll(x, 1, axis=0))  # noqa: E731  each text meets the batch's next image
+        pick = lambda mine, theirs: jnp.where(swap.reshape(swap.shape + (1,) * (mine.ndim - 1)), theirs, mine)  # noqa: E731
+        r_feats, r_boxes, r_mask = (
+          pick(r_feats, other(feats)),
+          pick(r_boxes, other(boxes)),
+          pick(r_mask, other(region_mask)),
+        )
+        aligned = pair_mask & ~swap
+        picked = picked & aligned[:, None]
       region_picked = jnp.zeros(r_mask.shape, bool)
       if self.region_classes:
         pick_rng, zero_rng = jax.random.split(region_rng)
         region_picked = (jax.random.uniform(pick_rng, r_mask.shape) < self.config.region_mask_rate) & r_mask
-        region_picked &= pair_mask[:, None]
+        region_picked &= aligned[:, None]
         zeroed = region_picked & (jax.random.uniform(zero_rng, r_mask.shape) < 0.9)
         r_input = jnp.where(zeroed[..., None], 0.0, r_feats)
       else:
         r_input = r_feats
-      t_states, v_states, _, _ = self.model.apply(
+      t_states, v_states, pooled, _ = self.model.apply(
         {"params": params}, inputs, type_ids, r_input, r_boxes, r_mask, method=vl_bert.VLBertModel.encode, **dropout
       )
       logits, targets, w = self._mlm_at_picked(params, t_states, tokens, picked)
@@ -277,6 +304,14 @@ class VLBert:
           region_loss = jnp.sum(jnp.mean((out - r_feats) ** 2, -1) * rw) / jnp.maximum(rw.sum(), 1.0)
         metrics.update(region_loss=region_loss, masked_regions=rw.sum())
         loss = loss + self.config.region_weight * region_loss
+      if self.alignment:
+        a_logits = self.model.apply({"params": params}, pooled, method=vl_bert.VLBertModel.alignment_logits)
+        a_nll = -jnp.take_along_axis(jax.nn.log_softmax(a_logits, -1), (~swap).astype(jnp.int32)[:, None], -1)[:, 0]
+        pw = pair_mask.astype(jnp.float32)
+        a_loss = jnp.sum(a_nll * pw) / jnp.maximum(pw.sum(), 1.0)
+        a_right = (jnp.argmax(a_logits, -1) == 1) == ~swap
+        metrics.update(alignment_loss=a_loss, alignment_accuracy=jnp.sum(a_right * pw) / jnp.maximum(pw.sum(), 1.0))
+        loss = loss + self.alignment_weight * a_loss
       return loss, metrics, {}
     logits = self.classify(variables, batch, feats=(feats, boxes, region_mask), **dropout)
     targets = batch["targets"].reshape(-1, self.num_labels).astype(jnp.float32)

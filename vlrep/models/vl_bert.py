@@ -122,6 +122,8 @@ class VLBertModel(nn.Module):
       MiniLM: its [CLS] states of different sentences have cosine 1.000 after 2 layers).
     fusion: how ViLBERT joins its pooled text and image ('mul': their product, the default of ViLBERT's and MMF's
       `fusion_method`; 'sum': their sum, the other).
+    alignment: adds the image-text alignment head (ViLBERT's multimodal alignment prediction, VisualBERT's
+      sentence-image prediction): 2 logits (not aligned, aligned) on the pooled output.
   """
 
   arch: str
@@ -137,6 +139,7 @@ class VLBertModel(nn.Module):
   num_labels: int = 0
   text_pool: str = "cls"
   fusion: str = "mul"
+  alignment: bool = False
   dtype: Any = jnp.float32
 
   def setup(self):
@@ -183,6 +186,8 @@ class VLBertModel(nn.Module):
       v_width = c.hidden_size if self.arch == "visual_bert" else self.v_hidden
       out = self.region_classes if self.region_classes > 0 else self.region_dim
       self.region_head = [nn.Dense(v_width, dtype=self.dtype), nn.LayerNorm(c.layer_norm_eps), nn.Dense(out)]
+    if self.alignment:
+      self.align_head = nn.Dense(2, dtype=self.dtype)
     if self.num_labels:
       hidden = nn.Dense(2 * pooled_dim, dtype=self.dtype)
       self.task_head = [hidden, nn.LayerNorm(c.layer_norm_eps), nn.Dense(self.num_labels)]
@@ -238,6 +243,9 @@ class VLBertModel(nn.Module):
     h = self.region_head[1](jax.nn.gelu(h, approximate=False))
     return self.region_head[2](h).astype(jnp.float32)
 
+  def alignment_logits(self, pooled):
+    return self.align_head(pooled).astype(jnp.float32)
+
   def task_logits(self, pooled, deterministic: bool = True):
     pooled = self.task_dropout(pooled, deterministic)
     h = self.task_head[1](jax.nn.gelu(self.task_head[0](pooled), approximate=False))
@@ -249,6 +257,8 @@ class VLBertModel(nn.Module):
     out = {"mlm_logits": self.mlm_logits(t), "pooled": pooled, **aux}
     if self.region_classes:
       out["region_outputs"] = self.region_outputs(v)
+    if self.alignment:
+      out["alignment_logits"] = self.alignment_logits(pooled)
     if self.num_labels:
       out["task_logits"] = self.task_logits(pooled)
     return out
