@@ -13,9 +13,10 @@ from conftest import ROOT, final_params, load_tiny_config
 
 
 def test_the_fault_harness_survives_every_kind_of_fault(tmp_path):
-  """8 faults (SIGTERM, SIGKILL, a truncated checkpoint, a full disk) in a tiny run's phases, each followed by a
-  restart: the final parameters equal an uninterrupted run's bit for bit, every restart resumes from the newest
-  intact checkpoint, SIGTERM exits cleanly within the deadline (docs/reliability.md has the 30-fault table)."""
+  """4 faults, one of each kind (SIGTERM, SIGKILL, a truncated checkpoint, a full disk), in a tiny run's phases,
+  each followed by a restart: the final parameters equal an uninterrupted run's bit for bit, every restart resumes
+  from the newest intact checkpoint, SIGTERM exits cleanly within the deadline (docs/reliability.md has the
+  30-fault table)."""
   from vlrep.tools import faults
 
   # Without evaluations (CI time): the 30-fault run of docs/reliability.md has them, and test_preemption checks that
@@ -23,10 +24,12 @@ def test_the_fault_harness_survives_every_kind_of_fault(tmp_path):
   overrides = ["total_steps=24", "checkpoint.every_steps=4", "evals={}"]
   phases = ("startup", "data", "init", "train", "checkpoint")
   config = os.path.join(ROOT, "tests", "tiny_virtex.py")
-  result = faults.harness(config, str(tmp_path), kills=8, overrides=overrides, phases=phases)
+  # One fault of each kind (CI time: every restart is a new process, ~15 s of startup on 2 cores); the 30-fault run
+  # of docs/reliability.md repeats each kind in every phase.
+  result = faults.harness(config, str(tmp_path), kills=4, overrides=overrides, phases=phases)
   injected = [f for f in result["faults"] if f["injected"]]
   assert {f["kind"] for f in injected} == set(faults.KINDS), faults.table(result)
-  assert len(injected) == 8 and result["equal"] and result["ok"], faults.table(result)
+  assert len(injected) == 4 and result["equal"] and result["ok"], faults.table(result)
   assert result["damaged_set_aside"], "the truncated checkpoint was not set aside"
   assert all(f["exit_code"] == 0 for f in injected if f["kind"] == "sigterm"), faults.table(result)
   assert any("CheckpointSaveError" in f["note"] or "clear error" in f["note"] for f in injected)
