@@ -386,14 +386,16 @@ def test_alignment_scores_masked_tokens_on_aligned_pairs_and_trains_the_poolers(
     "align_head" in variables["params"] and "align_head" not in without.init(jax.random.PRNGKey(0), batch)["params"]
   )
   rngs = [jax.random.PRNGKey(i) for i in range(6)]
-  with_align = [method.loss(variables, batch, r)[1] for r in rngs]
-  no_align = [without.loss(variables, batch, r)[1] for r in rngs]
+  metrics_with = jax.jit(lambda v, r: method.loss(v, batch, r)[1])  # (jitted: op by op it takes a minute)
+  metrics_without = jax.jit(lambda v, r: without.loss(v, batch, r)[1])
+  with_align = [metrics_with(variables, r) for r in rngs]
+  no_align = [metrics_without(variables, r) for r in rngs]
   # The same token masks (alignment's coin is folded in), scored on the aligned pairs only: fewer masked tokens.
   masked = [float(m["masked_tokens"]) for m in with_align], [float(m["masked_tokens"]) for m in no_align]
   assert all(a <= n for a, n in zip(*masked, strict=True)) and 0 < sum(masked[0]) < sum(masked[1]), masked
 
   # The alignment loss reaches the head and, through the product of the pooled streams, both poolers.
-  grads = jax.grad(lambda p: method.loss({**variables, "params": p}, batch, rngs[0])[0])(variables["params"])
+  grads = jax.jit(jax.grad(lambda p: method.loss({**variables, "params": p}, batch, rngs[0])[0]))(variables["params"])
   for name in ("align_head", "t_pooler", "v_pooler"):
     assert float(jnp.abs(grads[name]["kernel"]).max()) > 0, name
   assert all(0 <= float(m["alignment_accuracy"]) <= 1 and np.isfinite(float(m["alignment_loss"])) for m in with_align)
