@@ -6,9 +6,14 @@ it runs in a process of its own at level 1."""
 
 import json
 
+import flax.linen as nn
+import jax
 import numpy as np
+import optax
+from sklearn.metrics import average_precision_score
 
 from vlrep.data.builders import scenes
+from vlrep.models import resnet
 
 
 def shape_presence_data(train=1500, test=400, seed=0):
@@ -24,13 +29,6 @@ def shape_presence_data(train=1500, test=400, seed=0):
 
 def supervised_presence_map(data, stem, steps=150, seed=0):
   """Held-out mAP of a ResNet-10 w16 trained on the shape-presence labels themselves (AdamW 3e-3, batch 32)."""
-  import flax.linen as nn
-  import jax
-  import optax
-  from sklearn.metrics import average_precision_score
-
-  from vlrep.models import resnet
-
   (x, y), (test_x, test_y) = data
 
   class Net(nn.Module):

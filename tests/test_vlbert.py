@@ -370,10 +370,10 @@ def test_alignment_scores_masked_tokens_on_aligned_pairs_and_trains_the_poolers(
   rng = np.random.default_rng(0)
   colours = rng.uniform(-2, 2, (b, 1, 1, 3)).astype(np.float32)
   tokens = np.zeros((b, 1, t), np.int32)
-  # Caption i: one word three times (a masked copy leaves the others to read).
+  # Eight different captions, three maskable words each.
   tokens[:, 0, :5] = [[101, w, w, w, 102] for w in (2417, 2630, 2665, 3756, 2304, 2317, 5061, 4589)]
   batch = {
-    "image": jnp.asarray(np.broadcast_to(colours, (b, 32, 32, 3))),  # image i: one colour; caption i: one word
+    "image": jnp.asarray(np.broadcast_to(colours, (b, 32, 32, 3))),  # image i: one colour
     "boxes": jnp.tile(jnp.array([0.0, 0.0, 1.0, 1.0]), (b, 4, 1)),
     "box_mask": jnp.asarray(np.arange(4)[None].repeat(b, 0) < 2),
     "region_labels": jnp.zeros((b, 4), jnp.int32),
