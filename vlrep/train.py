@@ -5,7 +5,9 @@ resumable run. It knows nothing of any method's maths; methods know nothing of d
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
+import resource
 import time
 from typing import Any
 
@@ -105,6 +107,8 @@ def _train(
   start_step = ckpt.latest_step() or 0
   batch_sharding = sharding.batch_sharding(mesh)
 
+  streams = []  # this process's training streams (a second one when resuming from an older checkpoint)
+
   def input_batches(step: int):
     """Global device batches from `step` on: a thread assembles them and starts their transfer while the
     previous step runs."""
@@ -123,6 +127,7 @@ def _train(
       config.data.get("cache_image_size", 0),
       config.data.get("in_memory", False),
     )
+    streams.append(stream)
     return sharding.device_prefetch(stream, batch_sharding, config.data.get("device_prefetch", 2))
 
   device_batches = input_batches(start_step)
@@ -334,6 +339,19 @@ def _train(
   ckpt.close()
   # Every process logs its own: with replicated parameters, equal fingerprints show the hosts stayed in step.
   logging.info("Parameter fingerprint (process %d): %s", host, params_fingerprint(state["params"]))
+  # Per process: what it read of the training split, and its peak resident memory (Linux: VmHWM, in KiB).
+  records_read = sum(s.records_read() for s in streams)
+  peak_rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+  logging.info(
+    "Input (process %d): read %d records of %s/%s (%d examples) for %d training examples; peak RSS %.3f GB",
+    host,
+    records_read,
+    builder.name,
+    config.data.split,
+    num_examples,
+    (step - start_step) * local_bs,
+    peak_rss_gb,
+  )
   seconds = time.time() - t_start
   summary.update(
     {
@@ -341,6 +359,8 @@ def _train(
       "preempted": False,
       "seconds": seconds,
       "train/images_per_sec": (step - start_step) * global_bs / max(time.time() - train_start_time, 1e-9),
+      "input/records_read": records_read,
+      "input/peak_rss_gb": peak_rss_gb,
     }
   )
   if host == 0:
@@ -351,8 +371,6 @@ def _train(
 
 def params_fingerprint(params) -> str:
   """SHA-256 of this process's first local shard of every parameter (the whole array when replicated)."""
-  import hashlib
-
   digest = hashlib.sha256()
   for leaf in jax.tree.leaves(params):
     digest.update(np.asarray(leaf.addressable_shards[0].data).tobytes())

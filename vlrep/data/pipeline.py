@@ -1,17 +1,18 @@
 """tf.data input pipelines: a resumable, per-host training stream and finite evaluation passes.
 
-Training order is a pure function of (seed, host, example index): the host's records are held in memory
-(serialized, images still encoded), epoch e visits them in the permutation `index_shuffle(., seed=(seed, host,
-e))`, and every example's augmentation seed is its position in the stream. Resuming at step s therefore just
-starts the stream at s * local_batch: the run sees exactly the batches an uninterrupted run would, whatever
-tf.data's parallelism. Each host reads its own 1/num_hosts of the records.
+Training order is a pure function of (seed, host, example index): epoch e visits the host's records (its 1/N:
+records host, host + N, ...) in the permutation `index_shuffle(., seed=(seed, host, e))`, and every example's
+augmentation seed is its position in the stream. Records stored as ArrayRecord are read from disk by index as the
+stream needs them; otherwise (or with `in_memory`) the host's share is held in memory, serialized, images still
+encoded. Resuming at step s therefore just starts the stream at s * local_batch: the run sees exactly the batches
+an uninterrupted run would, whatever tf.data's parallelism.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -193,6 +194,27 @@ def stream_dataset(
   return ds.with_options(options)
 
 
+class TrainStream:
+  """Iterator of a host's local training batches (`train_stream`); `close()` stops its workers.
+
+  `records_read()`: the serialized records this process has read for it so far. From disk, only those its batches
+  needed (and the few prefetched); in memory, its whole share at startup; from TFRecord files, which have no
+  random access, the whole split."""
+
+  def __init__(self, batches: Iterator[dict[str, np.ndarray]], records_read: Callable[[], int]):
+    self._batches = batches
+    self.records_read = records_read
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    return next(self._batches)
+
+  def close(self) -> None:
+    self._batches.close()
+
+
 def train_stream(
   builder,
   split: str,
@@ -207,7 +229,7 @@ def train_stream(
   prefetch: int = 2,
   cache_image_size: int = 0,
   in_memory: bool = False,
-) -> Iterator[dict[str, np.ndarray]]:
+) -> TrainStream:
   """Infinite iterator of local training batches, starting at batch `start_step`.
 
   Records stored as ArrayRecord are read from disk by index as the stream needs them (this host's share only);
@@ -219,10 +241,21 @@ def train_stream(
   """
   from_disk = records.is_array_record(builder) and not in_memory and not cache_image_size
   if from_disk:
-    num_records, lookup = records.split_reader(builder, split).host_lookup(host_index, host_count)
+    reader = records.split_reader(builder, split)
+    num_records, lookup = reader.host_lookup(host_index, host_count)
+
+    def records_read() -> int:
+      return reader.reads
+
   else:
     shard = records.load_records(builder, split, host_index, host_count)
     num_records, lookup = len(shard), _lookup_fn(shard)
+    # ArrayRecord: this host's share, by index; TFRecord: every record of the split, read to pick the share.
+    read_at_start = len(shard) if records.is_array_record(builder) else records.split_size(builder, split)
+
+    def records_read() -> int:
+      return read_at_start
+
   decoders = records.skip_image_decoding(builder.info.features)
   preprocess = registry.parse(pp, context)
   tf_fields = _tf_fields(preprocess, fields)
@@ -271,7 +304,7 @@ def train_stream(
     host_count,
     prefetch,
   )
-  return (_finish(batch, preprocess, fields) for batch in ds.as_numpy_iterator())
+  return TrainStream((_finish(batch, preprocess, fields) for batch in ds.as_numpy_iterator()), records_read)
 
 
 def eval_batches(

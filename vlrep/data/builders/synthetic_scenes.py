@@ -50,6 +50,20 @@ _TINY_SPLITS = {
 }
 
 
+# Splits up to this size are drawn in this process; larger ones by a pool of spawned workers.
+_IN_PROCESS_MAX = 1000
+
+
+def _scale_config(train: int) -> ScenesConfig:
+  return ScenesConfig(
+    name=f"scale{train // 1000}k",
+    description=f"{train:,} 64x64 training scenes and tiny other splits: the data-at-scale test's datasets "
+    "(vlrep.tools.scale_test).",
+    image_size=64,
+    splits={**_TINY_SPLITS, "train": train},
+  )
+
+
 class SyntheticScenes(tfds.core.GeneratorBasedBuilder):
   """Procedurally generated scenes of coloured shapes with captions, narrations, masks, QA and entailment."""
 
@@ -75,6 +89,7 @@ class SyntheticScenes(tfds.core.GeneratorBasedBuilder):
       splits=_DEFAULT_SPLITS,
     ),
     ScenesConfig(name="tiny", description="Tiny splits for tests.", image_size=32, splits=_TINY_SPLITS),
+    *(_scale_config(n) for n in (2_000, 20_000, 200_000)),
   ]
 
   def _info(self) -> tfds.core.DatasetInfo:
@@ -132,8 +147,15 @@ class SyntheticScenes(tfds.core.GeneratorBasedBuilder):
     # One child seed per example: examples do not depend on how generation is parallelised. Workers are
     # spawned (not forked: the parent runs TF/JAX threads) and import only the numpy/PIL scene module.
     jobs = [(child, cfg.image_size, style, i) for i, child in enumerate(seed.spawn(num_examples))]
-    with multiprocessing.get_context("spawn").Pool(min(4, os.cpu_count() or 1)) as pool:
-      for i, record in enumerate(pool.imap(scenes.make_encoded_record, jobs, chunksize=64)):
-        for o in record["objects"]:
-          o["bbox"] = tfds.features.BBox(*o["bbox"])
-        yield i, record
+    for i, record in enumerate(_encoded_records(jobs)):
+      for o in record["objects"]:
+        o["bbox"] = tfds.features.BBox(*o["bbox"])
+      yield i, record
+
+
+def _encoded_records(jobs):
+  if len(jobs) <= _IN_PROCESS_MAX:  # starting a pool (seconds) costs more than drawing a small split
+    yield from map(scenes.make_encoded_record, jobs)
+    return
+  with multiprocessing.get_context("spawn").Pool(min(4, os.cpu_count() or 1)) as pool:
+    yield from pool.imap(scenes.make_encoded_record, jobs, chunksize=64)
