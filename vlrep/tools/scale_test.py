@@ -53,15 +53,19 @@ _FINGERPRINT = re.compile(r"Parameter fingerprint \(process (\d+)\): (\w+)")
 _SIZES = {"2k": 2_000, "20k": 20_000, "200k": 200_000}
 
 
-def prepare(size: str, data_dir: str) -> None:
-  """Generates synthetic_scenes/scale<size> into `data_dir` unless it is there."""
+def prepare(size: str, data_dir: str, workdir: str) -> None:
+  """Generates synthetic_scenes/scale<size> into `data_dir` unless it is there (output: WORKDIR/prepare_<size>.log)."""
   if os.path.isdir(os.path.join(data_dir, "synthetic_scenes", f"scale{size}")):
     return
   cmd = [sys.executable, "-m", "vlrep.data.prepare", "--dataset=synthetic_scenes", f"--config_name=scale{size}"]
   cmd.append(f"--data_dir={data_dir}")
-  logging.info("Preparing: %s", " ".join(cmd))
+  log_path = os.path.join(workdir, f"prepare_{size}.log")
+  logging.info("Preparing: %s (output: %s)", " ".join(cmd), log_path)
   t0 = time.time()
-  subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+  with open(log_path, "w") as log:
+    code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+  if code:
+    raise RuntimeError(f"Preparing scale{size} failed (exit {code}):\n{open(log_path).read()[-3000:]}")
   logging.info("Prepared scale%s in %.0f s.", size, time.time() - t0)
 
 
@@ -207,7 +211,7 @@ def scale_test(
   result = {"sizes": list(sizes), "steps": steps, "config": config, "overrides": base, "runs": {}, "failures": []}
   failures = result["failures"]
   for size in sizes:
-    prepare(size, data_dir)
+    prepare(size, data_dir, workdir)
     for mode in modes:
       name = f"{size}_{mode}"
       run_dir = os.path.join(workdir, name)

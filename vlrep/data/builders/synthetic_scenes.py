@@ -7,7 +7,11 @@ Splits (sizes per builder config):
   probe_test            the same: only reported, never tuned on.
   ood_train, ood_val    the same annotations in the out-of-domain "sketch" style.
 
-Every split is generated from its own seed stream, so a config always yields the same bytes.
+Configs: `default` (64x64, the sizes below), `tiny` (32x32, a few dozen per split: tests) and `scale2k`,
+`scale20k`, `scale200k` (64x64 training scenes in those numbers, tiny other splits: the data-at-scale test,
+`vlrep.tools.scale_test`).
+
+Every split is generated from its own seed stream, so a config always yields the same examples.
 """
 
 from __future__ import annotations
