@@ -75,12 +75,14 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def start_pair(run_dir: str, config: str, overrides, devices_per_process: int, heartbeat_timeout: int):
+def start_pair(run_dir: str, config: str, overrides, devices_per_process: int, heartbeat_timeout: int, cache: str):
   """Two `vlrep.main` processes of one runtime, training into RUN_DIR/run; logs RUN_DIR/log<i>.txt (appended).
-  Their compilation cache is the pair's own (RUN_DIR/jax_cache), empty when the pair first starts: with a shared
-  one, a process could load an executable that the other still compiles and wait for it at a collective past
-  Gloo's 30 s (CI failed so once: "Gloo context initialization failed: DEADLINE_EXCEEDED"). The pair's own holds
-  only what one of them already compiled, so loading from it can only let a process that is behind catch up."""
+
+  `cache`, their compilation cache, is empty when the pair starts or was filled by pairs that have ended, never
+  one that other running processes fill: then a process could load an executable that its partner still compiles
+  and wait for it at a collective past Gloo's 30 s (CI failed so once: "Gloo context initialization failed:
+  DEADLINE_EXCEEDED"). What the pair itself adds was compiled by one of them, so loading it can only let a process
+  that is behind catch up."""
   os.makedirs(run_dir, exist_ok=True)
   port = _free_port()
   env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -91,7 +93,7 @@ def start_pair(run_dir: str, config: str, overrides, devices_per_process: int, h
     cmd = [sys.executable, "-m", "vlrep.main", f"--config={config}", f"--workdir={run_dir}/run"]
     cmd += [f"--config.{o}" for o in overrides]
     cmd += [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"]
-    cmd += [f"--heartbeat_timeout={heartbeat_timeout}", f"--compilation_cache={run_dir}/jax_cache"]
+    cmd += [f"--heartbeat_timeout={heartbeat_timeout}", f"--compilation_cache={cache}"]
     log = open(os.path.join(run_dir, f"log{i}.txt"), "a")  # noqa: SIM115 -- the child holds it; closed below
     procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
     log.close()
@@ -151,11 +153,12 @@ def measure(texts: list[str]) -> dict:
   return out
 
 
-def kill_and_resume(run_dir, config, overrides, steps, every, devices, heartbeat_timeout, rng, timeout) -> dict:
+def kill_and_resume(run_dir, config, overrides, steps, every, devices, heartbeat_timeout, rng, timeout, cache) -> dict:
   """SIGKILLs process 1 at a random step after the first checkpoint, lets process 0 stop on its own, restarts the
   pair with the same command until it finishes; returns the kill step, the step resumed from, and fingerprints."""
-  kill_step = int(rng.integers(every + 1, steps))
-  procs = start_pair(run_dir, config, [*overrides, "log_every_steps=1"], devices, heartbeat_timeout)
+  # At most steps - 2: a step to spare, so that the run cannot end before the kill.
+  kill_step = max(every + 1, min(int(rng.integers(every + 1, steps)), steps - 2))
+  procs = start_pair(run_dir, config, [*overrides, "log_every_steps=1"], devices, heartbeat_timeout, cache)
   deadline = time.time() + timeout
   while time.time() < deadline and procs[0].poll() is None:
     steps_seen = [int(m.group(1)) for m in _STEP_LINE.finditer(logs(run_dir)[0])]
@@ -169,7 +172,7 @@ def kill_and_resume(run_dir, config, overrides, steps, every, devices, heartbeat
   t0 = time.time()
   procs[0].wait(timeout=heartbeat_timeout + 120)
   survivor_seconds = time.time() - t0
-  resumed = start_pair(run_dir, config, overrides, devices, heartbeat_timeout)
+  resumed = start_pair(run_dir, config, overrides, devices, heartbeat_timeout, cache)
   texts = wait_pair(resumed, run_dir, timeout)
   found = re.findall(r"Resumed from step (\d+)", texts[0])
   return {
@@ -195,9 +198,11 @@ def scale_test(
   kill: bool = True,
   seed: int = 0,
   timeout: float = 3600,
+  checkpoint_every: int = 0,
 ) -> dict:
-  """Runs the test (see the module docstring); returns every figure and `failures` (empty when all checks hold)."""
-  every = max(1, steps // 6)
+  """Runs the test (see the module docstring); returns every figure and `failures` (empty when all checks hold).
+  Checkpoints every `checkpoint_every` steps (0: a sixth of the run)."""
+  every = checkpoint_every or max(1, steps // 6)
   base = [
     f"total_steps={steps}",
     f"checkpoint.every_steps={every}",
@@ -219,7 +224,7 @@ def scale_test(
         raise FileExistsError(f"{run_dir} exists: give the test a fresh --workdir.")
       opts = [*base, f"data.config_name=scale{size}", f"data.in_memory={mode == 'memory'}"]
       logging.info("Training %s (%d steps, two processes) in %s", name, steps, run_dir)
-      procs = start_pair(run_dir, config, opts, devices_per_process, heartbeat_timeout)
+      procs = start_pair(run_dir, config, opts, devices_per_process, heartbeat_timeout, f"{run_dir}/jax_cache")
       run = measure(wait_pair(procs, run_dir, timeout))
       result["runs"][name] = run
       for p in run["processes"]:
@@ -267,8 +272,11 @@ def scale_test(
     opts = [*base, f"data.config_name=scale{size}", "data.in_memory=False"]
     rng = np.random.default_rng(seed)
     logging.info("Killing and resuming a pair on %s", size)
+    run_dir = os.path.join(workdir, f"{size}_killed")
+    # The uninterrupted disk pair's cache (it has ended): the same executables, not compiled again.
+    cache = os.path.join(workdir, f"{size}_disk" if "disk" in modes else f"{size}_killed", "jax_cache")
     killed = kill_and_resume(
-      os.path.join(workdir, f"{size}_killed"),
+      run_dir,
       config,
       opts,
       steps,
@@ -277,6 +285,7 @@ def scale_test(
       heartbeat_timeout,
       rng,
       timeout,
+      cache,
     )
     result["kill"] = killed
     if reference is not None:
@@ -344,6 +353,7 @@ def main(argv):
     f.heartbeat_timeout,
     f.kill,
     f.seed,
+    checkpoint_every=f.checkpoint_every,
   )
   print(table(result))
   sys.exit(1 if result["failures"] else 0)
@@ -361,5 +371,6 @@ if __name__ == "__main__":
   flags.DEFINE_integer("heartbeat_timeout", 10, "Seconds after which the survivor of the killed pair stops.")
   flags.DEFINE_bool("kill", True, "Kill and resume a pair on the largest size.")
   flags.DEFINE_integer("seed", 0, "Seed of the kill step.")
+  flags.DEFINE_integer("checkpoint_every", 0, "Steps between checkpoints (0: a sixth of --steps).")
   flags.mark_flags_as_required(["workdir"])
   app.run(main)
