@@ -6,6 +6,7 @@ of the data layer: tokenizers, concept sets and the pipeline read through it.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 
 import jax
@@ -71,6 +72,7 @@ class SplitReader:
     self.size = len(self._source) if size is None else min(size, len(self._source))
     self.name = name
     self.reads = 0
+    self._reads_lock = threading.Lock()  # tf.data calls `read` from several threads at once
 
   def __len__(self) -> int:
     return self.size
@@ -80,7 +82,8 @@ class SplitReader:
     bad = [i for i in indices if not 0 <= i < self.size]
     if bad:
       raise IndexError(f"Record index {bad[0]} is past the end of {self.name} ({self.size} records).")
-    self.reads += len(indices)
+    with self._reads_lock:
+      self.reads += len(indices)
     # One by one: __getitems__ starts a thread pool per call, which costs more than the reads themselves.
     return [self._source[i] for i in indices]
 
