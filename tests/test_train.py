@@ -2,12 +2,15 @@
 device-count invariance and multi-host: test_distributed.py.)"""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
-from conftest import run_main
+from conftest import ROOT, run_main
 
 
 def test_main_end_to_end_writes_summary_and_refuses_to_resume_another_model(tiny_virtex_run, tmp_path):
@@ -63,3 +66,24 @@ def test_checkpoint_restores_bit_exactly_and_rejects_other_models(tmp_path):
 def test_unknown_config_key_is_an_error(tmp_path):
   proc = run_main(tmp_path / "w", "--config.optim.learning_rat=0.1")
   assert proc.returncode != 0 and "learning_rat" in proc.stderr
+
+
+def test_peak_rss_is_the_process_own_not_its_launchers(tmp_path):
+  """A run started by a large process (a pytest worker, a notebook) reports its own peak memory: getrusage's
+  ru_maxrss would report the launcher's 1.5 GB, since Linux carries it across fork and exec."""
+  if not os.path.exists("/proc/self/status"):
+    pytest.skip("VmHWM is Linux's")
+  child = (
+    "import resource; from vlrep.train import peak_rss_bytes; "
+    "print(peak_rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
+  )
+  launcher = (
+    "import subprocess, sys\n"
+    "ballast = bytearray(1_500_000_000)\n"
+    "ballast[::4096] = b'x' * len(ballast[::4096])  # touched: resident\n"
+    f"subprocess.run([sys.executable, '-c', {child!r}], check=True)\n"
+  )
+  out = subprocess.run([sys.executable, "-c", launcher], cwd=ROOT, capture_output=True, text=True, check=True)
+  own, inherited = (int(v) for v in out.stdout.split())
+  assert inherited > 1.5e9, out.stdout  # what the old measure said
+  assert 1e7 < own < 1.2e9, out.stdout  # vlrep.train and jax imported, nothing of the launcher's ballast

@@ -8,6 +8,7 @@ import functools
 import hashlib
 import os
 import resource
+import sys
 import time
 from typing import Any
 
@@ -339,9 +340,9 @@ def _train(
   ckpt.close()
   # Every process logs its own: with replicated parameters, equal fingerprints show the hosts stayed in step.
   logging.info("Parameter fingerprint (process %d): %s", host, params_fingerprint(state["params"]))
-  # Per process: what it read of the training split, and its peak resident memory (Linux: VmHWM, in KiB).
+  # Per process: what it read of the training split, and its peak resident memory.
   records_read = sum(s.records_read() for s in streams)
-  peak_rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+  peak_rss_gb = peak_rss_bytes() / 1e9
   logging.info(
     "Input (process %d): read %d records of %s/%s (%d examples) for %d training examples; peak RSS %.3f GB",
     host,
@@ -367,6 +368,21 @@ def _train(
     runs.write_summary(workdir, summary)
   writer.flush()
   return summary
+
+
+def peak_rss_bytes() -> int:
+  """This process's peak resident memory: Linux's VmHWM, the high-water mark of its own address space. Not
+  getrusage's ru_maxrss: Linux carries that across exec, so a process started by a large one (a pytest worker, a
+  notebook) would report its launcher's resident memory at the fork as its own peak."""
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith("VmHWM:"):
+          return int(line.split()[1]) * 1024  # kB
+  except OSError:
+    pass
+  maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  return maxrss if sys.platform == "darwin" else maxrss * 1024  # bytes on macOS, KiB elsewhere
 
 
 def params_fingerprint(params) -> str:
