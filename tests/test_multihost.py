@@ -8,10 +8,12 @@ import subprocess
 import sys
 import time
 
+import pytest
 from conftest import ROOT, with_devices
 
 from vlrep.tools import scale_test
 
+CONFIG = os.path.join(ROOT, "tests", "tiny_virtex.py")
 OVERRIDES = ["--config=tests/tiny_virtex.py", "--config.evals={}", "--config.checkpoint.every_steps=4"]
 
 
@@ -40,7 +42,7 @@ def test_two_processes_train_from_disk_survive_a_dead_host_and_resume_bit_identi
     str(tmp_path / "data"),
     ["2k"],
     steps=8,
-    config=os.path.join(ROOT, "tests", "tiny_virtex.py"),
+    config=CONFIG,
     overrides=["batch_size=16"],
     modes=("disk",),
     devices_per_process=2,
@@ -98,3 +100,12 @@ def test_bad_launches_fail_fast_with_a_clear_error(tmp_path):
   assert "did not form within --init_timeout=10s" in out["missing"], out["missing"][-2000:]
   # No run started: nothing was written where a checkpoint could be mistaken for progress.
   assert not any((tmp_path / d / "checkpoints").exists() for d in ("u", "m", "x"))
+
+
+def test_scale_test_refuses_a_kill_with_no_checkpoint_before_it(tmp_path):
+  """The killed pair dies after its first checkpoint and with a step to spare: a schedule without room for that is
+  an error before anything is prepared or trained."""
+  for steps, every in ((8, -1), (8, 6), (3, 0)):
+    with pytest.raises(ValueError, match="the kill needs a checkpoint"):
+      scale_test.scale_test(str(tmp_path), str(tmp_path / "data"), ["2k"], steps, CONFIG, [], checkpoint_every=every)
+  assert not (tmp_path / "data").exists() and not (tmp_path / "2k_disk").exists()

@@ -68,7 +68,7 @@ def test_unknown_config_key_is_an_error(tmp_path):
   assert proc.returncode != 0 and "learning_rat" in proc.stderr
 
 
-def test_peak_rss_is_the_process_own_not_its_launchers(tmp_path):
+def test_peak_rss_is_the_process_own_not_its_launchers():
   """A run started by a large process (a pytest worker, a notebook) reports its own peak memory: getrusage's
   ru_maxrss would report the launcher's 1.5 GB, since Linux carries it across fork and exec."""
   if not os.path.exists("/proc/self/status"):

@@ -203,6 +203,12 @@ def scale_test(
   """Runs the test (see the module docstring); returns every figure and `failures` (empty when all checks hold).
   Checkpoints every `checkpoint_every` steps (0: a sixth of the run)."""
   every = checkpoint_every or max(1, steps // 6)
+  # The killed pair dies after its first checkpoint and before its last step but one (kill_and_resume).
+  if checkpoint_every < 0 or (kill and every + 1 > steps - 2):
+    raise ValueError(
+      f"checkpoint_every={checkpoint_every} with steps={steps}: the kill needs a checkpoint before step {steps - 2} "
+      "(0 <= checkpoint_every <= steps - 3; 0 checkpoints every sixth of the run)."
+    )
   base = [
     f"total_steps={steps}",
     f"checkpoint.every_steps={every}",
