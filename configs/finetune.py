@@ -33,6 +33,8 @@ def get_config(arg=None):
     raise ValueError("labels=presence is synthetic_scenes' multi-label reference: use it with runlocal.")
   c = ConfigDict()
   c.seed = 0
+  # PRNG behind dropout and masking: 'threefry2x32' (JAX's default), 'rbg' or 'unsafe_rbg' (cheaper on GPUs).
+  c.rng_impl = "threefry2x32"
   c.init_from = ""  # a vlrep run directory whose backbone initialises this one
   c.method = dict(
     name="classifier",
@@ -65,6 +67,10 @@ def get_config(arg=None):
     grad_clip_norm=0.0,
     lookahead_steps=0,
     lookahead_alpha=0.5,
+    # Speed switches, same maths (vlrep/optim.py, docs/speed.md).
+    grad_norm_once=False,
+    lookahead_sync_only=False,
+    flat_update=False,
     warmup_steps=0,
     warmup_epochs=0.0,
     warmup_examples=0,

@@ -52,9 +52,12 @@ def get_config(arg=None):
 
   c = ConfigDict()
   c.seed = 0
+  # PRNG behind dropout and masking: 'threefry2x32' (JAX's default), 'rbg' or 'unsafe_rbg' (cheaper on GPUs).
+  c.rng_impl = "threefry2x32"
   c.method = dict(
     name="loctex",
-    backbone=dict(depth=50, width=64, bn_group_size=0),  # synchronized BatchNorm over the batch, as the paper
+    # Synchronized BatchNorm over the batch, as the paper; speed switches as configs/virtex.py's.
+    backbone=dict(depth=50, width=64, bn_group_size=0, fused_bn_act=False, fast_max_pool=False),
     # Textual backbone: 4 layers, 1024 wide, 16 heads, GELU; captions of at most 60 tokens.
     text=dict(hidden=1024, num_layers=4, num_heads=16, max_len=60, dropout=0.1),
     embed_dim=1024,
@@ -100,6 +103,10 @@ def get_config(arg=None):
     grad_clip_norm=0.0,
     lookahead_steps=0,
     lookahead_alpha=0.5,
+    # Speed switches, same maths (vlrep/optim.py, docs/speed.md).
+    grad_norm_once=False,
+    lookahead_sync_only=False,
+    flat_update=False,
     warmup_steps=0,
     warmup_epochs=20.0,
     warmup_examples=0,

@@ -96,11 +96,13 @@ def get_config(arg=None):
 
   c = ConfigDict()
   c.seed = 0
+  # PRNG behind dropout and masking: 'threefry2x32' (JAX's default), 'rbg' or 'unsafe_rbg' (cheaper on GPUs).
+  c.rng_impl = "threefry2x32"
   c.method = dict(
     name="mct",
     dtype="bfloat16",
     # Per-GPU BatchNorm in the paper (512 images on 8 GPUs); the key encoder's batch is shuffled first.
-    backbone=dict(depth=50, width=64, bn_group_size=64),
+    backbone=dict(depth=50, width=64, bn_group_size=64, fused_bn_act=False, fast_max_pool=False),
     text_tower=text,
     bert_path=bert,  # text_tower='bert': the pretrained BERT's folder ('minilm' = the packaged MiniLM)
     bert_layers=0,  # text_tower='bert': keep its first N layers (0 = all)
@@ -154,6 +156,10 @@ def get_config(arg=None):
     grad_clip_norm=0.0,
     lookahead_steps=0,
     lookahead_alpha=0.5,
+    # Speed switches, same maths (vlrep/optim.py, docs/speed.md).
+    grad_norm_once=False,
+    lookahead_sync_only=False,
+    flat_update=False,
     warmup_steps=0,
     warmup_epochs=0.0,
     warmup_examples=0,

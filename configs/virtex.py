@@ -42,6 +42,8 @@ def get_config(arg=None):
 
   c = ConfigDict()
   c.seed = 0
+  # PRNG behind dropout and masking: 'threefry2x32' (JAX's default), 'rbg' or 'unsafe_rbg' (cheaper on GPUs).
+  c.rng_impl = "threefry2x32"
   depth, width, inner = BACKBONES[arg.backbone]
 
   # Method: model sizes and task. A = H / 64 heads and F = 4H are derived in the model.
@@ -57,6 +59,10 @@ def get_config(arg=None):
     mask_token_prob=0.8,
     random_token_prob=0.1,
     dtype="bfloat16",
+    # Speed switches of the textual head, same maths (vlrep/models/transformer.py, docs/speed.md).
+    fused_qkv=False,
+    fused_memory_kv=False,
+    vocab_multiple=1,
     # Per-GPU BatchNorm with 32 images per GPU in the paper; 0 = synchronised over the whole batch. The official
     # code builds torchvision's ResNet with zero_init_residual=True: each block's last BN starts at scale 0.
     backbone=dict(
@@ -64,6 +70,8 @@ def get_config(arg=None):
       width=width,
       bn_group_size=32,
       zero_init_last_bn=True,
+      fused_bn_act=False,  # speed switches, same maths (vlrep/models/fused.py, docs/speed.md)
+      fast_max_pool=False,
       **({"inner_multiplier": inner} if inner > 1 else {}),
     ),
   )
@@ -99,6 +107,10 @@ def get_config(arg=None):
     grad_clip_norm=10.0,
     lookahead_steps=5,
     lookahead_alpha=0.5,
+    # Speed switches, same maths (vlrep/optim.py, docs/speed.md).
+    grad_norm_once=False,
+    lookahead_sync_only=False,
+    flat_update=False,
     warmup_steps=10_000,
     warmup_epochs=0.0,
     warmup_examples=0,

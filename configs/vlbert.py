@@ -111,6 +111,8 @@ def get_config(arg=None):
 
   c = ConfigDict()
   c.seed = 0
+  # PRNG behind dropout and masking: 'threefry2x32' (JAX's default), 'rbg' or 'unsafe_rbg' (cheaper on GPUs).
+  c.rng_impl = "threefry2x32"
   c.method = dict(
     name="vlbert",
     arch=arg.arch,
@@ -192,6 +194,10 @@ def get_config(arg=None):
     grad_clip_norm=1.0,
     lookahead_steps=0,
     lookahead_alpha=0.5,
+    # Speed switches, same maths (vlrep/optim.py, docs/speed.md).
+    grad_norm_once=False,
+    lookahead_sync_only=False,
+    flat_update=False,
     warmup_steps=2000,
     warmup_epochs=0.0,
     warmup_examples=0,

@@ -91,7 +91,13 @@ def test_resnet50_w2x_is_wide_resnet50_2_and_exports_to_its_layout(tmp_path):
   import virtex
 
   assert virtex.get_config("backbone=r50w2x").method.backbone.to_dict() == dict(
-    depth=50, width=64, bn_group_size=32, zero_init_last_bn=True, inner_multiplier=2
+    depth=50,
+    width=64,
+    bn_group_size=32,
+    zero_init_last_bn=True,
+    inner_multiplier=2,
+    fused_bn_act=False,
+    fast_max_pool=False,
   )
   net, variables = _write_run(tmp_path / "run", inner_multiplier=2)
   out = str(tmp_path / "w2x.safetensors")

@@ -8,6 +8,14 @@ Config (`config.optim`):
   warmup_steps / total_steps come from the loop (converted from epochs there).
   lookahead_steps k (0 disables) and lookahead_alpha.
   frozen_steps    [(lr_groups regex, N), ...]: that group does not move for the first N steps.
+
+Speed switches (same maths, tested against the plain path in tests/test_speed_levers.py; docs/speed.md):
+  grad_norm_once      the train step takes the gradient's global norm once, for clipping and its metric alike
+                      (the plain path has optax's clip compute it again); see `step_clip_norm`.
+  lookahead_sync_only LookAhead writes its slow copy only on sync steps (a `lax.cond`), instead of a select over
+                      every parameter on every step.
+  flat_update         SGD's decay, momentum and per-group LR as one update over the parameters raveled into a
+                      single vector (one momentum vector), instead of one small update per parameter and group.
 """
 
 from __future__ import annotations
@@ -18,7 +26,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
+from jax.flatten_util import ravel_pytree
 
 
 def param_paths(params) -> Any:
@@ -62,7 +72,9 @@ class LookaheadState(NamedTuple):
   count: jnp.ndarray
 
 
-def lookahead(inner: optax.GradientTransformation, sync_period: int, alpha: float) -> optax.GradientTransformation:
+def lookahead(
+  inner: optax.GradientTransformation, sync_period: int, alpha: float, sync_only: bool = False
+) -> optax.GradientTransformation:
   """LookAhead (Zhang et al.): every `sync_period` steps, slow += alpha * (fast - slow) and fast = slow.
 
   Unlike optax.lookahead, the model parameters are a single tree: the fast weights between syncs, the slow
@@ -77,11 +89,65 @@ def lookahead(inner: optax.GradientTransformation, sync_period: int, alpha: floa
     fast = optax.apply_updates(params, updates)
     count = state.count + 1
     sync = count % sync_period == 0
-    slow = jax.tree.map(lambda s, f: jnp.where(sync, s + alpha * (f - s), s), state.slow, fast)
-    new_params = jax.tree.map(lambda s, f: jnp.where(sync, s, f), slow, fast)
+    if sync_only:
+      # Between syncs the slow copy passes through untouched, so it costs no memory traffic on those steps.
+      def do_sync(slow, fast):
+        slow = jax.tree.map(lambda s, f: s + alpha * (f - s), slow, fast)
+        return slow, slow
+
+      slow, new_params = jax.lax.cond(sync, do_sync, lambda slow, fast: (slow, fast), state.slow, fast)
+    else:
+      slow = jax.tree.map(lambda s, f: jnp.where(sync, s + alpha * (f - s), s), state.slow, fast)
+      new_params = jax.tree.map(lambda s, f: jnp.where(sync, s, f), slow, fast)
     return jax.tree.map(lambda n, p: n - p, new_params, params), LookaheadState(inner_state, slow, count)
 
   return optax.GradientTransformation(init, update)
+
+
+class FlatSgdState(NamedTuple):
+  count: jnp.ndarray
+  momentum: jnp.ndarray  # [number of parameters] f32, or [0] without momentum
+
+
+def flat_sgd(schedules: dict, labels, decay_mask, weight_decay: float, momentum: float, nesterov: bool):
+  """optax's add_decayed_weights(mask) + multi_transform({group: sgd(schedule, momentum, nesterov)}) as one update
+  over the raveled parameters: a per-element LR gathered from the groups' schedules, one momentum vector."""
+  names = list(schedules)
+  leaves, _ = jax.tree.flatten(labels)
+  masks, _ = jax.tree.flatten(decay_mask)
+
+  def per_element(params, values_by_leaf, dtype):
+    sizes = [int(np.prod(p.shape)) for p in jax.tree.leaves(params)]
+    return np.repeat(np.asarray(values_by_leaf, dtype), sizes)
+
+  def init(params):
+    n = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
+    return FlatSgdState(jnp.zeros([], jnp.int32), jnp.zeros([n if momentum else 0], jnp.float32))
+
+  def update(grads, state, params):
+    g, unravel = ravel_pytree(grads)
+    if weight_decay:
+      p, _ = ravel_pytree(params)
+      g = g + weight_decay * per_element(params, masks, np.float32) * p
+    group = per_element(params, [names.index(label) for label in leaves], np.int32)
+    lrs = jnp.stack([jnp.asarray(schedules[n](state.count), jnp.float32) for n in names])[group]
+    trace = state.momentum
+    if momentum:
+      trace = g + momentum * trace
+      g = g + momentum * trace if nesterov else trace
+    return unravel(-lrs * g), FlatSgdState(optax.safe_int32_increment(state.count), trace)
+
+  return optax.GradientTransformation(init, update)
+
+
+def step_clip_norm(config: ml_collections.ConfigDict) -> float:
+  """The global-norm clip the train step applies itself (`grad_norm_once`), else 0 (the optimizer clips)."""
+  return float(config.grad_clip_norm or 0.0) if config.get("grad_norm_once", False) else 0.0
+
+
+def clip_by_norm(grads, norm, max_norm: float):
+  """optax.clip_by_global_norm's maths, given the norm: unchanged below `max_norm`, scaled to it above."""
+  return jax.tree.map(lambda t: jax.lax.select(norm < max_norm, t, (t / norm.astype(t.dtype)) * max_norm), grads)
 
 
 def build(config: ml_collections.ConfigDict, params, total_steps: int, warmup_steps: int):
@@ -118,7 +184,11 @@ def build(config: ml_collections.ConfigDict, params, total_steps: int, warmup_st
   no_decay = re.compile(config.no_decay) if config.no_decay else None
   decay_mask = jax.tree.map(lambda p: not (no_decay and no_decay.search(p)), param_paths(params))
 
-  if config.name == "sgd":
+  if config.get("flat_update", False):
+    if config.name != "sgd":
+      raise ValueError(f"optim.flat_update implements SGD only; optim.name is {config.name!r}.")
+    parts = [flat_sgd(schedules, labels, decay_mask, config.weight_decay, config.momentum or 0.0, config.nesterov)]
+  elif config.name == "sgd":
 
     def group_tx(schedule):
       return optax.sgd(schedule, momentum=config.momentum or None, nesterov=config.nesterov)
@@ -139,9 +209,9 @@ def build(config: ml_collections.ConfigDict, params, total_steps: int, warmup_st
     ]
   else:
     raise ValueError(f"Unknown optimizer {config.name!r}; known: sgd, adamw")
-  if config.grad_clip_norm:
+  if config.grad_clip_norm and not step_clip_norm(config):
     parts.insert(0, optax.clip_by_global_norm(config.grad_clip_norm))
   tx = optax.chain(*parts)
   if config.lookahead_steps:
-    tx = lookahead(tx, config.lookahead_steps, config.lookahead_alpha)
+    tx = lookahead(tx, config.lookahead_steps, config.lookahead_alpha, config.get("lookahead_sync_only", False))
   return tx, schedules

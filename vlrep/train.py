@@ -23,7 +23,7 @@ from vlrep import checkpoint as ckpt_lib
 from vlrep import evaluators, methods, optim, runs, sharding
 from vlrep import preemption as preemption_lib
 from vlrep.data import pipeline, records, tokenizers
-from vlrep.train_step import init_train_state, make_train_step
+from vlrep.train_step import init_train_state, make_train_step, prng_impl
 
 
 class NonFiniteLossError(RuntimeError):
@@ -61,7 +61,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, on_preempted=None) -> d
     config.checkpoint.get("exit_deadline_secs", 20.0), interrupt_evaluations=jax.process_count() == 1
   )
   try:
-    return _train(config, workdir, preemption, on_preempted)
+    with prng_impl(config):
+      return _train(config, workdir, preemption, on_preempted)
   finally:
     preemption.close()
 
@@ -179,7 +180,7 @@ def _train(
   # ---------------------------------------------------------------------------------------------------- #
   # Jitted step and feature extraction.
   # ---------------------------------------------------------------------------------------------------- #
-  train_step = make_train_step(method, tx, schedules, base_rng)
+  train_step = make_train_step(method, tx, schedules, base_rng, optim.step_clip_norm(config.optim))
   step_fn = jax.jit(
     train_step, in_shardings=(state_sh, batch_sharding), out_shardings=(state_sh, None), donate_argnums=(0,)
   )

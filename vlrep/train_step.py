@@ -7,9 +7,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from vlrep import optim
 
-def make_train_step(method, tx, schedules: dict, base_rng):
-  """The step the loop jits: loss and gradients from the method, optimizer update, metrics."""
+
+def make_train_step(method, tx, schedules: dict, base_rng, clip_norm: float = 0.0):
+  """The step the loop jits: loss and gradients from the method, optimizer update, metrics.
+
+  clip_norm > 0 (`optim.step_clip_norm`): the step clips the gradient by its global norm itself, with the norm it
+  also reports, so the norm is taken once (`tx` then has no clip of its own).
+  """
 
   def train_step(state, batch):
     rng = jax.random.fold_in(base_rng, state["step"])
@@ -19,6 +25,9 @@ def make_train_step(method, tx, schedules: dict, base_rng):
       return loss, (metrics, new_model_state)
 
     (loss, (metrics, new_model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+    grad_norm = optax.tree.norm(grads)
+    if clip_norm:
+      grads = optim.clip_by_norm(grads, grad_norm, clip_norm)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     new = {
@@ -33,7 +42,7 @@ def make_train_step(method, tx, schedules: dict, base_rng):
     new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, {**state, "step": state["step"] + 1})
     metrics = {f"train/{k}": v for k, v in metrics.items()}
     metrics["train/loss"] = loss
-    metrics["train/grad_norm"] = optax.tree.norm(grads)
+    metrics["train/grad_norm"] = grad_norm
     for name, schedule in schedules.items():
       metrics[f"train/lr_{name}"] = schedule(state["step"])
     for k, v in batch.items():
@@ -42,6 +51,20 @@ def make_train_step(method, tx, schedules: dict, base_rng):
     return new, metrics
 
   return train_step
+
+
+PRNG_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
+
+
+def prng_impl(config):
+  """The context in which a run makes and uses its random keys: `config.rng_impl` (default threefry2x32).
+
+  'rbg' and 'unsafe_rbg' draw dropout masks with the accelerator's random-bit generator, cheaper than threefry on
+  GPUs; the masks differ from threefry's (same distribution), so a run's seed gives other numbers under them."""
+  impl = config.get("rng_impl", "threefry2x32") or "threefry2x32"
+  if impl not in PRNG_IMPLS:
+    raise ValueError(f"Unknown rng_impl {impl!r}; known: {', '.join(PRNG_IMPLS)}.")
+  return jax.default_prng_impl(impl)
 
 
 def init_train_state(method, tx, rng, batch) -> dict:

@@ -77,6 +77,7 @@ class VirTex:
       directions=_DIRECTIONS.get(config.task, ()),
       dtype=jnp.dtype(config.dtype),
       init_std=config.init_std,
+      head_speed={k: config[k] for k in ("fused_qkv", "fused_memory_kv", "vocab_multiple") if k in config},
     )
 
   # -- contract -----------------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from vlrep.models import fused
+
 DEPTHS = {
   10: (1, 1, 1, 1),  # tests only: one block per stage
   18: (2, 2, 2, 2),
@@ -28,16 +30,19 @@ DEPTHS = {
 
 
 class GroupedBatchNorm(nn.Module):
-  """BatchNorm whose batch statistics are taken over groups of `group_size` consecutive examples."""
+  """BatchNorm whose batch statistics are taken over groups of `group_size` consecutive examples, then
+  `+ residual` and ReLU when asked. `fused`: in training, all of it as `fused.batch_norm_act` (same maths, a
+  hand-written backward)."""
 
   group_size: int = 0
   momentum: float = 0.9
   epsilon: float = 1e-5
   dtype: Any = jnp.float32
   scale_init: Any = nn.initializers.ones
+  fused: bool = False
 
   @nn.compact
-  def __call__(self, x, train: bool):
+  def __call__(self, x, train: bool, residual=None, relu: bool = False):
     c = x.shape[-1]
     scale = self.param("scale", self.scale_init, (c,), jnp.float32)
     bias = self.param("bias", nn.initializers.zeros, (c,), jnp.float32)
@@ -48,20 +53,29 @@ class GroupedBatchNorm(nn.Module):
       g = self.group_size if self.group_size and self.group_size < b else b
       if b % g:
         raise ValueError(f"Batch {b} is not divisible by the BatchNorm group size {g}.")
-      xg = x.astype(jnp.float32).reshape((b // g, g) + x.shape[1:])
-      axes = tuple(range(1, xg.ndim - 1))
-      mean = xg.mean(axes, keepdims=True)
-      var = jnp.maximum((xg * xg).mean(axes, keepdims=True) - mean * mean, 0.0)
+      if self.fused:
+        out, mean, var = fused.batch_norm_act(x.astype(self.dtype), scale, bias, residual, g, relu, self.epsilon)
+        mean, var = mean[:, None, None, :], var[:, None, None, :]
+      else:
+        xg = x.astype(jnp.float32).reshape((b // g, g) + x.shape[1:])
+        axes = tuple(range(1, xg.ndim - 1))
+        mean = xg.mean(axes, keepdims=True)
+        var = jnp.maximum((xg * xg).mean(axes, keepdims=True) - mean * mean, 0.0)
       if not self.is_initializing():
-        n = xg[0, ..., 0].size  # elements per channel in one group
+        n = g * x[0, ..., 0].size  # elements per channel in one group
         unbiased = var.mean(0).reshape(c) * n / max(n - 1, 1)
         ra_mean.value = self.momentum * ra_mean.value + (1 - self.momentum) * mean.mean(0).reshape(c)
         ra_var.value = self.momentum * ra_var.value + (1 - self.momentum) * unbiased
+      if self.fused:
+        return out
       y = (xg - mean) * jax.lax.rsqrt(var + self.epsilon)
       y = y.reshape(x.shape)
     else:
       y = (x.astype(jnp.float32) - ra_mean.value) * jax.lax.rsqrt(ra_var.value + self.epsilon)
-    return (y * scale + bias).astype(self.dtype)
+    out = (y * scale + bias).astype(self.dtype)
+    if residual is not None:
+      out = residual + out
+    return nn.relu(out) if relu else out
 
 
 def _last_bn(zero_init: bool) -> dict:
@@ -84,17 +98,16 @@ class Bottleneck(nn.Module):
     residual = x
     inner = self.width * self.inner_multiplier
     y = self.conv(inner, (1, 1), name="conv1")(x)
-    y = nn.relu(self.norm(name="bn1")(y, train))
+    y = self.norm(name="bn1")(y, train, relu=True)
     y = self.conv(inner, (3, 3), strides=(self.stride, self.stride), padding=((1, 1), (1, 1)), name="conv2")(y)
-    y = nn.relu(self.norm(name="bn2")(y, train))
+    y = self.norm(name="bn2")(y, train, relu=True)
     y = self.conv(self.width * self.expansion, (1, 1), name="conv3")(y)
-    y = self.norm(name="bn3", **_last_bn(self.zero_init_last_bn))(y, train)
     if residual.shape[-1] != y.shape[-1] or self.stride != 1:
       residual = self.conv(
         self.width * self.expansion, (1, 1), strides=(self.stride, self.stride), name="downsample_conv"
       )(residual)
       residual = self.norm(name="downsample_bn")(residual, train)
-    return nn.relu(residual + y)
+    return self.norm(name="bn3", **_last_bn(self.zero_init_last_bn))(y, train, residual=residual, relu=True)
 
 
 class BasicBlock(nn.Module):
@@ -109,13 +122,12 @@ class BasicBlock(nn.Module):
   def __call__(self, x, train: bool):
     residual = x
     y = self.conv(self.width, (3, 3), strides=(self.stride, self.stride), padding=((1, 1), (1, 1)), name="conv1")(x)
-    y = nn.relu(self.norm(name="bn1")(y, train))
+    y = self.norm(name="bn1")(y, train, relu=True)
     y = self.conv(self.width, (3, 3), padding=((1, 1), (1, 1)), name="conv2")(y)
-    y = self.norm(name="bn2", **_last_bn(self.zero_init_last_bn))(y, train)
     if residual.shape[-1] != y.shape[-1] or self.stride != 1:
       residual = self.conv(self.width, (1, 1), strides=(self.stride, self.stride), name="downsample_conv")(residual)
       residual = self.norm(name="downsample_bn")(residual, train)
-    return nn.relu(residual + y)
+    return self.norm(name="bn2", **_last_bn(self.zero_init_last_bn))(y, train, residual=residual, relu=True)
 
 
 class ResNet(nn.Module):
@@ -133,6 +145,10 @@ class ResNet(nn.Module):
     stem_stride: the small stem's stride (1 or 2); the ImageNet stem's is fixed.
     zero_init_last_bn: start the last BatchNorm of every residual branch at scale 0 (torchvision's
       zero_init_residual; VirTex's official backbone sets it).
+    fused_bn_act: speed switch, same maths: each training-mode BatchNorm with its residual sum and ReLU as
+      `fused.batch_norm_act` (one reduction pass per BatchNorm in the backward).
+    fast_max_pool: speed switch, same maths: the ImageNet stem's max-pool as `fused.max_pool_3x3_s2` (no
+      select-and-scatter in the backward).
   Returns:
     (features [B, H/32, W/32, C] (H/8 or H/16 with the small stem), {'stage1'..'stage4', 'pre_logits' [B, C]}).
   """
@@ -146,6 +162,8 @@ class ResNet(nn.Module):
   stem: str = "imagenet"
   stem_stride: int = 2
   zero_init_last_bn: bool = False
+  fused_bn_act: bool = False
+  fast_max_pool: bool = False
 
   @property
   def bottleneck(self) -> bool:
@@ -167,7 +185,11 @@ class ResNet(nn.Module):
       kernel_init=nn.initializers.variance_scaling(2.0, "fan_out", "normal"),
     )
     norm = functools.partial(
-      GroupedBatchNorm, group_size=self.bn_group_size, momentum=self.bn_momentum, dtype=self.dtype
+      GroupedBatchNorm,
+      group_size=self.bn_group_size,
+      momentum=self.bn_momentum,
+      dtype=self.dtype,
+      fused=self.fused_bn_act,
     )
     aux = {}
     x = x.astype(self.dtype)
@@ -175,14 +197,17 @@ class ResNet(nn.Module):
       if self.stem_stride != 2:
         raise ValueError(f"stem_stride={self.stem_stride} applies to stem='small'; the ImageNet stem's is 2.")
       x = conv(self.width, (7, 7), strides=(2, 2), padding=((3, 3), (3, 3)), name="conv1")(x)
-      x = nn.relu(norm(name="bn1")(x, train))
-      x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+      x = norm(name="bn1")(x, train, relu=True)
+      if self.fast_max_pool:
+        x = fused.max_pool_3x3_s2(x)
+      else:
+        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
     elif self.stem == "small":
       if self.stem_stride not in (1, 2):
         raise ValueError(f"stem_stride must be 1 or 2 for stem='small'; got {self.stem_stride}.")
       s = self.stem_stride
       x = conv(self.width, (3, 3), strides=(s, s), padding=((1, 1), (1, 1)), name="conv1")(x)
-      x = nn.relu(norm(name="bn1")(x, train))
+      x = norm(name="bn1")(x, train, relu=True)
     else:
       raise ValueError(f"Unknown ResNet stem {self.stem!r}; known: 'imagenet', 'small'.")
     if self.inner_multiplier != 1 and not self.bottleneck:

@@ -19,16 +19,27 @@ import jax.numpy as jnp
 INIT_STD = 0.02
 
 
+def _fused_projection(x, kernels, dtype):
+  """x [B, T, H] times several DenseGeneral kernels [H, heads, d] as one matrix product: [B, T, n * heads, d]."""
+  return jnp.einsum("bth,hnd->btnd", x.astype(dtype), jnp.concatenate(kernels, axis=1).astype(dtype))
+
+
 class MultiHeadAttention(nn.Module):
-  """Multi-head attention returning (output, weights[B, heads, Tq, Tk] averaged-ready)."""
+  """Multi-head attention returning (output, weights[B, heads, Tq, Tk] averaged-ready).
+
+  fused_qkv: self-attention (kv_in is q_in) computes Q, K and V as one matrix product over the three projections'
+    kernels, concatenated at each step (the parameters keep the plain path's names and shapes).
+  memory_kv: (K, V) [B, N, heads, d] computed by the caller (`TransformerTextualHead.fused_memory_kv`).
+  """
 
   num_heads: int
   dtype: Any = jnp.float32
   dropout: float = 0.0
   init_std: float = INIT_STD
+  fused_qkv: bool = False
 
   @nn.compact
-  def __call__(self, q_in, kv_in, mask=None, train: bool = False):
+  def __call__(self, q_in, kv_in, mask=None, train: bool = False, memory_kv=None):
     init = nn.initializers.normal(self.init_std)
     h = q_in.shape[-1]
     if h % self.num_heads:
@@ -43,7 +54,17 @@ class MultiHeadAttention(nn.Module):
     )
     # No key bias: it adds q.b to every logit of a query alike, so softmax removes it and its gradient is zero up to
     # rounding, which Adam would scale up into steps of LR size (different on every device count).
-    q, k, v = dense("query")(q_in), dense("key", bias=False)(kv_in), dense("value")(kv_in)
+    if memory_kv is not None:
+      q, (k, v) = dense("query")(q_in), memory_kv
+    elif self.fused_qkv and not self.is_initializing():
+      if kv_in is not q_in:
+        raise ValueError("fused_qkv applies to self-attention only (kv_in is q_in).")
+      p = self.variables["params"]
+      qkv = _fused_projection(q_in, [p[n]["kernel"] for n in ("query", "key", "value")], self.dtype)
+      q, k, v = jnp.split(qkv, 3, axis=2)
+      q, v = q + p["query"]["bias"].astype(self.dtype), v + p["value"]["bias"].astype(self.dtype)
+    else:  # the plain path; also creates the parameters the fused paths read
+      q, k, v = dense("query")(q_in), dense("key", bias=False)(kv_in), dense("value")(kv_in)
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(q.shape[-1]).astype(jnp.float32)
     if mask is not None:
       logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
@@ -65,21 +86,22 @@ class DecoderLayer(nn.Module):
   cross_attention: bool = True
   dtype: Any = jnp.float32
   init_std: float = INIT_STD
+  fused_qkv: bool = False
 
   @nn.compact
-  def __call__(self, x, memory, self_mask, train: bool = False):
+  def __call__(self, x, memory, self_mask, train: bool = False, memory_kv=None):
     init = nn.initializers.normal(self.init_std)
     ln = lambda name: nn.LayerNorm(epsilon=1e-8, dtype=self.dtype, param_dtype=jnp.float32, name=name)  # noqa: E731
     drop = nn.Dropout(self.dropout)
-    y, weights = MultiHeadAttention(self.num_heads, self.dtype, self.dropout, self.init_std, name="self_attention")(
-      x, x, self_mask, train
-    )
+    y, weights = MultiHeadAttention(
+      self.num_heads, self.dtype, self.dropout, self.init_std, self.fused_qkv, name="self_attention"
+    )(x, x, self_mask, train)
     self.sow("intermediates", "self_attention_weights", weights)  # kept only when 'intermediates' is mutable (maps)
     x = ln("ln_self")(x + drop(y, deterministic=not train))
     cross = None
     if self.cross_attention:
       y, cross = MultiHeadAttention(self.num_heads, self.dtype, self.dropout, self.init_std, name="cross_attention")(
-        x, memory, None, train
+        x, memory, None, train, memory_kv
       )
       x = ln("ln_cross")(x + drop(y, deterministic=not train))
     y = nn.Dense(self.mlp_dim, dtype=self.dtype, param_dtype=jnp.float32, kernel_init=init, name="mlp_in")(x)
@@ -127,6 +149,11 @@ class TransformerTextualHead(nn.Module):
   Attributes:
     directions: ('forward',), ('forward', 'backward') for bicaptioning, or ('bidirectional',) for masked LM
       (self-attention without the causal mask).
+    fused_qkv: each self-attention's Q, K and V as one matrix product (`MultiHeadAttention`).
+    fused_memory_kv: the cross-attention keys and values of every layer and direction from the image features as
+      one matrix product over their kernels concatenated (they all read the same memory), not 2 x L x directions.
+    vocab_multiple: the embedding table and output layer padded to a multiple of this many rows (128 suits GPU
+      matrix units); the padding rows are never looked up and their logits are cut off before they are returned.
   Returns logits[direction] [B, T, V] and aux {'<direction>/cross_attention': [L][B, heads, T, N]}.
   """
 
@@ -140,14 +167,34 @@ class TransformerTextualHead(nn.Module):
   directions: tuple[str, ...] = ("forward", "backward")
   dtype: Any = jnp.float32
   init_std: float = INIT_STD
+  fused_qkv: bool = False
+  fused_memory_kv: bool = False
+  vocab_multiple: int = 1
 
   @nn.compact
   def __call__(self, visual, tokens_by_direction: dict, padding_by_direction: dict, train: bool = False):
+    rows = -(-self.vocab_size // max(self.vocab_multiple, 1)) * max(self.vocab_multiple, 1)
     embedding = WordAndPositionEmbedding(
-      self.vocab_size, self.hidden, self.max_len, self.dropout, self.dtype, self.init_std, name="embedding"
+      rows, self.hidden, self.max_len, self.dropout, self.dtype, self.init_std, name="embedding"
     )
-    output_bias = self.param("output_bias", nn.initializers.zeros, (self.vocab_size,), jnp.float32)
+    output_bias = self.param("output_bias", nn.initializers.zeros, (rows,), jnp.float32)
     heads = self.num_heads or max(1, self.hidden // 64)
+    memory_kv = {}
+    if self.fused_memory_kv and not self.is_initializing():
+      p = self.variables["params"]
+      names = [
+        (d, layer, proj)
+        for d in self.directions
+        if d in tokens_by_direction
+        for layer in range(self.num_layers)
+        for proj in ("key", "value")
+      ]
+      kernels = [p[f"{d}_layer{layer}"]["cross_attention"][proj]["kernel"] for d, layer, proj in names]
+      projected = jnp.split(_fused_projection(visual, kernels, self.dtype), len(names), axis=2)
+      for (d, layer, proj), kv in zip(names, projected, strict=True):
+        if proj == "value":
+          kv = kv + p[f"{d}_layer{layer}"]["cross_attention"]["value"]["bias"].astype(self.dtype)
+        memory_kv.setdefault((d, layer), []).append(kv)
     logits, aux = {}, {}
     for direction in self.directions:
       if direction not in tokens_by_direction:  # e.g. decoding runs the forward model alone
@@ -168,9 +215,10 @@ class TransformerTextualHead(nn.Module):
           True,
           self.dtype,
           self.init_std,
+          self.fused_qkv,
           name=f"{direction}_layer{layer}",
-        )(x, visual, mask, train)
+        )(x, visual, mask, train, memory_kv.get((direction, layer)))
         crosses.append(cross)
-      logits[direction] = embedding.attend(x).astype(jnp.float32) + output_bias
+      logits[direction] = (embedding.attend(x).astype(jnp.float32) + output_bias)[..., : self.vocab_size]
       aux[f"{direction}/cross_attention"] = crosses
     return logits, aux

@@ -14,7 +14,8 @@ class VirTexModel(nn.Module):
   """Image -> 7x7 grid -> projection to the head width -> textual head.
 
   `head` is 'transformer' (captioning and masked LM, `directions` choose which) or 'linear' (token
-  classification: global-average-pooled features -> vocabulary logits).
+  classification: global-average-pooled features -> vocabulary logits). `head_speed` holds the textual head's
+  speed switches (`fused_qkv`, `fused_memory_kv`, `vocab_multiple`: transformer.TransformerTextualHead).
   """
 
   vocab_size: int
@@ -27,6 +28,7 @@ class VirTexModel(nn.Module):
   directions: tuple[str, ...] = ("forward", "backward")
   dtype: Any = jnp.float32
   init_std: float = transformer.INIT_STD
+  head_speed: dict | None = None
 
   def setup(self):
     self.visual = resnet.ResNet(**self.backbone, dtype=self.dtype, name="backbone")
@@ -45,6 +47,7 @@ class VirTexModel(nn.Module):
         directions=self.directions,
         dtype=self.dtype,
         init_std=self.init_std,
+        **(self.head_speed or {}),
         name="textual_head",
       )
     else:

@@ -1,8 +1,19 @@
 """Times the train step of a config on whatever devices exist: step time, images/s, and model FLOPs
-utilisation (FLOPs from XLA's cost analysis of the compiled step, against the device's peak).
+utilisation (model FLOPs counted from the jaxpr of the loss's gradient, against the device's datasheet peak and
+against its measured bf16 matrix-product peak).
 
-  python -m vlrep.tools.benchmark --config=configs/virtex.py --config.batch_size=256 --steps=20
+  python -m vlrep.tools.benchmark --config=configs/virtex.py --config.batch_size=256 --steps=20 --windows=3
   python -m vlrep.tools.benchmark --config=configs/virtex.py --torch_reference   # + PyTorch, same device, one run
+  python -m vlrep.tools.benchmark --config=configs/virtex.py \
+      --variant=fused_bn:method.backbone.fused_bn_act=True --variant=rbg:rng_impl=rbg   # A/B in one run
+  python -m vlrep.tools.benchmark --config=configs/virtex.py --profile --output_dir=/tmp/bench
+
+Timing: `--windows` windows of `--steps` steps each (after 3 warm-up steps); images/s is the median window, with
+the fastest and slowest beside it. `--variant=NAME:KEY=VALUE,KEY=VALUE` adds a variant of the config (the speed
+switches: docs/speed.md); every variant is compiled first, then the windows run round-robin over the baseline and
+the variants, so slow drifts of the machine fall on all of them alike, and each variant's ratio to the baseline is
+reported. `--profile` traces `--profile_steps` steps of each (jax.profiler, Perfetto JSON) into --output_dir and
+writes a table of device time by kernel class (`profile.md`, `profile.json`).
 
 Inputs are random arrays of the config's shapes (the input pipeline is timed separately by
 `vlrep.tools.pipeline_benchmark`). `--input=device` reuses one batch already on the device: the step alone.
@@ -18,11 +29,23 @@ Only TensorFlow-free modules are imported, so this runs where JAX and PyTorch ar
 
 from __future__ import annotations
 
+import ast
+import collections
 import functools
+import glob
+import gzip
 import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
@@ -33,39 +56,107 @@ from vlrep import methods, optim, sharding, train_step
 def _define_flags() -> None:
   """Defined when run as a program only, so importing this module (tests, other tools) defines no flags."""
   config_flags.DEFINE_config_file("config", None, "Run config.", lock_config=True)
-  flags.DEFINE_integer("steps", 20, "Timed steps (after 3 warm-up steps).")
+  flags.DEFINE_integer("steps", 20, "Steps per timed window (after 3 warm-up steps).")
+  flags.DEFINE_integer("windows", 3, "Timed windows; images/s is their median.")
+  flags.DEFINE_multi_string("variant", [], "NAME:KEY=VALUE[,KEY=VALUE...]: a variant of the config, timed beside it.")
   flags.DEFINE_integer("image_size", 0, "Image size (default: from the config's preprocessing, else 224).")
   flags.DEFINE_integer("vocab_size", 0, "Vocabulary size of the textual head (default: config.tokenizer.vocab_size).")
   flags.DEFINE_string("output", None, "Optional JSON file for the results.")
+  flags.DEFINE_string("output_dir", None, "Run folder for the profile (trace, profile.md, profile.json).")
   flags.DEFINE_integer("num_tags", 80, "Tag vocabulary size for methods with tags (MCT; COCO has 80).")
   flags.DEFINE_enum("input", "device", ["device", "host"], "Where batches come from (see the module docstring).")
+  flags.DEFINE_bool("profile", False, "Trace --profile_steps steps of each variant and tabulate device time.")
+  flags.DEFINE_integer("profile_steps", 5, "Steps traced by --profile.")
+  flags.DEFINE_integer(
+    "gemm_size",
+    -1,
+    "Side of the bf16 matrix product that measures the device's peak (0: skip; "
+    "-1: 8192 on accelerators, skipped on CPUs).",
+  )
   flags.DEFINE_bool(
     "torch_reference", False, "Also time the PyTorch VirTex reference on the same device (VirTex only)."
   )
-  flags.DEFINE_bool("torch_compile", True, "torch.compile the PyTorch reference.")
+  flags.DEFINE_list("torch_modes", ["default", "max-autotune"], "torch.compile modes of the reference ('eager': none).")
 
 
 FLAGS = flags.FLAGS
 
-# Dense bf16 peak FLOP/s per device.
-PEAK_FLOPS = {
-  "H100": 989e12,
-  "H200": 989e12,
-  "A100": 312e12,
-  "L4": 121e12,
-  "TPU v4": 275e12,
-  "TPU v5 lite": 197e12,
-  "TPU v5p": 459e12,
-  "TPU v6 lite": 918e12,
-}
+# Dense bf16 peak FLOP/s from the vendors' datasheets, by device name; the first entry whose pattern the device's
+# name matches wins, so the variants of one chip come before its plain name (JAX names an H100 SXM "NVIDIA H100
+# 80GB HBM3", a PCIe card "NVIDIA H100 PCIe", an NVL card "NVIDIA H100 NVL").
+PEAK_FLOPS = (
+  (r"H100.*PCIe", 756e12),
+  (r"H100.*NVL", 835e12),
+  (r"H100", 989e12),  # SXM5
+  (r"H200.*NVL", 835e12),
+  (r"H200", 989e12),  # SXM, and GH200
+  (r"A100", 312e12),
+  (r"\bL4\b", 121e12),
+  (r"TPU v4", 275e12),
+  (r"TPU v5 lite|TPU v5e", 197e12),
+  (r"TPU v5p|TPU v5$", 459e12),
+  (r"TPU v6 lite|TPU v6e", 918e12),
+)
+
+
+def peak_flops_of(device_kind: str) -> float | None:
+  """The datasheet's dense bf16 peak of a device name, or None (CPUs and devices not in the table)."""
+  for pattern, flops in PEAK_FLOPS:
+    if re.search(pattern, device_kind, re.IGNORECASE):
+      return flops
+  return None
 
 
 def peak_flops(device) -> float | None:
-  kind = device.device_kind
-  for name, flops in PEAK_FLOPS.items():
-    if name.lower() in kind.lower():
-      return flops
-  return None
+  return peak_flops_of(device.device_kind)
+
+
+def measured_gemm_flops(size: int = 8192, repeats: int = 20, windows: int = 3) -> float:
+  """The device's measured bf16 matrix-product throughput (FLOP/s): the fastest of `windows` windows of
+  `repeats` [size x size] @ [size x size] products with f32 accumulation."""
+  key = jax.random.PRNGKey(0)
+  a = jax.random.normal(key, (size, size), jnp.bfloat16)
+  b = jax.random.normal(jax.random.fold_in(key, 1), (size, size), jnp.bfloat16)
+  matmul = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+  jax.block_until_ready(matmul(a, b))
+  best = float("inf")
+  for _ in range(windows):
+    t0 = time.perf_counter()
+    outs = [matmul(a, b) for _ in range(repeats)]
+    jax.block_until_ready(outs)
+    best = min(best, time.perf_counter() - t0)
+  return 2.0 * size**3 * repeats / best
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: str) -> ml_collections.ConfigDict:
+  """A copy of `config` with 'a.b=1,c=rbg' applied; values are Python literals, else strings. Keys must exist."""
+  config = ml_collections.ConfigDict(config.to_dict())
+  for item in filter(None, (o.strip() for o in overrides.split(","))):
+    key, sep, text = item.partition("=")
+    if not sep:
+      raise ValueError(f"Override {item!r} is not KEY=VALUE.")
+    *parents, leaf = key.strip().split(".")
+    node = config
+    for part in parents:
+      if part not in node:
+        raise ValueError(f"Override {key!r}: the config has no {part!r}.")
+      node = node[part]
+    if leaf not in node:
+      raise ValueError(f"Override {key!r}: the config has no {leaf!r} (known: {', '.join(sorted(node.keys()))}).")
+    try:
+      value = ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError):
+      value = text.strip()
+    node[leaf] = value
+  return config
+
+
+def parse_variant(spec: str) -> tuple[str, str]:
+  """'NAME:KEY=VALUE,...' -> (NAME, 'KEY=VALUE,...')."""
+  name, sep, overrides = spec.partition(":")
+  if not sep or not re.fullmatch(r"[A-Za-z0-9_.+-]+", name):
+    raise ValueError(f"--variant {spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE...] with a plain NAME.")
+  return name, overrides
 
 
 def jaxpr_flops(closed_jaxpr) -> float:
@@ -110,15 +201,17 @@ def model_flops_per_step(method, variables, batch, rng) -> float:
 
 
 def _image_size(config) -> int:
-  import re
-
   m = re.search(r"inception_crop\((\d+)", config.data.pp)
   return FLAGS.image_size or (int(m.group(1)) if m else 224)
 
 
-def benchmark(
-  config, steps: int, image_size: int, vocab_size: int, input_mode: str = "device", num_tags: int = 80
-) -> dict:
+def prepare(config, image_size: int, vocab_size: int, input_mode: str = "device", num_tags: int = 80) -> dict:
+  """The config's train step compiled on random inputs of its shapes, with its state: what `run_steps` times."""
+  with train_step.prng_impl(config):
+    return _prepare(config, image_size, vocab_size, input_mode, num_tags)
+
+
+def _prepare(config, image_size, vocab_size, input_mode, num_tags) -> dict:
   mesh = sharding.make_mesh(config.sharding.num_devices or None)
   bs = config.batch_size
   rng = np.random.default_rng(0)
@@ -154,7 +247,7 @@ def benchmark(
   state_sh = sharding.state_shardings(mesh, abstract, config.sharding.params, rules=config.sharding.get("rules", ()))
   state = jax.jit(init, out_shardings=state_sh)(key, batch)
   step = jax.jit(
-    train_step.make_train_step(method, tx, schedules, key),
+    train_step.make_train_step(method, tx, schedules, key, optim.step_clip_norm(config.optim)),
     in_shardings=(state_sh, batch_sh),
     out_shardings=(state_sh, None),
     donate_argnums=(0,),
@@ -166,59 +259,263 @@ def benchmark(
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   xla_flops = float(cost.get("flops", 0.0)) if cost else 0.0
   flops = model_flops_per_step(method, {"params": abstract["params"], **abstract["model_state"]}, batch, key)
-
-  def run(n):
-    nonlocal state
-    metrics = None
-    # Host mode: the loop's device prefetch thread transfers the next batches while a step runs.
-    cycle = (host_batches[i % len(host_batches)] for i in range(n))
-    batches = sharding.device_prefetch(cycle, batch_sh, 2) if input_mode == "host" else (batch for _ in range(n))
-    for next_batch in batches:
-      state, metrics = compiled(state, next_batch)
-    jax.block_until_ready(metrics)
-    return metrics
-
-  run(3)
-  t0 = time.time()
-  metrics = run(steps)
-  step_s = (time.time() - t0) / steps
-  device = jax.devices()[0]
-  peak = peak_flops(device)
-  # Model FLOPs of the whole (global) batch; MFU divides by all devices' peak.
-  mfu = flops / step_s / (peak * mesh.devices.size) if peak else None
-  return {
-    "device": device.device_kind,
-    "num_devices": int(mesh.devices.size),
-    "batch_size": bs,
-    "image_size": image_size,
-    "method": config.method.name,
+  prepared = {
+    "compiled": compiled,
+    "state": state,
+    "batch": batch,
+    "batch_sharding": batch_sh,
+    "host_batches": host_batches,
     "input": input_mode,
-    "dtype": config.method.dtype,
-    "final_loss": float(metrics["train/loss"]),
-    "step_seconds": step_s,
-    "images_per_second": bs / step_s,
-    "model_tflops_per_step": flops / 1e12,
-    "xla_cost_analysis_tflops_per_step": xla_flops / 1e12,
-    "achieved_tflops_per_second": flops / step_s / 1e12,
-    "mfu": mfu,
+    "mesh_size": int(mesh.devices.size),
+    "config": config,
+    "image_size": image_size,
+    "flops": flops,
+    "xla_flops": xla_flops,
     "compile_seconds": compile_s,
+  }
+  run_steps(prepared, 3)  # warm-up
+  return prepared
+
+
+def run_steps(prepared: dict, n: int) -> dict:
+  """Runs `n` steps of a prepared step and waits for them; returns the last step's metrics."""
+  metrics = None
+  # Host mode: the loop's device prefetch thread transfers the next batches while a step runs.
+  if prepared["input"] == "host":
+    cycle = (prepared["host_batches"][i % len(prepared["host_batches"])] for i in range(n))
+    batches = sharding.device_prefetch(cycle, prepared["batch_sharding"], 2)
+  else:
+    batches = (prepared["batch"] for _ in range(n))
+  state = prepared["state"]
+  for next_batch in batches:
+    state, metrics = prepared["compiled"](state, next_batch)
+  jax.block_until_ready(metrics)
+  prepared["state"] = state
+  return metrics
+
+
+def time_windows(prepared_by_name: dict, steps: int, windows: int) -> dict:
+  """{name: [seconds per step of each window]}; window w of every variant runs before window w + 1 of any."""
+  seconds = {name: [] for name in prepared_by_name}
+  for _ in range(windows):
+    for name, prepared in prepared_by_name.items():
+      t0 = time.perf_counter()
+      prepared["last_metrics"] = run_steps(prepared, steps)
+      seconds[name].append((time.perf_counter() - t0) / steps)
+  return seconds
+
+
+def summarize(prepared: dict, step_seconds: list, peak: float | None, measured_peak: float | None) -> dict:
+  """Images/s (median window, and the fastest and slowest) and MFU against both peaks for one variant."""
+  config, bs = prepared["config"], prepared["config"].batch_size
+  step_s = statistics.median(step_seconds)
+  devices = prepared["mesh_size"]
+  # Model FLOPs of the whole (global) batch; MFU divides by all devices' peak.
+  achieved = prepared["flops"] / step_s
+  return {
+    "method": config.method.name,
+    "batch_size": bs,
+    "image_size": prepared["image_size"],
+    "input": prepared["input"],
+    "dtype": config.method.dtype,
+    "final_loss": float(prepared["last_metrics"]["train/loss"]),
+    "step_seconds": step_s,
+    "window_step_seconds": step_seconds,
+    "images_per_second": bs / step_s,
+    "images_per_second_min": bs / max(step_seconds),
+    "images_per_second_max": bs / min(step_seconds),
+    "model_tflops_per_step": prepared["flops"] / 1e12,
+    "xla_cost_analysis_tflops_per_step": prepared["xla_flops"] / 1e12,
+    "achieved_tflops_per_second": achieved / 1e12,
+    "mfu": achieved / (peak * devices) if peak else None,
+    "mfu_vs_measured_gemm_peak": achieved / (measured_peak * devices) if measured_peak else None,
+    "compile_seconds": prepared["compile_seconds"],
   }
 
 
-def torch_reference(config, steps: int, image_size: int, vocab_size: int) -> dict:
-  """Times the PyTorch reference in a subprocess (it frees the device's memory before JAX takes it)."""
-  import subprocess
-  import sys
-  import tempfile
+def benchmark(
+  config,
+  steps: int,
+  image_size: int,
+  vocab_size: int,
+  input_mode: str = "device",
+  num_tags: int = 80,
+  windows: int = 1,
+  variants: tuple[tuple[str, str], ...] = (),
+  gemm_size: int = 0,
+  profile_dir: str | None = None,
+  profile_steps: int = 5,
+) -> dict:
+  """The baseline config's figures at the top level; each variant's under 'variants' with its ratio to them."""
+  configs = {"baseline": config, **{name: apply_overrides(config, overrides) for name, overrides in variants}}
+  prepared = {name: prepare(c, image_size, vocab_size, input_mode, num_tags) for name, c in configs.items()}
+  device = jax.devices()[0]
+  peak = peak_flops(device)
+  measured_peak = measured_gemm_flops(gemm_size) if gemm_size else None
+  seconds = time_windows(prepared, steps, windows)
+  results = {name: summarize(p, seconds[name], peak, measured_peak) for name, p in prepared.items()}
+  result = {
+    "device": device.device_kind,
+    "platform": device.platform,
+    "num_devices": prepared["baseline"]["mesh_size"],
+    "jax": jax.__version__,
+    "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    "datasheet_peak_tflops": peak / 1e12 if peak else None,
+    "measured_gemm_peak_tflops": measured_peak / 1e12 if measured_peak else None,
+    "steps_per_window": steps,
+    "windows": windows,
+    **results.pop("baseline"),
+  }
+  if variants:
+    result["variants"] = {
+      name: {
+        **r,
+        "overrides": dict(variants)[name],
+        "speedup_vs_baseline": r["images_per_second"] / result["images_per_second"],
+      }
+      for name, r in results.items()
+    }
+  if profile_dir:
+    result["profile"] = {
+      name: profile(p, profile_steps, os.path.join(profile_dir, f"trace_{name}")) for name, p in prepared.items()
+    }
+    write_profile_tables(result["profile"], profile_dir)
+  return result
 
-  m = config.method
+
+# -- profile ------------------------------------------------------------------------------------------------
+# Kernel classes by name, first match wins. cuDNN names its convolution kernels by pass (fprop / dgrad / wgrad);
+# cuBLAS's and CUTLASS's matrix products are gemm / nvjet / cutlass; XLA names its own kernels by the fusion's
+# kind (loop_*, input_reduce_*, ...) and root operation.
+KERNEL_CLASSES = (
+  ("convolution dgrad", r"dgrad"),
+  ("convolution wgrad", r"wgrad"),
+  ("convolution fprop", r"fprop|conv2d|convolve|implicit_gemm|cudnn|convolution"),
+  ("select-and-scatter", r"select.?and.?scatter"),
+  ("RNG", r"rng|threefry|philox|random"),
+  ("GEMM", r"gemm|nvjet|cutlass|cublas|matmul|\bdot\b|dot_|gemv"),
+  ("reduction", r"reduc"),
+  ("copy / transpose", r"copy|transpose|memcpy|memset|concatenate|dynamic.update.slice"),
+  ("elementwise", r"fusion|loop|elementwise|multiply|add|subtract|select|convert|broadcast|maximum|exp|tanh"),
+)
+
+
+def kernel_class(name: str) -> str:
+  for cls, pattern in KERNEL_CLASSES:
+    if re.search(pattern, name, re.IGNORECASE):
+      return cls
+  return "other"
+
+
+def device_kernel_events(trace: dict) -> list[dict]:
+  """The trace's kernel events ('X' events with a duration): those of the accelerators' processes
+  ('/device:GPU:0', ...); on a CPU, the XLA operations that XLA's CPU threads ran."""
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+  threads = {
+    (e["pid"], e.get("tid")): e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
+  }
+  timed = [e for e in events if e.get("ph") == "X" and "dur" in e]
+  on_device = [e for e in timed if re.match(r"/device:(GPU|TPU)", processes.get(e["pid"], ""))]
+  if on_device:
+    return on_device
+  return [
+    e
+    for e in timed
+    if threads.get((e["pid"], e.get("tid")), "").startswith("tf_XLA")
+    and "::" not in e["name"]
+    and not e["name"].startswith("end: ")
+  ]
+
+
+def profile_table(events: list[dict], steps: int) -> dict:
+  """Device time per step by kernel class, and the idle time: the span of the kernels minus the time when at
+  least one ran. {'classes': {class: {'ms_per_step', 'share', 'kernels_per_step'}}, 'busy_ms_per_step',
+  'idle_ms_per_step', 'span_ms_per_step'}; shares are of the summed kernel time."""
+  per_class = collections.defaultdict(lambda: [0.0, 0])
+  intervals = []
+  for e in events:
+    cls = per_class[kernel_class(e["name"])]
+    cls[0] += float(e["dur"])
+    cls[1] += 1
+    intervals.append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+  busy, end = 0.0, -float("inf")
+  for start, stop in sorted(intervals):
+    if stop > end:
+      busy += stop - max(start, end)
+      end = stop
+  span = (max(b for _, b in intervals) - min(a for a, _ in intervals)) if intervals else 0.0
+  total = sum(v[0] for v in per_class.values()) or 1.0
+  us_to_ms = 1e-3 / max(steps, 1)
+  return {
+    "classes": {
+      name: {"ms_per_step": v[0] * us_to_ms, "share": v[0] / total, "kernels_per_step": v[1] / max(steps, 1)}
+      for name, v in sorted(per_class.items(), key=lambda kv: -kv[1][0])
+    },
+    "busy_ms_per_step": busy * us_to_ms,
+    "idle_ms_per_step": (span - busy) * us_to_ms,
+    "span_ms_per_step": span * us_to_ms,
+  }
+
+
+def profile(prepared: dict, steps: int, trace_dir: str) -> dict:
+  """Traces `steps` steps (after they ran once untraced) and tabulates the trace's kernels."""
+  run_steps(prepared, steps)
+  with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+    run_steps(prepared, steps)
+  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
+  if not paths:
+    raise RuntimeError(f"jax.profiler wrote no *.trace.json.gz under {trace_dir}.")
+  with gzip.open(paths[-1]) as f:
+    table = profile_table(device_kernel_events(json.load(f)), steps)
+  return {"trace": paths[-1], **table}
+
+
+def profile_markdown(profiles: dict) -> str:
+  """One table: kernel classes as rows, variants as columns (ms per step and share of kernel time)."""
+  names = list(profiles)
+  classes = []
+  for p in profiles.values():
+    classes += [c for c in p["classes"] if c not in classes]
+  lines = ["| kernel class | " + " | ".join(f"{n}: ms/step (share)" for n in names) + " |"]
+  lines.append("| --- |" + " --- |" * len(names))
+  for c in classes:
+    cells = []
+    for n in names:
+      v = profiles[n]["classes"].get(c)
+      cells.append(f"{v['ms_per_step']:.2f} ({100 * v['share']:.1f}%)" if v else "-")
+    lines.append(f"| {c} | " + " | ".join(cells) + " |")
+  for key, label in (("idle_ms_per_step", "idle gaps"), ("span_ms_per_step", "span of the kernels")):
+    lines.append(f"| {label} | " + " | ".join(f"{profiles[n][key]:.2f}" for n in names) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def write_profile_tables(profiles: dict, out_dir: str) -> None:
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, "profile.json"), "w") as f:
+    json.dump(profiles, f, indent=2)
+  with open(os.path.join(out_dir, "profile.md"), "w") as f:
+    f.write(profile_markdown(profiles))
+
+
+# -- the PyTorch reference ----------------------------------------------------------------------------------
+def torch_reference(config, steps: int, windows: int, image_size: int, vocab_size: int, mode: str) -> dict:
+  """Times the PyTorch reference in a subprocess (it frees the device's memory before JAX takes it), with the
+  config's optimizer (SGD, its LRs and decay groups, clipping, LookAhead) and BatchNorm groups."""
+  m, o = config.method, config.optim
   if m.name != "virtex" or m.task != "bicaptioning" or m.backbone.depth != 50 or m.backbone.width != 64:
     raise ValueError("--torch_reference mirrors VirTex bicaptioning with a ResNet-50 backbone only.")
+  if o.name != "sgd":
+    raise ValueError(f"--torch_reference mirrors SGD; optim.name is {o.name!r}.")
+  lrs = dict(o.lr_groups)
   with tempfile.NamedTemporaryFile(suffix=".json") as f:
     cmd = [sys.executable, "-m", "vlrep.tools.torch_reference", f"--batch_size={config.batch_size}"]
     cmd += [f"--image_size={image_size}", f"--vocab_size={vocab_size}", f"--hidden={m.hidden}"]
-    cmd += [f"--layers={m.num_layers}", f"--max_len={m.max_len}", f"--steps={steps}", f"--output={f.name}"]
-    cmd += [] if FLAGS.torch_compile else ["--nocompile"]
+    cmd += [f"--layers={m.num_layers}", f"--max_len={m.max_len}", f"--steps={steps}", f"--windows={windows}"]
+    cmd += [f"--backbone_lr={lrs.get('^backbone/', 0.2)}", f"--head_lr={lrs.get('.*', 1e-3)}"]
+    cmd += [f"--weight_decay={o.weight_decay}", f"--momentum={o.momentum}", f"--grad_clip_norm={o.grad_clip_norm}"]
+    cmd += [f"--lookahead_steps={o.lookahead_steps}", f"--lookahead_alpha={o.lookahead_alpha}"]
+    cmd += [f"--bn_group_size={m.backbone.bn_group_size}", f"--compile_mode={mode}", f"--output={f.name}"]
     subprocess.run(cmd, check=True)
     with open(f.name) as fh:
       return json.load(fh)
@@ -234,15 +531,40 @@ def main(argv):
     pass
   config, image_size = FLAGS.config, _image_size(FLAGS.config)
   vocab_size = FLAGS.vocab_size or config.tokenizer.vocab_size
-  reference = torch_reference(config, FLAGS.steps, image_size, vocab_size) if FLAGS.torch_reference else None
-  result = benchmark(config, FLAGS.steps, image_size, vocab_size, FLAGS.input, FLAGS.num_tags)
-  if reference:
-    result["torch_reference"] = reference
-    result["speedup_vs_torch"] = result["images_per_second"] / reference["images_per_second"]
+  references = {}
+  if FLAGS.torch_reference:
+    for mode in FLAGS.torch_modes:
+      references[mode] = torch_reference(config, FLAGS.steps, FLAGS.windows, image_size, vocab_size, mode)
+  gemm_size = FLAGS.gemm_size
+  if gemm_size < 0:
+    gemm_size = 8192 if jax.devices()[0].platform in ("gpu", "tpu") else 0
+  if FLAGS.profile and not FLAGS.output_dir:
+    raise app.UsageError("--profile writes its trace and tables into --output_dir; give one.")
+  result = benchmark(
+    config,
+    FLAGS.steps,
+    image_size,
+    vocab_size,
+    FLAGS.input,
+    FLAGS.num_tags,
+    FLAGS.windows,
+    tuple(parse_variant(v) for v in FLAGS.variant),
+    gemm_size,
+    FLAGS.output_dir if FLAGS.profile else None,
+    FLAGS.profile_steps,
+  )
+  if references:
+    result["torch_reference"] = references
+    result["speedup_vs_torch"] = {
+      m: result["images_per_second"] / r["images_per_second"] for m, r in references.items()
+    }
   print(json.dumps(result, indent=2), flush=True)
   if FLAGS.output:
+    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.output)), exist_ok=True)
     with open(FLAGS.output, "w") as f:
       json.dump(result, f, indent=2)
+  if FLAGS.profile:
+    print(profile_markdown(result["profile"]), flush=True)
 
 
 if __name__ == "__main__":
