@@ -2,6 +2,7 @@
 benchmark's two implementations."""
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -113,3 +114,127 @@ def test_pipeline_benchmark_implementations_do_the_same_work(tmp_path):
   # Read by index from an ArrayRecord file: the very same batch as from memory.
   disk = next(pb.tfdata_batches(jpegs, 1, cache=False, disk=str(tmp_path / "jpegs.array_record")))["image"]
   np.testing.assert_array_equal(disk, tf_batch)
+
+
+def test_torch_reference_runs_vlreps_optimizer_and_grouped_batch_norm_on_cpu():
+  torch = pytest.importorskip("torch")
+  from vlrep.tools import torch_reference as ref
+
+  # Grouped BatchNorm: each group of images normalised by its own statistics, as separate BatchNorms would.
+  torch.manual_seed(0)
+  grouped = ref.GroupedBatchNorm2d(3, 2)
+  with torch.no_grad():
+    grouped.weight.copy_(torch.tensor([1.0, 2.0, 0.5]))
+    grouped.bias.copy_(torch.tensor([0.0, 1.0, -1.0]))
+  x = torch.randn(6, 3, 4, 5) * torch.arange(1, 7.0).reshape(6, 1, 1, 1)  # groups of very different scales
+  plain = torch.nn.BatchNorm2d(3)
+  plain.load_state_dict(grouped.state_dict())
+  expected = torch.cat([plain(x[i : i + 2]) for i in range(0, 6, 2)])
+  torch.testing.assert_close(grouped(x), expected, rtol=1e-5, atol=1e-5)
+  group_means = x.reshape(3, 2, 3, 4, 5).mean((1, 3, 4)).mean(0)
+  torch.testing.assert_close(grouped.running_mean, 0.1 * group_means, rtol=1e-5, atol=1e-6)
+
+  model = ref.TorchVirTex(60, 64, 1, 10, depth=50, bn_group_size=2)
+  opt = ref.make_optimizer(model, 0.05, 0.05, 0.9, 1e-4, fused=False)
+  names = {id(p): n for n, p in model.named_parameters()}
+  no_decay = {names[id(p)] for p in opt.param_groups[2]["params"]}
+  assert "output_bias" in no_decay and "embedding_ln.weight" in no_decay
+  assert "forward_decoder.layers.0.norm2.weight" in no_decay and "visual_projection.weight" not in no_decay
+  assert all(names[id(p)].startswith("backbone.") for p in opt.param_groups[0]["params"])
+  lookahead = ref.LookAhead(model.parameters(), 3, 0.5)
+  step = ref.make_step(model, opt, 1.0, "cpu")
+  images, tokens = torch.randn(4, 3, 64, 64), torch.randint(5, 60, (4, 10))
+  tokens[:, 0], tokens[:, -1] = 2, 3
+  losses = []
+  for _ in range(6):
+    losses.append(float(step(images, tokens)))
+    lookahead.after_step()
+  # After the sync at step 6 the model's parameters are the slow weights.
+  for p, slow in zip(model.parameters(), lookahead.slow, strict=True):
+    torch.testing.assert_close(p.detach(), slow)
+  assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_peak_table_tells_the_h100_variants_apart():
+  assert benchmark.peak_flops_of("NVIDIA H100 80GB HBM3") == 989e12  # SXM5
+  assert benchmark.peak_flops_of("NVIDIA H100 PCIe") == 756e12
+  assert benchmark.peak_flops_of("NVIDIA H100 NVL") == 835e12
+  assert benchmark.peak_flops_of("NVIDIA H200") == 989e12
+  assert benchmark.peak_flops_of("NVIDIA H200 NVL") == 835e12
+  assert benchmark.peak_flops_of("NVIDIA L4") == 121e12
+  assert benchmark.peak_flops_of("NVIDIA L40S") is None and benchmark.peak_flops_of("cpu") is None
+
+
+def test_kernel_classes_of_real_gpu_kernel_names():
+  names = {
+    "sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize128x128x64_cudnn": "convolution fprop",
+    "sm80_xmma_dgrad_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize64x64x64": "convolution dgrad",
+    "sm90_xmma_wgrad_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc": "convolution wgrad",
+    "nvjet_hsh_256x128_64x4_1x2_h_bz_coopB_TNN": "GEMM",
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64": "GEMM",
+    "input_reduce_fusion_12": "reduction",
+    "loop_multiply_fusion_3": "elementwise",
+    "loop_transpose_fusion": "copy / transpose",
+    "select_and_scatter_5": "select-and-scatter",
+    "rng_bit_generator_2": "RNG",
+  }
+  assert {n: benchmark.kernel_class(n) for n in names} == names
+
+
+def test_profile_table_sums_kernel_time_by_class_and_finds_idle_gaps():
+  meta = [
+    {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+    {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+  ]
+  kernels = [
+    {"ph": "X", "pid": 1, "tid": 7, "name": "sm90_xmma_fprop_implicit_gemm", "ts": 0.0, "dur": 10.0},
+    {"ph": "X", "pid": 1, "tid": 8, "name": "nvjet_hsh_gemm", "ts": 5.0, "dur": 10.0},  # overlaps: another stream
+    {"ph": "X", "pid": 1, "tid": 7, "name": "loop_add_fusion", "ts": 20.0, "dur": 5.0},
+    {"ph": "X", "pid": 2, "tid": 9, "name": "PjitFunction(step)", "ts": 0.0, "dur": 100.0},  # host: not a kernel
+  ]
+  events = benchmark.device_kernel_events({"traceEvents": meta + kernels})
+  assert len(events) == 3
+  table = benchmark.profile_table(events, steps=1)
+  assert table["classes"]["convolution fprop"]["ms_per_step"] == pytest.approx(0.010)
+  assert table["classes"]["GEMM"]["share"] == pytest.approx(0.4)
+  assert table["busy_ms_per_step"] == pytest.approx(0.020)  # the union of [0, 15] and [20, 25]
+  assert table["idle_ms_per_step"] == pytest.approx(0.005) and table["span_ms_per_step"] == pytest.approx(0.025)
+  assert "| idle gaps | 0.01 |" in benchmark.profile_markdown({"a": table})
+
+
+def test_overrides_and_variants_are_checked():
+  config = load_tiny_config()
+  changed = benchmark.apply_overrides(config, "method.fused_qkv=True,rng_impl=rbg,optim.lookahead_alpha=0.25")
+  assert changed.method.fused_qkv is True and changed.rng_impl == "rbg" and changed.optim.lookahead_alpha == 0.25
+  assert config.method.fused_qkv is False  # the baseline is untouched
+  with pytest.raises(ValueError, match="has no 'fused_qvk'"):
+    benchmark.apply_overrides(config, "method.fused_qvk=True")
+  with pytest.raises(ValueError, match="NAME:KEY=VALUE"):
+    benchmark.parse_variant("method.fused_qkv=True")
+  assert benchmark.parse_variant("qkv:method.fused_qkv=True") == ("qkv", "method.fused_qkv=True")
+
+
+def test_benchmark_times_variants_round_robin_and_profiles_them(tmp_path):
+  config = load_tiny_config()
+  result = benchmark.benchmark(
+    config,
+    2,
+    32,
+    200,
+    windows=3,
+    variants=(("fused", "method.fused_qkv=True,optim.grad_norm_once=True"),),
+    gemm_size=128,
+    profile_dir=str(tmp_path),
+    profile_steps=1,
+  )
+  assert len(result["window_step_seconds"]) == 3
+  assert result["images_per_second_min"] <= result["images_per_second"] <= result["images_per_second_max"]
+  fused = result["variants"]["fused"]
+  assert fused["speedup_vs_baseline"] == pytest.approx(fused["images_per_second"] / result["images_per_second"])
+  # Same maths: the two variants reach the same loss on the same batches.
+  assert fused["final_loss"] == pytest.approx(result["final_loss"], rel=1e-4)
+  assert result["measured_gemm_peak_tflops"] > 0 and result["mfu_vs_measured_gemm_peak"] > 0
+  assert result["mfu"] is None  # a CPU has no datasheet peak
+  table = (tmp_path / "profile.md").read_text()
+  assert "| kernel class | baseline: ms/step (share) | fused: ms/step (share) |" in table
+  assert "convolution" in table and os.path.exists(result["profile"]["fused"]["trace"])

@@ -16,19 +16,19 @@ from vlrep.models.resnet import DEPTHS
 class Bottleneck(nn.Module):
   expansion = 4
 
-  def __init__(self, cin: int, width: int, stride: int, inner_multiplier: int = 1):
+  def __init__(self, cin: int, width: int, stride: int, inner_multiplier: int = 1, norm=nn.BatchNorm2d):
     super().__init__()
     inner = width * inner_multiplier  # torchvision's width_per_group / 64 (2 for wide_resnet50_2)
     self.conv1 = nn.Conv2d(cin, inner, 1, bias=False)
-    self.bn1 = nn.BatchNorm2d(inner)
+    self.bn1 = norm(inner)
     self.conv2 = nn.Conv2d(inner, inner, 3, stride, 1, bias=False)
-    self.bn2 = nn.BatchNorm2d(inner)
+    self.bn2 = norm(inner)
     self.conv3 = nn.Conv2d(inner, width * 4, 1, bias=False)
-    self.bn3 = nn.BatchNorm2d(width * 4)
+    self.bn3 = norm(width * 4)
     self.relu = nn.ReLU()
     self.downsample = None
     if stride != 1 or cin != width * 4:
-      self.downsample = nn.Sequential(nn.Conv2d(cin, width * 4, 1, stride, bias=False), nn.BatchNorm2d(width * 4))
+      self.downsample = nn.Sequential(nn.Conv2d(cin, width * 4, 1, stride, bias=False), norm(width * 4))
 
   def forward(self, x):
     y = self.relu(self.bn1(self.conv1(x)))
@@ -40,16 +40,16 @@ class Bottleneck(nn.Module):
 class BasicBlock(nn.Module):
   expansion = 1
 
-  def __init__(self, cin: int, width: int, stride: int):
+  def __init__(self, cin: int, width: int, stride: int, norm=nn.BatchNorm2d):
     super().__init__()
     self.conv1 = nn.Conv2d(cin, width, 3, stride, 1, bias=False)
-    self.bn1 = nn.BatchNorm2d(width)
+    self.bn1 = norm(width)
     self.conv2 = nn.Conv2d(width, width, 3, 1, 1, bias=False)
-    self.bn2 = nn.BatchNorm2d(width)
+    self.bn2 = norm(width)
     self.relu = nn.ReLU()
     self.downsample = None
     if stride != 1 or cin != width:
-      self.downsample = nn.Sequential(nn.Conv2d(cin, width, 1, stride, bias=False), nn.BatchNorm2d(width))
+      self.downsample = nn.Sequential(nn.Conv2d(cin, width, 1, stride, bias=False), norm(width))
 
   def forward(self, x):
     y = self.relu(self.bn1(self.conv1(x)))
@@ -58,18 +58,20 @@ class BasicBlock(nn.Module):
 
 
 class ResNet(nn.Module):
-  def __init__(self, depth: int = 50, width: int = 64, inner_multiplier: int = 1):
+  """`norm` builds each BatchNorm from its channel count (the benchmark's reference passes grouped BatchNorm)."""
+
+  def __init__(self, depth: int = 50, width: int = 64, inner_multiplier: int = 1, norm=nn.BatchNorm2d):
     super().__init__()
     block = BasicBlock if depth in (10, 18) else Bottleneck
     self.conv1 = nn.Conv2d(3, width, 7, 2, 3, bias=False)
-    self.bn1 = nn.BatchNorm2d(width)
+    self.bn1 = norm(width)
     self.relu = nn.ReLU()
     self.maxpool = nn.MaxPool2d(3, 2, 1)
     cin = width
     for stage, blocks in enumerate(DEPTHS[depth]):
       layers = []
       for b in range(blocks):
-        extra = {"inner_multiplier": inner_multiplier} if block is Bottleneck else {}
+        extra = {"inner_multiplier": inner_multiplier, "norm": norm} if block is Bottleneck else {"norm": norm}
         layers.append(block(cin, width * 2**stage, 2 if stage > 0 and b == 0 else 1, **extra))
         cin = width * 2**stage * block.expansion
       setattr(self, f"layer{stage + 1}", nn.Sequential(*layers))

@@ -390,7 +390,7 @@ def benchmark(
 KERNEL_CLASSES = (
   ("convolution dgrad", r"dgrad"),
   ("convolution wgrad", r"wgrad"),
-  ("convolution fprop", r"fprop|conv2d|convolve|implicit_gemm|cudnn|convolution"),
+  ("convolution fprop", r"fprop|conv2d|convolve|implicit_gemm|cudnn|convolution|conv_general"),
   ("select-and-scatter", r"select.?and.?scatter"),
   ("RNG", r"rng|threefry|philox|random"),
   ("GEMM", r"gemm|nvjet|cutlass|cublas|matmul|\bdot\b|dot_|gemv"),
@@ -409,7 +409,8 @@ def kernel_class(name: str) -> str:
 
 def device_kernel_events(trace: dict) -> list[dict]:
   """The trace's kernel events ('X' events with a duration): those of the accelerators' processes
-  ('/device:GPU:0', ...); on a CPU, the XLA operations that XLA's CPU threads ran."""
+  ('/device:GPU:0', ...); on a CPU, the XLA operations that XLA's CPU threads ran (those nest: a call holds the
+  fusions it runs, so CPU shares overlap and serve to check the tool, not to read the CPU's time)."""
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
   processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
   threads = {
