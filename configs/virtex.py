@@ -72,6 +72,7 @@ def get_config(arg=None):
       zero_init_last_bn=True,
       fused_bn_act=False,  # speed switches, same maths (vlrep/models/fused.py, docs/speed.md)
       fast_max_pool=False,
+      conv1x1_as_dot=False,
       **({"inner_multiplier": inner} if inner > 1 else {}),
     ),
   )

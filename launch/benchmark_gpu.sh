@@ -16,7 +16,7 @@ export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$OUT/device.txt" || true
 B="python3 -m vlrep.tools.benchmark --steps=$STEPS --windows=$WINDOWS --input=device"
 VIRTEX="--config=configs/virtex.py --config.batch_size=256"
-ALL_BACKBONE="method.backbone.fused_bn_act=True,method.backbone.fast_max_pool=True"
+ALL_BACKBONE="method.backbone.fused_bn_act=True,method.backbone.fast_max_pool=True,method.backbone.conv1x1_as_dot=True"
 ALL_OPTIM="optim.grad_norm_once=True,optim.lookahead_sync_only=True,optim.flat_update=True"
 ALL_HEAD="method.fused_qkv=True,method.fused_memory_kv=True,method.vocab_multiple=128"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
@@ -37,6 +37,7 @@ if has head_backbone; then  # the textual head's and the backbone's switches; al
     --variant=vocab_multiple_128:method.vocab_multiple=128 \
     --variant=fused_bn_act:method.backbone.fused_bn_act=True \
     --variant=fast_max_pool:method.backbone.fast_max_pool=True \
+    --variant=conv1x1_as_dot:method.backbone.conv1x1_as_dot=True \
     --variant="all:$ALL_BACKBONE,$ALL_OPTIM,$ALL_HEAD,rng_impl=unsafe_rbg"
 fi
 if has torch; then  # the fair reference first (it frees the device before JAX takes it), then vlrep's step

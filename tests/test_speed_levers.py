@@ -275,3 +275,14 @@ def test_dropout_masks_under_rbg_keep_the_configured_share():
     kept = nn.Dropout(0.1).apply({}, jnp.ones((200, 500)), deterministic=False, rngs={"dropout": jax.random.PRNGKey(0)})
   share = float(jnp.mean(kept > 0))
   assert abs(share - 0.9) < 5 * np.sqrt(0.9 * 0.1 / 1e5), share
+
+
+@pytest.mark.parametrize("depth", [26, 10], ids=["bottleneck", "basic"])
+def test_one_by_one_convolutions_as_matrix_products_match_the_plain_backbone(depth):
+  plain = resnet_outputs(depth, "imagenet", 4)
+  dot = resnet_outputs(depth, "imagenet", 4, conv1x1_as_dot=True)
+  np.testing.assert_allclose(dot[0], plain[0], rtol=1e-5)
+  np.testing.assert_allclose(dot[1], plain[1], rtol=1e-5, atol=1e-5)
+  assert_trees_close(dot[2], plain[2])
+  # Strided 1x1 convolutions (the downsampling shortcuts) are among them, and their kernels learn.
+  assert float(jnp.abs(dot[2]["layer2_block0"]["downsample_conv"]["kernel"]).max()) > 1e-4

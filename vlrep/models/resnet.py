@@ -78,6 +78,25 @@ class GroupedBatchNorm(nn.Module):
     return nn.relu(out) if relu else out
 
 
+class DotConv1x1(nn.Module):
+  """A 1x1 convolution (no bias, 'SAME' padding, any stride) as a matrix product over channels: the same
+  parameter ('kernel' [1, 1, Cin, Cout], initialised as nn.Conv's) and the same products, but an XLA dot rather
+  than a convolution, which XLA's GPU compiler may fuse with the BatchNorm-apply and ReLU that produce its input
+  (speed switch `conv1x1_as_dot`; docs/speed.md)."""
+
+  features: int
+  strides: tuple[int, int] = (1, 1)
+  dtype: Any = jnp.float32
+  kernel_init: Any = nn.initializers.lecun_normal()
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param("kernel", self.kernel_init, (1, 1, x.shape[-1], self.features), jnp.float32)
+    sh, sw = self.strides
+    x = x[:, ::sh, ::sw]  # 'SAME' for a 1x1 kernel keeps positions 0, s, 2s, ...
+    return jnp.einsum("bhwc,cd->bhwd", x.astype(self.dtype), kernel[0, 0].astype(self.dtype))
+
+
 def _last_bn(zero_init: bool) -> dict:
   """The last BatchNorm of a residual branch starts at scale 0 with zero_init (torchvision's zero_init_residual,
   which VirTex's official code sets): each block starts as the identity."""
@@ -149,6 +168,7 @@ class ResNet(nn.Module):
       `fused.batch_norm_act` (one reduction pass per BatchNorm in the backward).
     fast_max_pool: speed switch, same maths: the ImageNet stem's max-pool as `fused.max_pool_3x3_s2` (no
       select-and-scatter in the backward).
+    conv1x1_as_dot: speed switch, same maths: the 1x1 convolutions as matrix products (`DotConv1x1`).
   Returns:
     (features [B, H/32, W/32, C] (H/8 or H/16 with the small stem), {'stage1'..'stage4', 'pre_logits' [B, C]}).
   """
@@ -164,6 +184,7 @@ class ResNet(nn.Module):
   zero_init_last_bn: bool = False
   fused_bn_act: bool = False
   fast_max_pool: bool = False
+  conv1x1_as_dot: bool = False
 
   @property
   def bottleneck(self) -> bool:
@@ -177,13 +198,16 @@ class ResNet(nn.Module):
   def __call__(self, x, train: bool = False):
     if self.depth not in DEPTHS:
       raise ValueError(f"Unsupported ResNet depth {self.depth}; supported: {sorted(DEPTHS)}")
-    conv = functools.partial(
-      nn.Conv,
-      use_bias=False,
-      dtype=self.dtype,
-      param_dtype=jnp.float32,
-      kernel_init=nn.initializers.variance_scaling(2.0, "fan_out", "normal"),
+    kernel_init = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
+    plain_conv = functools.partial(
+      nn.Conv, use_bias=False, dtype=self.dtype, param_dtype=jnp.float32, kernel_init=kernel_init
     )
+
+    def conv(features, kernel_size, strides=(1, 1), **kwargs):
+      if self.conv1x1_as_dot and tuple(kernel_size) == (1, 1):
+        return DotConv1x1(features, tuple(strides), self.dtype, kernel_init, name=kwargs.get("name"))
+      return plain_conv(features, kernel_size, strides=strides, **kwargs)
+
     norm = functools.partial(
       GroupedBatchNorm,
       group_size=self.bn_group_size,
