@@ -116,9 +116,11 @@ def flat_sgd(schedules: dict, labels, decay_mask, weight_decay: float, momentum:
   leaves, _ = jax.tree.flatten(labels)
   masks, _ = jax.tree.flatten(decay_mask)
 
-  def per_element(params, values_by_leaf, dtype):
+  def per_element(params, values_by_leaf):
+    """One value per leaf, spread over the leaf's elements: a concatenation of broadcasts, which XLA fuses into
+    the update (an index array as long as the parameters would be a constant of that size in the program)."""
     sizes = [int(np.prod(p.shape)) for p in jax.tree.leaves(params)]
-    return np.repeat(np.asarray(values_by_leaf, dtype), sizes)
+    return jnp.concatenate([jnp.broadcast_to(v, (n,)) for v, n in zip(values_by_leaf, sizes, strict=True)])
 
   def init(params):
     n = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
@@ -128,14 +130,14 @@ def flat_sgd(schedules: dict, labels, decay_mask, weight_decay: float, momentum:
     g, unravel = ravel_pytree(grads)
     if weight_decay:
       p, _ = ravel_pytree(params)
-      g = g + weight_decay * per_element(params, masks, np.float32) * p
-    group = per_element(params, [names.index(label) for label in leaves], np.int32)
-    lrs = jnp.stack([jnp.asarray(schedules[n](state.count), jnp.float32) for n in names])[group]
+      g = g + weight_decay * per_element(params, [jnp.float32(m) for m in masks]) * p
+    lrs = {n: jnp.asarray(schedules[n](state.count), jnp.float32) for n in names}
+    lr = per_element(params, [lrs[label] for label in leaves])
     trace = state.momentum
     if momentum:
       trace = g + momentum * trace
       g = g + momentum * trace if nesterov else trace
-    return unravel(-lrs * g), FlatSgdState(optax.safe_int32_increment(state.count), trace)
+    return unravel(-lr * g), FlatSgdState(optax.safe_int32_increment(state.count), trace)
 
   return optax.GradientTransformation(init, update)
 
