@@ -57,7 +57,15 @@ def get_config(arg=None):
   c.method = dict(
     name="loctex",
     # Synchronized BatchNorm over the batch, as the paper; speed switches as configs/virtex.py's.
-    backbone=dict(depth=50, width=64, bn_group_size=0, fused_bn_act=False, fast_max_pool=False, conv1x1_as_dot=False),
+    backbone=dict(
+      depth=50,
+      width=64,
+      bn_group_size=0,
+      fused_bn_act=False,
+      fast_max_pool=False,
+      conv1x1_as_dot=False,
+      pallas_conv1x1=False,
+    ),
     # Textual backbone: 4 layers, 1024 wide, 16 heads, GELU; captions of at most 60 tokens.
     text=dict(hidden=1024, num_layers=4, num_heads=16, max_len=60, dropout=0.1),
     embed_dim=1024,

@@ -102,7 +102,15 @@ def get_config(arg=None):
     name="mct",
     dtype="bfloat16",
     # Per-GPU BatchNorm in the paper (512 images on 8 GPUs); the key encoder's batch is shuffled first.
-    backbone=dict(depth=50, width=64, bn_group_size=64, fused_bn_act=False, fast_max_pool=False, conv1x1_as_dot=False),
+    backbone=dict(
+      depth=50,
+      width=64,
+      bn_group_size=64,
+      fused_bn_act=False,
+      fast_max_pool=False,
+      conv1x1_as_dot=False,
+      pallas_conv1x1=False,
+    ),
     text_tower=text,
     bert_path=bert,  # text_tower='bert': the pretrained BERT's folder ('minilm' = the packaged MiniLM)
     bert_layers=0,  # text_tower='bert': keep its first N layers (0 = all)

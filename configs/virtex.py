@@ -73,6 +73,7 @@ def get_config(arg=None):
       fused_bn_act=False,  # speed switches, same maths (vlrep/models/fused.py, docs/speed.md)
       fast_max_pool=False,
       conv1x1_as_dot=False,
+      pallas_conv1x1=False,  # GPUs, one device per process (vlrep/models/pallas_conv.py)
       **({"inner_multiplier": inner} if inner > 1 else {}),
     ),
   )

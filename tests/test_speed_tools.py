@@ -177,6 +177,9 @@ def test_kernel_classes_of_real_gpu_kernel_names():
     "loop_transpose_fusion": "copy / transpose",
     "select_and_scatter_5": "select-and-scatter",
     "rng_bit_generator_2": "RNG",
+    "conv1x1_bn_stats_fwd": "convolution fprop",  # the pallas_conv1x1 switch's Triton kernels
+    "conv1x1_bn_stats_dgrad": "convolution dgrad",
+    "conv1x1_bn_stats_wgrad": "convolution wgrad",
   }
   assert {n: benchmark.kernel_class(n) for n in names} == names
 
@@ -222,7 +225,7 @@ def test_benchmark_times_variants_round_robin_and_profiles_them(tmp_path):
     32,
     200,
     windows=3,
-    variants=(("fused", "method.fused_qkv=True,optim.grad_norm_once=True"),),
+    variants=(("fused", "method.fused_qkv=True,optim.grad_norm_once=True"), ("broken", "method.backbone.depth=7")),
     gemm_size=128,
     profile_dir=str(tmp_path),
     profile_steps=1,
@@ -233,6 +236,9 @@ def test_benchmark_times_variants_round_robin_and_profiles_them(tmp_path):
   assert fused["speedup_vs_baseline"] == pytest.approx(fused["images_per_second"] / result["images_per_second"])
   # Same maths: the two variants reach the same loss on the same batches.
   assert fused["final_loss"] == pytest.approx(result["final_loss"], rel=1e-4)
+  # A variant that does not build is reported with its error; the others are still timed and profiled.
+  assert "Unsupported ResNet depth 7" in result["variants"]["broken"]["error"]
+  assert "broken" not in result["profile"]
   assert result["measured_gemm_peak_tflops"] > 0 and result["mfu_vs_measured_gemm_peak"] > 0
   assert result["mfu"] is None  # a CPU has no datasheet peak
   table = (tmp_path / "profile.md").read_text()
