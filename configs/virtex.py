@@ -73,7 +73,7 @@ def get_config(arg=None):
       fused_bn_act=False,  # speed switches, same maths (vlrep/models/fused.py, docs/speed.md)
       fast_max_pool=False,
       conv1x1_as_dot=False,
-      pallas_conv1x1=False,  # GPUs, one device per process (vlrep/models/pallas_conv.py)
+      pallas_conv1x1=False,  # GPUs (Pallas/Triton kernels, vlrep/models/pallas_conv.py)
       **({"inner_multiplier": inner} if inner > 1 else {}),
     ),
   )
@@ -204,7 +204,8 @@ def _runlocal(c, arg):
   c.method.dtype = "float32"  # bf16 matmuls are slow on CPUs
   c.method.hidden = 128 if arg.hidden == 2048 else arg.hidden
   c.method.init_std = 0.08
-  c.method.backbone = dict(depth=10, width=16, bn_group_size=32, stem="small", stem_stride=2)
+  switches = {k: c.method.backbone[k] for k in ("fused_bn_act", "fast_max_pool", "conv1x1_as_dot", "pallas_conv1x1")}
+  c.method.backbone = dict(depth=10, width=16, bn_group_size=32, stem="small", stem_stride=2, **switches)
   c.tokenizer.vocab_size = 256
   c.batch_size = 64
   c.total_steps = arg.steps or _scaled(550, arg.fraction)

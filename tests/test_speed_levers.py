@@ -400,3 +400,39 @@ def test_pallas_conv1x1_refuses_what_it_cannot_run():
     pallas_conv.choose_tiles(8 * 49, 512, 2048, 49)  # 49 rows a group: no 16-row tile lies inside one group
   with pytest.raises(ValueError, match="prologue's scale and shift must be"):
     pallas_conv.conv1x1_bn_stats(jnp.ones((64, 16)), jnp.ones((16, 16)), 32, (jnp.ones((1, 16)), jnp.ones((1, 16))))
+
+
+def test_pallas_conv1x1_kernels_shard_over_the_steps_devices():
+  """Under a mesh of 4 devices each runs the kernels on its own rows and the results equal one device's
+  (tests/pallas_sharded.py, in a process of its own: the device count is fixed when JAX starts)."""
+  import json
+  import os
+  import subprocess
+  import sys
+
+  from conftest import TESTS, with_devices
+
+  proc = subprocess.run(
+    [sys.executable, os.path.join(TESTS, "pallas_sharded.py")], env=with_devices(4), capture_output=True, text=True
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  for case in ("two_groups_per_device", "one_group_over_the_batch"):
+    assert out[case]["max_relative_difference"] < 1e-5, out[case]
+    assert out[case]["manual_region"] and out[case]["y_sharding"] == "P('data',)", out[case]
+  assert "neither lie within one device's 64 rows nor span the whole batch" in out["straddling_groups_error"]
+
+
+def test_the_loop_traces_its_step_under_the_runs_mesh():
+  from vlrep import sharding
+
+  mesh = sharding.make_mesh()
+  seen = []
+
+  def step(x):
+    seen.append(jax.sharding.get_abstract_mesh().axis_names)
+    return x + 1
+
+  sharding.under_mesh(mesh, jax.jit(step))(jnp.ones(2))
+  assert seen == [(sharding.DATA,)]
+  assert jax.sharding.get_abstract_mesh().empty  # and only while the step is called

@@ -32,6 +32,15 @@ def test_jaxpr_flops_counts_products_and_convolutions_exactly():
     return jax.lax.scan(lambda c, _: (c, jax.jit(jnp.matmul)(a, b)), 0.0, None, length=3)[1]
 
   assert benchmark.jaxpr_flops(jax.make_jaxpr(scanned)(a, b)) == 3 * 2 * 2 * 5 * 7 * 11
+  # Pallas kernels: the body's products once per program of the grid (and per trip of its loops), so the
+  # pallas_conv1x1 switch's forward + dgrad + wgrad count as the plain products' 3 x 2MKN.
+  from vlrep.models import pallas_conv
+
+  m, k, n = 256, 32, 48
+  tiles = pallas_conv.Tiles(bm=32, bk=16, bn=16)
+  loss = lambda x, w: jnp.sum(pallas_conv.conv1x1_bn_stats(x, w, 64, None, tiles)[0])
+  kernels = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(jnp.ones((m, k)), jnp.ones((k, n)))
+  assert benchmark.jaxpr_flops(kernels) == 3 * 2 * m * k * n
 
 
 def test_resnet50_forward_flops_match_the_published_count():

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
+from jax.sharding import PartitionSpec as P
 
 F32 = jnp.float32
 PROGRAMS_TARGET = 264  # wgrad's split of the rows: about two programs per streaming multiprocessor of an H100
@@ -279,15 +280,56 @@ def conv1x1_bn_stats(x, w, rows_per_group: int, prologue=None, tiles: Tiles | No
   x [M, K]: the rows (examples x positions) of a 1x1 convolution's input, `rows_per_group` consecutive rows per
   BatchNorm group; w [K, N] in x's dtype; prologue None (act(x) = x) or (s, t), each [G, K] f32: act(x) =
   relu(x * s[group] + t[group]), the previous BatchNorm's apply and ReLU. Differentiable in x, w, s and t, and
-  through both sums (their cotangents reach y's)."""
+  through both sums (their cotangents reach y's).
+
+  Under a step's mesh (`jax.set_mesh`, as the loop traces its step) with more than one device, the rows are taken
+  to be sharded over all of its axes (vlrep shards batches so) and each device runs the kernels on its own rows
+  (`jax.shard_map`): a Triton kernel is opaque to XLA's partitioner, which would otherwise gather every row onto
+  every device. Groups then lie inside a device's rows, or one group spans the whole batch (its sums are added
+  over the devices)."""
   m, k = x.shape
-  groups = m // rows_per_group if rows_per_group else 0
-  tiles = tiles or choose_tiles(m, k, w.shape[1], rows_per_group, min_block=1 if _interpret() else 16)
-  if prologue is None:
-    s = jnp.ones((groups, k), F32)
-    t = jnp.zeros((groups, k), F32)
-  else:
+  if not rows_per_group or m % rows_per_group:
+    raise ValueError(f"{m} rows are not a whole number of BatchNorm groups of {rows_per_group} rows.")
+  groups = m // rows_per_group
+  act = prologue is not None
+  if act:
     s, t = (p.astype(F32) for p in prologue)
     if s.shape != (groups, k) or t.shape != (groups, k):
       raise ValueError(f"The prologue's scale and shift must be [{groups}, {k}]; got {s.shape} and {t.shape}.")
-  return _conv1x1_bn_stats(x, w.astype(x.dtype), s, t, rows_per_group, prologue is not None, tiles)
+  else:
+    s, t = jnp.ones((groups, k), F32), jnp.zeros((groups, k), F32)
+  w = w.astype(x.dtype)
+  mesh = jax.sharding.get_abstract_mesh()
+  devices = 1 if mesh.empty else mesh.size
+  if devices == 1:
+    return _local(x, w, s, t, rows_per_group, act, tiles)
+  if m % devices:
+    raise ValueError(f"{m} rows do not split evenly over the step's {devices} devices.")
+  local_rows = m // devices
+  rows_spec = P(mesh.axis_names)
+  if local_rows % rows_per_group == 0:  # whole groups on each device
+    in_specs, out_specs, local_group, sum_over_devices = (rows_spec,) * 3, (rows_spec,) * 3, rows_per_group, False
+  elif groups == 1:  # one group over the whole batch (synchronised BatchNorm)
+    in_specs, out_specs, local_group, sum_over_devices = (rows_spec, P(), P()), (rows_spec, P(), P()), local_rows, True
+  else:
+    raise ValueError(
+      f"BatchNorm groups of {rows_per_group} rows neither lie within one device's {local_rows} rows nor span the "
+      "whole batch; backbone.pallas_conv1x1 needs one or the other."
+    )
+
+  def per_device(x, w, s, t):
+    y, group_sum, group_sumsq = _local(x, w, s, t, local_group, act, tiles)
+    if sum_over_devices:
+      group_sum, group_sumsq = jax.lax.psum((group_sum, group_sumsq), mesh.axis_names)
+    return y, group_sum, group_sumsq
+
+  x_spec, st_spec, _ = in_specs
+  # check_vma off: pallas_call output shapes carry no varying-axes annotation.
+  sharded = jax.shard_map(per_device, in_specs=(x_spec, P(), st_spec, st_spec), out_specs=out_specs, check_vma=False)
+  return sharded(x, w, s, t)
+
+
+def _local(x, w, s, t, rows_per_group, act, tiles):
+  m, k = x.shape
+  tiles = tiles or choose_tiles(m, k, w.shape[1], rows_per_group, min_block=1 if _interpret() else 16)
+  return _conv1x1_bn_stats(x, w, s, t, rows_per_group, act, tiles)

@@ -124,12 +124,6 @@ class PallasConv1x1(nn.Module):
     """(y [B, H', W', features], (group means, group variances) of y, each [G, features] f32). `prologue`: None or
     the previous BatchNorm's per-group (scale, shift) [G, Cin], applied with a ReLU to x before the product."""
     kernel = self.param("kernel", self.kernel_init, (1, 1, x.shape[-1], self.features), jnp.float32)
-    if jax.device_count() > 1 and jax.default_backend() != "cpu":
-      # XLA cannot split a custom kernel over devices: it would gather the whole batch onto each of them.
-      raise ValueError(
-        f"backbone.pallas_conv1x1 runs the step on one device; this process sees {jax.device_count()}. "
-        "Turn the switch off for multi-device runs."
-      )
     sh, sw = self.strides
     x = x[:, ::sh, ::sw].astype(self.dtype)
     b, h, w, c = x.shape
@@ -240,7 +234,7 @@ class ResNet(nn.Module):
     conv1x1_as_dot: speed switch, same maths: the 1x1 convolutions as matrix products (`DotConv1x1`).
     pallas_conv1x1: speed switch, same maths: in training, the bottlenecks' 1x1 convolutions as Pallas kernels
       that compute their BatchNorm statistics and apply the previous BatchNorm + ReLU as they read their input
-      (`PallasConv1x1`; GPUs, one device per process; interpreted on CPU). Bottleneck depths only.
+      (`PallasConv1x1`; GPUs; interpreted on CPU). Bottleneck depths only.
   Returns:
     (features [B, H/32, W/32, C] (H/8 or H/16 with the small stem), {'stage1'..'stage4', 'pre_logits' [B, C]}).
   """

@@ -181,6 +181,8 @@ def jaxpr_flops(closed_jaxpr) -> float:
       dilation = np.prod(eqn.params.get("lhs_dilation") or (1,))
       total += 2.0 * np.prod(out) * np.prod(rhs) / out_features / dilation
     multiplier = eqn.params.get("length", 1) if name == "scan" else 1
+    if name == "pallas_call":  # a kernel's body runs once per program of its grid
+      multiplier = int(np.prod(eqn.params["grid_mapping"].grid))
     for value in eqn.params.values():
       for sub in value if isinstance(value, (tuple, list)) else (value,):
         if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
@@ -253,7 +255,7 @@ def _prepare(config, image_size, vocab_size, input_mode, num_tags) -> dict:
     donate_argnums=(0,),
   )
   t0 = time.time()
-  compiled = step.lower(state, batch).compile()
+  compiled = sharding.under_mesh(mesh, step.lower)(state, batch).compile()
   compile_s = time.time() - t0
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
