@@ -308,9 +308,9 @@ def conv1x1_bn_stats(x, w, rows_per_group: int, prologue=None, tiles: Tiles | No
   local_rows = m // devices
   rows_spec = P(mesh.axis_names)
   if local_rows % rows_per_group == 0:  # whole groups on each device
-    in_specs, out_specs, local_group, sum_over_devices = (rows_spec,) * 3, (rows_spec,) * 3, rows_per_group, False
+    group_spec, local_group, sum_over_devices = rows_spec, rows_per_group, False
   elif groups == 1:  # one group over the whole batch (synchronised BatchNorm)
-    in_specs, out_specs, local_group, sum_over_devices = (rows_spec, P(), P()), (rows_spec, P(), P()), local_rows, True
+    group_spec, local_group, sum_over_devices = P(), local_rows, True
   else:
     raise ValueError(
       f"BatchNorm groups of {rows_per_group} rows neither lie within one device's {local_rows} rows nor span the "
@@ -323,9 +323,13 @@ def conv1x1_bn_stats(x, w, rows_per_group: int, prologue=None, tiles: Tiles | No
       group_sum, group_sumsq = jax.lax.psum((group_sum, group_sumsq), mesh.axis_names)
     return y, group_sum, group_sumsq
 
-  x_spec, st_spec, _ = in_specs
-  # check_vma off: pallas_call output shapes carry no varying-axes annotation.
-  sharded = jax.shard_map(per_device, in_specs=(x_spec, P(), st_spec, st_spec), out_specs=out_specs, check_vma=False)
+  # check_vma off: pallas_call's outputs carry no varying-axes annotation.
+  sharded = jax.shard_map(
+    per_device,
+    in_specs=(rows_spec, P(), group_spec, group_spec),
+    out_specs=(rows_spec, group_spec, group_spec),
+    check_vma=False,
+  )
   return sharded(x, w, s, t)
 
 
