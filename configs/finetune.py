@@ -20,7 +20,7 @@ shapes are present; sigmoid cross-entropy) at the pretraining methods' runlocal 
 
 from ml_collections import ConfigDict
 
-from vlrep.config_utils import parse_arg, sibling_config
+from vlrep.config_utils import OPTIM_SPEED_SWITCHES, parse_arg, sibling_config
 
 
 def get_config(arg=None):
@@ -67,10 +67,7 @@ def get_config(arg=None):
     grad_clip_norm=0.0,
     lookahead_steps=0,
     lookahead_alpha=0.5,
-    # Speed switches, same maths (vlrep/optim.py, docs/speed.md).
-    grad_norm_once=False,
-    lookahead_sync_only=False,
-    flat_update=False,
+    **OPTIM_SPEED_SWITCHES,  # same maths (vlrep/optim.py, docs/speed.md)
     warmup_steps=0,
     warmup_epochs=0.0,
     warmup_examples=0,

@@ -35,7 +35,7 @@ Arguments (comma-separated; any key can also be set with --config.KEY=VALUE):
 ICMLM masks only postag concepts; with tags=cluster or label its l_tp uses those tags instead.
 """
 
-from vlrep.config_utils import parse_arg
+from vlrep.config_utils import OPTIM_SPEED_SWITCHES, parse_arg
 
 VARIANTS = ("tp", "tfm", "att_fc", "text_only")
 TAGS = ("postag", "cluster", "label")
@@ -147,10 +147,7 @@ def get_config(arg=None):
     grad_clip_norm=0.0,
     lookahead_steps=0,
     lookahead_alpha=0.5,
-    # Speed switches, same maths (vlrep/optim.py, docs/speed.md).
-    grad_norm_once=False,
-    lookahead_sync_only=False,
-    flat_update=False,
+    **OPTIM_SPEED_SWITCHES,  # same maths (vlrep/optim.py, docs/speed.md)
     warmup_steps=0,
     warmup_epochs=0.0,
     warmup_examples=0,

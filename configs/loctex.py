@@ -20,7 +20,7 @@ Ablations (arguments combine with commas; any key can also be overridden with --
   steps=N                               training steps instead of the recipe's epochs
 """
 
-from vlrep.config_utils import parse_arg
+from vlrep.config_utils import BACKBONE_SPEED_SWITCHES, OPTIM_SPEED_SWITCHES, parse_arg
 
 LOSSES = {"both": (1.0, 1.0), "contrastive": (1.0, 0.0), "localization": (0.0, 1.0)}
 CONTRASTIVE_GROUPS = {"per_gpu": 128, "global": 0}
@@ -61,10 +61,7 @@ def get_config(arg=None):
       depth=50,
       width=64,
       bn_group_size=0,
-      fused_bn_act=False,
-      fast_max_pool=False,
-      conv1x1_as_dot=False,
-      pallas_conv1x1=False,
+      **BACKBONE_SPEED_SWITCHES,
     ),
     # Textual backbone: 4 layers, 1024 wide, 16 heads, GELU; captions of at most 60 tokens.
     text=dict(hidden=1024, num_layers=4, num_heads=16, max_len=60, dropout=0.1),
@@ -111,10 +108,7 @@ def get_config(arg=None):
     grad_clip_norm=0.0,
     lookahead_steps=0,
     lookahead_alpha=0.5,
-    # Speed switches, same maths (vlrep/optim.py, docs/speed.md).
-    grad_norm_once=False,
-    lookahead_sync_only=False,
-    flat_update=False,
+    **OPTIM_SPEED_SWITCHES,  # same maths (vlrep/optim.py, docs/speed.md)
     warmup_steps=0,
     warmup_epochs=20.0,
     warmup_examples=0,

@@ -37,7 +37,7 @@ be fetched here; pre-computed paraphrases replace some of them with paraphrases=
 
 import re
 
-from vlrep.config_utils import parse_arg
+from vlrep.config_utils import BACKBONE_SPEED_SWITCHES, OPTIM_SPEED_SWITCHES, parse_arg
 
 # (lambda_ii, lambda_tag, lambda_cc, lambda_ic, lambda_ci)
 LOSSES = {
@@ -106,10 +106,7 @@ def get_config(arg=None):
       depth=50,
       width=64,
       bn_group_size=64,
-      fused_bn_act=False,
-      fast_max_pool=False,
-      conv1x1_as_dot=False,
-      pallas_conv1x1=False,
+      **BACKBONE_SPEED_SWITCHES,
     ),
     text_tower=text,
     bert_path=bert,  # text_tower='bert': the pretrained BERT's folder ('minilm' = the packaged MiniLM)
@@ -164,10 +161,7 @@ def get_config(arg=None):
     grad_clip_norm=0.0,
     lookahead_steps=0,
     lookahead_alpha=0.5,
-    # Speed switches, same maths (vlrep/optim.py, docs/speed.md).
-    grad_norm_once=False,
-    lookahead_sync_only=False,
-    flat_update=False,
+    **OPTIM_SPEED_SWITCHES,  # same maths (vlrep/optim.py, docs/speed.md)
     warmup_steps=0,
     warmup_epochs=0.0,
     warmup_examples=0,

@@ -18,7 +18,7 @@ Ablations (arguments combine with commas; any key can also be overridden with --
                                                                   runlocal: head 3e-3, backbone 1e-2)
 """
 
-from vlrep.config_utils import parse_arg
+from vlrep.config_utils import BACKBONE_SPEED_SWITCHES, OPTIM_SPEED_SWITCHES, parse_arg
 
 # (depth, stem width, bottleneck inner-width multiplier): w2x is Wide ResNet-50-2 (torchvision wide_resnet50_2).
 BACKBONES = {"r50": (50, 64, 1), "r101": (101, 64, 1), "r50w2x": (50, 64, 2)}
@@ -70,10 +70,7 @@ def get_config(arg=None):
       width=width,
       bn_group_size=32,
       zero_init_last_bn=True,
-      fused_bn_act=False,  # speed switches, same maths (vlrep/models/fused.py, docs/speed.md)
-      fast_max_pool=False,
-      conv1x1_as_dot=False,
-      pallas_conv1x1=False,  # GPUs (Pallas/Triton kernels, vlrep/models/pallas_conv.py)
+      **BACKBONE_SPEED_SWITCHES,  # same maths (vlrep/models/fused.py, pallas_conv.py; docs/speed.md)
       **({"inner_multiplier": inner} if inner > 1 else {}),
     ),
   )
@@ -109,10 +106,7 @@ def get_config(arg=None):
     grad_clip_norm=10.0,
     lookahead_steps=5,
     lookahead_alpha=0.5,
-    # Speed switches, same maths (vlrep/optim.py, docs/speed.md).
-    grad_norm_once=False,
-    lookahead_sync_only=False,
-    flat_update=False,
+    **OPTIM_SPEED_SWITCHES,  # same maths (vlrep/optim.py, docs/speed.md)
     warmup_steps=10_000,
     warmup_epochs=0.0,
     warmup_examples=0,
@@ -204,8 +198,7 @@ def _runlocal(c, arg):
   c.method.dtype = "float32"  # bf16 matmuls are slow on CPUs
   c.method.hidden = 128 if arg.hidden == 2048 else arg.hidden
   c.method.init_std = 0.08
-  switches = {k: c.method.backbone[k] for k in ("fused_bn_act", "fast_max_pool", "conv1x1_as_dot", "pallas_conv1x1")}
-  c.method.backbone = dict(depth=10, width=16, bn_group_size=32, stem="small", stem_stride=2, **switches)
+  c.method.backbone = dict(depth=10, width=16, bn_group_size=32, stem="small", stem_stride=2, **BACKBONE_SPEED_SWITCHES)
   c.tokenizer.vocab_size = 256
   c.batch_size = 64
   c.total_steps = arg.steps or _scaled(550, arg.fraction)

@@ -63,7 +63,7 @@ Arguments (comma-separated; any key can also be set with --config.KEY=VALUE):
 import re
 
 from vlrep import runs
-from vlrep.config_utils import parse_arg
+from vlrep.config_utils import OPTIM_SPEED_SWITCHES, parse_arg
 
 ARCHS = ("visual_bert", "vilbert")
 STAGES = ("pretrain", "finetune")
@@ -194,10 +194,7 @@ def get_config(arg=None):
     grad_clip_norm=1.0,
     lookahead_steps=0,
     lookahead_alpha=0.5,
-    # Speed switches, same maths (vlrep/optim.py, docs/speed.md).
-    grad_norm_once=False,
-    lookahead_sync_only=False,
-    flat_update=False,
+    **OPTIM_SPEED_SWITCHES,  # same maths (vlrep/optim.py, docs/speed.md)
     warmup_steps=2000,
     warmup_epochs=0.0,
     warmup_examples=0,
