@@ -195,6 +195,8 @@ def markdown(results: list[dict]) -> str:
 
 def main(argv):
   del argv
+  if FLAGS.batch < 1 or FLAGS.group < 0 or (FLAGS.group and FLAGS.batch % FLAGS.group):
+    raise app.UsageError(f"--batch={FLAGS.batch} must be a positive multiple of --group={FLAGS.group} (0: one group).")
   cases = RESNET50_CASES if FLAGS.shapes == "resnet50" else TINY_CASES
   results = [run_case(*case, FLAGS.batch, FLAGS.group, FLAGS.iters, FLAGS.windows) for case in cases]
   device = jax.devices()[0]
