@@ -256,8 +256,6 @@ def _backward(rows_per_group, act, tiles, saved, cotangents):
   )(x, s, t, dy, y, dsum, dsq)
   ds = pds.reshape(groups, tiles_per_group, k).sum(1)
   dt = pdt.reshape(groups, tiles_per_group, k).sum(1)
-  if not act:
-    ds, dt = jnp.zeros_like(s), jnp.zeros_like(t)
   return dx, dw.sum(0).astype(w.dtype), ds.astype(s.dtype), dt.astype(t.dtype)
 
 
