@@ -301,7 +301,7 @@ def _region_files(c, directory):
   if class_probs:
     c.method.region_target = "distribution"
   for holder in [c.data, *c.evals.values()]:
-    op = f"region_features('{directory}', 36, class_probs={class_probs})"
+    op = f"region_features({directory!r}, 36, class_probs={class_probs})"  # repr: any path quotes safely
     parts = [p for p in holder.pp.split("|") if not p.startswith(("decode", "resize", "central_crop", "normalize"))]
     parts = [p for p in parts if not p.startswith("regions_from_objects")]
     holder.pp = "|".join(parts + [op])

@@ -71,6 +71,21 @@ def test_unknown_op_lists_known_ops():
     registry.parse("decode|blur(3)")
 
 
+def test_op_arguments_bind_the_ops_signature_and_never_read_a_users_path():
+  """Tools read a recipe's shapes from the parsed ops: digits, quotes and '|' in a path argument change nothing
+  (a regex over the string once read the region count out of pytest's temp path)."""
+  path = "/tmp/pytest-0/run 7|x'y"
+  pp = f"decode|resize_small(64)|region_features({path!r}, 12, class_probs=True)|tokenize_pairs(36)"
+  assert [name for name, _, _ in registry.op_calls(pp)] == ["decode", "resize_small", "region_features", "tokenize_pairs"]
+  regions = registry.op_arguments(pp, "regions_from_objects", "region_features")
+  assert regions["_op"] == "region_features" and regions["max_regions"] == 12 and regions["directory"] == path
+  assert regions["class_probs"] is True and regions["key"] == "image_id"  # defaults filled in
+  assert registry.op_arguments("decode|regions_from_objects()", "regions_from_objects")["max_regions"] == 10
+  assert registry.op_arguments(pp, "inception_crop") is None
+  with pytest.raises(ValueError, match="literal"):
+    registry.op_calls("decode|resize_small(size)")
+
+
 def test_tokenizer_truncates_and_flags(tiny_tokenizer):
   ids, truncated = tiny_tokenizer.encode("a red circle " * 30, 12)
   assert truncated and ids[0] == tokenizers.SOS_ID and ids[-1] == tokenizers.EOS_ID and len(ids) == 12

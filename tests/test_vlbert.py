@@ -567,11 +567,10 @@ def _recipe(arg):
 
 def _recipe_batch(c, rng, b=2, classes=0):
   """A batch at the recipe's shapes, read from its preprocessing: image size, regions per image, text length."""
-  import re
-
-  size = int(re.search(r"resize_small\((\d+)\)", c.data.pp).group(1)) if "resize_small" in c.data.pp else 0
-  n = int(re.search(r"(?:regions_from_objects|region_features)\([^,)]*?,? ?(\d+)", c.data.pp).group(1))
-  t = int(re.search(r"tokenize_pairs\((\d+)\)", c.data.pp).group(1))
+  resize = registry.op_arguments(c.data.pp, "resize_small")
+  size = resize["size"] if resize else 0
+  n = registry.op_arguments(c.data.pp, "regions_from_objects", "region_features")["max_regions"]
+  t = registry.op_arguments(c.data.pp, "tokenize_pairs")["max_len"]
   tokens = np.zeros((b, 1, t), np.int32)
   tokens[:, 0, :24] = [101, *rng.integers(1996, 3000, 22), 102]  # enough words that some are masked
   batch = {
@@ -589,6 +588,16 @@ def _recipe_batch(c, rng, b=2, classes=0):
   if classes:
     batch["region_probs"] = rng.dirichlet(np.ones(classes), (b, n)).astype(np.float32)
   return batch
+
+
+def test_recipe_shapes_come_from_the_config_not_from_the_region_directory(tmp_path):
+  """regions=DIR puts a user path into data.pp; the recipe's 36 regions per image must not be read out of it."""
+  for directory in (tmp_path / "pytest-0" / "feats", tmp_path / "x|y'7"):
+    c = _recipe(f"arch=visual_bert,stage=pretrain,bert=minilm,regions={directory}")
+    batch = _recipe_batch(c, np.random.default_rng(0))
+    assert batch["regions"].shape[1] == batch["boxes"].shape[1] == 36
+    assert batch["tokens"].shape[-1] == 36
+    assert registry.op_arguments(c.data.pp, "region_features")["directory"] == str(directory)
 
 
 @pytest.mark.parametrize(

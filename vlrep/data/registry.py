@@ -10,6 +10,7 @@ augmentation, which makes runs resumable to the exact batch and independent of t
 from __future__ import annotations
 
 import ast
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -57,22 +58,67 @@ def known_ops() -> list[str]:
   return sorted(_REGISTRY)
 
 
+def _split_ops(pp: str) -> list[str]:
+  """The `|`-separated op specs of `pp`; a `|` inside a quoted argument (a user's path) does not split."""
+  specs, current, quote = [], [], ""
+  for ch in pp:
+    if quote:
+      quote = "" if ch == quote else quote
+    elif ch in "'\"":
+      quote = ch
+    elif ch == "|":
+      specs.append("".join(current))
+      current = []
+      continue
+    current.append(ch)
+  specs.append("".join(current))
+  return [s.strip() for s in specs if s.strip()]
+
+
+def op_calls(pp: str) -> list[tuple[str, tuple, dict]]:
+  """`[(name, args, kwargs), ...]` of a preprocessing string, its literal arguments evaluated; builds nothing."""
+  calls = []
+  for spec in _split_ops(pp):
+    try:
+      call = ast.parse(spec if "(" in spec else spec + "()", mode="eval").body
+      ok = isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+    except SyntaxError:
+      ok = False
+    if not ok:
+      raise ValueError(f"Cannot parse preprocessing op {spec!r}; expected name or name(literal args).")
+    try:
+      args = tuple(ast.literal_eval(a) for a in call.args)
+      kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    except ValueError as e:
+      raise ValueError(f"Preprocessing op {spec!r}: arguments must be Python literals ({e}).") from None
+    calls.append((call.func.id, args, kwargs))
+  return calls
+
+
+def op_arguments(pp: str, *names: str) -> dict[str, Any] | None:
+  """The arguments of the first op in `pp` named one of `names`, bound to its factory's signature with the
+  defaults filled in (e.g. `{'max_regions': 36, 'key': 'objects'}` for `regions_from_objects(36)`), plus
+  `'_op'`: the op's name. None when `pp` has none of them. Tools read a recipe's shapes (crop size, regions per
+  image, text length) with this, never with a regex over the string, which may hold a user's path."""
+  for name, args, kwargs in op_calls(pp):
+    if name in names:
+      if name not in _REGISTRY:
+        raise ValueError(f"Unknown preprocessing op {name!r} in {pp!r}. Known ops: {', '.join(known_ops())}")
+      signature = inspect.signature(_REGISTRY[name])
+      bound = signature.bind_partial(*args, **kwargs)
+      bound.apply_defaults()
+      return {**{k: v for k, v in bound.arguments.items() if k != "context"}, "_op": name}
+  return None
+
+
 def parse(pp: str, context: dict | None = None) -> Preprocess:
   """Parses a `|`-separated op string. `context` carries objects such as the tokenizer. Host ops (e.g.
   `tokenize`) must come after every TF op."""
   context = context or {}
   tf_ops, host_ops = [], []
-  for spec in (s.strip() for s in pp.split("|")):
-    if not spec:
-      continue
-    call = ast.parse(spec if "(" in spec else spec + "()", mode="eval").body
-    if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name):
-      raise ValueError(f"Cannot parse preprocessing op {spec!r}; expected name or name(args).")
-    name = call.func.id
+  for name, args, kwargs in op_calls(pp):
     if name not in _REGISTRY:
       raise ValueError(f"Unknown preprocessing op {name!r} in {pp!r}. Known ops: {', '.join(known_ops())}")
-    args = [ast.literal_eval(a) for a in call.args]
-    kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
     factory = _REGISTRY[name]
     if getattr(factory, "host", False):
       host_ops.append(factory(*args, context=context, **kwargs))

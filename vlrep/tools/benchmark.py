@@ -51,6 +51,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from vlrep import methods, optim, sharding, train_step
+from vlrep.data import pipeline, registry  # noqa: F401 (pipeline registers the ops)
 
 
 def _define_flags() -> None:
@@ -203,8 +204,8 @@ def model_flops_per_step(method, variables, batch, rng) -> float:
 
 
 def _image_size(config) -> int:
-  m = re.search(r"inception_crop\((\d+)", config.data.pp)
-  return FLAGS.image_size or (int(m.group(1)) if m else 224)
+  crop = registry.op_arguments(config.data.pp, "inception_crop")
+  return FLAGS.image_size or (int(crop["size"]) if crop else 224)
 
 
 def prepare(config, image_size: int, vocab_size: int, input_mode: str = "device", num_tags: int = 80) -> dict:

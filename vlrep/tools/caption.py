@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 
 import numpy as np
 from absl import app, flags
 from ml_collections import ConfigDict
 
 from vlrep import evaluate, runs, visualize
+from vlrep.data import pipeline, registry  # noqa: F401 (pipeline registers the ops)
 from vlrep.data.tokenizers import EOS_ID
 from vlrep.evaluators.captioning import captioner_for
 
@@ -38,8 +38,8 @@ def define_flags():
 
 def training_size(config) -> int:
   """The crop size in the run's training preprocessing, e.g. inception_crop(224, ...) -> 224."""
-  m = re.search(r"(?:inception_crop|central_crop|resize)\((\d+)", config.data.pp)
-  return int(m.group(1)) if m else 224
+  crop = registry.op_arguments(config.data.pp, "inception_crop", "central_crop", "resize")
+  return int(crop["size"]) if crop else 224
 
 
 def caption_files(
