@@ -76,7 +76,12 @@ def test_op_arguments_bind_the_ops_signature_and_never_read_a_users_path():
   (a regex over the string once read the region count out of pytest's temp path)."""
   path = "/tmp/pytest-0/run 7|x'y"
   pp = f"decode|resize_small(64)|region_features({path!r}, 12, class_probs=True)|tokenize_pairs(36)"
-  assert [name for name, _, _ in registry.op_calls(pp)] == ["decode", "resize_small", "region_features", "tokenize_pairs"]
+  assert [name for name, _, _ in registry.op_calls(pp)] == [
+    "decode",
+    "resize_small",
+    "region_features",
+    "tokenize_pairs",
+  ]
   regions = registry.op_arguments(pp, "regions_from_objects", "region_features")
   assert regions["_op"] == "region_features" and regions["max_regions"] == 12 and regions["directory"] == path
   assert regions["class_probs"] is True and regions["key"] == "image_id"  # defaults filled in
