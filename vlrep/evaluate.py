@@ -27,6 +27,18 @@ def method_and_tokenizer(run: runs.Run) -> dict:
   return {"method": method, "tokenizer": tokenizer, **needs}
 
 
+def run_inputs_of(run: runs.Run, with_method: bool = True) -> evaluators.RunInputs:
+  """What an evaluator gets of `run` (its method and tokenizer rebuilt when `with_method`), on this process."""
+  import jax
+
+  host, num_hosts = jax.process_index(), jax.process_count()
+  if not with_method:
+    return evaluators.RunInputs(host=host, num_hosts=num_hosts)
+  parts = method_and_tokenizer(run)
+  method, tokenizer = parts.pop("method"), parts.pop("tokenizer")
+  return evaluators.RunInputs(tokenizer=tokenizer, method=method, needs=parts, host=host, num_hosts=num_hosts)
+
+
 def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", names=None) -> dict[str, float]:
   """Runs the eval config's evaluators on a checkpoint; merges `<name>/<metric>` into summary.json."""
   import jax
@@ -37,12 +49,7 @@ def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", na
   unknown = [n for n in (names or []) if n not in evals_cfg]
   if unknown:
     raise ValueError(f"Unknown evaluations {unknown}; this config defines {sorted(evals_cfg)}.")
-  host, num_hosts = jax.process_index(), jax.process_count()
-  run_inputs = evaluators.RunInputs(host=host, num_hosts=num_hosts)
-  if any(evaluators.needs_method(cfg) for cfg in evals_cfg.values()):
-    parts = method_and_tokenizer(run)
-    method, tokenizer = parts.pop("method"), parts.pop("tokenizer")
-    run_inputs = evaluators.RunInputs(tokenizer=tokenizer, method=method, needs=parts, host=host, num_hosts=num_hosts)
+  run_inputs = run_inputs_of(run, with_method=any(evaluators.needs_method(cfg) for cfg in evals_cfg.values()))
   features = runs.backbone_fn(run)
   results: dict[str, float] = {}
   for name, cfg in evals_cfg.items():
@@ -56,7 +63,7 @@ def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", na
     results.update({f"{name}/{k}": v for k, v in metrics.items()})
     results[f"{name}/checkpoint_step"] = run.step
     logging.info("%s: %s", name, ", ".join(f"{k}={v:.2f}" for k, v in metrics.items()))
-  if host == 0:
+  if run_inputs.host == 0:
     runs.write_summary(workdir, results)
   return results
 

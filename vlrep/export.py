@@ -1,12 +1,21 @@
-r"""Exports a checkpoint's visual backbone for PyTorch users.
+r"""Exports a checkpoint's visual backbone (or a whole VirTex model) for PyTorch users.
 
   python -m vlrep.export --workdir=DIR --format=torchvision --out=backbone.safetensors   # or backbone.pth
   python -m vlrep.export --workdir=DIR --format=detectron2 --out=backbone.pkl
+  python -m vlrep.export --workdir=DIR --format=virtex --out=virtex.pth
 
 torchvision: a ResNet state_dict with torchvision's names (`conv1.weight`, `layer1.0.bn1.running_mean`,
 `layer1.0.downsample.0.weight`, ...) and no `fc`; load it with
 `torchvision.models.resnet50().load_state_dict(sd, strict=False)` (the missing keys are exactly fc.weight and
 fc.bias). Written as safetensors (`.safetensors`, no pickle) or with torch.save (`.pth`, needs torch).
+
+virtex: the whole VirTex model (backbone, visual projection, textual head) as the official kdexd/virtex code's
+state dict, {"model": state_dict, "iteration": step} written with torch.save (`.pth`, needs torch): every key its
+model has (load_state_dict strict=True), the attention key biases as zeros (vlrep has none: they cancel in softmax)
+and the tied copies (output = embedding, the backward head's shared modules) written out. A run imported from an
+official checkpoint (vlrep.import_run --format=virtex) gets its vocabulary rows back in the official order, so
+import -> export is the identity. The official config values that build the model are printed (MODEL.TEXTUAL.NAME,
+DATA.VOCAB_SIZE, the special token indices, ...).
 
 detectron2: the same weights renamed as Detectron2's ResNet (layerN -> res{N+1}, bnK -> convK.norm,
 downsample.0/1 -> shortcut / shortcut.norm, stem keys under `stem.`), pickled as
@@ -25,39 +34,27 @@ import numpy as np
 from absl import app, flags, logging
 
 from vlrep import runs
+from vlrep.importers import torchvision as tv_importer
 
-FORMATS = ("torchvision", "detectron2")
+FORMATS = ("torchvision", "detectron2", "virtex")
 
 
-def torchvision_state_dict(backbone_params: dict, backbone_stats: dict | None) -> OrderedDict:
-  """Flax ResNet variables -> torchvision-named float32 numpy arrays (convs OIHW, BN weight/bias/running_*)."""
+def torchvision_state_dict(
+  backbone_params: dict, backbone_stats: dict | None, counters: dict | None = None
+) -> OrderedDict:
+  """Flax ResNet variables -> torchvision-named float32 numpy arrays (convs OIHW, BN weight/bias/running_*), by the
+  key map `vlrep.importers.torchvision` imports with (import -> export is the identity). `counters`: BatchNorm
+  `num_batches_tracked` values an imported run kept (0 otherwise)."""
   if backbone_stats is None:
     raise ValueError("The backbone has no BatchNorm statistics (batch_stats); it cannot be exported.")
-  out = OrderedDict()
+  return OrderedDict(tv_importer.state_dict(backbone_params, backbone_stats, counters).items())
 
-  def module_name(flax_name: str) -> str:
-    m = re.fullmatch(r"layer(\d+)_block(\d+)", flax_name)
-    return f"layer{m.group(1)}.{m.group(2)}" if m else flax_name
 
-  def convert(prefix: str, params: dict, stats: dict):
-    for name in sorted(params):
-      p = params[name]
-      if "kernel" in p:  # convolution, HWIO -> OIHW
-        key = name.replace("downsample_conv", "downsample.0")
-        out[f"{prefix}{key}.weight"] = np.ascontiguousarray(np.transpose(np.asarray(p["kernel"]), (3, 2, 0, 1)))
-      elif "scale" in p:  # BatchNorm
-        key = name.replace("downsample_bn", "downsample.1")
-        s = stats[name]
-        out[f"{prefix}{key}.weight"] = np.asarray(p["scale"])
-        out[f"{prefix}{key}.bias"] = np.asarray(p["bias"])
-        out[f"{prefix}{key}.running_mean"] = np.asarray(s["mean"])
-        out[f"{prefix}{key}.running_var"] = np.asarray(s["var"])
-        out[f"{prefix}{key}.num_batches_tracked"] = np.array(0, np.int64)
-      else:  # a residual block
-        convert(f"{prefix}{module_name(name)}.", p, stats[name])
-
-  convert("", backbone_params, backbone_stats)
-  return OrderedDict((k, v.astype(np.float32) if v.dtype != np.int64 else v) for k, v in out.items())
+def _imported_counters(run) -> dict:
+  """BatchNorm `num_batches_tracked` values an imported run kept (vlrep.import_run), under torchvision's names."""
+  counters = run.meta.get("import", {}).get("counters", {})
+  prefix = run.meta.get("import", {}).get("backbone_prefix", "")
+  return {k[len(prefix) :]: v for k, v in counters.items() if k.startswith(prefix)}
 
 
 def detectron2_state_dict(torchvision_sd: dict) -> OrderedDict:
@@ -81,6 +78,8 @@ def export(workdir: str, fmt: str, out: str, checkpoint: str = "best") -> dict:
   if fmt not in FORMATS:
     raise ValueError(f"Unknown export format {fmt!r}; expected one of {FORMATS}.")
   run = runs.load_run(workdir, checkpoint)
+  if fmt == "virtex":
+    return _export_virtex(run, out)
   if run.config.method.get("backbone", {}).get("arch", "resnet") != "resnet":
     raise ValueError(f"{run.path}: export to torchvision/Detectron2 supports ResNet backbones only (this is a VGG16).")
   stem = run.config.method.get("backbone", {}).get("stem", "imagenet")
@@ -93,7 +92,7 @@ def export(workdir: str, fmt: str, out: str, checkpoint: str = "best") -> dict:
       "vlrep.evaluate or load its checkpoint in JAX instead."
     )
   _, variables = runs.backbone_of(run)
-  sd = torchvision_state_dict(variables["params"], variables.get("batch_stats"))
+  sd = torchvision_state_dict(variables["params"], variables.get("batch_stats"), _imported_counters(run))
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   tmp = out + ".tmp"
   if fmt == "torchvision":
@@ -125,10 +124,36 @@ def export(workdir: str, fmt: str, out: str, checkpoint: str = "best") -> dict:
   return {"keys": len(sd), "parameters": params, "step": run.step}
 
 
+def _export_virtex(run, out: str) -> dict:
+  from vlrep.importers import virtex as virtex_format
+
+  if not out.endswith((".pth", ".pt")):
+    raise ValueError(f"--out for virtex must end in .pth (the official code reads it with torch.load), got {out!r}.")
+  try:
+    import torch
+  except ImportError as e:
+    raise ImportError("--format=virtex writes a torch checkpoint: install torch.") from e
+  sd, official = virtex_format.state_dict(run)
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  tmp = out + ".tmp"
+  model = OrderedDict((k, torch.from_numpy(np.array(v))) for k, v in sd.items())
+  torch.save({"model": model, "iteration": int(run.step)}, tmp)
+  os.replace(tmp, out)
+  params = sum(
+    int(np.prod(v.shape))
+    for k, v in sd.items()
+    if not k.endswith(("running_mean", "running_var", "num_batches_tracked"))
+  )
+  logging.info("Wrote %d tensors of step %d to %s; official config: %s", len(sd), run.step, out, official)
+  return {"keys": len(sd), "parameters": params, "step": run.step, "official_config": official}
+
+
 def define_flags():
   """Command-line flags (defined only when run as a command, so importing the module defines none)."""
   flags.DEFINE_string("workdir", None, "The training run's directory.")
-  flags.DEFINE_enum("format", "torchvision", FORMATS, "torchvision (safetensors or .pth) or detectron2 (.pkl).")
+  flags.DEFINE_enum(
+    "format", "torchvision", FORMATS, "torchvision (safetensors or .pth), detectron2 (.pkl) or virtex (.pth)."
+  )
   flags.DEFINE_string("out", None, "Output file.")
   flags.DEFINE_string("checkpoint", "best", "'best', 'latest' or a step number.")
 
@@ -138,6 +163,8 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   info = export(flags.FLAGS.workdir, flags.FLAGS.format, flags.FLAGS.out, flags.FLAGS.checkpoint)
   print(f"Exported step {info['step']}: {info['keys']} tensors to {flags.FLAGS.out}", flush=True)
+  for key, value in info.get("official_config", {}).items():
+    print(f"  {key}: {value}", flush=True)
 
 
 if __name__ == "__main__":

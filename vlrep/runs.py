@@ -148,6 +148,23 @@ def backbone_of(run: Run) -> tuple[Any, dict]:
   return module, variables
 
 
+# The keys of a `method.backbone` section that fix its architecture (what its weights' shapes depend on), with the
+# value an omitted key means. BatchNorm grouping and the speed switches are training choices, not architecture.
+BACKBONE_ARCHITECTURE = {
+  "arch": "resnet",
+  "depth": 50,
+  "width": 64,
+  "inner_multiplier": 1,
+  "stem": "imagenet",
+  "stem_stride": 2,
+}
+
+
+def backbone_architecture(cfg) -> dict:
+  """The architecture of a backbone config section, every key of BACKBONE_ARCHITECTURE filled in."""
+  return {k: cfg.get(k, default) for k, default in BACKBONE_ARCHITECTURE.items()}
+
+
 def resnet_kwargs(cfg) -> dict:
   """The keyword arguments of `resnet.ResNet` that rebuild a backbone config section (a run's `method.backbone`)
   for inference (no BN groups); the section's omitted keys take ResNet's defaults."""

@@ -93,6 +93,7 @@ def _train(
     global_bs,
   )
 
+  adopt_init_from_architecture(config, workdir)
   builder = pipeline.get_builder(config.data.name, config.data.data_dir, config.data.get("config_name"))
   # Methods without text (e.g. the fine-tuning classifier) have no tokenizer.
   tokenizer = tokenizers.ensure_tokenizer(config.tokenizer, builder) if config.get("tokenizer") else None
@@ -441,6 +442,32 @@ def load_pretrained_variables(state: dict, pretrained: dict, tx, state_sh) -> di
   if "params" in pretrained:
     new["opt_state"] = jax.jit(tx.init, out_shardings=state_sh["opt_state"])(new["params"])
   return new
+
+
+def adopt_init_from_architecture(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """`init_from=RUN`: this run's backbone takes RUN's architecture (depth, width, stem, ...), so any config can
+  start from any run's backbone (e.g. finetune.py:runlocal from the quick start's ResNet-10); its BatchNorm
+  grouping and speed switches stay this config's. When resuming, the architecture is the one this run saved, so
+  RUN is not read again. Said in the log when it changes the config."""
+  if not config.get("init_from") or "backbone" not in config.get("method", {}):
+    return
+  try:
+    source, saved = workdir, runs.read_config(workdir)  # resuming: what this run was built with
+  except (FileNotFoundError, RuntimeError):
+    source, saved = config.init_from, runs.read_config(config.init_from)
+  if "backbone" not in saved.method:
+    raise ValueError(f"init_from={config.init_from}: that run's model has no 'backbone' to start from.")
+  want = runs.backbone_architecture(saved.method.backbone)
+  have = runs.backbone_architecture(config.method.backbone)
+  changed = {k: (have[k], v) for k, v in want.items() if have[k] != v}
+  if changed:
+    with config.unlocked():
+      config.method.backbone.update({k: v for k, (_, v) in changed.items()})
+    logging.info(
+      "init_from: the backbone takes the architecture of %s: %s.",
+      source,
+      ", ".join(f"{k}={new!r} (config: {old!r})" for k, (old, new) in changed.items()),
+    )
 
 
 def init_from_checkpoint(state: dict, workdir: str, tx, state_sh) -> dict:

@@ -3,8 +3,9 @@ r"""Word localization of a LocTex checkpoint on synthetic_scenes (pointing game 
   python -m vlrep.evaluate --config=configs/eval/localization.py --workdir=/tmp/loctex_local
   python -m vlrep.evaluate --config=configs/eval/localization.py:sizes=2+4+8,limit=0 --workdir=DIR
 
-Arguments: sizes (grid side per map, '+'-separated, in the run's scale order: input size / 32 x scale; the
-64x64 runlocal models have 2 at 1x and 4 at 2x), split, limit (first N images; 0 = all).
+Arguments: sizes (grid side per map, '+'-separated, in the run's scale order: input size / output stride x scale;
+the 64x64 runlocal models, with the small stem's stride 16, have 4 at 1x and 8 at 2x; the evaluator says the
+sizes of the run it is given when they differ), split, limit (first N images; 0 = all).
 Ground truth: the visible instances of the class each object word names (oracle_word_masks without traces).
 """
 
@@ -14,7 +15,7 @@ from vlrep.config_utils import parse_arg
 
 
 def get_config(arg=None):
-  arg = parse_arg(arg, sizes="2+4", split="val", limit=500)
+  arg = parse_arg(arg, sizes="4+8", split="val", limit=500)
   sizes = tuple(int(s) for s in str(arg.sizes).split("+"))
   loc = dict(
     type="localization",

@@ -3,6 +3,12 @@
 Captions are lowercased and stripped of accents before training and before encoding. Splitting by Unicode
 script keeps letters and punctuation in separate pieces (no 'dog?' tokens). Special ids are fixed so that
 models and losses can rely on them: [PAD]=0, [UNK]=1, [SOS]=2, [EOS]=3, [MASK]=4.
+
+An official VirTex vocabulary (kdexd/virtex's `coco_10k.model`: <unk>=0, which is also its padding, [SOS]=1,
+[EOS]=2, [MASK]=3, pieces from 4) is read with `tokenizer.special_tokens='virtex'` (what `vlrep.import_run` sets):
+its ids are presented in vlrep's layout (`virtex_vocabulary_order`), one more id than the file has (vlrep's [UNK]
+slot, which the official layout lacks and the tokenizer never produces), and captions are cut as the official
+code cuts them ([SOS] + pieces + [EOS], then the first max_len ids: a long caption loses its [EOS]).
 """
 
 from __future__ import annotations
@@ -65,29 +71,99 @@ def train_tokenizer(captions: Iterable[str], model_path: str, vocab_size: int) -
   logging.info("Wrote tokenizer %s (%d sentences, vocab %d).", model_path, len(sentences), vocab_size)
 
 
-class Tokenizer:
-  """Encodes captions to fixed-length id arrays [SOS] ... [EOS] [PAD]...; decodes back."""
+SPECIAL_TOKEN_LAYOUTS = ("vlrep", "virtex")
+# The official VirTex vocabulary's special pieces (kdexd/virtex scripts/build_vocabulary.py: SentencePiece's <unk>
+# at 0, control symbols [SOS], [EOS], [MASK] after it; its configs' UNK_INDEX (= padding) 0, SOS_INDEX 1, EOS_INDEX 2,
+# MASK_INDEX 3).
+VIRTEX_SPECIAL_PIECES = ("<unk>", "[SOS]", "[EOS]", "[MASK]")
 
-  def __init__(self, model_path: str):
+
+def virtex_vocabulary_order(official_size: int) -> np.ndarray:
+  """For each vlrep id of an official VirTex vocabulary of `official_size` pieces, the official id it stands for:
+  [PAD] <- <unk> (the official padding), [UNK] <- none (-1), [SOS], [EOS], [MASK] <- 1, 2, 3, pieces 5.. <- 4..."""
+  return np.concatenate([np.array([0, -1, 1, 2, 3]), np.arange(4, official_size)]).astype(np.int64)
+
+
+def virtex_ids_to_vlrep(ids: np.ndarray) -> np.ndarray:
+  """Official VirTex token ids -> vlrep ids (<unk>/padding -> [PAD])."""
+  ids = np.asarray(ids)
+  return np.where(ids == 0, PAD_ID, ids + 1).astype(np.int32)
+
+
+class _VirTexVocabulary:
+  """A SentencePiece processor of an official VirTex vocabulary presented in vlrep's id layout: what `Tokenizer.sp`
+  is for one, so that every user of `tokenizer.sp` (pieces of ids, ids of pieces) sees vlrep's ids."""
+
+  def __init__(self, sp: spm.SentencePieceProcessor):
+    self._sp = sp
+    self._order = virtex_vocabulary_order(sp.get_piece_size())
+
+  def get_piece_size(self) -> int:
+    return len(self._order)
+
+  def to_official(self, ids) -> list[int]:
+    return [int(self._order[i]) if self._order[i] >= 0 else 0 for i in ids]
+
+  def encode(self, text, **kwargs):
+    if isinstance(text, list):
+      return [virtex_ids_to_vlrep(np.asarray(x, np.int64)).tolist() for x in self._sp.encode(text, **kwargs)]
+    return virtex_ids_to_vlrep(np.asarray(self._sp.encode(text, **kwargs), np.int64)).tolist()
+
+  def decode(self, ids) -> str:
+    return self._sp.decode(self.to_official(ids))
+
+  def id_to_piece(self, i: int) -> str:
+    return "[UNK]" if int(i) == UNK_ID else self._sp.id_to_piece(self.to_official([int(i)])[0])
+
+  def piece_to_id(self, piece: str) -> int:
+    return int(virtex_ids_to_vlrep(np.array([self._sp.piece_to_id(piece)]))[0])
+
+
+class Tokenizer:
+  """Encodes captions to fixed-length id arrays [SOS] ... [EOS] [PAD]...; decodes back.
+
+  special_tokens: 'vlrep' (a vocabulary vlrep built) or 'virtex' (an official VirTex vocabulary, its ids presented
+  in vlrep's layout; see the module docstring)."""
+
+  def __init__(self, model_path: str, special_tokens: str = "vlrep"):
+    if special_tokens not in SPECIAL_TOKEN_LAYOUTS:
+      raise ValueError(
+        f"Unknown tokenizer special_tokens {special_tokens!r}; known: {', '.join(SPECIAL_TOKEN_LAYOUTS)}."
+      )
     if not os.path.exists(model_path):
       raise FileNotFoundError(
         f"Tokenizer model {model_path!r} does not exist. Build it with "
         f"`python -m vlrep.tools.build_vocab --config=CONFIG` (training runs build it on first use)."
       )
     self.path = model_path
-    self.sp = spm.SentencePieceProcessor(model_file=model_path)
-    if self.sp.piece_to_id("[MASK]") != MASK_ID or self.sp.bos_id() != SOS_ID or self.sp.pad_id() != PAD_ID:
-      raise ValueError(f"{model_path} was not built by vlrep (special token ids differ).")
+    self.special_tokens = special_tokens
+    sp = spm.SentencePieceProcessor(model_file=model_path)
+    if special_tokens == "virtex":
+      found = tuple(sp.id_to_piece(i) for i in range(min(4, sp.get_piece_size())))
+      if found != VIRTEX_SPECIAL_PIECES:
+        raise ValueError(
+          f"{model_path} is not an official VirTex vocabulary: its first pieces are {found}, expected "
+          f"{VIRTEX_SPECIAL_PIECES} (kdexd/virtex scripts/build_vocabulary.py)."
+        )
+      self.sp = _VirTexVocabulary(sp)
+    else:
+      self.sp = sp
+      if sp.piece_to_id("[MASK]") != MASK_ID or sp.bos_id() != SOS_ID or sp.pad_id() != PAD_ID:
+        raise ValueError(f"{model_path} was not built by vlrep (special token ids differ).")
 
   @property
   def vocab_size(self) -> int:
     return self.sp.get_piece_size()
 
   def encode(self, text: str, max_len: int) -> tuple[np.ndarray, bool]:
-    """Returns (ids[max_len], truncated). Long captions keep their first max_len-2 pieces and [EOS]."""
+    """Returns (ids[max_len], truncated). Long captions keep their first max_len-2 pieces and [EOS] (an official
+    VirTex vocabulary: their first max_len ids of [SOS] pieces [EOS], as the official code cuts them)."""
     ids = self.sp.encode(normalize_text(text))
     truncated = len(ids) > max_len - 2
-    ids = [SOS_ID] + ids[: max_len - 2] + [EOS_ID]
+    if self.special_tokens == "virtex":
+      ids = ([SOS_ID] + ids + [EOS_ID])[:max_len]
+    else:
+      ids = [SOS_ID] + ids[: max_len - 2] + [EOS_ID]
     out = np.full((max_len,), PAD_ID, np.int32)
     out[: len(ids)] = ids
     return out, truncated
@@ -123,6 +199,11 @@ def ensure_tokenizer(config, builder) -> Tokenizer:
     return WordPieceTokenizer(resolve_path(config.path))
   if config.get("kind", "bpe") != "bpe":
     raise ValueError(f"Unknown tokenizer kind {config.kind!r}; known: bpe, wordpiece.")
+  special_tokens = config.get("special_tokens", "vlrep")
+  if special_tokens != "vlrep":  # a published vocabulary (vlrep.import_run copies it into the run): never built here
+    if not config.path:
+      raise ValueError(f"tokenizer.special_tokens={special_tokens!r} needs tokenizer.path (the vocabulary file).")
+    return Tokenizer(os.path.expanduser(config.path), special_tokens)
   path = config.path or default_path(config, builder)
   if not os.path.exists(path):
     if not config.build_if_missing:

@@ -54,6 +54,13 @@ class Localization:
         f"{type(self.method).__name__}."
       )
     self.grid_sizes = tuple(config.grid_sizes)
+    run_sizes = tuple(getattr(self.method, "grid_sizes", ()))
+    if run_sizes and run_sizes != self.grid_sizes[: len(run_sizes)]:
+      raise ValueError(
+        f"This run's attention maps are {' and '.join(f'{r}x{r}' for r in run_sizes)} (its method.grid_sizes "
+        f"{run_sizes}) but the evaluator's grid_sizes are {self.grid_sizes}: evaluate with "
+        f"--config=configs/eval/localization.py:sizes={'+'.join(map(str, run_sizes))}."
+      )
     self.builder = run.builder(config)
     self.run_inputs = run
     self.attention = jax.jit(self.method.attention)

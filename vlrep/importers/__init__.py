@@ -20,8 +20,16 @@ plain containers; no code runs).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import os
+import pickle
+import re
+import struct
+import zipfile
+from typing import Any
 
+import numpy as np
 from ml_collections import ConfigDict
 
 
@@ -35,3 +43,506 @@ class ImportedRun:
   params: dict
   model_state: dict
   note: dict
+  # Files the run keeps beside its checkpoints ({path relative to the run directory: source file}), e.g. the
+  # vocabulary its config's tokenizer names; `vlrep.import_run` copies them.
+  files: dict = dataclasses.field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The formats: one module per format in this package.
+# ------------------------------------------------------------------------------------------------------------------
+def known_formats() -> list[str]:
+  """The format modules of this package (what `--format` accepts), read from the package itself."""
+  import pkgutil
+
+  return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+
+
+def format_module(name: str):
+  """vlrep.importers.<name>, or a clear error listing the known formats."""
+  import importlib
+
+  known = known_formats()
+  if name not in known:
+    raise ValueError(f"Unknown import format {name!r}; known formats: {', '.join(known)} (or 'auto').")
+  return importlib.import_module(f"{__name__}.{name}")
+
+
+def closest_format(keys: set[str]) -> tuple[str, float, list[str], list[str]]:
+  """(format, score, first missing keys, first unexpected keys) of the format whose `score` is highest."""
+  best = None
+  for name in known_formats():
+    module = format_module(name)
+    if not hasattr(module, "score"):
+      continue
+    s, missing, unexpected = module.score(keys)
+    if best is None or s > best[1]:
+      best = (name, s, missing, unexpected)
+  if best is None:
+    raise ValueError("No import format has a `score`.")
+  return best
+
+
+def no_format_error(path: str, keys: set[str], fmt: str, score: float, missing, unexpected) -> ValueError:
+  """The error for a file that is not (or not wholly) in a format: what it is closest to and how it differs."""
+  sample = sorted(keys)[:5]
+  return ValueError(
+    f"{path} matches no import format: the closest is {fmt!r} (score {score:.2f} of 1), but "
+    f"{len(missing)} keys it needs are missing (first: {missing[:5]}) and {len(unexpected)} of the file's keys are "
+    f"unexpected (first: {unexpected[:5]}). The file has {len(keys)} tensors, e.g. {sample}."
+  )
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Safe loading of torch checkpoints: a restricted unpickler (no code runs) for torch.save's zip and legacy formats.
+# ------------------------------------------------------------------------------------------------------------------
+_TORCH_STORAGES = {
+  "FloatStorage": np.float32,
+  "DoubleStorage": np.float64,
+  "HalfStorage": np.float16,
+  "BFloat16Storage": "bfloat16",
+  "LongStorage": np.int64,
+  "IntStorage": np.int32,
+  "ShortStorage": np.int16,
+  "CharStorage": np.int8,
+  "ByteStorage": np.uint8,
+  "BoolStorage": np.bool_,
+}
+
+
+class _Opaque:
+  """Stands for any other object of a checkpoint (an optimizer's or scheduler's state, a config object): it records
+  the name and arguments it was unpickled with and runs nothing. A state dict that holds one is an error."""
+
+  name = "?"
+
+  def __init__(self, *args, **kwargs):
+    self.args = args
+
+  def __setstate__(self, state):
+    self.state = state
+
+  def __repr__(self):
+    return f"<{self.name}>"
+
+
+class _Storage:
+  def __init__(self, name: str):
+    self.dtype = _TORCH_STORAGES[name]
+
+
+@dataclasses.dataclass
+class _LazyTensor:
+  """A tensor of a legacy-format file, whose storages follow the pickle: materialised once they are read."""
+
+  storage: Any
+  offset: int
+  size: tuple
+  stride: tuple
+
+
+def _as_array(storage: np.ndarray, offset: int, size, stride) -> np.ndarray:
+  if not size:
+    return storage[offset : offset + 1].reshape(()).copy()
+  itemsize = storage.itemsize
+  return np.lib.stride_tricks.as_strided(
+    storage[offset:], shape=tuple(size), strides=tuple(s * itemsize for s in stride)
+  ).copy()
+
+
+def _frombuffer(raw: bytes, dtype) -> np.ndarray:
+  if dtype == "bfloat16":
+    import ml_dtypes
+
+    return np.frombuffer(raw, np.uint16).view(ml_dtypes.bfloat16)
+  return np.frombuffer(raw, dtype)
+
+
+def _unpickler(file, path: str, load_storage, lazy: bool):
+  class RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+      if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor"):
+        return rebuild_tensor
+      if module == "torch._utils" and name == "_rebuild_parameter":
+        return lambda data, *unused: data
+      if module == "collections" and name == "OrderedDict":
+        return collections.OrderedDict
+      if module == "torch" and name in _TORCH_STORAGES:
+        return _Storage(name)
+      # Anything else is recorded, never imported or called.
+      return type(f"Opaque_{name}", (_Opaque,), {"name": f"{module}.{name}"})
+
+    def persistent_load(self, pid):
+      if not (isinstance(pid, tuple) and pid and pid[0] in ("storage", b"storage")):
+        raise pickle.UnpicklingError(f"{path}: unexpected persistent id {pid!r}.")
+      return load_storage(*pid[1:])
+
+  def rebuild_tensor(storage, offset, size, stride, *unused):
+    if lazy:
+      return _LazyTensor(storage, offset, tuple(size), tuple(stride))
+    return _as_array(storage, offset, size, stride)
+
+  return RestrictedUnpickler(file)
+
+
+def _read_zip(path: str):
+  archive = zipfile.ZipFile(path)
+  pkl = next((n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
+  if pkl is None:
+    raise ValueError(f"{path} is a zip file without data.pkl: not a torch checkpoint.")
+  prefix = pkl[: -len("data.pkl")]
+
+  def load_storage(storage_type, key, location, numel, *unused):
+    return _frombuffer(archive.read(f"{prefix}data/{key}"), storage_type.dtype)
+
+  with archive.open(pkl) as f:
+    return _unpickler(f, path, load_storage, lazy=False).load()
+
+
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+
+
+def _read_legacy(path: str):
+  """torch.save's format before torch 1.6 (or with _use_new_zipfile_serialization=False): three small pickles,
+  the object's pickle, the list of storage keys, then each storage as an int64 element count and its bytes."""
+  with open(path, "rb") as f:
+    if pickle.load(f) != _LEGACY_MAGIC:
+      raise ValueError(f"{path} is neither a zip nor a legacy torch checkpoint (wrong magic number).")
+    pickle.load(f)  # protocol version
+    pickle.load(f)  # system info
+    storages: dict[str, tuple] = {}
+
+    def load_storage(storage_type, key, location, numel, view_metadata=None):
+      storages.setdefault(key, (storage_type.dtype, numel))
+      if view_metadata is not None:
+        view_key, view_offset, _ = view_metadata
+        return ("view", key, view_offset)
+      return ("root", key, 0)
+
+    obj = _unpickler(f, path, load_storage, lazy=True).load()
+    keys = pickle.load(f)
+    data = {}
+    for key in keys:
+      dtype, _ = storages[key]
+      (count,) = struct.unpack("<q", f.read(8))
+      size = 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
+      data[key] = _frombuffer(f.read(count * size), dtype)
+
+  def materialise(x):
+    if isinstance(x, _LazyTensor):
+      _, key, view_offset = x.storage
+      return _as_array(data[key], view_offset + x.offset, x.size, x.stride)
+    if isinstance(x, dict):
+      return type(x)((k, materialise(v)) for k, v in x.items())
+    if isinstance(x, (list, tuple)):
+      return type(x)(materialise(v) for v in x)
+    return x
+
+  return materialise(obj)
+
+
+def load_checkpoint(path: str) -> Any:
+  """A .pth/.pt/.bin file (torch.save, zip or legacy format) as plain Python containers and numpy arrays, through
+  a restricted unpickler: tensors, storages and ordered dicts are rebuilt; any other object becomes an inert
+  placeholder (nothing is imported or run). A .safetensors file as {name: array}."""
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"No checkpoint file {path}.")
+  if path.endswith(".safetensors"):
+    from safetensors.numpy import load_file
+
+    return load_file(path)
+  if zipfile.is_zipfile(path):
+    return _read_zip(path)
+  try:
+    return _read_legacy(path)
+  except (pickle.UnpicklingError, EOFError, struct.error) as e:
+    raise ValueError(f"{path} is not a torch checkpoint (zip or legacy format) nor .safetensors: {e}") from e
+
+
+_WRAPPERS = ("model", "state_dict", "model_state_dict", "module")
+
+
+def load_state_dict(path: str) -> dict[str, np.ndarray]:
+  """The state dict of a checkpoint file ({name: numpy array}): the file's top level, or what it holds under
+  'model' / 'state_dict' (VirTex's {"model": ..., "optimizer": ..., "iteration": ...}); a 'module.' prefix on every
+  key (a DistributedDataParallel model's) is removed. The last file read is kept (--format=auto reads it first)."""
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"No checkpoint file {path}.")
+  stat = os.stat(path)
+  key = (os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+  if _LAST_READ.get("key") != key:
+    _LAST_READ.clear()
+    _LAST_READ.update(key=key, sd=_load_state_dict(path))
+  return dict(_LAST_READ["sd"])
+
+
+_LAST_READ: dict = {}
+
+
+def _load_state_dict(path: str) -> dict[str, np.ndarray]:
+  obj = load_checkpoint(path)
+  if not isinstance(obj, dict):
+    raise ValueError(f"{path} holds a {type(obj).__name__}, not a state dict.")
+  if not any(isinstance(v, np.ndarray) for v in obj.values()):
+    inner = next((obj[k] for k in _WRAPPERS if isinstance(obj.get(k), dict)), None)
+    if inner is None:
+      raise ValueError(
+        f"{path} holds no tensors at its top level nor under {_WRAPPERS}; its entries: {sorted(map(str, obj))[:10]}."
+      )
+    obj = inner
+  bad = [k for k, v in obj.items() if not isinstance(v, np.ndarray)]
+  if bad:
+    raise ValueError(f"{path}: the state dict holds entries that are not tensors: {bad[:5]} ({obj[bad[0]]!r}).")
+  if obj and all(k.startswith("module.") for k in obj):
+    obj = {k[len("module.") :]: v for k, v in obj.items()}
+  return dict(obj)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Key maps as data: one table per format, read by its importer and its exporter.
+# ------------------------------------------------------------------------------------------------------------------
+# Dead rows: a vocabulary row that the foreign model does not have (an official VirTex vocabulary lacks vlrep's
+# separate [UNK] id) gets this output bias: exp(-1e4 + any real logit) is 0 in float32, so the softmax over the
+# foreign vocabulary is unchanged, the row is never predicted and its gradient is exactly 0.
+DEAD_LOGIT = -1e4
+
+
+def _vocab_to_foreign(x, order):
+  if order is None:
+    return x
+  keep = order >= 0
+  out = np.zeros((int(order.max()) + 1,) + x.shape[1:], x.dtype)
+  out[order[keep]] = x[keep]
+  return out
+
+
+def _vocab_to_vlrep(x, order, dead):
+  if order is None:
+    return x
+  out = x[np.maximum(order, 0)].copy()
+  out[order < 0] = dead
+  return out
+
+
+# name: (vlrep layout -> foreign layout, foreign layout -> vlrep layout given the vlrep shape); ctx['vocab_order']:
+# `tokenizers.virtex_vocabulary_order` when the foreign vocabulary's ids are ordered otherwise than the run's.
+TRANSFORMS = {
+  "same": (lambda x, ctx: x, lambda x, shape, ctx: x),
+  # Convolution kernel: Flax HWIO <-> torch OIHW.
+  "conv": (lambda x, ctx: np.transpose(x, (3, 2, 0, 1)), lambda x, shape, ctx: np.transpose(x, (2, 3, 1, 0))),
+  # Dense kernel [in, out] <-> torch Linear weight [out, in].
+  "linear": (lambda x, ctx: x.T, lambda x, shape, ctx: x.T),
+  # Attention projections: DenseGeneral kernel [H, heads, d] <-> one block [heads * d, H] of torch's in_proj_weight.
+  "heads_in": (lambda x, ctx: x.reshape(x.shape[0], -1).T, lambda x, shape, ctx: x.T.reshape(shape)),
+  "heads_bias": (lambda x, ctx: x.reshape(-1), lambda x, shape, ctx: x.reshape(shape)),
+  # Attention output: DenseGeneral kernel [heads, d, H] <-> torch's out_proj.weight [H, heads * d].
+  "heads_out": (lambda x, ctx: x.reshape(-1, x.shape[-1]).T, lambda x, shape, ctx: x.T.reshape(shape)),
+  # Vocabulary rows (embedding table [V, H], output bias [V], classifier kernel [C, V]) in the run's id order.
+  "vocab_rows": (
+    lambda x, ctx: _vocab_to_foreign(x, ctx.get("vocab_order")),
+    lambda x, shape, ctx: _vocab_to_vlrep(x, ctx.get("vocab_order"), 0.0),
+  ),
+  "vocab_bias": (
+    lambda x, ctx: _vocab_to_foreign(x, ctx.get("vocab_order")),
+    lambda x, shape, ctx: _vocab_to_vlrep(x, ctx.get("vocab_order"), DEAD_LOGIT),
+  ),
+  "vocab_linear": (
+    lambda x, ctx: _vocab_to_foreign(x.T, ctx.get("vocab_order")),
+    lambda x, shape, ctx: _vocab_to_vlrep(x, ctx.get("vocab_order"), 0.0).T,
+  ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """One tensor of a run and its foreign name(s).
+
+  vlrep: its path in the run's variables ('params/...', 'batch_stats/...'); '{}' stands for a number, the same
+    numbers in the same order as in `foreign`. None: a foreign tensor without a vlrep counterpart (see `absent`).
+  foreign: the foreign key; further keys are tied copies that hold the identical tensor (checked on import,
+    written on export).
+  transform: a TRANSFORMS name (the layout change).
+  part: (i, n): the tensor is the i-th of n equal blocks along the foreign tensor's first axis (torch's fused
+    in_proj_weight holds Q, K and V).
+  absent: for vlrep=None: 'zeros' (a block that is exactly redundant, dropped on import with its largest
+    magnitude noted, written as zeros on export), 'counter' (an integer buffer kept in the run's note and written
+    back) or 'dropped' (not part of a vlrep run, e.g. a classifier head; named in the note, not exported).
+  """
+
+  vlrep: str | None
+  foreign: tuple[str, ...]
+  transform: str = "same"
+  part: tuple[int, int] = (0, 1)
+  absent: str = ""
+
+  def __post_init__(self):
+    if self.transform not in TRANSFORMS:
+      raise ValueError(f"Unknown transform {self.transform!r}; known: {sorted(TRANSFORMS)}")
+
+
+def rule(vlrep: str | None, *foreign: str, transform: str = "same", part=(0, 1), absent: str = "") -> Rule:
+  return Rule(vlrep, tuple(foreign), transform, tuple(part), absent)
+
+
+def _regex(pattern: str) -> re.Pattern:
+  return re.compile("^" + re.escape(pattern).replace(r"\{\}", r"(\d+)") + "$")
+
+
+def _fill(pattern: str, groups) -> str:
+  return pattern.replace("{}", "{}").format(*groups)
+
+
+def _natural(key: str):
+  return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", key)]
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, np.ndarray]:
+  """{'a': {'b': x}} -> {'a/b': x}."""
+  out = {}
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      out.update(flatten(v, f"{prefix}{k}/"))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def unflatten(flat: dict[str, Any]) -> dict:
+  out: dict = {}
+  for path, v in flat.items():
+    node = out
+    *parents, leaf = path.split("/")
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = v
+  return out
+
+
+@dataclasses.dataclass
+class Converted:
+  """What `KeyMap.to_vlrep` read: the run's variables (flat), the foreign keys it dropped (with their shapes), the
+  integer counters it kept, and the largest magnitude of each exactly-redundant block it dropped."""
+
+  variables: dict[str, np.ndarray]
+  dropped: dict[str, list[int]]
+  counters: dict[str, int]
+  redundant_max: dict[str, float]
+
+
+class KeyMap:
+  """A format's table of `Rule`s, read both ways: a foreign state dict -> a run's variables (`to_vlrep`, checking
+  every shape, tied copy and key) and back (`to_foreign`)."""
+
+  def __init__(self, name: str, rules: list[Rule]):
+    self.name = name
+    self.rules = list(rules)
+    self._vlrep = [(_regex(r.vlrep), r) for r in self.rules if r.vlrep is not None]
+    self._foreign = [(_regex(f), r, i) for r in self.rules for i, f in enumerate(r.foreign)]
+
+  def foreign_patterns(self) -> list[re.Pattern]:
+    return [p for p, _, _ in self._foreign]
+
+  def matches(self, key: str) -> bool:
+    return any(p.match(key) for p, _, _ in self._foreign)
+
+  def _rule_for(self, path: str):
+    for regex, r in self._vlrep:
+      m = regex.match(path)
+      if m:
+        return r, [_fill(f, m.groups()) for f in r.foreign]
+    raise KeyError(f"{self.name}: no foreign name for the run's variable {path!r} (the key map lacks a rule).")
+
+  def to_vlrep(self, sd: dict[str, np.ndarray], expected: dict[str, tuple], ctx: dict | None = None) -> Converted:
+    """The run's variables (flat paths -> float32 arrays of the `expected` shapes) from a foreign state dict.
+
+    Errors (before anything is written): a shape that differs (naming the tensor and both shapes), tied copies that
+    differ, keys the model needs that are missing and keys that nothing reads."""
+    ctx = ctx or {}
+    out, used, missing = {}, set(), []
+    for path in sorted(expected):
+      r, keys = self._rule_for(path)
+      shape = tuple(expected[path])
+      main = keys[0]
+      if main not in sd:
+        missing.append(main)
+        continue
+      x = np.asarray(sd[main])
+      i, n = r.part
+      want = np.shape(TRANSFORMS[r.transform][0](np.zeros(shape, np.float32), ctx))
+      if n > 1:
+        full = (want[0] * n,) + tuple(want[1:])
+        if x.shape != full:
+          raise ValueError(
+            f"Shape mismatch: {main} is {tuple(x.shape)} in the checkpoint, but the model built from its other "
+            f"tensors needs {full} for {path} ({shape} in vlrep's layout)."
+          )
+        x = x[i * want[0] : (i + 1) * want[0]]
+      elif x.shape != tuple(want):
+        raise ValueError(
+          f"Shape mismatch: {main} is {tuple(x.shape)} in the checkpoint, but the model built from its other tensors "
+          f"needs {tuple(want)} for {path} ({shape} in vlrep's layout)."
+        )
+      for copy in keys[1:]:
+        if copy not in sd:
+          missing.append(copy)
+        elif not np.array_equal(np.asarray(sd[copy]), np.asarray(sd[main])):
+          diff = float(np.max(np.abs(np.asarray(sd[copy], np.float64) - np.asarray(sd[main], np.float64))))
+          raise ValueError(
+            f"{copy} should be a tied copy of {main} (the same tensor in the reference model) but differs from it "
+            f"(largest difference {diff:.3g}); the checkpoint is not a {self.name} model as its code writes it."
+          )
+      used.update(keys)
+      out[path] = np.ascontiguousarray(TRANSFORMS[r.transform][1](x, shape, ctx)).astype(np.float32)
+    dropped, counters, redundant = {}, {}, {}
+    unexpected = []
+    for key in sorted(sd, key=_natural):
+      hits = [(r, i) for p, r, i in self._foreign if p.match(key) and r.vlrep is None]
+      if key in used and not hits:
+        continue
+      if not hits:
+        if key not in used:
+          unexpected.append(key)
+        continue
+      for r, _ in hits:
+        x = np.asarray(sd[key])
+        if r.absent == "zeros":
+          j, n = r.part
+          block = x.reshape(n, -1)[j] if n > 1 else x
+          redundant[key if n == 1 else f"{key}[{j}/{n}]"] = float(np.max(np.abs(block))) if block.size else 0.0
+        elif r.absent == "counter":
+          counters[key] = int(x)
+        else:
+          dropped[key] = list(x.shape)
+    if missing or unexpected:
+      raise ValueError(
+        f"The checkpoint is not a complete {self.name} model of the shape its tensors suggest: "
+        f"{len(missing)} keys missing (first: {missing[:5]}), {len(unexpected)} unexpected (first: {unexpected[:5]})."
+      )
+    return Converted(out, dropped, counters, redundant)
+
+  def to_foreign(self, flat: dict[str, np.ndarray], ctx: dict | None = None) -> dict[str, np.ndarray]:
+    """The foreign state dict of a run's variables (flat paths): each tensor in the foreign layout under its name
+    and its tied copies' names; the blocks of a fused tensor concatenated, an 'absent: zeros' block as zeros.
+    Counters ('absent: counter') are the caller's to add."""
+    ctx = ctx or {}
+    blocks: dict[str, dict[int, np.ndarray]] = {}
+    sizes: dict[str, int] = {}
+    for path in sorted(flat):
+      r, keys = self._rule_for(path)
+      y = np.asarray(TRANSFORMS[r.transform][0](np.asarray(flat[path]), ctx))
+      i, n = r.part
+      for key in keys:
+        blocks.setdefault(key, {})[i] = y
+        sizes[key] = n
+    out = {}
+    for key in sorted(blocks, key=_natural):
+      parts, n = blocks[key], sizes[key]
+      for j in range(n):
+        if j in parts:
+          continue
+        fill = [r for p, r, _ in self._foreign if p.match(key) and r.vlrep is None and r.part == (j, n)]
+        if not fill or fill[0].absent != "zeros":
+          raise ValueError(f"{self.name}: block {j} of {n} of {key} has no value in the run and no rule to fill it.")
+        parts[j] = np.zeros_like(next(iter(parts.values())))
+      out[key] = np.ascontiguousarray(np.concatenate([parts[j] for j in range(n)], 0) if n > 1 else parts[0])
+    return out

@@ -22,9 +22,11 @@ _DIRECTIONS = {"bicaptioning": ("forward", "backward"), "captioning": ("forward"
 
 
 def reverse_captions(tokens: jnp.ndarray) -> jnp.ndarray:
-  """[SOS] c1..cT [EOS] [PAD].. -> [EOS] cT..c1 [SOS] [PAD]..: reverses each caption's non-padding prefix."""
-  lengths = jnp.sum(tokens != tokenizers.PAD_ID, axis=1, keepdims=True)
+  """[SOS] c1..cT [EOS] [PAD].. -> [EOS] cT..c1 [SOS] [PAD]..: reverses each caption up to its last non-padding
+  token (a padding id inside a caption, an official VirTex vocabulary's [UNK], keeps its mirrored place, as the
+  official code's flip of the unpadded caption does)."""
   idx = jnp.arange(tokens.shape[1])[None]
+  lengths = jnp.max(jnp.where(tokens != tokenizers.PAD_ID, idx + 1, 0), axis=1, keepdims=True)
   src = jnp.where(idx < lengths, lengths - 1 - idx, idx)
   return jnp.take_along_axis(tokens, src, axis=1)
 
@@ -78,6 +80,11 @@ class VirTex:
       dtype=jnp.dtype(config.dtype),
       init_std=config.init_std,
       head_speed={k: config[k] for k in ("fused_qkv", "fused_memory_kv", "vocab_multiple") if k in config},
+      # Optional (imported runs set them; vlrep.import_run): the head's attention heads and feed-forward width when
+      # not hidden // 64 and 4 * hidden, and the decoder LayerNorms' epsilon (vlrep's 1e-8 unless set).
+      num_heads=config.get("num_heads") or None,
+      mlp_dim=config.get("mlp_dim") or None,
+      decoder_ln_eps=config.get("decoder_ln_eps", 1e-8),
     )
 
   # -- contract -----------------------------------------------------------------------------------------

@@ -4,6 +4,15 @@ multi-label) behind vlrep's method contract: the pretraining study of Singh et a
 Config (`configs/vlbert.py`):
   arch            'visual_bert' | 'vilbert'; bert_path: the pretrained BERT folder ('minilm' = the packaged MiniLM);
                   bert_layers: keep only its first N layers (0 = all).
+  bert_config     (optional) BERT's architecture as a dict of `BertConfig` fields instead of bert_path's config.json
+                  and weights: bert_path then only supplies vocab.txt and the weights come from the run's own
+                  checkpoint or `pretrained_run` (an imported run: `vlrep.import_run --format=visual_bert`).
+  region_boxes, region_norm, region_type_embedding, region_type_id
+                  VisualBERT's region embeddings (vlrep.models.vl_bert; VisualBERT only): True / 'own' / 'segment'
+                  are vlrep's (a box embedding, the regions' own LayerNorm, one learned segment vector); False /
+                  'shared' / 'tables' are VisualBERT's and MMF's (no box embedding, BERT's embedding LayerNorm over
+                  the whole sequence, visual token-type and position tables started from BERT's own tables, the
+                  regions' token type `region_type_id`: 1 as the authors' code, 0 as MMF's).
   task            'pretrain' (MLM, plus masked-region prediction for ViLBERT: MMM) | 'classify' (a head on the
                   pooled output; `loss`: 'bce' for VQA soft scores and multi-label, 'softmax' for entailment).
   visual          the frozen region-feature extractor: a vlrep ResNet (`backbone`), its weights from the run
@@ -34,6 +43,8 @@ extractor is frozen state (`model_state['visual']`), never a parameter.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -50,6 +61,39 @@ LOSSES = ("bce", "softmax")
 # Parameters that belong to one task and are never copied from a pretraining run.
 _TASK_PARAMS = ("task_head", "region_head", "align_head")
 REGION_TARGETS = ("distribution", "classes", "feature")
+# VisualBERT's region-embedding knobs and their defaults (vlrep's embeddings); a downstream run must build the same as
+# the run it starts from.
+REGION_EMBEDDING_KNOBS = dict(region_boxes=True, region_norm="own", region_type_embedding="segment", region_type_id=1)
+# BertConfig fields that decide what a checkpoint's weights compute (dropout rates do not).
+_BERT_ARCHITECTURE = (
+  "vocab_size",
+  "hidden_size",
+  "num_hidden_layers",
+  "num_attention_heads",
+  "intermediate_size",
+  "hidden_act",
+  "max_position_embeddings",
+  "type_vocab_size",
+  "layer_norm_eps",
+)
+
+
+def region_embedding_knobs(config: ml_collections.ConfigDict) -> dict:
+  """The region-embedding knobs a method config sets (their defaults where it has none); ViLBERT has none."""
+  if config.arch != "visual_bert":
+    return {}
+  return {k: type(v)(config.get(k, v)) for k, v in REGION_EMBEDDING_KNOBS.items()}
+
+
+def bert_config_from_dict(raw: dict, where: str) -> bert_lib.BertConfig:
+  """A BertConfig from `method.bert_config`; unknown fields are an error."""
+  import dataclasses
+
+  fields = {f.name for f in dataclasses.fields(bert_lib.BertConfig)}
+  unknown = sorted(set(raw) - fields)
+  if unknown:
+    raise ValueError(f"{where}: unknown BERT config fields {unknown}; known: {sorted(fields)}")
+  return bert_lib.BertConfig(**raw)
 
 
 def max_predictions(length: int, rate: float) -> int:
@@ -89,14 +133,24 @@ class VLBert:
       raise ValueError(f"Unknown vlbert loss {config.loss!r}; known: {LOSSES}")
     self.config = config
     self.task = config.task
-    self.bert_config, self._bert, self._mlm_head, folder = bert_lib.load_pretrained(config.bert_path)
-    # The checkpoint's first n layers (small runs); its embeddings, pooler and MLM head as they are.
-    self.bert_config, self._bert = bert_lib.first_layers(
-      self.bert_config, self._bert, int(config.get("bert_layers", 0)), folder
-    )
+    if config.get("bert_config"):
+      # The architecture from the config, no weights: they come from this run's checkpoint or its pretrained_run.
+      if int(config.get("bert_layers", 0)):
+        raise ValueError("method.bert_layers cuts a loaded BERT; with method.bert_config set it to the layers wanted.")
+      self.bert_config = bert_config_from_dict(dict(config.bert_config), "method.bert_config")
+      self._bert, self._mlm_head = None, None
+      folder = bert_lib.resolve_path(config.bert_path)
+      if not os.path.exists(os.path.join(folder, "vocab.txt")):
+        raise FileNotFoundError(f"method.bert_path {folder!r} has no vocab.txt (the WordPiece vocabulary).")
+    else:
+      self.bert_config, self._bert, self._mlm_head, folder = bert_lib.load_pretrained(config.bert_path)
+      # The checkpoint's first n layers (small runs); its embeddings, pooler and MLM head as they are.
+      self.bert_config, self._bert = bert_lib.first_layers(
+        self.bert_config, self._bert, int(config.get("bert_layers", 0)), folder
+      )
     # Dropout while training (BERT's and MMF's 0.1; < 0: the checkpoint's config.json), in every stream.
     self.bert_config = bert_lib.with_dropout(self.bert_config, config.get("bert_dropout", -1.0))
-    if config.arch == "vilbert":  # ViLBERT pools its text stream with its own layer (t_pooler), not BERT's
+    if config.arch == "vilbert" and self._bert is not None:  # ViLBERT pools its text with its own t_pooler
       self._bert = {k: v for k, v in self._bert.items() if k != "pooler"}
     if vocab_size != self.bert_config.vocab_size:
       raise ValueError(
@@ -145,6 +199,7 @@ class VLBert:
       fusion=config.get("fusion", "mul"),
       alignment=self.alignment,
       dtype=jnp.dtype(config.dtype),
+      **region_embedding_knobs(config),
     )
     visual_field = "regions" if self.from_files else "image"
     self.fields = (visual_field, "boxes", "box_mask", "region_labels", "tokens", "type_ids", "pair_mask")
@@ -202,14 +257,28 @@ class VLBert:
     return {}
 
   def pretrained_variables(self, pretrained: dict[str, runs.Run]) -> dict:
-    """BERT's weights (and its MLM head when the checkpoint has one); or, from `pretrained_run`, everything that
-    run learned except its task heads, and its region extractor; or the extractor from `visual.init_from`'s
-    backbone. `pretrained` holds the runs `pretrained_runs` named, loaded by the loop."""
+    """BERT's weights (and its MLM head when the checkpoint has one; VisualBERT's visual token-type and position
+    tables start as copies of BERT's, as VisualBERT's and MMF's code starts them); or, from `pretrained_run`,
+    everything that run learned except its task heads, and its region extractor; or the extractor from
+    `visual.init_from`'s backbone. `pretrained` holds the runs `pretrained_runs` named, loaded by the loop."""
+    if "pretrained_run" not in pretrained and self._bert is None:
+      raise ValueError(
+        "method.bert_config gives BERT's architecture without weights: this run would start from random weights. "
+        "Set method.pretrained_run (e.g. a run written by `python -m vlrep.import_run`), or clear "
+        "method.bert_config so that BERT's weights are read from method.bert_path."
+      )
     out = {"params": {"bert": self._bert}}
     if self._mlm_head is not None:
       out["params"]["mlm_head"] = self._mlm_head
+    if self._bert is not None and region_embedding_knobs(self.config).get("region_type_embedding") == "tables":
+      emb = self._bert["embeddings"]
+      out["params"]["regions_embed"] = {
+        "token_type_embeddings": {"embedding": np.array(emb["token_type_embeddings"]["embedding"])},
+        "position_embeddings": {"embedding": np.array(emb["position_embeddings"]["embedding"])},
+      }
     if "pretrained_run" in pretrained:
       run = pretrained["pretrained_run"]
+      self._check_same_transformer(run)
       out["params"] = {k: v for k, v in run.params.items() if not k.startswith(_TASK_PARAMS)}
       if "visual" in run.model_state and not self.from_files:
         self._check_extractor(run.config.method.visual.backbone, f"{run.path}'s region extractor")
@@ -229,6 +298,39 @@ class VLBert:
       out["model_state"] = {"visual": visual}
       logging.info("Region extractor: the backbone of %s (step %d).", run.path, run.step)
     return out
+
+  def _check_same_transformer(self, run) -> None:
+    """A pretrained run's weights compute what they computed there only in the same model: the same
+    architecture, the same region embeddings, and (for a run that states its BERT config, as imported runs do)
+    the same BERT config, not only the same shapes (heads, activation and LayerNorm eps have none)."""
+    theirs_cfg = run.config.method
+    if theirs_cfg.get("arch", self.config.arch) != self.config.arch:
+      raise ValueError(
+        f"method.pretrained_run {run.path} is a {theirs_cfg.arch} run; this config builds {self.config.arch}."
+      )
+    ours, theirs = region_embedding_knobs(self.config), region_embedding_knobs(theirs_cfg)
+    differ = {k: (ours[k], theirs[k]) for k in ours if ours[k] != theirs[k]}
+    if differ:
+      flags = " ".join(f"--config.method.{k}={theirs[k]}" for k in differ)
+      raise ValueError(
+        f"method.pretrained_run {run.path} was built with other region embeddings: "
+        + ", ".join(f"{k}={t!r} there, {o!r} here" for k, (o, t) in differ.items())
+        + f". Build the same model: {flags}"
+      )
+    if theirs_cfg.get("bert_config"):
+      want = bert_config_from_dict(dict(theirs_cfg.bert_config), f"{run.path}'s method.bert_config")
+      differ = [
+        f"{k}={getattr(want, k)!r} there, {getattr(self.bert_config, k)!r} here"
+        for k in _BERT_ARCHITECTURE
+        if getattr(want, k) != getattr(self.bert_config, k)
+      ]
+      if differ:
+        raise ValueError(
+          f"method.pretrained_run {run.path}'s BERT differs from this config's (bert_path "
+          f"{self.config.bert_path!r}, bert_layers={self.config.get('bert_layers', 0)}): {'; '.join(differ)}. Pass a "
+          "BERT folder of the same "
+          "architecture (bert=PATH) or set method.bert_config to the pretrained run's."
+        )
 
   def loss(self, variables, batch, rng, train: bool = True):
     mask_rng, region_rng = jax.random.split(rng)

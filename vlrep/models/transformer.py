@@ -87,11 +87,12 @@ class DecoderLayer(nn.Module):
   dtype: Any = jnp.float32
   init_std: float = INIT_STD
   fused_qkv: bool = False
+  ln_eps: float = 1e-8  # the official VirTex layers (torch.nn.TransformerDecoderLayer) use torch's default 1e-5
 
   @nn.compact
   def __call__(self, x, memory, self_mask, train: bool = False, memory_kv=None):
     init = nn.initializers.normal(self.init_std)
-    ln = lambda name: nn.LayerNorm(epsilon=1e-8, dtype=self.dtype, param_dtype=jnp.float32, name=name)  # noqa: E731
+    ln = lambda name: nn.LayerNorm(epsilon=self.ln_eps, dtype=self.dtype, param_dtype=jnp.float32, name=name)  # noqa: E731
     drop = nn.Dropout(self.dropout)
     y, weights = MultiHeadAttention(
       self.num_heads, self.dtype, self.dropout, self.init_std, self.fused_qkv, name="self_attention"
@@ -154,6 +155,9 @@ class TransformerTextualHead(nn.Module):
       one matrix product over their kernels concatenated (they all read the same memory), not 2 x L x directions.
     vocab_multiple: the embedding table and output layer padded to a multiple of this many rows (128 suits GPU
       matrix units); the padding rows are never looked up and their logits are cut off before they are returned.
+    decoder_ln_eps: epsilon of the decoder layers' LayerNorms (vlrep's 1e-8; the official VirTex head builds
+      torch.nn.TransformerDecoderLayer, whose LayerNorms use torch's default 1e-5). The embedding's stays 1e-8,
+      as the official code's.
   Returns logits[direction] [B, T, V] and aux {'<direction>/cross_attention': [L][B, heads, T, N]}.
   """
 
@@ -170,6 +174,7 @@ class TransformerTextualHead(nn.Module):
   fused_qkv: bool = False
   fused_memory_kv: bool = False
   vocab_multiple: int = 1
+  decoder_ln_eps: float = 1e-8
 
   @nn.compact
   def __call__(self, visual, tokens_by_direction: dict, padding_by_direction: dict, train: bool = False):
@@ -216,6 +221,7 @@ class TransformerTextualHead(nn.Module):
           self.dtype,
           self.init_std,
           self.fused_qkv,
+          self.decoder_ln_eps,
           name=f"{direction}_layer{layer}",
         )(x, visual, mask, train, memory_kv.get((direction, layer)))
         crosses.append(cross)

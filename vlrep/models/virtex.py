@@ -16,6 +16,8 @@ class VirTexModel(nn.Module):
   `head` is 'transformer' (captioning and masked LM, `directions` choose which) or 'linear' (token
   classification: global-average-pooled features -> vocabulary logits). `head_speed` holds the textual head's
   speed switches (`fused_qkv`, `fused_memory_kv`, `vocab_multiple`: transformer.TransformerTextualHead).
+  `num_heads` / `mlp_dim` (None: hidden // 64 and 4 * hidden, as every VirTex model) and `decoder_ln_eps` (the
+  decoder LayerNorms' epsilon) let a run reproduce a head built otherwise, e.g. an imported official checkpoint.
   """
 
   vocab_size: int
@@ -29,6 +31,9 @@ class VirTexModel(nn.Module):
   dtype: Any = jnp.float32
   init_std: float = transformer.INIT_STD
   head_speed: dict | None = None
+  num_heads: int | None = None
+  mlp_dim: int | None = None
+  decoder_ln_eps: float = 1e-8
 
   def setup(self):
     self.visual = resnet.ResNet(**self.backbone, dtype=self.dtype, name="backbone")
@@ -42,11 +47,14 @@ class VirTexModel(nn.Module):
         self.vocab_size,
         self.hidden,
         self.num_layers,
+        num_heads=self.num_heads,
+        mlp_dim=self.mlp_dim,
         max_len=self.max_len,
         dropout=self.dropout,
         directions=self.directions,
         dtype=self.dtype,
         init_std=self.init_std,
+        decoder_ln_eps=self.decoder_ln_eps,
         **(self.head_speed or {}),
         name="textual_head",
       )

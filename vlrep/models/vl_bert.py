@@ -6,7 +6,12 @@ a Hugging Face BERT's after conversion, so a pretrained checkpoint drops in (`pr
 
 - VisualBERT: [CLS] text [SEP] (text_b [SEP]) followed by the regions, one sequence through BERT's layers. A
   region's embedding is a projection of its feature plus a projection of its box (x1, y1, x2, y2, area, as
-  ViLBERT's spatial embedding), plus a learned "visual segment" vector, then LayerNorm.
+  ViLBERT's spatial embedding), plus a learned "visual segment" vector, then its own LayerNorm (vlrep's default).
+  Three knobs make it VisualBERT's and MMF's embeddings exactly (`BertVisioLinguisticEmbeddings`, Hugging Face's
+  `VisualBertEmbeddings`): `region_boxes=False` (no box embedding), `region_norm='shared'` (BERT's embedding
+  LayerNorm over the whole embedded sequence, no region LayerNorm) and `region_type_embedding='tables'` (the visual
+  token-type and visual position embedding tables, each region adding row `region_type_id` of the first and row 0
+  of the second; the method starts them from BERT's own tables).
 - ViLBERT: the text runs through BERT's layers, the regions (with a leading whole-image [IMG] region whose feature
   is the mean of the regions') through their own `v_layers` transformer layers, and `co-attention` blocks
   exchange the two streams: block k runs before text layer (L - v_layers + k) and visual layer k, as
@@ -32,6 +37,8 @@ from vlrep.models import resnet
 ARCHS = ("visual_bert", "vilbert")
 TEXT_POOLS = ("cls", "mean")
 FUSIONS = ("mul", "sum")
+REGION_NORMS = ("own", "shared")
+REGION_TYPE_EMBEDDINGS = ("segment", "tables")
 
 
 def box_features(boxes: jax.Array) -> jax.Array:
@@ -41,16 +48,36 @@ def box_features(boxes: jax.Array) -> jax.Array:
 
 
 class RegionEmbeddings(nn.Module):
+  """A region's embedding: projection of its feature (`feature`), plus a projection of its box (`location`, when
+  `boxes`), plus either one learned visual segment vector (`segment`) or, when `tables` = (type vocabulary,
+  positions), VisualBERT's visual position and token-type embedding tables (`position_embeddings` row 0 and
+  `token_type_embeddings` row `type_id`, added in VisualBERT's order); then its own LayerNorm and dropout when
+  `norm`, else the sum is returned for the caller's shared LayerNorm."""
+
   hidden: int
   eps: float = 1e-12
   dtype: Any = jnp.float32
   dropout: float = 0.0  # after the LayerNorm while training, as BERT's embeddings
+  boxes: bool = True
+  norm: bool = True
+  tables: tuple[int, int] | None = None
+  type_id: int = 1
 
   @nn.compact
   def __call__(self, regions, boxes, deterministic: bool = True):
     x = nn.Dense(self.hidden, dtype=self.dtype, name="feature")(regions)
-    x = x + nn.Dense(self.hidden, dtype=self.dtype, name="location")(box_features(boxes))
-    x = x + self.param("segment", nn.initializers.normal(0.02), (self.hidden,)).astype(self.dtype)
+    if self.boxes:
+      x = x + nn.Dense(self.hidden, dtype=self.dtype, name="location")(box_features(boxes))
+    if self.tables is None:
+      x = x + self.param("segment", nn.initializers.normal(0.02), (self.hidden,)).astype(self.dtype)
+    else:
+      types, positions = self.tables
+      init = nn.initializers.normal(0.02)
+      position = nn.Embed(positions, self.hidden, dtype=self.dtype, embedding_init=init, name="position_embeddings")
+      token_type = nn.Embed(types, self.hidden, dtype=self.dtype, embedding_init=init, name="token_type_embeddings")
+      x = x + position(jnp.zeros((), jnp.int32)) + token_type(jnp.full((), self.type_id, jnp.int32))
+    if not self.norm:
+      return x
     x = nn.LayerNorm(epsilon=self.eps, dtype=self.dtype, name="LayerNorm")(x)
     return nn.Dropout(self.dropout)(x, deterministic)
 
@@ -124,6 +151,11 @@ class VLBertModel(nn.Module):
       `fusion_method`; 'sum': their sum, the other).
     alignment: adds the image-text alignment head (ViLBERT's multimodal alignment prediction, VisualBERT's
       sentence-image prediction): 2 logits (not aligned, aligned) on the pooled output.
+    region_boxes, region_norm, region_type_embedding, region_type_id: VisualBERT's region embeddings (see the
+      module docstring; ViLBERT keeps vlrep's, whose box embedding is ViLBERT's own): the box embedding or none;
+      'own' LayerNorm over the regions or BERT's embedding LayerNorm 'shared' with the text; a learned 'segment'
+      vector or VisualBERT's visual token-type / position 'tables' (the regions' token type: `region_type_id`,
+      1 in the authors' and Hugging Face's code, 0 in MMF's).
   """
 
   arch: str
@@ -140,6 +172,10 @@ class VLBertModel(nn.Module):
   text_pool: str = "cls"
   fusion: str = "mul"
   alignment: bool = False
+  region_boxes: bool = True
+  region_norm: str = "own"
+  region_type_embedding: str = "segment"
+  region_type_id: int = 1
   dtype: Any = jnp.float32
 
   def setup(self):
@@ -149,10 +185,32 @@ class VLBertModel(nn.Module):
       raise ValueError(f"Unknown text_pool {self.text_pool!r}; known: {TEXT_POOLS}")
     if self.fusion not in FUSIONS:
       raise ValueError(f"Unknown fusion {self.fusion!r}; known: {FUSIONS}")
+    if self.region_norm not in REGION_NORMS:
+      raise ValueError(f"Unknown region_norm {self.region_norm!r}; known: {REGION_NORMS}")
+    if self.region_type_embedding not in REGION_TYPE_EMBEDDINGS:
+      raise ValueError(f"Unknown region_type_embedding {self.region_type_embedding!r}; known: {REGION_TYPE_EMBEDDINGS}")
     c = self.bert
+    vlrep_regions = (self.region_boxes, self.region_norm, self.region_type_embedding) == (True, "own", "segment")
+    if self.arch == "vilbert" and not vlrep_regions:
+      raise ValueError(
+        "region_boxes / region_norm / region_type_embedding choose VisualBERT's region embeddings; ViLBERT's regions "
+        "keep their box embedding and own LayerNorm (leave them at True / 'own' / 'segment')."
+      )
+    tables = self.region_type_embedding == "tables"
+    if tables and not 0 <= self.region_type_id < c.type_vocab_size:
+      raise ValueError(f"region_type_id={self.region_type_id} is not a row of the {c.type_vocab_size} token types.")
     self.text = bert_lib.BertEncoder(c, self.dtype, name="bert")
     if self.arch == "visual_bert":
-      self.regions_embed = RegionEmbeddings(c.hidden_size, c.layer_norm_eps, self.dtype, c.hidden_dropout_prob)
+      self.regions_embed = RegionEmbeddings(
+        c.hidden_size,
+        c.layer_norm_eps,
+        self.dtype,
+        c.hidden_dropout_prob,
+        boxes=self.region_boxes,
+        norm=self.region_norm == "own",
+        tables=(c.type_vocab_size, c.max_position_embeddings) if tables else None,
+        type_id=self.region_type_id,
+      )
       pooled_dim = c.hidden_size
     else:
       if not 0 < self.v_layers <= c.num_hidden_layers:
@@ -202,6 +260,9 @@ class VLBertModel(nn.Module):
     t = self.text.embeddings(tokens, type_ids, deterministic)
     if self.arch == "visual_bert":
       v = self.regions_embed(regions, boxes, deterministic)
+      if self.region_norm == "shared":  # BERT's embedding LayerNorm (and dropout) over the regions too: per position,
+        emb = self.text.embeddings  # so the same as VisualBERT's one LayerNorm over the concatenated sequence
+        v = emb.dropout(emb.LayerNorm(v.astype(t.dtype)), deterministic)
       x = jnp.concatenate([t, v.astype(t.dtype)], axis=1)
       mask = jnp.concatenate([t_mask, region_mask], axis=1)
       for layer in self.text.layers:

@@ -2,7 +2,7 @@
 for several tile settings: which shapes the kernels win and which tiles to make the defaults.
 
   python -m vlrep.tools.kernel_benchmark --batch=256 --output=/tmp/kernels.json      # on a GPU
-  python -m vlrep.tools.kernel_benchmark --shapes=tiny --batch=8 --windows=1          # on CPU: interpreted, a check
+  python -m vlrep.tools.kernel_benchmark --shapes=tiny --batch=8 --group=8 --windows=1   # on CPU: interpreted, a check
 
 Each case is one 1x1 convolution of a ResNet-50 bottleneck at 224x224 input in bf16 with BatchNorm groups of
 `--group` images: its forward, its output's per-group sums (a BatchNorm's statistics) and, for conv3, the previous
@@ -197,6 +197,12 @@ def main(argv):
   del argv
   if FLAGS.batch < 1 or FLAGS.group < 0 or (FLAGS.group and FLAGS.batch % FLAGS.group):
     raise app.UsageError(f"--batch={FLAGS.batch} must be a positive multiple of --group={FLAGS.group} (0: one group).")
+  if FLAGS.shapes == "resnet50" and jax.devices()[0].platform != "gpu":
+    # Interpreted on a CPU, ResNet-50's shapes take hours and time nothing the kernels would do on a GPU.
+    raise app.UsageError(
+      f"--shapes=resnet50 times the Triton kernels and needs a GPU (this process sees {jax.devices()[0].platform}); "
+      "on a CPU check them with --shapes=tiny --batch=8 --group=8 --windows=1."
+    )
   cases = RESNET50_CASES if FLAGS.shapes == "resnet50" else TINY_CASES
   results = [run_case(*case, FLAGS.batch, FLAGS.group, FLAGS.iters, FLAGS.windows) for case in cases]
   device = jax.devices()[0]

@@ -30,9 +30,9 @@ def word_accuracy(workdir: str, checkpoint: str = "latest") -> dict[str, tuple[i
   import jax
 
   run = runs.load_run(workdir, checkpoint)
-  ctx = evaluate.method_and_tokenizer(run)
+  run_inputs = evaluate.run_inputs_of(run)
   cfg = run.config.evals.masked_tokens
-  ev = MaskedTokens(cfg, ctx)
+  ev = MaskedTokens(cfg, run_inputs)
   split = records.first_examples(ev.builder, cfg.split, cfg.get("limit", 0))
   variables = jax.device_put(run.variables)
   predict = jax.jit(lambda v, x, t, p: ev.method.predict_masked(v, x, t, p).argmax(-1))
@@ -46,7 +46,7 @@ def word_accuracy(workdir: str, checkpoint: str = "latest") -> dict[str, tuple[i
       r, t, p = rows[s : s + cfg.batch_size], toks[s : s + cfg.batch_size], pos[s : s + cfg.batch_size]
       out = np.asarray(predict(variables, batch["image"][r], t, p))
       for k in range(len(r)):
-        word = ctx["tokenizer"].pieces[t[k, p[k]]]
+        word = run_inputs.tokenizer.pieces[t[k, p[k]]]
         group = next((g for g, ws in GROUPS.items() if word in ws), "other")
         counts[group] += 1
         hits[group] += int(out[k] == t[k, p[k]])

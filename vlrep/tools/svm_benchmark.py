@@ -23,6 +23,7 @@ from absl import app, flags, logging
 from vlrep import runs
 from vlrep.data import pipeline
 from vlrep.evaluators import voc07_svm
+from vlrep.evaluators.run_inputs import RunInputs
 from vlrep.models import resnet
 
 flags.DEFINE_string("workdir", None, "Checkpoint whose backbone gives the synthetic_scenes features.")
@@ -31,6 +32,8 @@ flags.DEFINE_list("sets", ["voc07_size", "synthetic_scenes"], "Feature sets to b
 flags.DEFINE_float("signal", 0.2, "Strength of the label signal in the voc07_size features.")
 flags.DEFINE_string("out", None, "Write the results as JSON here.")
 flags.DEFINE_bool("chance", False, "Only print the chance-level mAP (random scores) of the runlocal probe_test.")
+flags.DEFINE_string("data_dir", "~/.cache/vlrep/tensorflow_datasets", "Where synthetic_scenes is (--chance).")
+flags.DEFINE_string("config_name", "default", "synthetic_scenes' builder config (--chance).")
 FLAGS = flags.FLAGS
 
 
@@ -70,7 +73,7 @@ def scenes_features(config_path: str, workdir: str | None):
     params = {"backbone": variables["params"]}
     run = runs.Run(config, params, {"batch_stats": {"backbone": variables["batch_stats"]}}, 0, "random init", {})
     probe = config.evals.probe
-  ev = voc07_svm.Voc07Svm(probe, {})
+  ev = voc07_svm.Voc07Svm(probe, RunInputs())
   fn = runs.backbone_fn(run)
   features = lambda batch: fn(batch, ev.feature_key)  # noqa: E731
   train_x, train_y = ev._features(probe.train_split, features)
@@ -118,7 +121,7 @@ def main(argv):
 
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   if FLAGS.chance:
-    b = pipeline.get_builder("synthetic_scenes", "~/.cache/vlrep/tensorflow_datasets", "default")
+    b = pipeline.get_builder("synthetic_scenes", FLAGS.data_dir, FLAGS.config_name)
     batches = pipeline.eval_batches(b, "probe_test", "voc_labels(10)", ("labels",), 500)
     labels = np.concatenate([x["labels"][x["_mask"].astype(bool)] for x in batches])
     print(f"probe_test chance mAP (random scores): {chance_map(labels):.2f}")

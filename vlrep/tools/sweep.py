@@ -27,12 +27,15 @@ over the seeds whose run has the metric, and the plot draws the means.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import os
+import shlex
 import subprocess
 import sys
 
+import ml_collections
 from absl import app, flags, logging
 
 
@@ -43,6 +46,7 @@ def define_flags():
   flags.DEFINE_list("metrics", ["probe/map"], "summary.json keys to tabulate.")
   flags.DEFINE_string("eval_config", None, "Also run this eval config (vlrep.evaluate) on each variant.")
   flags.DEFINE_bool("collect_only", False, "Do not train; tabulate the runs found under --root.")
+  flags.DEFINE_bool("dry_run", False, "Resolve every run's config and print its command; train nothing.")
   flags.DEFINE_list(
     "overrides", [], "Extra --config.KEY=VALUE flags for every run (without the --config. prefix; {seed}, {suffix})."
   )
@@ -106,9 +110,37 @@ def mean_cell(values: list) -> tuple[float | None, str | None]:
   return mean, f"{mean:.2f} ± {std:.2f} ({each})"
 
 
-def run_variant(config: str, workdir: str, overrides: list[str], eval_config: str | None) -> None:
+def resolve_config(config: str, overrides: list[str]) -> ml_collections.ConfigDict:
+  """The config a run of `config` ('FILE.py[:ARG]') with `overrides` ('KEY=VALUE') would train: the file's
+  get_config(ARG), then every override's key looked up (an unknown key is an error, as vlrep.main makes it)."""
+  path, _, arg = config.partition(":")
+  spec = importlib.util.spec_from_file_location("sweep_variant_config", path)
+  if spec is None or not os.path.exists(path):
+    raise FileNotFoundError(f"No config file {path!r}.")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  cfg = module.get_config(arg or None)
+  for override in overrides:
+    key, sep, _ = override.partition("=")
+    node = cfg
+    for part in key.split("."):
+      if not sep or not isinstance(node, ml_collections.ConfigDict) or part not in node:
+        raise ValueError(f"Override {override!r}: {config} has no key {key!r}.")
+      node = node[part]
+  return cfg
+
+
+def run_variant(
+  config: str, workdir: str, overrides: list[str], eval_config: str | None, dry_run: bool = False
+) -> None:
+  """Trains one variant (vlrep.main in a subprocess), then evaluates it with `eval_config`. `dry_run`: resolves
+  the variant's config and prints the command instead (arguments and override keys checked, nothing trained)."""
   cmd = [sys.executable, "-m", "vlrep.main", f"--config={config}", f"--workdir={workdir}"]
   cmd += [f"--config.{o}" for o in overrides]
+  if dry_run:
+    resolve_config(config, overrides)
+    print("Would run:", shlex.join(["python", *cmd[1:]]), flush=True)
+    return
   logging.info("Running %s", " ".join(cmd))
   subprocess.run(cmd, check=True)
   if eval_config:
@@ -190,8 +222,10 @@ def sweep(
   collect_only: bool = False,
   overrides: list[str] | None = None,
   seeds=(0,),
-) -> tuple[str, str]:
-  """Runs (or only collects) the variants, each once per seed; returns (markdown path, plot path)."""
+  dry_run: bool = False,
+) -> tuple[str, str] | None:
+  """Runs (or only collects) the variants, each once per seed; returns (markdown path, plot path). `dry_run`:
+  resolves each variant's config and prints its command; trains and writes nothing (returns None)."""
   parsed = parse_vary(vary)
   seeds = parse_seeds(seeds)
   if seeds != (0,) and any(o.startswith("seed=") for o in overrides or []):
@@ -201,10 +235,12 @@ def sweep(
     workdirs = []
     for seed in seeds:
       workdir = os.path.join(root, name + seed_suffix(seed))
-      if not collect_only and not finished(workdir):
-        run_variant(cfg, workdir, seed_overrides(overrides or [], seed), eval_config)
+      if dry_run or (not collect_only and not finished(workdir)):
+        run_variant(cfg, workdir, seed_overrides(overrides or [], seed), eval_config, dry_run)
       workdirs.append(workdir)
     rows.append((name, assignment, workdirs))
+  if dry_run:
+    return None
   if len(seeds) == 1:
     table = plotted = collect([(n, a, w[0]) for n, a, w in rows], metrics)
   else:
@@ -224,7 +260,10 @@ def sweep(
 def main(argv):
   del argv
   f = flags.FLAGS
-  md, png = sweep(f.config, f.vary, f.root, f.metrics, f.eval_config, f.collect_only, f.overrides, f.seeds)
+  result = sweep(f.config, f.vary, f.root, f.metrics, f.eval_config, f.collect_only, f.overrides, f.seeds, f.dry_run)
+  if result is None:
+    return
+  md, png = result
   print(open(md).read())
   print(f"Table: {md}\nPlot: {png}")
 

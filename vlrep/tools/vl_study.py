@@ -118,6 +118,7 @@ def study(
   seeds=(0,),
   modes=MODES,
   downstream_overrides=(),
+  dry_run=False,
 ):
   """Runs what is missing of the grid, then writes ROOT/study.md and ROOT/study.png. `overrides` go to every run,
   `downstream_overrides` to the fine-tuning / frozen runs only (e.g. a longer head budget)."""
@@ -129,14 +130,16 @@ def study(
     raise ValueError(f"--modes must be among {MODES}, got {modes}.")
   for name, arg, pretrained, run_overrides in grid(archs, sources, tasks, seeds, modes, downstream_overrides):
     workdir = os.path.join(root, name)
-    if collect_only or sweep.finished(workdir):
+    if not dry_run and (collect_only or sweep.finished(workdir)):
       continue
     extra = list(overrides) + run_overrides
     if pretrained:
       extra.append(f"method.pretrained_run={os.path.join(root, pretrained)}")
     if name.endswith("_generated"):
       arg += f",generated={generated}"
-    sweep.run_variant(f"{path}:{','.join(filter(None, [base_arg, arg]))}", workdir, extra, None)
+    sweep.run_variant(f"{path}:{','.join(filter(None, [base_arg, arg]))}", workdir, extra, None, dry_run)
+  if dry_run:
+    return None, None
   md = tables(root, archs, sources, tasks, seeds, modes)
   os.makedirs(root, exist_ok=True)
   md_path, png_path = os.path.join(root, "study.md"), os.path.join(root, "study.png")
@@ -163,7 +166,10 @@ def main(argv):
     f.seeds,
     f.modes,
     [o for o in f.downstream_overrides if o],
+    f.dry_run,
   )
+  if md_path is None:
+    return
   with open(md_path) as fh:
     print(fh.read())
 
@@ -176,6 +182,7 @@ if __name__ == "__main__":
   flags.DEFINE_list("tasks", ["vqa", "ve"], "Downstream tasks.")
   flags.DEFINE_string("generated", "", "Generated-caption JSON for the 'generated' source.")
   flags.DEFINE_bool("collect_only", False, "Do not train; tabulate the runs found under --root.")
+  flags.DEFINE_bool("dry_run", False, "Resolve every run's config and print its command; train nothing.")
   flags.DEFINE_list("modes", list(MODES), "Downstream modes: finetune (whole model), frozen (head only).")
   flags.DEFINE_list("seeds", ["0"], "Seeds of every downstream run; cells show their mean and each seed's score.")
   flags.DEFINE_list(

@@ -1,0 +1,639 @@
+"""Every `python -m vlrep...` command the documentation shows runs, in its smallest real form.
+
+The commands are collected from the files themselves (tests/docs_commands.py). COMMANDS below holds one entry per
+documented command, in the order they run: how it is made small (the tiny dataset and runs, a step or two) or, for
+one that needs real data, a GPU or a cluster, the clear message it must refuse with at once. A documented command
+with no entry fails `test_every_documented_command_has_an_entry`; an entry whose command exits otherwise than its
+entry says fails `test_documented_command`.
+
+Every command goes through the same rewrites (REWRITES): the runlocal configs become their tiny test versions
+(tests/tiny_NAME.py, which is NAME.py:runlocal with a tiny override list), and every path the docs show (/tmp/...,
+/runs/..., gs://BUCKET/..., /data/..., ~/tensorflow_datasets, $W, $R) moves under this session's temp directory,
+so a run a command trains (e.g. /tmp/loctex_local) is the run a later command reads. The commands run in a
+pre-warmed process forked per command (tests/command_runner.py): the argv is the documented one, run as
+`python -m` runs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+
+import docs_commands
+import numpy as np
+import pytest
+from conftest import ROOT, TESTS
+
+# ---------------------------------------------------------------------------------------------------- #
+# How each documented command runs.
+# ---------------------------------------------------------------------------------------------------- #
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """Run it (after the rewrites, `replace` pairs, then `add` flags); it must exit 0 and print `expect`."""
+
+  add: tuple[str, ...] = ()
+  replace: tuple[tuple[str, str], ...] = ()
+  expect: str = ""
+  timeout: int = 300
+
+
+@dataclasses.dataclass(frozen=True)
+class Refuses:
+  """It needs what a CPU test machine lacks (a real dataset, a GPU, a cluster): it must exit non-zero within
+  `timeout` seconds printing `message` (a regex)."""
+
+  message: str
+  add: tuple[str, ...] = ()
+  replace: tuple[tuple[str, str], ...] = ()
+  timeout: int = 60
+
+
+@dataclasses.dataclass(frozen=True)
+class DryRun:
+  """A sweep of many full runs: run with --dry_run, which resolves every run's config (arguments and override
+  keys checked) and prints its command; the sweep mechanism itself is tested in test_evaluation.py."""
+
+  add: tuple[str, ...] = ()
+  replace: tuple[tuple[str, str], ...] = ()
+  timeout: int = 120
+
+
+@dataclasses.dataclass(frozen=True)
+class Synopsis:
+  """A usage line, not a command (placeholders such as NAME or [..|..], '...', shell variables, a bare module
+  name in prose): the module's --help must work."""
+
+  timeout: int = 60
+
+
+@dataclasses.dataclass(frozen=True)
+class Covered:
+  """Run in its smallest real form by another test (a multi-process harness too slow to repeat here); that test
+  must exist and run this module."""
+
+  test: str
+
+
+D = "{data_dir}"  # the tiny synthetic_scenes data (VLREP_TEST_DATA_DIR)
+TINY_EVAL = lambda name: (f"--config.evals.{name}.data_dir={D}", f"--config.evals.{name}.config_name=tiny")  # noqa: E731
+NOT_PREPARED = r"is not prepared in .*Prepare it"
+NO_MANUAL_DIR = r"--manual_dir=.* is not a folder or is empty"
+# The paper recipe's VirTex, shrunk for a CPU (what tests/tiny_virtex.py does to runlocal), for the commands that
+# train or time the full recipe.
+TINY_RECIPE = (
+  "--config.method.hidden=32",
+  "--config.method.backbone.depth=10",
+  "--config.method.backbone.width=8",
+  "--config.method.backbone.bn_group_size=4",
+  "--config.batch_size=4",
+)
+TINY_BENCHMARK = (*TINY_RECIPE, "--image_size=32", "--vocab_size=64", "--steps=1", "--windows=1", "--gemm_size=0")
+VIRTEX = "{tmp}/vlrep_virtex_local"  # the quick start's run (tests/conftest.py's tiny_virtex_run, copied)
+LOCTEX, MCT, ICMLM = "{tmp}/loctex_local", "{tmp}/mct_local", "{tmp}/icmlm_attfc"
+
+COMMANDS: dict[str, object] = {
+  # --- Training runs, first: later commands read them. ---------------------------------------------- #
+  "python -m vlrep.main --config=configs/virtex.py:runlocal --workdir=/tmp/vlrep_virtex_local": Run(
+    expect="probe/map: pretrained"
+  ),
+  "python -m vlrep.main --config=configs/virtex.py:runlocal --workdir=/tmp/virtex_local": Run(
+    expect="probe/map: pretrained"
+  ),
+  "python -m vlrep.main --config=configs/loctex.py:runlocal --workdir=/tmp/loctex_local": Run(expect="Finished"),
+  "python -m vlrep.main --config=configs/mct.py:runlocal --workdir=/tmp/mct_local": Run(expect="Finished"),
+  "python -m vlrep.main --config=configs/icmlm.py:runlocal,variant=tp --workdir=/tmp/icmlm_tp": Run(expect="Finished"),
+  "python -m vlrep.main --config=configs/icmlm.py:runlocal,variant=att_fc,warmup_frozen=150 "
+  "--config.init_from=/tmp/icmlm_tp --workdir=/tmp/icmlm_attfc": Run(expect="Backbone initialised from"),
+  "python -m vlrep.main --config=configs/finetune.py:runlocal --config.init_from=/tmp/virtex_local "
+  "--workdir=/tmp/ft_local": Run(expect="the backbone takes the architecture of"),
+  "python -m vlrep.main --config=configs/vlbert.py:runlocal,arch=visual_bert,stage=pretrain,data=questions,"
+  "extractor=$V --workdir=/tmp/vb_q": Run(expect="Finished"),
+  "python -m vlrep.main --config=configs/vlbert.py:runlocal,arch=visual_bert,stage=finetune,task=vqa,frozen,"
+  "extractor=$V --config.method.pretrained_run=/tmp/vb_q --workdir=/tmp/vb_q_vqa_frozen": Run(expect="Finished"),
+  "python -m vlrep.main --config=configs/vlbert.py:runlocal,extractor=/tmp/vlrep_virtex_local,arch=vilbert,"
+  "stage=pretrain,data=captions,lr=3e-4 --workdir=/tmp/vl_plr/vilbert_captions": Run(expect="Finished"),
+  # Your own data: prepared from a folder the test writes, then the paper recipe on it (shrunk).
+  "python -m vlrep.data.prepare --dataset=image_text --manual_dir=/data/mine --data_dir=~/tensorflow_datasets": Run(
+    replace=(("{tmp}/data/mine", "{own_data}"),), expect="image_text"
+  ),
+  "python -m vlrep.main --config=configs/virtex.py --config.data.name=image_text --config.data.config_name= "
+  "--config.data.data_dir=~/tensorflow_datasets --config.evals={} --workdir=/tmp/virtex_mine": Run(
+    add=(*TINY_RECIPE, "--config.tokenizer.path={vocab}", "--config.total_steps=2", "--config.log_every_steps=1"),
+    expect="Finished 2 steps",
+  ),
+  # --- The paper recipes: real datasets, so each refuses at once. ----------------------------------- #
+  **{
+    c: Refuses(NOT_PREPARED)
+    for c in (
+      "python -m vlrep.main --config=configs/virtex.py --workdir=$W/virtex",
+      "python -m vlrep.main --config=configs/virtex.py --workdir=/runs/virtex_r50_l1_h2048",
+      "python -m vlrep.main --config=configs/virtex.py --workdir=gs://BUCKET/virtex_r50_l1_h2048",
+      "python -m vlrep.main --config=configs/loctex.py --workdir=$W/loctex",
+      "python -m vlrep.main --config=configs/loctex.py --workdir=/runs/loctex_r50",
+      "python -m vlrep.main --config=configs/loctex.py --workdir=gs://BUCKET/loctex_r50",
+      "python -m vlrep.main --config=configs/mct.py:text=scratch --workdir=...",
+      "python -m vlrep.main --config=configs/finetune.py --config.init_from=$W/virtex --workdir=$W/ft",
+      "python -m vlrep.main --config=configs/finetune.py --config.init_from=/runs/virtex_r50 --workdir=/runs/inat_ft",
+      "python -m vlrep.tools.build_vocab --config=configs/virtex.py",
+    )
+  },
+  **{
+    c: Refuses(r"is not prepared in|BERT|bert-base-uncased")
+    for c in (
+      "python -m vlrep.main --config=configs/mct.py:bert=$BERT --workdir=$W/mct",
+      "python -m vlrep.main --config=configs/mct.py:bert=/data/bert-base-uncased --workdir=/runs/mct_r50",
+      "python -m vlrep.main --config=configs/mct.py:bert=/data/bert-base-uncased --workdir=gs://BUCKET/mct_r50",
+      "python -m vlrep.main --config=configs/mct.py:bert=/data/bert-base-uncased,tags=True --workdir=...",
+      "python -m vlrep.main --config=configs/icmlm.py:variant=tp,bert=$BERT --workdir=$W/tp",
+      "python -m vlrep.main --config=configs/icmlm.py:variant=tfm,bert=$BERT --config.init_from=$W/tp "
+      "--workdir=$W/icmlm",
+      "python -m vlrep.main --config=configs/icmlm.py:variant=tp,bert=/data/bert-base-uncased --workdir=$W/tp_postag",
+      "python -m vlrep.main --config=configs/icmlm.py:variant=tp,bert=/data/bert-base-uncased "
+      "--workdir=/runs/tp_postag",
+      "python -m vlrep.main --config=configs/icmlm.py:variant=tfm,bert=/data/bert-base-uncased "
+      "--config.init_from=$W/tp_postag --workdir=$W/icmlm_tfm",
+      "python -m vlrep.main --config=configs/icmlm.py:variant=tfm,bert=/data/bert-base-uncased "
+      "--config.init_from=/runs/tp_postag --workdir=/runs/icmlm_tfm",
+      "python -m vlrep.main --config=configs/vlbert.py:arch=visual_bert,stage=pretrain,data=captions,bert=$BERT "
+      "--workdir=$W/vb_coco",
+      "python -m vlrep.main --config=configs/vlbert.py:arch=visual_bert,stage=finetune,task=vqa,bert=$BERT "
+      "--config.method.pretrained_run=$W/vb_coco --workdir=$W/vb_coco_vqa",
+      "python -m vlrep.main --config=configs/vlbert.py:arch=visual_bert,stage=pretrain,data=captions,bert=$BERT,"
+      "extractor=$W/virtex --workdir=$W/vb",
+      "python -m vlrep.main --config=configs/vlbert.py:arch=visual_bert,stage=finetune,task=vqa,bert=$BERT,"
+      "extractor=$W/virtex --config.method.pretrained_run=$W/vb --workdir=$W/vb_vqa",
+    )
+  },
+  # --- Preparing the real datasets: from a local copy that is not here. ----------------------------- #
+  **{
+    c: Refuses(NO_MANUAL_DIR)
+    for c in (
+      "python -m vlrep.data.prepare --dataset=coco_captions2017 --manual_dir=/data/coco",
+      "python -m vlrep.data.prepare --dataset=coco_captions2017 --manual_dir=/data/coco "
+      "--data_dir=~/tensorflow_datasets",
+      "python -m vlrep.data.prepare --dataset=conceptual_captions --manual_dir=/data/cc",
+      "python -m vlrep.data.prepare --dataset=localized_narratives --manual_dir=/data/coco",
+      "python -m vlrep.data.prepare --dataset=localized_narratives --manual_dir=/data/coco "
+      "--data_dir=~/tensorflow_datasets",
+      "python -m vlrep.data.prepare --dataset=mm_imdb --manual_dir=/data/mmimdb",
+      "python -m vlrep.data.prepare --dataset=snli_ve --manual_dir=/data/snli_ve",
+      "python -m vlrep.data.prepare --dataset=vizwiz --manual_dir=/data/vizwiz",
+      "python -m vlrep.data.prepare --dataset=voc2007 --manual_dir=/data/VOCdevkit --data_dir=~/tensorflow_datasets",
+      "python -m vlrep.data.prepare --dataset=vqa2 --manual_dir=/data/vqa2",
+    )
+  },
+  **{
+    c: Synopsis()
+    for c in (
+      "python -m vlrep.data.prepare",
+      "python -m vlrep.data.prepare --dataset=NAME --manual_dir=DIR",
+      "python -m vlrep.data.prepare --dataset=coco_captions2017",
+      "python -m vlrep.data.prepare --dataset=coco_captions2017 --manual_dir=MANUAL_DIR",
+      "python -m vlrep.data.prepare --dataset=coco_captions2017 --manual_dir=PATH",
+      "python -m vlrep.data.prepare --dataset=image_text --manual_dir=/data/mine (your own: webdataset shards, or",
+      "python -m vlrep.data.prepare --dataset=image_text --manual_dir=MANUAL_DIR",
+      "python -m vlrep.data.prepare --dataset=localized_narratives --manual_dir=/data/coco "
+      "[--config_name=coco_openimages]",
+      "python -m vlrep.data.prepare --dataset=localized_narratives --manual_dir=MANUAL_DIR",
+      "python -m vlrep.data.prepare --dataset=localized_narratives --manual_dir=PATH",
+      "python -m vlrep.data.prepare --dataset=voc2007 --manual_dir=...",
+      "python -m vlrep.data.prepare --dataset=voc2007 --manual_dir=PATH",
+      "python -m vlrep.data.prepare --dataset=vqa2 --manual_dir=/data/vqa2 (also vizwiz, snli_ve, mm_imdb,",
+      "python -m vlrep.evaluate",
+      "python -m vlrep.evaluate --config=configs/eval/NAME.py --workdir=DIR",
+      "python -m vlrep.evaluate --config=configs/eval/NAME.py[:ARGS] --workdir=RUN [--checkpoint=best",
+      "python -m vlrep.main",
+      'python -m vlrep.main --config="$CONFIG" --workdir="$WORKDIR" "$@"',
+      'python -m vlrep.main --config="$CONFIG" --workdir="$WORKDIR" --coordinator_address="127.0.0.1:$PORT" '
+      '--num_processes="$N" --process_id="$i" "$@" > "$WORKDIR/process_$i.log" 2>',
+      "python -m vlrep.main --config=configs/finetune.py",
+      "python -m vlrep.main --config=configs/virtex.py[:ARG] --workdir=DIR [--config.KEY=VALUE]",
+      'python -m vlrep.main --multihost --config="$CONFIG" --workdir="$WORKDIR" "${EXTRA[@]}" "$@"',
+      'python -m vlrep.main --multihost --config=$CONFIG --workdir=$WORKDIR $*"',
+      "python -m vlrep.main ... --coordinator_address=HOST:PORT --num_processes=N --process_id=I",
+      "python -m vlrep.tools.attention_maps --workdir=RUN --out_dir=DIR [--map=1x",
+      "python -m vlrep.tools.benchmark --config=CONFIG --config.batch_size=256 --steps=20",
+      'python -m vlrep.tools.benchmark --steps=$STEPS --windows=$WINDOWS --input=device"',
+      "python -m vlrep.tools.caption --workdir=RUN [--decoding=beam",
+      "python -m vlrep.tools.coco_subset",
+      "python -m vlrep.tools.convert_regions",
+      "python -m vlrep.tools.grounding --workdir=/tmp/virtex_local [--direction=backward] [--limit=300]",
+      "python -m vlrep.tools.kernel_benchmark",
+      'python -m vlrep.tools.kernel_benchmark --batch=256 --group=32 --output="$OUT/kernels.json"',
+      'python -m vlrep.tools.sweep --config=configs/virtex.py:runlocal --vary="hidden=128 256',
+    )
+  },
+  # --- Evaluation. ------------------------------------------------------------------------------------ #
+  "python -m vlrep.evaluate --config=configs/eval/voc07_svm.py:runlocal --workdir=/tmp/virtex_local": Run(
+    add=TINY_EVAL("voc07_svm"), expect="voc07_svm/map"
+  ),
+  "python -m vlrep.evaluate --config=configs/eval/linear_probe.py:runlocal --workdir=/tmp/virtex_local": Run(
+    add=(*TINY_EVAL("linear_probe_virtex"), "--config.evals.linear_probe_virtex.epochs=1"), expect="linear_probe"
+  ),
+  "python -m vlrep.evaluate --config=configs/eval/captioning.py:runlocal --workdir=/tmp/virtex_local": Run(
+    add=(*TINY_EVAL("captioning_beam"), "--config.evals.captioning_beam.limit=4"), expect="captioning_beam/cider"
+  ),
+  "python -m vlrep.evaluate --config=configs/eval/tagging.py:runlocal --workdir=/tmp/mct_local": Run(
+    add=TINY_EVAL("tagging"), expect="tagging/"
+  ),
+  "python -m vlrep.evaluate --config=configs/eval/retrieval.py:runlocal --workdir=/tmp/mct_local": Run(
+    add=(*TINY_EVAL("vsepp"), "--config.evals.vsepp.fold_size=8"), expect="vsepp/"
+  ),
+  "python -m vlrep.evaluate --config=configs/eval/localization.py --workdir=/tmp/loctex_local": Run(
+    add=TINY_EVAL("localization"),
+    replace=(("configs/eval/localization.py", "configs/eval/localization.py:sizes=2+4"),),
+    expect="localization/pointing",
+  ),
+  **{
+    c: Refuses(NOT_PREPARED, replace=(("DIR", VIRTEX),))
+    for c in (
+      "python -m vlrep.evaluate --config=configs/eval/captioning.py --workdir=DIR",
+      "python -m vlrep.evaluate --config=configs/eval/captioning.py:decoding=nucleus --workdir=DIR",
+      "python -m vlrep.evaluate --config=configs/eval/linear_probe.py --workdir=DIR",
+      "python -m vlrep.evaluate --config=configs/eval/linear_probe.py:dataset=i_naturalist2018 --workdir=DIR",
+      "python -m vlrep.evaluate --config=configs/eval/linear_probe.py:variant=mct --workdir=DIR",
+      "python -m vlrep.evaluate --config=configs/eval/voc07_svm.py --workdir=DIR",
+      "python -m vlrep.evaluate --config=configs/eval/voc07_svm.py:variant=icmlm --workdir=DIR",
+      "python -m vlrep.evaluate --config=configs/eval/tagging.py --workdir=DIR",
+      "python -m vlrep.evaluate --config=configs/eval/retrieval.py --workdir=DIR",
+      "python -m vlrep.evaluate --config=configs/eval/retrieval.py:protocol=towers --workdir=DIR",
+    )
+  },
+  "python -m vlrep.evaluate --config=configs/eval/localization.py:sizes=2+4+8,limit=0 --workdir=DIR": Refuses(
+    r"evaluate with --config=configs/eval/localization.py:sizes=2\+4",
+    add=TINY_EVAL("localization"),
+    replace=(("DIR", LOCTEX),),
+  ),
+  "python -m vlrep.evaluate --config=configs/eval/retrieval.py:protocol=both": Refuses(r"--workdir", timeout=60),
+  # --- Export. ---------------------------------------------------------------------------------------- #
+  "python -m vlrep.export --workdir=RUN --format=torchvision --out=backbone.safetensors": Run(
+    replace=(("RUN", VIRTEX), ("backbone.safetensors", "{tmp}/backbone.safetensors"))
+  ),
+  "python -m vlrep.export --workdir=RUN --format=detectron2 --out=backbone.pkl": Run(
+    replace=(("RUN", VIRTEX), ("backbone.pkl", "{tmp}/backbone.pkl"))
+  ),
+  "python -m vlrep.export --workdir=DIR --format=torchvision --out=backbone.safetensors": Run(
+    replace=(("DIR", VIRTEX), ("backbone.safetensors", "{tmp}/backbone_dir.safetensors"))
+  ),
+  "python -m vlrep.export --workdir=DIR --format=detectron2 --out=backbone.pkl": Run(
+    replace=(("DIR", VIRTEX), ("backbone.pkl", "{tmp}/backbone_dir.pkl"))
+  ),
+  # --- Tools on the runs above. ------------------------------------------------------------------------ #
+  "python -m vlrep.tools.caption --workdir=/tmp/virtex_local photo1.jpg photo2.png": Run(
+    replace=(("photo1.jpg", "{image}"), ("photo2.png", "{image_png}")), expect="photo"
+  ),
+  "python -m vlrep.tools.caption --workdir=DIR --decoding=nucleus --attention_dir=/tmp/att photo.jpg": Run(
+    replace=(("DIR", VIRTEX), (" photo.jpg", " {image}"))
+  ),
+  "python -m vlrep.tools.caption --workdir=RUN --attention_dir=DIR IMAGE...": Run(
+    replace=(("RUN", VIRTEX), ("DIR", "{tmp}/att_readme"), ("IMAGE...", "{image} {image_png}"))
+  ),
+  "python -m vlrep.tools.generate_captions --workdir=/tmp/virtex_local --dataset=synthetic_scenes "
+  "--split=ood_train --output=/tmp/ood_generated.json": Run(add=(f"--data_dir={D}", "--config_name=tiny")),
+  "python -m vlrep.tools.generate_captions --workdir=/tmp/vlrep_virtex_local --output=/tmp/vl/ood_generated.json": Run(
+    add=(f"--data_dir={D}", "--config_name=tiny")
+  ),
+  "python -m vlrep.tools.grounding --workdir=/tmp/r/virtex/taskbicaptioning": Run(
+    replace=(("{tmp}/r/virtex/taskbicaptioning", VIRTEX),), add=("--limit=8",)
+  ),
+  "python -m vlrep.tools.svm_benchmark --workdir=/tmp/virtex_local": Run(add=("--sets=synthetic_scenes",)),
+  "python -m vlrep.tools.svm_benchmark": Run(add=("--config=tests/tiny_virtex.py",), timeout=400),
+  "python -m vlrep.tools.svm_benchmark --chance": Run(add=(f"--data_dir={D}", "--config_name=tiny"), expect="chance"),
+  "python -m vlrep.tools.token_prior --config=configs/virtex.py:runlocal": Run(),
+  "python -m vlrep.tools.attention_maps --workdir=/tmp/loctex_local --out_dir=/tmp/att --num_examples=4": Run(),
+  'python -m vlrep.tools.attention_maps --workdir=RUN --out_dir=/tmp/att --caption="a dog on the left" dog.jpg': Run(
+    replace=(("RUN", LOCTEX), (" dog.jpg", " {image}"))
+  ),
+  "python -m vlrep.tools.train_metrics --workdir=/tmp/loctex_local --metrics=grad_norm,contrastive_loss": Run(),
+  "python -m vlrep.tools.train_metrics --workdir=/tmp/loctex_local --metrics=train/ --format=csv": Run(),
+  "python -m vlrep.tools.masked_attention --workdir=/tmp/icmlm_attfc --out_dir=/tmp/icmlm_maps": Run(),
+  'python -m vlrep.tools.masked_attention --workdir=RUN --out_dir=/tmp/maps --caption="a dog on a red sofa" '
+  "dog.jpg": Run(replace=(("RUN", ICMLM), (" dog.jpg", " {image}"))),
+  "python -m vlrep.tools.masked_attention --workdir=RUN --out_dir=DIR": Run(
+    replace=(("RUN", ICMLM), ("DIR", "{tmp}/maps_dir"))
+  ),
+  "python -m vlrep.tools.masked_words --workdir=/tmp/icsweep/icmlm_att_fc": Run(
+    replace=(("{tmp}/icsweep/icmlm_att_fc", ICMLM),), expect="top-1"
+  ),
+  "python -m vlrep.tools.scenes_grid --out=docs/synthetic_scenes.png": Run(
+    replace=(("docs/synthetic_scenes.png", "{tmp}/synthetic_scenes.png"),)
+  ),
+  "python -m vlrep.tools.coco_subset --annotations=instances_train2017.json": Refuses(r"--percent"),
+  "python -m vlrep.tools.coco_subset --annotations=instances_train2017.json --percent=10 "
+  "--out=instances_train2017_10pct.json": Run(
+    replace=(("instances_train2017.json", "{coco_json}"), ("instances_train2017_10pct.json", "{tmp}/subset.json"))
+  ),
+  "python -m vlrep.tools.convert_regions --format=mmf --src=/data/vqa/features/trainval "
+  "--dst=/data/vlrep_regions": Refuses(r"trainval"),
+  "python -m vlrep.tools.weight_distance --root=/tmp/vl_study --arch=visual_bert --task=vqa": Refuses(r"vl_study"),
+  "python -m vlrep.tools.kernel_benchmark --shapes=tiny --batch=8 --group=8 --windows=1": Run(expect="speed-up"),
+  "python -m vlrep.tools.kernel_benchmark --batch=256 --output=/tmp/kernels.json": Refuses(r"needs a GPU"),
+  "python -m vlrep.tools.pipeline_benchmark": Run(add=("--seconds=1", "--cores=1"), timeout=400),
+  "python -m vlrep.tools.pipeline_benchmark --cores=1,2": Run(add=("--seconds=1",), timeout=400),
+  "python -m vlrep.tools.pipeline_benchmark --cores=1,2 --seconds=15": Run(add=("--seconds=1",), timeout=400),
+  "python -m vlrep.tools.pipeline_benchmark --cores=1,2 --seconds=15 --output=/tmp/pipeline.json": Run(
+    add=("--seconds=1",), timeout=400
+  ),
+  "python -m vlrep.tools.torch_reference --batch_size=256 --steps=30 --compile_mode=max-autotune": Refuses(
+    r"GPU|CUDA|torchvision"
+  ),
+  # The speed benchmark: the paper recipe's step, shrunk (TINY_BENCHMARK).
+  "python -m vlrep.tools.benchmark --config=configs/virtex.py:runlocal --steps=10": Run(
+    add=("--steps=1", "--windows=1", "--gemm_size=0")
+  ),
+  "python -m vlrep.tools.benchmark --config=configs/virtex.py --config.batch_size=256 --steps=20 --windows=3": Run(
+    add=TINY_BENCHMARK
+  ),
+  "python -m vlrep.tools.benchmark --config=configs/virtex.py --config.batch_size=8 --config.method.dtype=float32 "
+  "--image_size=64 --vocab_size=512 --steps=2 --windows=3 --gemm_size=0 --variant=fused_qkv:method.fused_qkv=True "
+  "--variant=conv1x1_as_dot:method.backbone.conv1x1_as_dot=True "
+  "--variant=pallas_conv1x1:method.backbone.pallas_conv1x1=True": Run(add=TINY_BENCHMARK),
+  "python -m vlrep.tools.benchmark --config=configs/virtex.py --profile --output_dir=/tmp/bench": Run(
+    add=TINY_BENCHMARK
+  ),
+  "python -m vlrep.tools.benchmark --config=configs/virtex.py --torch_reference": Run(add=TINY_BENCHMARK),
+  "python -m vlrep.tools.benchmark --config=configs/virtex.py --variant=fused_bn:method.backbone.fused_bn_act=True "
+  "--variant=rbg:rng_impl=rbg": Run(add=TINY_BENCHMARK),
+  # --- Multi-process harnesses, run by their own tests. ------------------------------------------------ #
+  "python -m vlrep.tools.faults --config=tests/tiny_virtex.py --workdir=/tmp/faults --kills=30": Covered(
+    "tests/test_faults.py"
+  ),
+  "python -m vlrep.tools.faults --config=tests/tiny_virtex.py --workdir=/tmp/faults --kills=30 "
+  "--overrides=total_steps=120,checkpoint.every_steps=4,evals.probe.every_steps=40": Covered("tests/test_faults.py"),
+  "python -m vlrep.tools.faults --config=tests/tiny_virtex.py --workdir=/tmp/faults --kills=30 --seed=0 "
+  "--overrides=total_steps=200,checkpoint.every_steps=4,evals.probe.every_steps=20": Covered("tests/test_faults.py"),
+  "python -m vlrep.tools.scale_test --workdir=/tmp/vlrep_scale --sizes=20k,200k --steps=300": Covered(
+    "tests/test_multihost.py"
+  ),
+}
+
+# Sweeps and studies: dry runs (each resolves its runs' configs).
+_SWEEPS = """
+python -m vlrep.tools.sweep --config=configs/finetune.py:runlocal,labels=presence --vary="steps=400" --seeds=0,1,2 --root=/tmp/supervised --metrics=probe/map,probe/map_val,probe/map_random_init
+python -m vlrep.tools.sweep --config=configs/finetune.py:runlocal,labels=presence --vary="steps=550" --seeds=0,1,2 --root=/tmp/r/supervised --metrics=probe/map,probe/map_val,probe/map_random_init
+python -m vlrep.tools.sweep --config=configs/icmlm.py:runlocal --vary="variant=text_only" --seeds=0,1,2 --root=$R/text_only --metrics=masked_tokens/top1,masked_tokens/top5
+python -m vlrep.tools.sweep --config=configs/icmlm.py:runlocal,variant=tfm,warmup_frozen=150 --vary="tp_weight=0.1" --seeds=0,1,2 --overrides="init_from=$R/tp/tagspostag{suffix}" --root=$R/lambda --metrics=probe/map_val,masked_tokens/top1
+python -m vlrep.tools.sweep --config=configs/icmlm.py:runlocal,variant=tfm,warmup_frozen=150 --vary="tp_weight=1.0" --seeds=0,1,2 --overrides="init_from=$R/tp/tagspostag{suffix}" --root=$R/tfm --metrics=probe/map,probe/map_val,probe/map_random_init,probe/map_val_random_init,masked_tokens/top1,masked_tokens/top5
+python -m vlrep.tools.sweep --config=configs/icmlm.py:runlocal,variant=tp --vary="tags=postag" --seeds=0,1,2 --root=$R/tp --metrics=probe/map,probe/map_val
+python -m vlrep.tools.sweep --config=configs/icmlm.py:runlocal,variant=tp --vary="tags=postag" --seeds=0,1,2 --root=R/tp
+python -m vlrep.tools.sweep --config=configs/icmlm.py:runlocal,variant=tp,steps=300,warmup_frozen=150 --vary="tags=postag" --seeds=0,1,2 --overrides="init_from=$R/tp/tagspostag{suffix}" --root=$R/control --metrics=probe/map,probe/map_val
+python -m vlrep.tools.sweep --config=configs/icmlm.py:runlocal,warmup_frozen=150 --vary="variant=att_fc" --seeds=0,1,2 --overrides="init_from=$R/tp/tagspostag{suffix}" --root=$R/att --metrics=probe/map,probe/map_val
+python -m vlrep.tools.sweep --config=configs/icmlm.py:runlocal,warmup_frozen=150 --vary="variant=tfm att_fc" --seeds=0,1,2 --overrides="init_from=R/tp/tagspostag{suffix}" --root=R/icmlm
+python -m vlrep.tools.sweep --config=configs/loctex.py:runlocal --vary="loss=both" --seeds=0,1,2 --root=/tmp/loctex_w1 --overrides=method.localization_weight=1.0 --metrics=probe/map_val,localization/pointing_1x,localization/pointing_2x
+python -m vlrep.tools.sweep --config=configs/loctex.py:runlocal --vary="loss=both" --seeds=0,1,2 --root=/tmp/r/loctex --metrics=probe/map,probe/map_val,probe/map_random_init,localization/pointing_1x,localization/chance_1x,localization/pointing_2x,localization/chance_2x
+python -m vlrep.tools.sweep --config=configs/loctex.py:runlocal --vary="loss=contrastive localization both" --seeds=0,1,2 --root=/tmp/loctex_sweep --metrics=$M
+python -m vlrep.tools.sweep --config=configs/loctex.py:runlocal --vary="scales=1 1+2 1+2+4" --seeds=0,1,2 --root=/tmp/loctex_sweep_scales --metrics=$M
+python -m vlrep.tools.sweep --config=configs/loctex.py:runlocal,oracle=True --vary="loss=both localization" --seeds=0,1,2 --root=/tmp/loctex_sweep_oracle --metrics=$M
+python -m vlrep.tools.sweep --config=configs/mct.py:runlocal --vary="loss=full" --seeds=0,1,2 --root=/tmp/r/mct --metrics=probe/map,probe/map_val,probe/map_random_init,retrieval/i2t_r10,retrieval/t2i_r10,retrieval/chance_r10
+python -m vlrep.tools.sweep --config=configs/mct.py:runlocal --vary="loss=moco tags inter full" --seeds=0,1,2 --root=/tmp/mct_sweep --metrics=probe/map,probe/map_val,probe/map_random_init,retrieval/i2t_r1,retrieval/i2t_r10,retrieval/t2i_r1,retrieval/t2i_r10,retrieval/chance_r1,retrieval/chance_r10,vsepp/i2t_r1,vsepp/i2t_r10,vsepp/t2i_r1,vsepp/t2i_r10
+python -m vlrep.tools.sweep --config=configs/mct.py:runlocal --vary="text=scratch bert" --seeds=0,1,2 --root=/tmp/mct_text --metrics=probe/map,probe/map_val,retrieval/i2t_r10,retrieval/t2i_r10
+python -m vlrep.tools.sweep --config=configs/virtex.py:runlocal --vary="fraction=10 100" --root=DIR --collect_only
+python -m vlrep.tools.sweep --config=configs/virtex.py:runlocal --vary="fraction=10 20 50 100" --root=/tmp/sweep_fraction --metrics=probe/map,probe/map_random_init
+python -m vlrep.tools.sweep --config=configs/virtex.py:runlocal --vary="fraction=10 50 100" --root=/tmp/sweep_fraction --metrics=probe/map,probe/map_random_init [--eval_config=configs/eval/NAME.py]
+python -m vlrep.tools.sweep --config=configs/virtex.py:runlocal --vary="fraction=10 50 100" --seeds=0,1,2 --root=/tmp/sweep --metrics=probe/map,probe/map_val
+python -m vlrep.tools.sweep --config=configs/virtex.py:runlocal --vary="steps=400 550" --seeds=0,1,2 --root=/tmp/r/steps --metrics=probe/map,probe/map_val
+python -m vlrep.tools.sweep --config=configs/virtex.py:runlocal --vary="task=bicaptioning captioning masked_lm token_classification" --seeds=0,1,2 --root=/tmp/r/virtex --metrics=probe/map,probe/map_val,probe/map_random_init,probe/map_val_random_init
+python -m vlrep.tools.sweep --config=configs/virtex.py:runlocal --vary="task=bicaptioning" --seeds=0,1,2 --root=/tmp/r/virtex --metrics=probe/map,probe/map_val,probe/map_random_init,probe/map_val_random_init
+"""
+COMMANDS.update(
+  {
+    c: DryRun(
+      replace=(
+        ("--root=DIR", "--root={tmp}/dir"),
+        (" [--eval_config=configs/eval/NAME.py]", ""),
+        ("--root=R/", "--root={tmp}/r/"),
+        ("=R/tp", "={tmp}/r/tp"),
+      )
+    )
+    for c in _SWEEPS.strip().splitlines()
+  }
+)
+
+_STUDIES = """
+python -m vlrep.tools.vl_study --config=configs/vlbert.py:runlocal --root=/tmp/vl_study --archs=visual_bert,vilbert --sources=none,captions,questions,ood_captions,generated --tasks=vqa,ve --generated=/tmp/ood_generated.json
+python -m vlrep.tools.vl_study --config=configs/vlbert.py:runlocal,extractor=/tmp/vlrep_virtex_local --root=/tmp/vl --archs=visual_bert,vilbert --sources=none,captions --tasks=vqa --modes=frozen --seeds=0,1,2
+python -m vlrep.tools.vl_study --config=configs/vlbert.py:runlocal,extractor=/tmp/vlrep_virtex_local --root=/tmp/vl/study --tasks=vqa --seeds=0,1,2 --generated=/tmp/vl/ood_generated.json
+python -m vlrep.tools.vl_study --config=configs/vlbert.py:runlocal,extractor=/tmp/vlrep_virtex_local --root=/tmp/vl_align --archs=vilbert --sources=captions --tasks=vqa --modes=frozen --seeds=0,1,2 --overrides=method.alignment_weight=1.0 --downstream_overrides=evals.task.split=probe_val
+python -m vlrep.tools.vl_study --config=configs/vlbert.py:runlocal,extractor=/tmp/vlrep_virtex_local --root=/tmp/vl_plr --archs=vilbert --sources=none,captions --tasks=vqa --modes=frozen --seeds=0,1,2 --downstream_overrides=evals.task.split=probe_val
+python -m vlrep.tools.vl_study --config=configs/vlbert.py:runlocal,extractor=/tmp/vlrep_virtex_local --root=/tmp/vl_study --tasks=vqa,ve --generated=/tmp/ood_generated.json
+python -m vlrep.tools.vl_study --config=configs/vlbert.py:runlocal,extractor=/tmp/vlrep_virtex_local --root=/tmp/vl_sum --archs=vilbert --sources=none,captions --tasks=vqa --modes=frozen --seeds=0,1,2 --overrides=method.fusion=sum --downstream_overrides=evals.task.split=probe_val
+python -m vlrep.tools.vl_study --config=configs/vlbert.py:runlocal,extractor=/tmp/vlrep_virtex_local,lr=1e-3 --root=/tmp/vl_lr --archs=vilbert --sources=none,captions --tasks=vqa --modes=frozen --seeds=0,1,2 --downstream_overrides=evals.task.split=probe_val
+python -m vlrep.tools.vl_study --config=configs/vlbert.py:runlocal,extractor=/tmp/vlrep_virtex_local,lr=1e-3 --root=/tmp/vl_vil --archs=vilbert --sources=none,captions --tasks=vqa --modes=frozen --seeds=0,1,2 --downstream_overrides=evals.task.split=probe_val
+python -m vlrep.tools.vl_study --config=configs/vlbert.py:runlocal,extractor=/tmp/vlrep_virtex_local,pairs=1 --root=/tmp/vl_sel --archs=visual_bert --sources=none,captions --tasks=vqa --modes=frozen --seeds=0,1,2 --downstream_overrides=evals.task.split=probe_val
+"""
+COMMANDS.update({c: DryRun() for c in _STUDIES.strip().splitlines()})
+
+
+# ---------------------------------------------------------------------------------------------------- #
+# The rewrites every command goes through, and running one.
+# ---------------------------------------------------------------------------------------------------- #
+TINY_CONFIGS = (
+  "virtex",
+  "loctex",
+  "mct",
+  "icmlm",
+  "finetune",
+  "vlbert",
+)  # tests/tiny_NAME.py = NAME.py:runlocal + tiny
+_PATHS = re.compile(r"gs://BUCKET/|/runs/|/tmp/|/data/|~/tensorflow_datasets|\$W/|\$R/|\$BERT\b|\$V\b")
+_PATH_TO = {
+  "gs://BUCKET/": "{tmp}/bucket/",
+  "/runs/": "{tmp}/runs/",
+  "/tmp/": "{tmp}/",
+  "/data/": "{tmp}/data/",
+  "~/tensorflow_datasets": "{tmp}/tensorflow_datasets",
+  "$W/": "{tmp}/w/",
+  "$R/": "{tmp}/r/",
+  "$BERT": "{tmp}/data/bert-base-uncased",
+  "$V": VIRTEX,
+}
+
+
+def rewrite(command: str) -> str:
+  """The documented command in the test's world: tiny configs, paths under the session's temp directory, and
+  /tmp/virtex_local (configs' docstrings) the same run as /tmp/vlrep_virtex_local (README's quick start)."""
+
+  def tiny(m):
+    return f"tests/tiny_{m.group(1)}.py" + (f":{m.group(2)}" if m.group(2) else "")
+
+  names = "|".join(TINY_CONFIGS)
+  command = re.sub(rf"configs/({names})\.py:runlocal(?:,(\S+?))?(?=[\s\"]|$)", tiny, command)
+  command = command.replace("/tmp/virtex_local", "/tmp/vlrep_virtex_local").replace("--workdir=...", "--workdir=/tmp/dots")
+  return _PATHS.sub(lambda m: _PATH_TO[m.group(0)], command)
+
+
+def argv_of(command: str, entry, ctx: dict) -> list[str]:
+  """[module, args...] to run for a documented command under its entry."""
+  text = rewrite(command)
+  for old, new in getattr(entry, "replace", ()):
+    assert old in text, f"entry replaces {old!r}, which {text!r} does not hold"
+    text = text.replace(old, new)
+  words = shlex.split(text)
+  assert words[:2] == ["python", "-m"], text
+  if isinstance(entry, Synopsis):
+    return [words[2], "--help"]
+  extra = list(getattr(entry, "add", ()))
+  if isinstance(entry, DryRun):
+    extra.append("--dry_run")
+  return [w.format(**ctx) for w in words[2:] + extra]
+
+
+class Runner:
+  """The pre-warmed command server (tests/command_runner.py)."""
+
+  def __init__(self, env: dict):
+    self.proc = subprocess.Popen(
+      [sys.executable, os.path.join(TESTS, "command_runner.py")],
+      cwd=ROOT,
+      env=env,
+      stdin=subprocess.PIPE,
+      stdout=subprocess.PIPE,
+      text=True,
+    )
+    assert json.loads(self.proc.stdout.readline()) == {"ready": True}
+
+  def run(self, argv: list[str], log: str, timeout: int) -> tuple[int, float, str]:
+    self.proc.stdin.write(json.dumps({"argv": argv, "log": log, "timeout": timeout}) + "\n")
+    self.proc.stdin.flush()
+    reply = json.loads(self.proc.stdout.readline())
+    with open(log, errors="replace") as f:
+      return reply["rc"], reply["seconds"], f.read()
+
+  def close(self):
+    self.proc.stdin.close()
+    self.proc.wait(timeout=60)
+
+
+def check(command: str, entry, ctx: dict, runner: Runner, log: str) -> float:
+  """Runs one documented command under its entry; an AssertionError says what went wrong, with the output."""
+  if isinstance(entry, Covered):
+    path = os.path.join(ROOT, entry.test)
+    module = command.split()[2]
+    assert os.path.exists(path), f"{command!r} is said to be covered by {entry.test}, which does not exist"
+    with open(path) as f:
+      assert module in f.read(), f"{entry.test} does not run {module}"
+    return 0.0
+  argv = argv_of(command, entry, ctx)
+  rc, seconds, out = runner.run(argv, log, entry.timeout)
+  shown = (
+    f"{command}\nran as: python -m {shlex.join(argv)}\nexit {rc} after {seconds:.1f}s; output ends:\n{out[-4000:]}"
+  )
+  if isinstance(entry, Refuses):
+    assert rc not in (0, 124), f"expected a refusal (non-zero exit) with /{entry.message}/:\n{shown}"
+    assert re.search(entry.message, out, re.S), f"the refusal does not say /{entry.message}/:\n{shown}"
+  else:
+    assert rc == 0, f"exit {rc}:\n{shown}"
+    expect = getattr(entry, "expect", "")
+    assert not expect or re.search(expect, out), f"the output does not show /{expect}/:\n{shown}"
+  return seconds
+
+
+def missing_entries(documented: dict[str, list[str]]) -> list[str]:
+  return [f"{c!r} (shown in {', '.join(files)})" for c, files in documented.items() if c not in COMMANDS]
+
+
+# ---------------------------------------------------------------------------------------------------- #
+# The tests.
+# ---------------------------------------------------------------------------------------------------- #
+
+
+def test_every_documented_command_has_an_entry():
+  documented = docs_commands.documented_commands()
+  missing = missing_entries(documented)
+  assert not missing, "Documented commands with no entry in tests/test_docs_commands.py:COMMANDS:\n" + "\n".join(
+    missing
+  )
+  stale = [c for c in COMMANDS if c not in documented]
+  assert not stale, "Entries for commands no file shows any more (remove them):\n" + "\n".join(stale)
+
+
+def test_a_new_command_in_the_docs_without_an_entry_is_reported(tmp_path):
+  (tmp_path / "docs").mkdir()
+  (tmp_path / "docs" / "new.md").write_text(
+    "Run\n```bash\npython -m vlrep.tools.new_tool --workdir=RUN \\\n  --flag=1   # a comment\n```\nand "
+    "`python -m vlrep.evaluate --config=configs/eval/voc07_svm.py:runlocal --workdir=/tmp/virtex_local`.\n"
+  )
+  documented = docs_commands.documented_commands(str(tmp_path))
+  assert list(documented) == [
+    "python -m vlrep.tools.new_tool --workdir=RUN --flag=1",
+    "python -m vlrep.evaluate --config=configs/eval/voc07_svm.py:runlocal --workdir=/tmp/virtex_local",
+  ]
+  assert missing_entries(documented) == [
+    "'python -m vlrep.tools.new_tool --workdir=RUN --flag=1' (shown in docs/new.md)"
+  ]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, tiny_virtex_run, tiny_builder, tiny_tokenizer):
+  """The session's temp world the rewritten commands live in, and the command server."""
+  from PIL import Image
+
+  from vlrep.data import tokenizers
+
+  tmp = tmp_path_factory.mktemp("docs_commands")
+  shutil.copytree(tiny_virtex_run.workdir, tmp / "vlrep_virtex_local")  # the quick start's run (it resumes)
+  rng = np.random.default_rng(0)
+  Image.fromarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8)).save(tmp / "photo.jpg")
+  Image.fromarray(rng.integers(0, 255, (40, 40, 3), dtype=np.uint8)).save(tmp / "photo.png")
+  own = tmp / "own_data"
+  (own / "images").mkdir(parents=True)
+  rows = []
+  for i in range(12):
+    Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(own / "images" / f"{i}.jpg")
+    rows.append(json.dumps({"image": f"images/{i}.jpg", "caption": f"a red circle and {i % 3 + 1} blue squares"}))
+  (own / "captions.jsonl").write_text("\n".join(rows) + "\n")
+  coco = {
+    "images": [{"id": i, "file_name": f"{i}.jpg", "width": 10, "height": 10} for i in range(20)],
+    "annotations": [
+      {"id": i, "image_id": i, "category_id": 1, "bbox": [0, 0, 5, 5], "area": 25, "iscrowd": 0} for i in range(20)
+    ],
+    "categories": [{"id": 1, "name": "thing"}],
+  }
+  (tmp / "instances.json").write_text(json.dumps(coco))
+  ctx = {
+    "tmp": str(tmp),
+    "data_dir": os.environ["VLREP_TEST_DATA_DIR"],
+    "image": str(tmp / "photo.jpg"),
+    "image_png": str(tmp / "photo.png"),
+    "own_data": str(own),
+    "coco_json": str(tmp / "instances.json"),
+    "vocab": tokenizers.default_path(tiny_virtex_run_config().tokenizer, tiny_builder),
+  }
+  (tmp / "home").mkdir()
+  (tmp / "logs").mkdir()
+  # HOME inside the temp world: a command that misses an override cannot write into the user's ~/.cache.
+  runner = Runner({**os.environ, "HOME": str(tmp / "home"), "TF_CPP_MIN_LOG_LEVEL": "2"})
+  yield ctx, runner
+  runner.close()
+
+
+def tiny_virtex_run_config():
+  from conftest import load_tiny_config
+
+  return load_tiny_config()
+
+
+@pytest.mark.parametrize("command", list(COMMANDS), ids=[f"{i:03d}" for i in range(len(COMMANDS))])
+def test_documented_command(command, world):
+  ctx, runner = world
+  log = os.path.join(ctx["tmp"], "logs", f"{list(COMMANDS).index(command):03d}.log")
+  check(command, COMMANDS[command], ctx, runner, log)
+
+
+def test_an_entry_whose_command_fails_or_refuses_wrongly_fails(world):
+  ctx, runner = world
+  log = os.path.join(ctx["tmp"], "logs", "self_test.log")
+  bad = "python -m vlrep.evaluate --config=configs/eval/voc07_svm.py:runlocal --workdir=/tmp/no_such_run"
+  with pytest.raises(AssertionError, match="exit 1"):
+    check(bad, Run(), ctx, runner, log)
+  with pytest.raises(AssertionError, match="does not say"):
+    check(bad, Refuses("a message it does not print"), ctx, runner, log)
+  check(bad, Refuses(r"No run directory"), ctx, runner, log)

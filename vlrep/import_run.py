@@ -1,0 +1,200 @@
+r"""Imports a published checkpoint as a vlrep run directory: the second door for weights (vlrep.export is the first).
+
+  python -m vlrep.import_run --format=virtex --checkpoint=bicaptioning_R_50_L1_H2048.pth \
+      --vocab=coco_10k.model --workdir=/runs/virtex_zoo
+  python -m vlrep.import_run --format=torchvision --checkpoint=resnet50-0676ba61.pth --workdir=/runs/in1k_r50
+  python -m vlrep.import_run --format=auto --checkpoint=FILE --workdir=RUN       # the format that fits the keys
+
+and then, as with any trained run:
+
+  python -m vlrep.evaluate --config=configs/eval/voc07_svm.py --workdir=/runs/in1k_r50
+  python -m vlrep.tools.caption --workdir=/runs/virtex_zoo photo.jpg
+  python -m vlrep.main --config=configs/finetune.py --config.init_from=/runs/in1k_r50 --workdir=/runs/inat_ft
+  python -m vlrep.export --workdir=/runs/virtex_zoo --format=virtex --out=bicaptioning.pth
+
+A format is a module `vlrep.importers.<format>` (see vlrep/importers/__init__.py for the contract); --format=auto
+picks the one whose `score` of the file's keys is highest. The run directory is what training writes: a 'best'
+and a latest checkpoint (step 0) whose metadata holds the run's config (the format's default recipe config, or
+--config, with the method built from the checkpoint's shapes) and an `import` note (source, format, what was
+dropped and why), plus summary.json. Everything is checked before anything is written; an existing --workdir is
+replaced only with --overwrite.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import shutil
+
+from absl import app, flags, logging
+from ml_collections import ConfigDict
+
+from vlrep import importers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_config(spec: str) -> ConfigDict:
+  """`path/to/config.py[:ARG]` -> get_config(ARG); a relative path is looked up in the working directory, then in
+  the repository (where configs/ lives)."""
+  import importlib.util
+
+  path, _, arg = spec.partition(":")
+  candidates = [path] if os.path.isabs(path) else [path, os.path.join(ROOT, path)]
+  found = next((p for p in candidates if os.path.exists(p)), None)
+  if found is None:
+    raise FileNotFoundError(f"No config file {path!r} (looked in {candidates}); pass --config=PATH[:ARG].")
+  name = "vlrep_import_config_" + os.path.splitext(os.path.basename(found))[0]
+  module_spec = importlib.util.spec_from_file_location(name, found)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg or None)
+
+
+def resolve_format(fmt: str, checkpoint: str):
+  """The format module: the named one, or for 'auto' the best-scoring one (an error naming the closest format and
+  how the file differs from it when none fits)."""
+  if fmt != "auto":
+    return importers.format_module(fmt)
+  if os.path.isdir(checkpoint):
+    raise ValueError(f"--format=auto reads checkpoint files; {checkpoint} is a folder: name its format.")
+  keys = set(importers.load_state_dict(checkpoint))
+  name, score, missing, unexpected = importers.closest_format(keys)
+  if score < 0.5 or missing:
+    raise importers.no_format_error(checkpoint, keys, name, score, missing, unexpected)
+  logging.info("--format=auto: %s (score %.2f).", name, score)
+  return importers.format_module(name)
+
+
+def check_workdir(workdir: str, overwrite: bool) -> str:
+  workdir = os.path.abspath(os.path.expanduser(workdir))
+  if os.path.isfile(workdir):
+    raise FileExistsError(f"--workdir={workdir} is a file, not a run directory.")
+  if os.path.isdir(workdir) and os.listdir(workdir) and not overwrite:
+    raise FileExistsError(
+      f"--workdir={workdir} already exists and is not empty; pass --overwrite to replace it, or choose another."
+    )
+  return workdir
+
+
+def read(module, checkpoint: str, vocab: str | None, workdir: str, config: ConfigDict | None, **options):
+  """module.read(...) with the keyword arguments its signature accepts (the base config and the run directory are
+  offered to every format; options the format does not take are an error)."""
+  params = inspect.signature(module.read).parameters
+  takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+  kwargs = {k: v for k, v in (("config", config), ("workdir", workdir)) if takes_any or k in params}
+  unknown = [k for k in options if not takes_any and k not in params]
+  if unknown:
+    name = module.__name__.rsplit(".", 1)[-1]
+    raise ValueError(f"--{', --'.join(unknown)} do(es) not apply to --format={name}.")
+  return module.read(checkpoint, vocab, **kwargs, **options)
+
+
+def _jsonable(x):
+  return json.loads(json.dumps(x, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
+
+
+def write_run(workdir: str, imported: importers.ImportedRun, overwrite: bool) -> None:
+  """Writes the run as training does (vlrep.checkpoint.Checkpointer: best and latest checkpoints of step 0, the
+  config in their metadata), into a sibling directory first and renamed into place when complete."""
+  import numpy as np
+
+  from vlrep import checkpoint as ckpt_lib
+  from vlrep import runs
+
+  tmp = workdir + ".importing"
+  if os.path.exists(tmp):
+    shutil.rmtree(tmp)
+  os.makedirs(tmp)
+  try:
+    for rel, src in imported.files.items():
+      os.makedirs(os.path.dirname(os.path.join(tmp, rel)), exist_ok=True)
+      shutil.copyfile(src, os.path.join(tmp, rel))
+    to_np = lambda t: {k: to_np(v) if isinstance(v, dict) else np.asarray(v) for k, v in t.items()}  # noqa: E731
+    params, model_state = to_np(imported.params), to_np(imported.model_state)
+    state = {"step": np.int32(0), "params": params, "model_state": model_state}
+    meta = {
+      "signature": ckpt_lib.signature(params),
+      "config": imported.config.to_dict(),
+      "summary": {},
+      "import": _jsonable(imported.note),
+    }
+    ck = ckpt_lib.Checkpointer(tmp, keep=1, async_save=False)
+    ck.save(0, state, meta)
+    ck.save(0, state, meta, best=True)
+    ck.wait()
+    ck.close()
+    note = imported.note
+    runs.write_summary(tmp, {"import/format": note.get("format", ""), "import/source": note.get("source", "")})
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  if os.path.exists(workdir):
+    if not overwrite and os.listdir(workdir):
+      shutil.rmtree(tmp, ignore_errors=True)
+      raise FileExistsError(f"--workdir={workdir} appeared while importing; nothing was replaced.")
+    shutil.rmtree(workdir)
+  os.replace(tmp, workdir)
+
+
+def import_run(
+  fmt: str,
+  checkpoint: str,
+  workdir: str,
+  vocab: str | None = None,
+  config: str | None = None,
+  overwrite: bool = False,
+  **options,
+) -> importers.ImportedRun:
+  """Reads CHECKPOINT in format FMT ('auto': the best-scoring format) and writes the run to WORKDIR; returns what
+  was imported. `config`: the base config file[:arg] (default: the format's DEFAULT_CONFIG, if it names one)."""
+  workdir = check_workdir(workdir, overwrite)
+  if not os.path.exists(checkpoint):
+    raise FileNotFoundError(f"No checkpoint {checkpoint}.")
+  if vocab and not os.path.exists(vocab):
+    raise FileNotFoundError(f"No vocabulary file {vocab}.")
+  module = resolve_format(fmt, checkpoint)
+  spec = config or getattr(module, "DEFAULT_CONFIG", None)
+  base = load_config(spec) if spec else None
+  imported = read(module, checkpoint, vocab, workdir, base, **options)
+  write_run(workdir, imported, overwrite)
+  logging.info("Imported %s (%s) into %s.", checkpoint, imported.note.get("format"), workdir)
+  return imported
+
+
+def define_flags():
+  """Command-line flags (defined only when run as a command, so importing the module defines none)."""
+  flags.DEFINE_string("format", "auto", "A module of vlrep/importers (virtex, torchvision, ...) or 'auto'.")
+  flags.DEFINE_string("checkpoint", None, "The published checkpoint (file, or folder for folder formats).")
+  flags.DEFINE_string("vocab", None, "The model's vocabulary (VirTex: the official coco_10k.model).")
+  flags.DEFINE_string("workdir", None, "The run directory to write.")
+  flags.DEFINE_bool("overwrite", False, "Replace an existing --workdir.")
+  flags.DEFINE_string("config", None, "Base config file[:arg] (default: the format's recipe config).")
+  flags.DEFINE_string("task", None, "VirTex: captioning or masked_lm for a forward-only head (default: file name).")
+  flags.DEFINE_integer("heads", 0, "VirTex: attention heads of the textual head (default H / 64, as the zoo).")
+  flags.DEFINE_bool("backbone_only", False, "VirTex: import the visual backbone alone.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  f = flags.FLAGS
+  options = {}
+  if f.task:
+    options["task"] = f.task
+  if f.heads:
+    options["heads"] = f.heads
+  if f.backbone_only:
+    options["backbone_only"] = True
+  imported = import_run(f.format, f.checkpoint, f.workdir, f.vocab, f.config, f.overwrite, **options)
+  note = imported.note
+  print(f"Imported {f.checkpoint} ({note.get('format')}) into {os.path.abspath(f.workdir)}", flush=True)
+  for key, why in note.get("dropped", {}).items():
+    print(f"  dropped {key}: {why}", flush=True)
+
+
+if __name__ == "__main__":
+  define_flags()
+  flags.mark_flags_as_required(["checkpoint", "workdir"])
+  app.run(main)

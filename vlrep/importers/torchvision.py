@@ -1,0 +1,208 @@
+"""torchvision (and timm) ResNets: ResNet-18/50/101/152 and Wide ResNet-50-2 state dicts -> a backbone-only run.
+
+  python -m vlrep.import_run --format=torchvision --checkpoint=resnet50-0676ba61.pth --workdir=/runs/in1k_r50
+  python -m vlrep.evaluate --config=configs/eval/voc07_svm.py --workdir=/runs/in1k_r50
+
+The key map (`resnet_rules`) is the one `vlrep.export --format=torchvision` writes with, so import -> export is the
+identity, tensor for tensor (BatchNorm's `num_batches_tracked` counters are kept in the run's note and written
+back). timm's ResNets (resnet50.a1_in1k, ...) use torchvision's names and load the same way.
+
+Read from the tensors' shapes: the block type (bottleneck if `layer1.0.conv3` exists), the blocks per stage (the
+depth: 3-4-6-3 is 50, 3-4-23-3 is 101, ...), the stem width (`conv1.weight`'s output channels) and the bottlenecks'
+inner-width multiplier (2 for wide_resnet50_2). The ImageNet classifier (`fc`) is dropped, and named in the note:
+a vlrep run holds the backbone that evaluators, `init_from` and export use.
+
+The run's config is a fine-tuning config (`configs/finetune.py`, method 'classifier', unless `--config` names
+another) with the backbone section set to the imported architecture and float32 compute.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from ml_collections import ConfigDict
+
+from vlrep.importers import (
+  ImportedRun,
+  KeyMap,
+  closest_format,
+  flatten,
+  load_state_dict,
+  no_format_error,
+  rule,
+  unflatten,
+)
+from vlrep.models import resnet
+
+DESCRIPTION = "torchvision/timm ResNet-18/50/101/152 or Wide ResNet-50-2 state dict (.pth, .safetensors)"
+DEFAULT_CONFIG = "configs/finetune.py"
+ANCHORS = ("conv1.weight", "bn1.weight", "bn1.running_mean", "layer1.0.conv1.weight", "layer4.0.conv1.weight")
+
+
+def resnet_rules(prefix: str = "", root: str = "backbone") -> list:
+  """torchvision's ResNet names (under `prefix`, e.g. 'visual.cnn.' in VirTex checkpoints) <-> vlrep's ResNet
+  variables (under `root` of the run's params and batch_stats)."""
+
+  def conv(v, f):
+    return [rule(f"params/{root}/{v}/kernel", f"{prefix}{f}.weight", transform="conv")]  # HWIO <-> OIHW
+
+  def bn(v, f):
+    return [
+      rule(f"params/{root}/{v}/scale", f"{prefix}{f}.weight"),
+      rule(f"params/{root}/{v}/bias", f"{prefix}{f}.bias"),
+      rule(f"batch_stats/{root}/{v}/mean", f"{prefix}{f}.running_mean"),
+      rule(f"batch_stats/{root}/{v}/var", f"{prefix}{f}.running_var"),
+      rule(None, f"{prefix}{f}.num_batches_tracked", absent="counter"),
+    ]
+
+  block = "layer{}_block{}", "layer{}.{}"
+  return [
+    *conv("conv1", "conv1"),
+    *bn("bn1", "bn1"),
+    *conv(f"{block[0]}/conv{{}}", f"{block[1]}.conv{{}}"),
+    *bn(f"{block[0]}/bn{{}}", f"{block[1]}.bn{{}}"),
+    *conv(f"{block[0]}/downsample_conv", f"{block[1]}.downsample.0"),
+    *bn(f"{block[0]}/downsample_bn", f"{block[1]}.downsample.1"),
+    rule(None, f"{prefix}fc.weight", absent="dropped"),
+    rule(None, f"{prefix}fc.bias", absent="dropped"),
+  ]
+
+
+KEY_MAP = KeyMap("torchvision ResNet", resnet_rules())
+
+
+def score(keys: set[str]) -> tuple[float, list[str], list[str]]:
+  keys = set(keys)
+  if not keys:
+    return 0.0, list(ANCHORS), []
+  matched = {k for k in keys if KEY_MAP.matches(k)}
+  missing = [a for a in ANCHORS if a not in keys]
+  return len(matched) / len(keys) * (1 - len(missing) / len(ANCHORS)), missing, sorted(keys - matched)
+
+
+def architecture(sd: dict, prefix: str = "") -> dict:
+  """vlrep's ResNet arguments (depth, width, inner_multiplier) read from a torchvision-named state dict's shapes."""
+  stem = sd.get(f"{prefix}conv1.weight")
+  if stem is None:
+    raise ValueError(f"No {prefix}conv1.weight: not a torchvision ResNet.")
+  if stem.ndim != 4 or tuple(stem.shape[1:]) != (3, 7, 7):
+    raise ValueError(
+      f"{prefix}conv1.weight is {tuple(stem.shape)}; torchvision's ResNet stem is (width, 3, 7, 7) (a 7x7 convolution "
+      "of RGB images). Deep-stem variants (timm's resnet50d) are not torchvision's layout."
+    )
+  width = int(stem.shape[0])
+  bottleneck = f"{prefix}layer1.0.conv3.weight" in sd
+  blocks = []
+  for stage in range(1, 5):
+    n = 0
+    while f"{prefix}layer{stage}.{n}.conv1.weight" in sd:
+      n += 1
+    blocks.append(n)
+  depth = next(
+    (d for d, sizes in resnet.DEPTHS.items() if tuple(sizes) == tuple(blocks) and (d not in (10, 18)) == bottleneck),
+    None,
+  )
+  if depth is None:
+    supported = ", ".join(
+      f"{d} ({'-'.join(map(str, s))}, {'basic' if d in (10, 18) else 'bottleneck'})" for d, s in resnet.DEPTHS.items()
+    )
+    raise ValueError(
+      f"The checkpoint's ResNet has {'-'.join(map(str, blocks))} {'bottleneck' if bottleneck else 'basic'} blocks per "
+      f"stage, which no vlrep ResNet depth has; supported: {supported}."
+    )
+  inner = 1
+  if bottleneck:
+    inner_width = int(sd[f"{prefix}layer1.0.conv1.weight"].shape[0])
+    if inner_width % width:
+      raise ValueError(
+        f"{prefix}layer1.0.conv1.weight has {inner_width} output channels, not a multiple of the stem width {width}."
+      )
+    inner = inner_width // width
+  return {"depth": depth, "width": width, "inner_multiplier": inner}
+
+
+def expected_shapes(arch: dict, root: str = "backbone") -> dict[str, tuple]:
+  """{'params/<root>/...': shape, 'batch_stats/<root>/...': shape} of vlrep's ResNet of `arch` (shapes only)."""
+  net = resnet.ResNet(depth=arch["depth"], width=arch["width"], inner_multiplier=arch["inner_multiplier"])
+  shapes = jax.eval_shape(lambda: net.init(jax.random.PRNGKey(0), jnp.zeros((1, 64, 64, 3)), False))
+  return {
+    f"{collection}/{root}/{path}": tuple(s.shape)
+    for collection in ("params", "batch_stats")
+    for path, s in flatten(shapes[collection]).items()
+  }
+
+
+def backbone_section(base: dict | None, arch: dict) -> dict:
+  """A config's `method.backbone` with the imported architecture (the base section's other keys, e.g. its
+  BatchNorm group size and speed switches, are kept for fine-tuning)."""
+  section = {k: v for k, v in dict(base or {}).items() if k not in ("arch", "inner_multiplier", "stem_stride")}
+  section.update(depth=arch["depth"], width=arch["width"], stem="imagenet")
+  if arch["inner_multiplier"] != 1:
+    section["inner_multiplier"] = arch["inner_multiplier"]
+  return section
+
+
+def read_backbone(sd: dict, prefix: str = "", root: str = "backbone"):
+  """(arch, vlrep.importers.Converted) of the ResNet under `prefix` of a state dict (the other keys ignored)."""
+  arch = architecture(sd, prefix)
+  part = {k: v for k, v in sd.items() if k.startswith(prefix)} if prefix else sd
+  converted = KeyMap("torchvision ResNet", resnet_rules(prefix, root)).to_vlrep(part, expected_shapes(arch, root))
+  return arch, converted
+
+
+def read(
+  checkpoint: str, vocab: str | None = None, *, config: ConfigDict | None = None, workdir: str | None = None
+) -> ImportedRun:
+  """A backbone-only run of a torchvision-named ResNet state dict; `config` is the base config (its method gets the
+  imported backbone section)."""
+  del workdir  # the run keeps no files besides its checkpoints
+  if vocab:
+    raise ValueError("--vocab applies to text models; a torchvision checkpoint is a backbone alone.")
+  sd = load_state_dict(checkpoint)
+  s, missing, unexpected = score(set(sd))
+  if missing:
+    fmt, best, m, u = closest_format(set(sd))
+    raise no_format_error(checkpoint, set(sd), fmt, best, m, u)
+  arch, converted = read_backbone(sd)
+  return backbone_run(checkpoint, "torchvision", arch, converted, config)
+
+
+def backbone_run(checkpoint: str, fmt: str, arch: dict, converted, config: ConfigDict | None, extra_note=None):
+  """The ImportedRun of a backbone alone (this format's, and VirTex's hub backbones)."""
+  c = ConfigDict(config.to_dict() if config is not None else {})
+  method = dict(c.get("method", {"name": "classifier", "num_classes": 1000}))
+  method["backbone"] = backbone_section(method.get("backbone"), arch)
+  method["dtype"] = "float32"
+  c.method = method
+  if "init_from" in c:
+    c.init_from = ""
+  variables = unflatten(converted.variables)
+  note = {
+    "format": fmt,
+    "source": checkpoint,
+    "architecture": arch,
+    "dropped": {
+      k: f"shape {v}: the ImageNet classifier head, not part of a backbone run" for k, v in converted.dropped.items()
+    },
+    "counters": converted.counters,
+    **(extra_note or {}),
+  }
+  return ImportedRun(
+    config=c, params=variables["params"], model_state={"batch_stats": variables["batch_stats"]}, note=note
+  )
+
+
+def state_dict(backbone_params: dict, backbone_stats: dict, counters: dict | None = None, prefix: str = "") -> dict:
+  """A backbone's variables -> torchvision's names and layout (float32; each BatchNorm's `num_batches_tracked`
+  from `counters` when the run was imported with them, else 0). What `vlrep.export --format=torchvision` writes."""
+  flat = {f"params/backbone/{k}": np.asarray(v) for k, v in flatten(backbone_params).items()}
+  flat.update({f"batch_stats/backbone/{k}": np.asarray(v) for k, v in flatten(backbone_stats).items()})
+  sd = KeyMap("torchvision ResNet", resnet_rules(prefix)).to_foreign(flat)
+  out = {}
+  for key, value in sd.items():
+    out[key] = value.astype(np.float32)
+    if key.endswith(".running_var"):
+      counter = key[: -len("running_var")] + "num_batches_tracked"
+      out[counter] = np.array((counters or {}).get(counter, 0), np.int64)
+  return out

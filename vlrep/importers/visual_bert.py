@@ -1,0 +1,515 @@
+"""VisualBERT in: a Hugging Face `VisualBertModel` / `VisualBertForPreTraining` folder (config.json and
+model.safetensors or pytorch_model.bin; e.g. the authors' COCO-pretrained `uclanlp/visualbert-*-pre`) or an MMF
+VisualBERT checkpoint (the pretraining study's zoo: a `model.pth` / `*.ckpt` file, or the folder holding it and its
+`config.yaml`) -> a vlrep VisualBERT *pretraining* run (configs/vlbert.py:arch=visual_bert,stage=pretrain) that
+downstream runs load through `method.pretrained_run`.
+
+The imported run computes what VisualBERT computes: its config sets the VisualBERT-exact region embeddings
+(`region_boxes=False`, `region_norm='shared'`, `region_type_embedding='tables'`, vlrep.models.vl_bert) and the
+regions' token type (`region_type_id`: 1 for Hugging Face folders, the authors' convention and transformers'
+default; 0 for MMF checkpoints, whose VisualBERT feeds `visual_embeddings_type = zeros`). Regions are detector
+features of `visual_embedding_dim` dims read from region files (`method.visual.mode='file'`); VisualBERT has no
+box input. BERT's architecture is written into the config (`method.bert_config`), so the run needs no BERT
+weights folder: `method.bert_path` (and the tokenizer) only name the folder of the WordPiece `vocab.txt`.
+
+The key map is data (`visual_bert_rules`: vlrep.importers `rule`s, read by `KeyMap` both ways), one table for the
+three layouts (`LAYOUTS`, told apart by their names: Hugging Face's, MMF's and the authors' original code's), which
+differ in prefixes and in MMF's names of the three visual embeddings. Dropped, and listed in the run's note: the
+`position_ids` buffer, the MLM decoder (tied to the word embeddings in both codes; a checkpoint where they differ is
+said so), MMF's `cls.seq_relationship` (BERT's next-sentence head, copied by MMF and never trained by its MLM-only
+pretraining) and MMF's `classifier` (a downstream task head). Hugging Face's `cls.seq_relationship` (the authors'
+sentence-image prediction, trained) becomes vlrep's alignment head, its two logits in vlrep's order.
+
+  python -m vlrep.import_run --format=visual_bert --checkpoint=visualbert-vqa-coco-pre/ \
+      --vocab=bert-base-uncased/vocab.txt --workdir=/runs/visualbert_coco
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+from ml_collections import ConfigDict
+
+from vlrep.importers import TRANSFORMS, ImportedRun, KeyMap, flatten, load_checkpoint, rule, unflatten
+
+DESCRIPTION = (
+  "VisualBERT: a Hugging Face VisualBertModel / VisualBertForPreTraining folder or an MMF VisualBERT checkpoint, as "
+  "a VisualBERT pretraining run (VisualBERT's region embeddings; regions from region files)"
+)
+DEFAULT_CONFIG = "configs/vlbert.py:arch=visual_bert,stage=pretrain"
+
+# The sentence-image head's two logits in the other order: VisualBERT's are (the text matches the image, random),
+# vlrep's alignment head's (not aligned, aligned). (vlrep -> foreign, foreign -> vlrep given the vlrep shape), as
+# vlrep.importers.TRANSFORMS; registered there so that the table below is the whole key map, both ways.
+TRANSFORMS.setdefault("linear_swap2", (lambda x, ctx: x.T[::-1], lambda x, shape, ctx: x[::-1].T))
+TRANSFORMS.setdefault("swap2", (lambda x, ctx: x[::-1], lambda x, shape, ctx: x[::-1]))
+
+
+def _linear(vlrep: str, foreign: str, transform: str = "linear") -> list:
+  bias = "swap2" if transform == "linear_swap2" else "same"
+  return [
+    rule(f"{vlrep}/kernel", f"{foreign}.weight", transform=transform),
+    rule(f"{vlrep}/bias", f"{foreign}.bias", transform=bias),
+  ]
+
+
+def _norm(vlrep: str, foreign: str) -> list:
+  return [rule(f"{vlrep}/scale", f"{foreign}.weight"), rule(f"{vlrep}/bias", f"{foreign}.bias")]
+
+
+def visual_bert_rules(base: str = "", heads: str = "cls.", mmf: bool = False) -> list:
+  """The key map: vlrep's VisualBERT pretraining variables <-> a checkpoint's names, the encoder under `base` and
+  the pretraining heads under `heads`: Hugging Face's VisualBertModel ('', no heads), VisualBertForPreTraining
+  ('visual_bert.', 'cls.'), MMF's VisualBERT ('model.bert.', 'model.cls.', with MMF's embedding names) and the
+  authors' original code ('bert.bert.', 'bert.cls.', MMF's names)."""
+  visual = (
+    ("projection", "token_type_embeddings_visual", "position_embeddings_visual")
+    if mmf
+    else ("visual_projection", "visual_token_type_embeddings", "visual_position_embeddings")
+  )
+  emb, layer = f"{base}embeddings", f"{base}encoder.layer.{{}}"
+  p = "params/bert"
+  rules = [
+    rule(f"{p}/embeddings/word_embeddings/embedding", f"{emb}.word_embeddings.weight"),
+    rule(f"{p}/embeddings/position_embeddings/embedding", f"{emb}.position_embeddings.weight"),
+    rule(f"{p}/embeddings/token_type_embeddings/embedding", f"{emb}.token_type_embeddings.weight"),
+    *_norm(f"{p}/embeddings/LayerNorm", f"{emb}.LayerNorm"),
+    *_linear("params/regions_embed/feature", f"{emb}.{visual[0]}"),
+    rule("params/regions_embed/token_type_embeddings/embedding", f"{emb}.{visual[1]}.weight"),
+    rule("params/regions_embed/position_embeddings/embedding", f"{emb}.{visual[2]}.weight"),
+    *_linear(f"{p}/layer_{{}}/query", f"{layer}.attention.self.query"),
+    *_linear(f"{p}/layer_{{}}/key", f"{layer}.attention.self.key"),
+    *_linear(f"{p}/layer_{{}}/value", f"{layer}.attention.self.value"),
+    *_linear(f"{p}/layer_{{}}/attention_output", f"{layer}.attention.output.dense"),
+    *_norm(f"{p}/layer_{{}}/attention_LayerNorm", f"{layer}.attention.output.LayerNorm"),
+    *_linear(f"{p}/layer_{{}}/intermediate", f"{layer}.intermediate.dense"),
+    *_linear(f"{p}/layer_{{}}/output", f"{layer}.output.dense"),
+    *_norm(f"{p}/layer_{{}}/output_LayerNorm", f"{layer}.output.LayerNorm"),
+    *_linear(f"{p}/pooler", f"{base}pooler.dense"),
+    # The MLM head; its decoder is the word embeddings (tied: checked and dropped by `read`, as `tied` says).
+    *_linear("params/mlm_head/transform", f"{heads}predictions.transform.dense"),
+    *_norm("params/mlm_head/LayerNorm", f"{heads}predictions.transform.LayerNorm"),
+    rule("params/mlm_head/bias", f"{heads}predictions.bias"),
+    rule(None, f"{emb}.position_ids", absent="dropped"),  # a constant buffer (0, 1, 2, ...)
+  ]
+  if mmf:  # BERT's next-sentence head, copied by MMF and never trained by its MLM-only VisualBERT pretraining
+    rules += [rule(None, f"{heads}seq_relationship.{w}", absent="dropped") for w in ("weight", "bias")]
+    classifier = base.removesuffix("bert.") + "classifier."  # a fine-tuned model's task head (MMF's VQA, ...)
+    rules += [
+      rule(None, f"{classifier}{m}.{w}", absent="dropped")
+      for m in ("0.dense", "0.LayerNorm", "1")
+      for w in ("weight", "bias")
+    ]
+  else:
+    rules += _linear("params/align_head", f"{heads}seq_relationship", transform="linear_swap2")
+  return rules
+
+
+def tied(base: str, heads: str) -> dict[str, str]:
+  """{tied copy: the tensor it copies} of the MLM decoder (both codes tie it to the word embeddings)."""
+  return {
+    f"{heads}predictions.decoder.weight": f"{base}embeddings.word_embeddings.weight",
+    f"{heads}predictions.decoder.bias": f"{heads}predictions.bias",
+  }
+
+
+# The layouts, told apart by their names: (encoder prefix, heads prefix, MMF's embedding names).
+LAYOUTS = {
+  "huggingface": ("visual_bert.", "cls.", False),  # VisualBertForPreTraining (VisualBertModel: no prefix)
+  "mmf": ("model.bert.", "model.cls.", True),
+  "original": ("bert.bert.", "bert.cls.", True),  # the authors' code (MMF renames it when loading)
+}
+_PLACEHOLDER_REGIONS = "REGION_FEATURES_DIR"
+_CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "configs")
+
+
+def layout_of(keys) -> tuple[str, str, str, bool]:
+  """(layout name, encoder prefix, heads prefix, MMF names) of a state dict's names."""
+  keys = set(keys)
+  for name, (base, heads, mmf) in LAYOUTS.items():
+    if f"{base}embeddings.word_embeddings.weight" in keys:
+      return name, base, heads, mmf
+  mmf = any("embeddings.token_type_embeddings_visual." in k for k in keys)
+  return ("mmf" if mmf else "huggingface"), "", "cls.", mmf  # a bare encoder (VisualBertModel)
+
+
+def key_map(keys) -> KeyMap:
+  name, base, heads, mmf = layout_of(keys)
+  return KeyMap(f"VisualBERT ({name} layout)", visual_bert_rules(base, heads, mmf))
+
+
+def expected_keys(keys=()) -> list[str]:
+  """The names every VisualBERT checkpoint of this layout has (layer 0 standing for all layers)."""
+  _, base, _, mmf = layout_of(keys)
+  return [
+    r.foreign[0].replace("{}", "0")
+    for r in visual_bert_rules(base, "cls.", mmf)
+    if r.vlrep is not None and not r.vlrep.startswith(("params/mlm_head", "params/align_head"))
+  ]
+
+
+def score(keys: set[str]) -> tuple[float, list[str], list[str]]:
+  """(the fraction of `expected_keys` present, times the fraction of the keys the key map reads; the first
+  missing keys; the first unexpected ones)."""
+  keys = {k.removeprefix("module.") for k in keys}
+  if not keys:
+    return 0.0, expected_keys()[:5], []
+  _, base, heads, _ = layout_of(keys)
+  km, want = key_map(keys), expected_keys(keys)
+  copies = set(tied(base, heads))
+  missing = [k for k in want if k not in keys]
+  unexpected = sorted(k for k in keys if not km.matches(k) and k not in copies)
+  fraction = (len(want) - len(missing)) / len(want) * (1 - len(unexpected) / len(keys))
+  return fraction, missing[:5], unexpected[:5]
+
+
+def _state_dict(obj, path: str) -> tuple[dict[str, np.ndarray], dict | None]:
+  """(the tensors, the checkpoint's own 'config' entry or None) of what `load_checkpoint` read: the state dict
+  itself or under 'model' / 'state_dict' (MMF's training checkpoints, whose 'config' is plain containers)."""
+  if not isinstance(obj, dict):
+    raise ValueError(f"{path} holds a {type(obj).__name__}, not a state dict.")
+  config = obj.get("config") if isinstance(obj.get("config"), dict) else None
+  if not any(isinstance(v, np.ndarray) for v in obj.values()):
+    inner = next((obj[k] for k in ("model", "state_dict") if isinstance(obj.get(k), dict)), None)
+    if inner is None:
+      raise ValueError(f"{path} holds no tensors at its top level nor under 'model' / 'state_dict'.")
+    obj = inner
+  bad = [k for k, v in obj.items() if not isinstance(v, np.ndarray)]
+  if bad:
+    raise ValueError(f"{path}: the state dict holds entries that are not tensors: {bad[:5]}.")
+  return {str(k).removeprefix("module."): v for k, v in obj.items()}, config
+
+
+# ------------------------------------------------------------------------------------------------------------ #
+# Reading.
+# ------------------------------------------------------------------------------------------------------------ #
+def _locate(checkpoint: str) -> tuple[str, str | None, str | None]:
+  """(weights file, Hugging Face config.json or None, MMF config.yaml or None)."""
+  checkpoint = os.path.expanduser(checkpoint)
+  if os.path.isfile(checkpoint):
+    folder = os.path.dirname(os.path.abspath(checkpoint))
+    config_json = os.path.join(folder, "config.json")
+    config_yaml = os.path.join(folder, "config.yaml")
+    return (
+      checkpoint,
+      config_json if os.path.exists(config_json) else None,
+      config_yaml if os.path.exists(config_yaml) else None,
+    )
+  if not os.path.isdir(checkpoint):
+    raise FileNotFoundError(f"--checkpoint {checkpoint!r} does not exist.")
+  if os.path.exists(os.path.join(checkpoint, "model.safetensors.index.json")) or os.path.exists(
+    os.path.join(checkpoint, "pytorch_model.bin.index.json")
+  ):
+    raise ValueError(
+      f"{checkpoint} holds a sharded checkpoint; save it unsharded (VisualBERT-base is one 450 MB file)."
+    )
+  for name in ("model.safetensors", "pytorch_model.bin"):
+    if os.path.exists(os.path.join(checkpoint, name)):
+      config_json = os.path.join(checkpoint, "config.json")
+      if not os.path.exists(config_json):
+        raise FileNotFoundError(f"{checkpoint} has {name} but no config.json (a Hugging Face folder has both).")
+      return os.path.join(checkpoint, name), config_json, None
+  found = sorted(n for n in os.listdir(checkpoint) if n.endswith((".pth", ".ckpt", ".pt")))
+  if len(found) != 1:
+    raise FileNotFoundError(
+      f"{checkpoint} holds no model.safetensors / pytorch_model.bin (Hugging Face) and "
+      + (f"several torch files {found}: pass one of them." if found else "no .pth / .ckpt file (MMF).")
+    )
+  config_yaml = os.path.join(checkpoint, "config.yaml")
+  return os.path.join(checkpoint, found[0]), None, config_yaml if os.path.exists(config_yaml) else None
+
+
+def _mmf_model_config(config_yaml: str | None, embedded: dict | None) -> dict:
+  """MMF's `model_config.visual_bert`, from the zoo's config.yaml beside the weights or from the training
+  checkpoint's own 'config' entry; {} when neither has one."""
+  raw = embedded
+  if config_yaml:
+    import yaml
+
+    with open(config_yaml) as f:
+      raw = yaml.safe_load(f)
+  if not isinstance(raw, dict):
+    return {}
+  model_config = raw.get("model_config", raw)
+  found = model_config.get("visual_bert") if isinstance(model_config, dict) else None
+  return found if isinstance(found, dict) else {}
+
+
+def _bert_fields(sd, base: str, mmf: bool, config_json: str | None, mmf_config: dict, options: dict, notes: dict):
+  """BertConfig fields and visual_embedding_dim: config.json's (Hugging Face), else the tensors' shapes and
+  MMF's config / the options / BERT's conventions for what shapes do not show (each assumption noted)."""
+  if config_json:
+    with open(config_json) as f:
+      raw = json.load(f)
+    if raw.get("model_type", "visual_bert") != "visual_bert":
+      raise ValueError(f"{config_json}: model_type {raw['model_type']!r} is not 'visual_bert'.")
+    if raw.get("bypass_transformer"):
+      raise ValueError(
+        f"{config_json}: bypass_transformer=true (text-only layers, then one extra layer over text and regions) "
+        "has no vlrep counterpart."
+      )
+    if raw.get("position_embedding_type", "absolute") != "absolute":
+      raise ValueError(f"{config_json}: only absolute position embeddings are supported.")
+    names = (
+      "vocab_size",
+      "hidden_size",
+      "num_hidden_layers",
+      "num_attention_heads",
+      "intermediate_size",
+      "hidden_act",
+      "max_position_embeddings",
+      "type_vocab_size",
+      "layer_norm_eps",
+      "visual_embedding_dim",
+    )
+    missing = [n for n in names if n not in raw]
+    if missing:
+      raise ValueError(f"{config_json} lacks {missing}: not a VisualBERT config.json.")
+    fields = {n: raw[n] for n in names}
+    fields.update(
+      hidden_dropout_prob=raw.get("hidden_dropout_prob", 0.1),
+      attention_probs_dropout_prob=raw.get("attention_probs_dropout_prob", 0.1),
+    )
+    return fields
+  if mmf_config.get("bypass_transformer") or any(k.startswith(f"{base}additional_layer.") for k in sd):
+    raise ValueError(
+      "An MMF VisualBERT with bypass_transformer (text-only layers, then one extra layer) has no vlrep counterpart."
+    )
+  words = sd[f"{base}embeddings.word_embeddings.weight"]
+  layers = sorted({int(m.group(1)) for k in sd if (m := re.match(re.escape(base) + r"encoder\.layer\.(\d+)\.", k))})
+  if layers != list(range(len(layers))) or not layers:
+    raise ValueError(f"The checkpoint's encoder layers are {layers}: expected 0..N-1.")
+  hidden = int(words.shape[1])
+
+  def unreadable(name, default, why):
+    if options.get(name) is not None:
+      return options[name]
+    if name in mmf_config:
+      return mmf_config[name]
+    flag = "heads" if name == "num_attention_heads" else name
+    notes.setdefault("assumed", {})[name] = f"{default!r} ({why}; pass {flag}=... otherwise)"
+    return default
+
+  return dict(
+    vocab_size=int(words.shape[0]),
+    hidden_size=hidden,
+    num_hidden_layers=len(layers),
+    num_attention_heads=int(unreadable("num_attention_heads", max(1, hidden // 64), "BERT's 64-wide heads")),
+    intermediate_size=int(sd[f"{base}encoder.layer.0.intermediate.dense.weight"].shape[0]),
+    hidden_act=unreadable("hidden_act", "gelu", "BERT's"),
+    max_position_embeddings=int(sd[f"{base}embeddings.position_embeddings.weight"].shape[0]),
+    type_vocab_size=int(sd[f"{base}embeddings.token_type_embeddings.weight"].shape[0]),
+    layer_norm_eps=float(unreadable("layer_norm_eps", 1e-12, "BERT's")),
+    visual_embedding_dim=int(sd[f"{base}embeddings.{'projection' if mmf else 'visual_projection'}.weight"].shape[1]),
+    hidden_dropout_prob=0.1,
+    attention_probs_dropout_prob=0.1,
+  )
+
+
+def _vocab_folder(vocab: str | None, checkpoint_folder: str, vocab_size: int) -> str:
+  """The folder of the WordPiece vocab.txt (what vlrep's tokenizer and method read), checked against the word
+  embedding's size and BERT's special tokens."""
+  if vocab is None:
+    if not os.path.exists(os.path.join(checkpoint_folder, "vocab.txt")):
+      raise FileNotFoundError(
+        f"No vocabulary: {checkpoint_folder} has no vocab.txt. Pass --vocab=PATH, the WordPiece vocab.txt the model "
+        "was trained with (VisualBERT's and MMF's: bert-base-uncased's)."
+      )
+    vocab = checkpoint_folder
+  vocab = os.path.abspath(os.path.expanduser(vocab))
+  folder = vocab if os.path.isdir(vocab) else os.path.dirname(vocab)
+  path = os.path.join(folder, "vocab.txt")
+  if not os.path.isdir(vocab) and os.path.basename(vocab) != "vocab.txt":
+    raise ValueError(f"--vocab {vocab}: vlrep's WordPiece tokenizer reads FOLDER/vocab.txt; name the file vocab.txt.")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"--vocab: {path} does not exist.")
+  with open(path, encoding="utf-8") as f:
+    tokens = [line.rstrip("\n") for line in f]
+  if len(tokens) != vocab_size:
+    raise ValueError(
+      f"The vocabulary {path} has {len(tokens)} tokens but the checkpoint's word embedding has {vocab_size} rows: "
+      "not the vocabulary this model was trained with."
+    )
+  missing = [t for t in ("[CLS]", "[SEP]", "[MASK]") if t not in tokens]
+  if missing or tokens[0] != "[PAD]":
+    raise ValueError(f"{path} is not a BERT WordPiece vocabulary ([PAD] first, then [CLS], [SEP], [MASK]): {missing}")
+  return folder
+
+
+def _run_config(base, bert: dict, type_id: int, alignment: bool, vocab_folder: str, regions: str) -> ConfigDict:
+  """The base config (configs/vlbert.py:arch=visual_bert,stage=pretrain unless one is given) with region files,
+  VisualBERT's embeddings and BERT's architecture written in."""
+  from vlrep import config_utils
+
+  if base is None:
+    path = os.path.join(_CONFIGS, "vlbert.py")
+    if not os.path.exists(path):
+      raise FileNotFoundError(f"{os.path.abspath(path)} is missing: the imported run's config is built from it.")
+    arg = f"arch=visual_bert,stage=pretrain,regions={_PLACEHOLDER_REGIONS}"
+    c = config_utils.sibling_config(path, "vlbert", arg)
+    for holder in [c.data, *c.evals.values()]:
+      holder.pp = holder.pp.replace(repr(_PLACEHOLDER_REGIONS), repr(regions or _PLACEHOLDER_REGIONS))
+  else:
+    c = ConfigDict(base.to_dict())
+    if c.get("method", {}).get("name") != "vlbert":
+      raise ValueError("--config for the visual_bert format must be a vlbert config (configs/vlbert.py).")
+  c.method.update(
+    arch="visual_bert",
+    task="pretrain",
+    pretrained_run="",
+    bert_path=vocab_folder,
+    bert_layers=0,
+    bert_config={k: v for k, v in bert.items() if k != "visual_embedding_dim"},
+    text_pool="cls",
+    region_boxes=False,
+    region_norm="shared",
+    region_type_embedding="tables",
+    region_type_id=type_id,
+    alignment_weight=1.0 if alignment else 0.0,
+  )
+  c.method.visual.update(mode="file", dim=bert["visual_embedding_dim"])
+  c.tokenizer.update(kind="wordpiece", path=vocab_folder)
+  return c
+
+
+def expected_shapes(bert: dict, type_id: int, alignment: bool, mlm: bool = True):
+  """({'params/...': shape}, the model) of the VisualBERT pretraining model these sizes build (without the MLM
+  head's entries when `mlm` is False)."""
+  import jax
+
+  from vlrep.methods import vlbert as vlbert_method
+  from vlrep.models import vl_bert
+
+  cfg = vlbert_method.bert_config_from_dict({k: v for k, v in bert.items() if k != "visual_embedding_dim"}, "config")
+  model = vl_bert.VLBertModel(
+    arch="visual_bert",
+    bert=cfg,
+    region_dim=bert["visual_embedding_dim"],
+    alignment=alignment,
+    region_boxes=False,
+    region_norm="shared",
+    region_type_embedding="tables",
+    region_type_id=type_id,
+  )
+  shapes = jax.eval_shape(lambda: _init(model, bert))["params"]
+  flat = {f"params/{k}": tuple(v.shape) for k, v in flatten(shapes).items()}
+  return {k: v for k, v in flat.items() if mlm or not k.startswith("params/mlm_head/")}, model
+
+
+def _init(model, bert):
+  import jax
+  import jax.numpy as jnp
+
+  ids = jnp.zeros((1, 2), jnp.int32)
+  regions = jnp.zeros((1, 1, bert["visual_embedding_dim"]), jnp.float32)
+  return model.init(jax.random.PRNGKey(0), ids, ids, regions, jnp.zeros((1, 1, 4)), jnp.ones((1, 1), bool))
+
+
+def read(
+  checkpoint: str,
+  vocab: str | None = None,
+  *,
+  config: ConfigDict | None = None,
+  workdir: str | None = None,
+  heads: int | None = None,
+  hidden_act: str | None = None,
+  layer_norm_eps: float | None = None,
+  region_type_id: int | None = None,
+  regions: str = "",
+) -> ImportedRun:
+  """A VisualBERT checkpoint as a vlrep VisualBERT pretraining run.
+
+  config: the base config (default configs/vlbert.py:arch=visual_bert,stage=pretrain). workdir: the run directory
+  the run will live in (vlrep.import_run's): its config then names the vocab.txt copied there (`files`), so the
+  run is self-contained; else the folder of `vocab`. heads, hidden_act, layer_norm_eps: for MMF checkpoints, whose
+  tensors do not show them (default: MMF's config in the checkpoint or beside it, else BERT's 64-wide heads, 'gelu',
+  1e-12, noted in the run's note); a Hugging Face folder's config.json says them. region_type_id: the regions'
+  token type (default 1 for Hugging Face folders, 0 for MMF checkpoints). regions: the region-feature directory the
+  run's data section names (a placeholder by default)."""
+  options = dict(num_attention_heads=heads, hidden_act=hidden_act, layer_norm_eps=layer_norm_eps)
+  options = {k: v for k, v in options.items() if v is not None}
+  weights, config_json, config_yaml = _locate(checkpoint)
+  sd, embedded_config = _state_dict(load_checkpoint(weights), weights)
+  layout, base, heads, mmf = layout_of(sd)
+  notes: dict = {"format": "visual_bert", "source": os.path.abspath(weights), "layout": layout, "dropped": {}}
+  missing = [k for k in expected_keys(sd) if k not in sd]
+  if missing:
+    from vlrep.importers import closest_format, no_format_error
+
+    fmt, best, m, u = closest_format(set(sd))
+    if fmt != "visual_bert":
+      raise no_format_error(weights, set(sd), fmt, best, m, u)
+    raise ValueError(f"{weights} is not a complete VisualBERT checkpoint ({layout} layout): it lacks {missing[:5]}.")
+  mmf_config = _mmf_model_config(config_yaml, embedded_config) if mmf else {}
+  bert = _bert_fields(sd, base, mmf, None if mmf else config_json, mmf_config, options, notes)
+  from vlrep.models import bert as bert_lib
+
+  if bert["hidden_act"] not in bert_lib._ACTIVATIONS:
+    raise ValueError(
+      f"hidden_act {bert['hidden_act']!r} has no vlrep counterpart; known: {sorted(bert_lib._ACTIVATIONS)}"
+    )
+  if bert["hidden_size"] % bert["num_attention_heads"]:
+    raise ValueError(f"hidden_size {bert['hidden_size']} is not divisible by {bert['num_attention_heads']} heads.")
+  type_id = int(region_type_id) if region_type_id is not None else (0 if mmf else 1)
+
+  # The MLM decoder: a tied copy of the word embeddings (and of the output bias) in both codes.
+  sd = dict(sd)
+  for copy, source in tied(base, heads).items():
+    if copy not in sd:
+      continue
+    a = sd.pop(copy)
+    if source in sd and a.shape == sd[source].shape and np.array_equal(a, sd[source]):
+      notes["dropped"][copy] = f"a tied copy of {source}"
+    else:
+      diff = float(np.abs(a - sd[source]).max()) if source in sd and a.shape == sd[source].shape else "its shape"
+      notes["dropped"][copy] = (
+        f"differs from {source} (largest difference {diff}): vlrep's MLM head ties its decoder to the word "
+        "embeddings, so the imported MLM head scores with those"
+      )
+  mlm_keys = [f"{heads}predictions.transform.dense.weight", f"{heads}predictions.bias"]
+  mlm = any(k in sd for k in mlm_keys)
+  alignment = not mmf and f"{heads}seq_relationship.weight" in sd
+  expected, model = expected_shapes(bert, type_id, alignment, mlm)
+  converted = key_map(sd).to_vlrep(sd, expected)
+  for key, shape in converted.dropped.items():
+    notes["dropped"][key] = _why(key, shape)
+  params = unflatten(converted.variables)["params"]
+  if not mlm:  # a VisualBertModel: no pretraining heads in the checkpoint
+    import jax
+
+    params["mlm_head"] = jax.tree.map(np.asarray, _init(model, bert)["params"]["mlm_head"])
+    notes["initialised"] = {"mlm_head": "the checkpoint has no MLM head (a VisualBertModel): vlrep's initialisation"}
+  notes["sizes"] = {k: v for k, v in bert.items() if "dropout" not in k}
+  notes["region_type_id"] = type_id
+
+  vocab_folder = _vocab_folder(vocab, os.path.dirname(os.path.abspath(weights)), bert["vocab_size"])
+  files = {"vocab.txt": os.path.join(vocab_folder, "vocab.txt")}
+  if workdir:  # the run keeps its vocabulary: vlrep.import_run copies `files` into the run directory
+    vocab_folder = os.path.abspath(os.path.expanduser(workdir))
+  if not regions and config is None:
+    notes["regions"] = (
+      f"the run's data section reads region features from {_PLACEHOLDER_REGIONS!r}: set regions=DIR (configs/vlbert.py)"
+      f" for runs built from it; VisualBERT's features are {bert['visual_embedding_dim']}-d detector features"
+    )
+  run_config = _run_config(config, bert, type_id, alignment, vocab_folder, regions)
+  return ImportedRun(
+    config=run_config,
+    params=params,
+    model_state={},
+    note=notes,
+    files=files,
+  )
+
+
+def _why(key: str, shape) -> str:
+  if key.endswith("position_ids"):
+    return "a constant buffer (0, 1, 2, ...), not a parameter"
+  if "seq_relationship" in key:
+    return "BERT's next-sentence head, copied by MMF and never trained by its MLM-only VisualBERT pretraining"
+  return (
+    f"shape {shape}: MMF's downstream task head; vlrep's task heads belong to the downstream run (never loaded from "
+    "a pretrained run)"
+  )
