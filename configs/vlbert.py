@@ -159,6 +159,11 @@ def get_config(arg=None):
       crop_size=32,
     ),
   )
+  if arg.arch == "visual_bert":
+    # Region embeddings (vlrep/models/vl_bert.py): vlrep's (box embedding, own LayerNorm, one learned type vector);
+    # VisualBERT's and MMF's exactly: region_boxes=False, region_norm='shared', region_type_embedding='tables'
+    # (what an imported VisualBERT run sets; docs/interop.md).
+    c.method.update(region_boxes=True, region_norm="own", region_type_embedding="segment", region_type_id=1)
   c.tokenizer = dict(kind="wordpiece", path=bert)
   c.data = dict(
     name="coco_captions2017", config_name="", data_dir="", split="train", prefetch=2, in_memory=False, device_prefetch=2

@@ -27,6 +27,7 @@ import pytest  # noqa: E402
 # longest-processing-time-first rule; by default xdist orders files by how many tests they hold, which started the
 # few long multi-process tests last and left one worker idle for minutes).
 SLOWEST_FIRST = (
+  "test_docs_commands.py",
   "test_vlbert.py",
   "test_evaluation.py",
   "test_icmlm.py",
@@ -41,6 +42,8 @@ SLOWEST_FIRST = (
   "test_speed_levers.py",
   "test_models_optim_eval.py",
   "test_architecture.py",
+  "test_import_run.py",
+  "test_import_visual_bert.py",
   "test_export.py",
   "test_speed_tools.py",
   "test_train.py",

@@ -20,5 +20,6 @@ def get_config(arg=None):
   c.total_steps = 3
   c.checkpoint.update(every_steps=3, keep=2, async_save=False)
   c.log_every_steps = 1
-  c.evals.val.update(config_name="tiny", data_dir=data_dir, batch_size=8)
+  for ev in c.evals.values():  # 'val' (accuracy), or labels=presence's 'probe'
+    ev.update(config_name="tiny", data_dir=data_dir, batch_size=8)
   return c

@@ -30,6 +30,7 @@ flags.DEFINE_string("workdir", None, "Checkpoint whose backbone gives the synthe
 flags.DEFINE_string("config", "configs/virtex.py:runlocal", "Config whose backbone (random init) is used otherwise.")
 flags.DEFINE_list("sets", ["voc07_size", "synthetic_scenes"], "Feature sets to benchmark.")
 flags.DEFINE_float("signal", 0.2, "Strength of the label signal in the voc07_size features.")
+flags.DEFINE_float("voc07_size_scale", 1.0, "voc07_size at this fraction of VOC07's images and feature width.")
 flags.DEFINE_string("out", None, "Write the results as JSON here.")
 flags.DEFINE_bool("chance", False, "Only print the chance-level mAP (random scores) of the runlocal probe_test.")
 flags.DEFINE_string("data_dir", "~/.cache/vlrep/tensorflow_datasets", "Where synthetic_scenes is (--chance).")
@@ -37,10 +38,11 @@ flags.DEFINE_string("config_name", "default", "synthetic_scenes' builder config 
 FLAGS = flags.FLAGS
 
 
-def voc07_size_features(signal: float = 0.2, seed: int = 0):
-  """Synthetic features with VOC07's sizes and label statistics (about 1.5 objects of 20 classes per image)."""
+def voc07_size_features(signal: float = 0.2, seed: int = 0, scale: float = 1.0):
+  """Synthetic features with VOC07's sizes (times `scale`) and label statistics (about 1.5 objects of 20 classes
+  per image)."""
   rng = np.random.default_rng(seed)
-  n_train, n_test, dim, classes = 5011, 4952, 2048, 20
+  n_train, n_test, dim, classes = int(5011 * scale), int(4952 * scale), max(int(2048 * scale), 64), 20
   n = n_train + n_test
   labels = (rng.random((n, classes)) < 0.075).astype(np.float64)
   difficult = (rng.random((n, classes)) < 0.1) & (labels > 0)
@@ -129,7 +131,7 @@ def main(argv):
   results = []
   for name in FLAGS.sets:
     if name == "voc07_size":
-      results.append(compare(name, *voc07_size_features(FLAGS.signal)))
+      results.append(compare(name, *voc07_size_features(FLAGS.signal, scale=FLAGS.voc07_size_scale)))
     elif name == "synthetic_scenes":
       results.append(compare(name, *scenes_features(FLAGS.config, FLAGS.workdir)))
     else:
