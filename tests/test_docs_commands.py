@@ -707,3 +707,19 @@ def test_an_entry_whose_command_fails_or_refuses_wrongly_fails(world):
   with pytest.raises(AssertionError, match="does not say"):
     check(bad, Refuses("a message it does not print"), ctx, runner, log)
   check(bad, Refuses(r"No run directory"), ctx, runner, log)
+
+
+def test_localization_evaluation_defaults_to_the_runlocal_loctex_maps():
+  """The docstring's `configs/eval/localization.py --workdir=/tmp/loctex_local` runs here on the tiny LocTex run
+  (32 px, maps half the size), so its default sizes are checked against the runlocal recipe's maps here."""
+  import importlib.util
+
+  def load(path, arg):
+    spec = importlib.util.spec_from_file_location("cfg", os.path.join(ROOT, path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
+
+  runlocal = load("configs/loctex.py", "runlocal")
+  default = load("configs/eval/localization.py", None)
+  assert tuple(default.evals.localization.grid_sizes) == tuple(runlocal.method.grid_sizes) == (4, 8)

@@ -504,7 +504,7 @@ def test_sweep_over_seeds_runs_each_seed_and_tabulates_means(tmp_path, monkeypat
 
   calls = []
 
-  def fake_run(cfg, workdir, overrides, eval_config):
+  def fake_run(cfg, workdir, overrides, eval_config, dry_run=False):
     # Each fake run's metric is known: 30 + seed for tfm, 20 + seed for att_fc (seed 2 of att_fc has none).
     calls.append((os.path.basename(workdir), cfg, overrides))
     seed = int(next((o.split("=")[1] for o in overrides if o.startswith("seed=")), 0))
@@ -582,13 +582,17 @@ def test_finetune_starts_from_the_pretrained_backbone(tiny_run, tmp_path):
   src, ft = runs.load_run(tiny_run), runs.load_run(str(tmp_path / "ft"), "latest")
   jax.tree.map(np.testing.assert_array_equal, ft.params["backbone"], src.params["backbone"])
   assert ft.params["classifier"]["kernel"].shape == (64, 10)
-  bad = run_main(
-    tmp_path / "ft_bad",
+  # A config whose backbone differs takes the architecture of the run it starts from, and says so.
+  other = run_main(
+    tmp_path / "ft_other",
     f"--config.init_from={tiny_run}",
     "--config.method.backbone.depth=18",
+    "--config.total_steps=1",
     config="tests/tiny_finetune.py",
   )
-  assert bad.returncode != 0 and "different model" in bad.stderr
+  assert other.returncode == 0, other.stderr[-3000:]
+  assert "the backbone takes the architecture of" in other.stderr and "depth=10 (config: 18)" in other.stderr
+  assert runs.read_config(str(tmp_path / "ft_other")).method.backbone.depth == 10
 
 
 def test_negative_or_fractional_every_steps_is_refused_before_any_evaluator_is_built():
@@ -669,3 +673,21 @@ def test_supervised_presence_reference_trains_multilabel_and_is_probed(tmp_path)
   assert proc.returncode == 0, proc.stderr[-3000:]
   summary = json.loads((tmp_path / "sup" / "summary.json").read_text())
   assert 0 < summary["probe/map"] <= 100 and 0 < summary["probe/map_val"] <= 100
+
+
+def test_sweep_dry_run_resolves_every_variant_and_trains_nothing(tmp_path, capsys):
+  from vlrep.tools import sweep
+
+  assert (
+    sweep.sweep("tests/tiny_virtex.py", "steps=3 4", str(tmp_path), ["probe/map"], seeds=["0", "1"], dry_run=True)
+    is None
+  )
+  printed = capsys.readouterr().out
+  assert printed.count("Would run: python -m vlrep.main --config=tests/tiny_virtex.py:steps=") == 4
+  assert not any(tmp_path.iterdir())  # nothing trained, no table written
+  with pytest.raises(ValueError, match="has no key 'optim.no_such_key'"):
+    sweep.sweep(
+      "tests/tiny_virtex.py", "steps=3", str(tmp_path), ["m"], overrides=["optim.no_such_key=1"], dry_run=True
+    )
+  with pytest.raises(ValueError, match="Unknown|unknown|steps=x|invalid"):
+    sweep.sweep("tests/tiny_virtex.py", "steps=x", str(tmp_path), ["m"], dry_run=True)

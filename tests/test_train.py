@@ -87,3 +87,38 @@ def test_peak_rss_is_the_process_own_not_its_launchers():
   own, inherited = (int(v) for v in out.stdout.split())
   assert inherited > 1.5e9, out.stdout  # what the old measure said
   assert 1e7 < own < 1.2e9, out.stdout  # vlrep.train and jax imported, nothing of the launcher's ballast
+
+
+def test_init_from_brings_the_source_runs_backbone_architecture_and_a_resume_keeps_its_own(monkeypatch):
+  """`--config.init_from=RUN` on a config whose backbone differs (finetune.py:runlocal's ResNet-26, ImageNet stem,
+  from the quick start's ResNet-10, small stem): the backbone takes RUN's architecture and keeps its own BatchNorm
+  grouping; a resumed run takes what it saved, without reading RUN."""
+  from ml_collections import ConfigDict
+
+  from vlrep import runs, train
+
+  source = ConfigDict({"method": {"backbone": {"depth": 10, "width": 16, "stem": "small", "stem_stride": 2}}})
+  saved = ConfigDict({"method": {"backbone": {"depth": 18, "width": 8}}})
+  available = {"/runs/quick": source}
+
+  def read_config(workdir):
+    if workdir not in available:
+      raise FileNotFoundError(f"No run directory {workdir}.")
+    return available[workdir]
+
+  monkeypatch.setattr(runs, "read_config", read_config)
+  config = ConfigDict(
+    {"init_from": "/runs/quick", "method": {"backbone": {"depth": 26, "width": 16, "bn_group_size": 32}}}
+  )
+  config.lock()
+  train.adopt_init_from_architecture(config, "/runs/ft")
+  assert runs.backbone_architecture(config.method.backbone) == runs.backbone_architecture(source.method.backbone)
+  assert config.method.backbone.bn_group_size == 32 and config.method.backbone.stem == "small"
+  available["/runs/ft"] = saved  # this run has checkpoints now: a restart resumes what it built
+  del available["/runs/quick"]
+  train.adopt_init_from_architecture(config, "/runs/ft")
+  assert (config.method.backbone.depth, config.method.backbone.width, config.method.backbone.stem) == (
+    18,
+    8,
+    "imagenet",
+  )

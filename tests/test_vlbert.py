@@ -783,7 +783,7 @@ def test_study_grid_seeds_and_tables_average_the_seeds(tmp_path, monkeypatch):
     vl_study.study("configs/vlbert.py:runlocal", str(tmp_path), ["vilbert"], ["none"], ["vqa"], modes=("linear",))
   # Which runs study() starts, and with which overrides: downstream ones alone get downstream_overrides.
   calls = []
-  record = lambda cfg, wd, extra, ev: calls.append((os.path.basename(wd), extra))  # noqa: E731
+  record = lambda cfg, wd, extra, ev, dry_run=False: calls.append((os.path.basename(wd), extra))  # noqa: E731
   monkeypatch.setattr(vl_study.sweep, "run_variant", record)
   vl_study.study(
     "configs/vlbert.py:runlocal",
