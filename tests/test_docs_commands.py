@@ -75,6 +75,24 @@ class Synopsis:
 
 
 @dataclasses.dataclass(frozen=True)
+class SessionRun:
+  """Run by the session's shared fixture `tiny_virtex_run` (tests/conftest.py: `python -m vlrep.main
+  --config=tests/tiny_virtex.py --workdir=...`, which is what this command becomes): its exit status and output are
+  checked; the run is the one later commands read."""
+
+  expect: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class SameAs:
+  """The same module on the same kind of input as another documented command that is run (it differs in paths,
+  placeholder names or values only, e.g. RUN vs /tmp/icmlm_attfc): not run twice. `command` must have an entry
+  that runs it."""
+
+  command: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Covered:
   """Run in its smallest real form by another test (a multi-process harness, or a step that only exists at full
   size, too slow to repeat here); that test file must exist and run this module."""
@@ -105,11 +123,11 @@ LOCTEX, MCT, ICMLM = "{tmp}/loctex_local", "{tmp}/mct_local", "{tmp}/icmlm_attfc
 
 COMMANDS: dict[str, object] = {
   # --- Training runs, first: later commands read them. ---------------------------------------------- #
-  "python -m vlrep.main --config=configs/virtex.py:runlocal --workdir=/tmp/vlrep_virtex_local": Run(
+  "python -m vlrep.main --config=configs/virtex.py:runlocal --workdir=/tmp/vlrep_virtex_local": SessionRun(
     expect="probe/map: pretrained"
   ),
-  "python -m vlrep.main --config=configs/virtex.py:runlocal --workdir=/tmp/virtex_local": Run(
-    expect="probe/map: pretrained"
+  "python -m vlrep.main --config=configs/virtex.py:runlocal --workdir=/tmp/virtex_local": SameAs(
+    "python -m vlrep.main --config=configs/virtex.py:runlocal --workdir=/tmp/vlrep_virtex_local"
   ),
   "python -m vlrep.main --config=configs/loctex.py:runlocal --workdir=/tmp/loctex_local": Run(expect="Finished"),
   "python -m vlrep.main --config=configs/mct.py:runlocal --workdir=/tmp/mct_local": Run(expect="Finished"),
@@ -138,7 +156,9 @@ COMMANDS: dict[str, object] = {
   "python -m vlrep.main --config=configs/vlbert.py:runlocal,arch=visual_bert,stage=finetune,task=vqa,frozen,"
   "extractor=$V --config.method.pretrained_run=/tmp/vb_q --workdir=/tmp/vb_q_vqa_frozen": Run(expect="Finished"),
   "python -m vlrep.main --config=configs/vlbert.py:runlocal,extractor=/tmp/vlrep_virtex_local,arch=vilbert,"
-  "stage=pretrain,data=captions,lr=3e-4 --workdir=/tmp/vl_plr/vilbert_captions": Run(expect="Finished"),
+  "stage=pretrain,data=captions,lr=3e-4 --workdir=/tmp/vl_plr/vilbert_captions": Covered(
+    "tests/test_vlbert.py"
+  ),  # ViLBERT pretraining, end to end there
   # Your own data: prepared from a folder the test writes, then the paper recipe on it (shrunk).
   "python -m vlrep.data.prepare --dataset=image_text --manual_dir=/data/mine --data_dir=~/tensorflow_datasets": Run(
     replace=(("{tmp}/data/mine", "{own_data}"),), expect="image_text"
@@ -313,13 +333,14 @@ COMMANDS: dict[str, object] = {
   "python -m vlrep.tools.caption --workdir=DIR --decoding=nucleus --attention_dir=/tmp/att photo.jpg": Run(
     replace=(("DIR", VIRTEX), (" photo.jpg", " {image}"))
   ),
-  "python -m vlrep.tools.caption --workdir=RUN --attention_dir=DIR IMAGE...": Run(
-    replace=(("RUN", VIRTEX), ("DIR", "{tmp}/att_readme"), ("IMAGE...", "{image} {image_png}"))
+  "python -m vlrep.tools.caption --workdir=RUN --attention_dir=DIR IMAGE...": SameAs(
+    "python -m vlrep.tools.caption --workdir=DIR --decoding=nucleus --attention_dir=/tmp/att photo.jpg"
   ),
   "python -m vlrep.tools.generate_captions --workdir=/tmp/virtex_local --dataset=synthetic_scenes "
   "--split=ood_train --output=/tmp/ood_generated.json": Run(add=(f"--data_dir={D}", "--config_name=tiny")),
-  "python -m vlrep.tools.generate_captions --workdir=/tmp/vlrep_virtex_local --output=/tmp/vl/ood_generated.json": Run(
-    add=(f"--data_dir={D}", "--config_name=tiny")
+  "python -m vlrep.tools.generate_captions --workdir=/tmp/vlrep_virtex_local --output=/tmp/vl/ood_generated.json": SameAs(
+    "python -m vlrep.tools.generate_captions --workdir=/tmp/virtex_local --dataset=synthetic_scenes "
+    "--split=ood_train --output=/tmp/ood_generated.json"
   ),
   "python -m vlrep.tools.grounding --workdir=/tmp/r/virtex/taskbicaptioning": Run(
     replace=(("{tmp}/r/virtex/taskbicaptioning", VIRTEX),), add=("--limit=8",)
@@ -337,8 +358,8 @@ COMMANDS: dict[str, object] = {
   "python -m vlrep.tools.masked_attention --workdir=/tmp/icmlm_attfc --out_dir=/tmp/icmlm_maps": Run(),
   'python -m vlrep.tools.masked_attention --workdir=RUN --out_dir=/tmp/maps --caption="a dog on a red sofa" '
   "dog.jpg": Run(replace=(("RUN", ICMLM), (" dog.jpg", " {image}"))),
-  "python -m vlrep.tools.masked_attention --workdir=RUN --out_dir=DIR": Run(
-    replace=(("RUN", ICMLM), ("DIR", "{tmp}/maps_dir"))
+  "python -m vlrep.tools.masked_attention --workdir=RUN --out_dir=DIR": SameAs(
+    "python -m vlrep.tools.masked_attention --workdir=/tmp/icmlm_attfc --out_dir=/tmp/icmlm_maps"
   ),
   "python -m vlrep.tools.masked_words --workdir=/tmp/icsweep/icmlm_att_fc": Run(
     replace=(("{tmp}/icsweep/icmlm_att_fc", ICMLM),), expect="top-1"
@@ -356,8 +377,10 @@ COMMANDS: dict[str, object] = {
   "python -m vlrep.tools.weight_distance --root=/tmp/vl_study --arch=visual_bert --task=vqa": Refuses(r"vl_study"),
   "python -m vlrep.tools.kernel_benchmark --shapes=tiny --batch=8 --group=8 --windows=1": Run(expect="speed-up"),
   "python -m vlrep.tools.kernel_benchmark --batch=256 --output=/tmp/kernels.json": Refuses(r"needs a GPU"),
-  # Every kind once (one core, half-second windows).
-  "python -m vlrep.tools.pipeline_benchmark": Run(add=("--cores=1", "--seconds=0.5", "--num_images=16")),
+  # One kind at one core (a process each; the kinds' equal work is tests/test_speed_tools.py's).
+  "python -m vlrep.tools.pipeline_benchmark": Run(
+    add=("--cores=1", "--kinds=tfdata_cache", "--seconds=0.5", "--num_images=16"), expect="images/s"
+  ),
   **{
     c: Covered("tests/test_speed_tools.py")  # the same four kinds at more cores: a process each
     for c in (
@@ -373,8 +396,11 @@ COMMANDS: dict[str, object] = {
   "python -m vlrep.tools.benchmark --config=configs/virtex.py:runlocal --steps=10": Run(
     add=("--steps=1", "--windows=1", "--gemm_size=0")
   ),
-  "python -m vlrep.tools.benchmark --config=configs/virtex.py --config.batch_size=256 --steps=20 --windows=3": Run(
-    add=TINY_BENCHMARK
+  "python -m vlrep.tools.benchmark --config=configs/virtex.py --config.batch_size=256 --steps=20 --windows=3": SameAs(
+    "python -m vlrep.tools.benchmark --config=configs/virtex.py --config.batch_size=8 --config.method.dtype=float32 "
+    "--image_size=64 --vocab_size=512 --steps=2 --windows=3 --gemm_size=0 --variant=fused_qkv:method.fused_qkv=True "
+    "--variant=conv1x1_as_dot:method.backbone.conv1x1_as_dot=True "
+    "--variant=pallas_conv1x1:method.backbone.pallas_conv1x1=True"
   ),
   "python -m vlrep.tools.benchmark --config=configs/virtex.py --config.batch_size=8 --config.method.dtype=float32 "
   "--image_size=64 --vocab_size=512 --steps=2 --windows=3 --gemm_size=0 --variant=fused_qkv:method.fused_qkv=True "
@@ -386,7 +412,12 @@ COMMANDS: dict[str, object] = {
   # The PyTorch reference mirrors the full ResNet-50 only (too slow to compile here twice).
   "python -m vlrep.tools.benchmark --config=configs/virtex.py --torch_reference": Covered("tests/test_speed_tools.py"),
   "python -m vlrep.tools.benchmark --config=configs/virtex.py --variant=fused_bn:method.backbone.fused_bn_act=True "
-  "--variant=rbg:rng_impl=rbg": Run(add=TINY_BENCHMARK),
+  "--variant=rbg:rng_impl=rbg": SameAs(
+    "python -m vlrep.tools.benchmark --config=configs/virtex.py --config.batch_size=8 --config.method.dtype=float32 "
+    "--image_size=64 --vocab_size=512 --steps=2 --windows=3 --gemm_size=0 --variant=fused_qkv:method.fused_qkv=True "
+    "--variant=conv1x1_as_dot:method.backbone.conv1x1_as_dot=True "
+    "--variant=pallas_conv1x1:method.backbone.pallas_conv1x1=True"
+  ),
   # --- Published checkpoints in and out (docs/interop.md): the files are not here, so each command refuses;
   # tests/test_import_run.py and tests/test_import_visual_bert.py run the same chain on checkpoints they write.
   **{
@@ -546,7 +577,8 @@ def argv_of(command: str, entry, ctx: dict) -> list[str]:
 
   def fill(word):  # only the test's own {names}: a command may hold braces of its own (evals={}, {suffix})
     for key, value in ctx.items():
-      word = word.replace("{" + key + "}", str(value))
+      if isinstance(value, str):
+        word = word.replace("{" + key + "}", value)
     return word
 
   return [fill(w) for w in words[2:] + extra]
@@ -580,6 +612,20 @@ class Runner:
 
 def check(command: str, entry, ctx: dict, runner: Runner, log: str) -> float:
   """Runs one documented command under its entry; an AssertionError says what went wrong, with the output."""
+  if isinstance(entry, SessionRun):
+    argv = argv_of(command, Run(), ctx)
+    assert argv[:2] == ["vlrep.main", "--config=tests/tiny_virtex.py"] and len(argv) == 3, argv
+    ran = ctx["tiny_virtex_run"]
+    assert ran.returncode == 0, ran.stderr[-4000:]
+    assert re.search(entry.expect, ran.stdout + ran.stderr), f"the output does not show /{entry.expect}/"
+    return 0.0
+  if isinstance(entry, SameAs):
+    other = COMMANDS.get(entry.command)
+    assert isinstance(other, (Run, Refuses, SessionRun)), (
+      f"{command!r} is said to be the same as {entry.command!r}, not run"
+    )
+    assert command.split()[2] == entry.command.split()[2], f"{command!r} and {entry.command!r} run different modules"
+    return 0.0
   if isinstance(entry, Covered):
     path = os.path.join(ROOT, entry.test)
     module = command.split()[2]
@@ -587,7 +633,9 @@ def check(command: str, entry, ctx: dict, runner: Runner, log: str) -> float:
     parent, _, leaf = module.rpartition(".")
     with open(path) as f:
       text = f.read()
-    assert module in text or f"from {parent} import {leaf}" in text, f"{entry.test} does not run {module}"
+    runs_it = module in text or f"from {parent} import {leaf}" in text
+    runs_it |= module == "vlrep.main" and "run_main(" in text  # conftest's run_main runs `python -m vlrep.main`
+    assert runs_it, f"{entry.test} does not run {module}"
     return 0.0
   argv = argv_of(command, entry, ctx)
   rc, seconds, out = runner.run(argv, log, entry.timeout)
@@ -676,6 +724,7 @@ def world(tmp_path_factory, tiny_virtex_run, tiny_builder, tiny_tokenizer):
     "own_data": str(own),
     "coco_json": str(tmp / "instances.json"),
     "vocab": tokenizers.default_path(tiny_virtex_run_config().tokenizer, tiny_builder),
+    "tiny_virtex_run": tiny_virtex_run,
   }
   (tmp / "home").mkdir()
   (tmp / "logs").mkdir()
