@@ -34,6 +34,7 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from vlrep.importers import TRANSFORMS, ImportedRun, KeyMap, flatten, load_checkpoint, rule, unflatten
+from vlrep.methods import vlbert
 
 DESCRIPTION = (
   "VisualBERT: a Hugging Face VisualBertModel / VisualBertForPreTraining folder or an MMF VisualBERT checkpoint, as "
@@ -253,18 +254,7 @@ def _bert_fields(sd, base: str, mmf: bool, config_json: str | None, mmf_config: 
       )
     if raw.get("position_embedding_type", "absolute") != "absolute":
       raise ValueError(f"{config_json}: only absolute position embeddings are supported.")
-    names = (
-      "vocab_size",
-      "hidden_size",
-      "num_hidden_layers",
-      "num_attention_heads",
-      "intermediate_size",
-      "hidden_act",
-      "max_position_embeddings",
-      "type_vocab_size",
-      "layer_norm_eps",
-      "visual_embedding_dim",
-    )
+    names = (*vlbert.BERT_ARCHITECTURE, "visual_embedding_dim")
     missing = [n for n in names if n not in raw]
     if missing:
       raise ValueError(f"{config_json} lacks {missing}: not a VisualBERT config.json.")

@@ -65,7 +65,7 @@ REGION_TARGETS = ("distribution", "classes", "feature")
 # the run it starts from.
 REGION_EMBEDDING_KNOBS = dict(region_boxes=True, region_norm="own", region_type_embedding="segment", region_type_id=1)
 # BertConfig fields that decide what a checkpoint's weights compute (dropout rates do not).
-_BERT_ARCHITECTURE = (
+BERT_ARCHITECTURE = (
   "vocab_size",
   "hidden_size",
   "num_hidden_layers",
@@ -321,7 +321,7 @@ class VLBert:
       want = bert_config_from_dict(dict(theirs_cfg.bert_config), f"{run.path}'s method.bert_config")
       differ = [
         f"{k}={getattr(want, k)!r} there, {getattr(self.bert_config, k)!r} here"
-        for k in _BERT_ARCHITECTURE
+        for k in BERT_ARCHITECTURE
         if getattr(want, k) != getattr(self.bert_config, k)
       ]
       if differ:
