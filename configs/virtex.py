@@ -54,6 +54,13 @@ def get_config(arg=None):
     num_layers=arg.layers,
     dropout=0.1,
     init_std=0.02,  # N(0, std) for the textual head's matrices and embeddings (BERT's, as the paper's code)
+    # As the official head (kdexd/virtex: torch.nn.TransformerDecoderLayer and its `_init_weights`): decoder
+    # LayerNorm eps 1e-5 (torch's default; the embedding's stays 1e-8), dropout on the feed-forward's hidden
+    # activations, and torch.nn.Linear's uniform biases where the official code re-initialises only weights
+    # (docs/interop.md).
+    decoder_ln_eps=1e-5,
+    mlp_dropout=True,
+    official_init=True,
     max_len=30,
     mask_prob=0.15,  # masked_lm: share of the tokens predicted; of those, BERT's 80% [MASK] / 10% random / 10% kept
     mask_token_prob=0.8,

@@ -160,10 +160,12 @@ def get_config(arg=None):
     ),
   )
   if arg.arch == "visual_bert":
-    # Region embeddings (vlrep/models/vl_bert.py): vlrep's (box embedding, own LayerNorm, one learned type vector);
-    # VisualBERT's and MMF's exactly: region_boxes=False, region_norm='shared', region_type_embedding='tables'
-    # (what an imported VisualBERT run sets; docs/interop.md).
-    c.method.update(region_boxes=True, region_norm="own", region_type_embedding="segment", region_type_id=1)
+    # Region embeddings (vlrep/models/vl_bert.py) as VisualBERT's and MMF's (BertVisioLinguisticEmbeddings, the
+    # study's code): no box embedding, BERT's embedding LayerNorm over text and regions alike, and visual
+    # token-type and position tables that start as copies of BERT's; the regions' token type is MMF's 0 (the
+    # authors' code and transformers' default use 1). vlrep's other embeddings: region_boxes=True,
+    # region_norm='own', region_type_embedding='segment' (docs/interop.md).
+    c.method.update(region_boxes=False, region_norm="shared", region_type_embedding="tables", region_type_id=0)
   c.tokenizer = dict(kind="wordpiece", path=bert)
   c.data = dict(
     name="coco_captions2017", config_name="", data_dir="", split="train", prefetch=2, in_memory=False, device_prefetch=2

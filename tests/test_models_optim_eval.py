@@ -1,5 +1,6 @@
 """Model pieces, optimizer semantics and the VOC07 metric, checked against hand-computed values."""
 
+import flax.linen
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -31,6 +32,79 @@ def test_forward_head_is_causal():
   lb = head.apply(params, visual, {"forward": b}, pad)[0]["forward"]
   np.testing.assert_allclose(la[0, :4], lb[0, :4], atol=1e-5)
   assert not np.allclose(la[0, 4:], lb[0, 4:])
+
+
+def _dropout_sites(layer, x, memory, mask):
+  """The shapes of what each nn.Dropout of a decoder layer drops in a training step, in call order."""
+  shapes = []
+
+  def record(next_fun, args, kwargs, context):
+    if isinstance(context.module, flax.linen.Dropout) and context.method_name == "__call__":
+      shapes.append(tuple(args[0].shape))
+    return next_fun(*args, **kwargs)
+
+  variables = layer.init(jax.random.PRNGKey(0), x, memory, mask)
+  with flax.linen.intercept_methods(record):
+    layer.apply(variables, x, memory, mask, train=True, rngs={"dropout": jax.random.PRNGKey(1)})
+  return shapes
+
+
+def test_decoder_layer_drops_out_where_torchs_transformer_decoder_layer_does():
+  # torch.nn.TransformerDecoderLayer (the official VirTex head), post-norm: dropout on the self-attention weights and
+  # output, on the cross-attention weights and output, on the feed-forward's hidden activations
+  # (linear2(dropout(gelu(linear1(x))))) and on its output: six sites. vlrep's pre-knob layer skipped the fifth.
+  b, t, n, h, heads, f = 2, 5, 3, 16, 2, 40
+  x, memory = jnp.ones((b, t, h)), jnp.ones((b, n, h))
+  mask = jnp.tril(jnp.ones((t, t), bool))[None, None]
+  official = [(b, heads, t, t), (b, t, h), (b, heads, t, n), (b, t, h), (b, t, f), (b, t, h)]
+  assert _dropout_sites(transformer.DecoderLayer(heads, f, 0.1, mlp_dropout=True), x, memory, mask) == official
+  assert _dropout_sites(transformer.DecoderLayer(heads, f, 0.1), x, memory, mask) == official[:4] + official[5:]
+
+
+def test_official_init_initialises_as_the_official_head():
+  # kdexd/virtex's TransformerDecoderTextualHead: `_init_weights` draws every Linear / attention weight and embedding
+  # N(0, 0.02) and zeroes the padding row, but leaves torch.nn.Linear's biases U(+-1/sqrt(fan_in)) (feed-forward,
+  # visual projection, and the output layer made after it); torch's MultiheadAttention zeroes its own biases.
+  from vlrep.models.virtex import VirTexModel
+
+  hidden, std = 64, 0.05
+  model = VirTexModel(
+    vocab_size=300,
+    backbone=dict(depth=10, width=8, stem="small", stem_stride=2),
+    hidden=hidden,
+    max_len=8,
+    init_std=std,
+    official_init=True,
+  )
+  tokens = jnp.ones((1, 8), jnp.int32)
+  args = (
+    jnp.zeros((1, 32, 32, 3)),
+    {"forward": tokens, "backward": tokens},
+    {"forward": tokens == 0, "backward": tokens == 0},
+  )
+  p = model.init(jax.random.PRNGKey(0), *args)["params"]
+  head, layer = p["textual_head"], p["textual_head"]["forward_layer0"]
+  words = np.asarray(head["embedding"]["words"]["embedding"])
+  assert not words[0].any() and abs(words[1:].std() - std) < 0.1 * std
+  for name, bias, fan_in in (
+    ("output", head["output_bias"], hidden),
+    ("mlp_in", layer["mlp_in"]["bias"], hidden),
+    ("mlp_out", layer["mlp_out"]["bias"], 4 * hidden),
+    ("visual_projection", p["visual_projection"]["bias"], 64),  # ResNet-10 w8: 64 features
+  ):
+    bound, bias = fan_in**-0.5, np.asarray(bias)
+    assert np.abs(bias).max() <= bound and np.abs(bias).max() > 0.9 * bound, name  # uniform over the whole range
+  assert abs(float(p["visual_projection"]["kernel"].std()) - std) < 0.1 * std  # not LeCun's 1/sqrt(64) = 0.125
+  for attention in ("self_attention", "cross_attention"):
+    assert not any(np.asarray(layer[attention][k]["bias"]).any() for k in ("query", "value", "out")), attention
+  # Without the knob (configs saved before it): zero biases, LeCun visual projection, a non-zero padding row.
+  q = VirTexModel(vocab_size=300, backbone=model.backbone, hidden=hidden, max_len=8, init_std=std).init(
+    jax.random.PRNGKey(0), *args
+  )["params"]
+  assert (
+    not np.asarray(q["textual_head"]["output_bias"]).any()
+    and q["textual_head"]["embedding"]["words"]["embedding"][0].any()
+  )
 
 
 def test_grouped_batchnorm_uses_per_group_statistics():

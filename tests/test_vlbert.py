@@ -1,6 +1,7 @@
 """VisualBERT / ViLBERT (the pretraining study): metrics, masking, region sampling, BERT loading, weight
 distances, bad inputs, and pretrain -> fine-tune end to end."""
 
+import importlib.util
 import json
 import os
 
@@ -513,6 +514,36 @@ def test_visual_bert_entailment_from_region_files_end_to_end(tmp_path):
   summary = json.loads((workdir / "summary.json").read_text())
   assert 0 <= summary["task/accuracy"] <= 100 and summary["task/pairs"] == 8 * 4  # 8 images x 4 statements
   assert "no_features_count" in proc.stderr  # images without a region file are counted, not fatal
+
+
+def _config_module():
+  spec = importlib.util.spec_from_file_location("vlbert_config", os.path.join(ROOT, "configs", "vlbert.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_recipe_visual_bert_embeds_regions_as_visual_bert_and_mmf_do():
+  # VisualBERT's and MMF's BertVisioLinguisticEmbeddings (the study's code): no box embedding, BERT's one embedding
+  # LayerNorm over text and regions, visual token-type and position tables, the regions' token type MMF's 0.
+  cfg = _config_module()
+  want = dict(region_boxes=False, region_norm="shared", region_type_embedding="tables", region_type_id=0)
+  for arg in ("", "runlocal", "stage=finetune,task=vqa", "runlocal,stage=finetune,task=vqa,frozen"):
+    method = cfg.get_config(arg).method
+    assert {k: method[k] for k in want} == want, arg
+  c = cfg.get_config("runlocal")
+  model = vl_bert.VLBertModel(
+    arch="visual_bert",
+    bert=bert_lib.BertConfig(
+      vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16
+    ),
+    region_dim=6,
+    **{k: c.method[k] for k in want},
+  )
+  tokens, types = jnp.ones((1, 4), jnp.int32), jnp.zeros((1, 4), jnp.int32)
+  regions, boxes = jnp.ones((1, 2, 6)), jnp.zeros((1, 2, 4))
+  params = model.init(jax.random.PRNGKey(0), tokens, types, regions, boxes, jnp.ones((1, 2), bool))["params"]
+  assert set(params["regions_embed"]) == {"feature", "token_type_embeddings", "position_embeddings"}
 
 
 def test_config_tasks_and_pretraining_fractions():

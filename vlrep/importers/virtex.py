@@ -26,7 +26,9 @@ Dropped, and said so in the note: each attention's key bias (the middle third of
 every logit of a query alike, which softmax removes: exact; its largest magnitude is noted; export writes zeros).
 Checked: the tied copies (`textual.output.weight` = `textual.embedding.words.weight`, and in bicaptioning the
 backward head's shared visual projection, embedding and output) must be identical. The run's config sets the
-official decoder LayerNorm epsilon (torch's default 1e-5; `method.decoder_ln_eps`) and float32 compute.
+official head's decoder (LayerNorm epsilon 1e-5, torch's default: `method.decoder_ln_eps`; dropout on the
+feed-forward's hidden activations: `method.mlp_dropout`; `method.official_init` for what a fine-tuning run adds)
+and float32 compute.
 """
 
 from __future__ import annotations
@@ -190,6 +192,8 @@ def _config(base: ConfigDict | None, task: str, sizes: dict, arch: dict, heads: 
     dtype="float32",
     vocab_multiple=1,
     decoder_ln_eps=OFFICIAL_LN_EPS,
+    mlp_dropout=True,
+    official_init=True,
     backbone=tv.backbone_section(method.get("backbone"), arch),
   )
   method.setdefault("dropout", 0.1)

@@ -19,6 +19,18 @@ import jax.numpy as jnp
 INIT_STD = 0.02
 
 
+def torch_bias_init(fan_in: int):
+  """torch.nn.Linear's default bias initialisation, U(-1/sqrt(fan_in), 1/sqrt(fan_in)): the official VirTex head
+  re-initialises only weights (`_init_weights`), so its feed-forward, visual projection and output biases keep it."""
+  bound = 1.0 / float(fan_in) ** 0.5
+  return lambda key, shape, dtype=jnp.float32: jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+def zero_row_init(base, row: int):
+  """`base` with one row set to zero: torch's Embedding(padding_idx=...) as the official head initialises it."""
+  return lambda key, shape, dtype=jnp.float32: base(key, shape, dtype).at[row].set(0.0)
+
+
 def _fused_projection(x, kernels, dtype):
   """x [B, T, H] times several DenseGeneral kernels [H, heads, d] as one matrix product: [B, T, n * heads, d]."""
   return jnp.einsum("bth,hnd->btnd", x.astype(dtype), jnp.concatenate(kernels, axis=1).astype(dtype))
@@ -88,10 +100,15 @@ class DecoderLayer(nn.Module):
   init_std: float = INIT_STD
   fused_qkv: bool = False
   ln_eps: float = 1e-8  # the official VirTex layers (torch.nn.TransformerDecoderLayer) use torch's default 1e-5
+  # torch.nn.TransformerDecoderLayer (the official VirTex head) also drops out the feed-forward's hidden
+  # activations: linear2(dropout(gelu(linear1(x)))).
+  mlp_dropout: bool = False
+  torch_bias_init: bool = False  # feed-forward biases U(+-1/sqrt(fan_in)), as the official head leaves them
 
   @nn.compact
   def __call__(self, x, memory, self_mask, train: bool = False, memory_kv=None):
     init = nn.initializers.normal(self.init_std)
+    bias = torch_bias_init if self.torch_bias_init else lambda fan_in: nn.initializers.zeros
     ln = lambda name: nn.LayerNorm(epsilon=self.ln_eps, dtype=self.dtype, param_dtype=jnp.float32, name=name)  # noqa: E731
     drop = nn.Dropout(self.dropout)
     y, weights = MultiHeadAttention(
@@ -105,9 +122,14 @@ class DecoderLayer(nn.Module):
         x, memory, None, train, memory_kv
       )
       x = ln("ln_cross")(x + drop(y, deterministic=not train))
-    y = nn.Dense(self.mlp_dim, dtype=self.dtype, param_dtype=jnp.float32, kernel_init=init, name="mlp_in")(x)
-    y = nn.gelu(y, approximate=False)
-    y = nn.Dense(x.shape[-1], dtype=self.dtype, param_dtype=jnp.float32, kernel_init=init, name="mlp_out")(y)
+    h = x.shape[-1]
+    dense = lambda width, fan_in, name: nn.Dense(  # noqa: E731
+      width, dtype=self.dtype, param_dtype=jnp.float32, kernel_init=init, bias_init=bias(fan_in), name=name
+    )
+    y = nn.gelu(dense(self.mlp_dim, h, "mlp_in")(x), approximate=False)
+    if self.mlp_dropout:
+      y = drop(y, deterministic=not train)
+    y = dense(h, self.mlp_dim, "mlp_out")(y)
     x = ln("ln_mlp")(x + drop(y, deterministic=not train))
     return x, cross
 
@@ -121,11 +143,13 @@ class WordAndPositionEmbedding(nn.Module):
   dropout: float = 0.1
   dtype: Any = jnp.float32
   init_std: float = INIT_STD
+  zero_row: int | None = None  # a row (the padding token) that starts at zero, as torch's padding_idx
 
   def setup(self):
     init = nn.initializers.normal(self.init_std)
+    words_init = init if self.zero_row is None else zero_row_init(init, self.zero_row)
     self.words = nn.Embed(
-      self.vocab_size, self.hidden, embedding_init=init, param_dtype=jnp.float32, dtype=self.dtype, name="words"
+      self.vocab_size, self.hidden, embedding_init=words_init, param_dtype=jnp.float32, dtype=self.dtype, name="words"
     )
     self.positions = nn.Embed(
       self.max_len, self.hidden, embedding_init=init, param_dtype=jnp.float32, dtype=self.dtype, name="positions"
@@ -155,9 +179,13 @@ class TransformerTextualHead(nn.Module):
       one matrix product over their kernels concatenated (they all read the same memory), not 2 x L x directions.
     vocab_multiple: the embedding table and output layer padded to a multiple of this many rows (128 suits GPU
       matrix units); the padding rows are never looked up and their logits are cut off before they are returned.
-    decoder_ln_eps: epsilon of the decoder layers' LayerNorms (vlrep's 1e-8; the official VirTex head builds
+    decoder_ln_eps: epsilon of the decoder layers' LayerNorms (the official VirTex head builds
       torch.nn.TransformerDecoderLayer, whose LayerNorms use torch's default 1e-5). The embedding's stays 1e-8,
       as the official code's.
+    mlp_dropout: dropout on the feed-forward's hidden activations too (torch.nn.TransformerDecoderLayer's).
+    official_init: initialise as the official head effectively does: weights N(0, init_std) as always, but the
+      feed-forward and output biases U(+-1/sqrt(fan_in)) (torch.nn.Linear's default, which the official
+      `_init_weights` leaves alone) and the padding token's embedding row zero. Attention biases are zero in both.
   Returns logits[direction] [B, T, V] and aux {'<direction>/cross_attention': [L][B, heads, T, N]}.
   """
 
@@ -175,14 +203,25 @@ class TransformerTextualHead(nn.Module):
   fused_memory_kv: bool = False
   vocab_multiple: int = 1
   decoder_ln_eps: float = 1e-8
+  mlp_dropout: bool = False
+  official_init: bool = False
+  padding_id: int = 0
 
   @nn.compact
   def __call__(self, visual, tokens_by_direction: dict, padding_by_direction: dict, train: bool = False):
     rows = -(-self.vocab_size // max(self.vocab_multiple, 1)) * max(self.vocab_multiple, 1)
     embedding = WordAndPositionEmbedding(
-      rows, self.hidden, self.max_len, self.dropout, self.dtype, self.init_std, name="embedding"
+      rows,
+      self.hidden,
+      self.max_len,
+      self.dropout,
+      self.dtype,
+      self.init_std,
+      zero_row=self.padding_id if self.official_init else None,
+      name="embedding",
     )
-    output_bias = self.param("output_bias", nn.initializers.zeros, (rows,), jnp.float32)
+    bias_init = torch_bias_init(self.hidden) if self.official_init else nn.initializers.zeros
+    output_bias = self.param("output_bias", bias_init, (rows,), jnp.float32)
     heads = self.num_heads or max(1, self.hidden // 64)
     memory_kv = {}
     if self.fused_memory_kv and not self.is_initializing():
@@ -222,6 +261,8 @@ class TransformerTextualHead(nn.Module):
           self.init_std,
           self.fused_qkv,
           self.decoder_ln_eps,
+          self.mlp_dropout,
+          self.official_init,
           name=f"{direction}_layer{layer}",
         )(x, visual, mask, train, memory_kv.get((direction, layer)))
         crosses.append(cross)

@@ -18,6 +18,11 @@ class VirTexModel(nn.Module):
   speed switches (`fused_qkv`, `fused_memory_kv`, `vocab_multiple`: transformer.TransformerTextualHead).
   `num_heads` / `mlp_dim` (None: hidden // 64 and 4 * hidden, as every VirTex model) and `decoder_ln_eps` (the
   decoder LayerNorms' epsilon) let a run reproduce a head built otherwise, e.g. an imported official checkpoint.
+  `mlp_dropout` and `official_init` (transformer.TransformerTextualHead) make the head train as the official
+  code's; with `official_init` the visual projection's weight is N(0, init_std) and its bias torch's uniform one
+  (the official `_init_weights`), otherwise LeCun-normal weights and a zero bias. The defaults here are the
+  pre-knob behaviour, so a saved config without the keys rebuilds the model it trained; configs/virtex.py sets
+  the official values.
   """
 
   vocab_size: int
@@ -34,14 +39,22 @@ class VirTexModel(nn.Module):
   num_heads: int | None = None
   mlp_dim: int | None = None
   decoder_ln_eps: float = 1e-8
+  mlp_dropout: bool = False
+  official_init: bool = False
 
   def setup(self):
     self.visual = resnet.ResNet(**self.backbone, dtype=self.dtype, name="backbone")
     if self.head == "linear":
       self.classifier = nn.Dense(self.vocab_size, dtype=self.dtype, param_dtype=jnp.float32, name="classifier")
     elif self.head == "transformer":
+      init = {}
+      if self.official_init:
+        init = dict(
+          kernel_init=nn.initializers.normal(self.init_std),
+          bias_init=transformer.torch_bias_init(self.visual.num_features),
+        )
       self.visual_projection = nn.Dense(
-        self.hidden, dtype=self.dtype, param_dtype=jnp.float32, name="visual_projection"
+        self.hidden, dtype=self.dtype, param_dtype=jnp.float32, name="visual_projection", **init
       )
       self.textual_head = transformer.TransformerTextualHead(
         self.vocab_size,
@@ -55,6 +68,9 @@ class VirTexModel(nn.Module):
         dtype=self.dtype,
         init_std=self.init_std,
         decoder_ln_eps=self.decoder_ln_eps,
+        mlp_dropout=self.mlp_dropout,
+        official_init=self.official_init,
+        padding_id=special_tokens.PAD_ID,
         **(self.head_speed or {}),
         name="textual_head",
       )
