@@ -326,6 +326,10 @@ COMMANDS: dict[str, object] = {
   "python -m vlrep.export --workdir=DIR --format=detectron2 --out=backbone.pkl": Refuses(
     SMALL_STEM, replace=(("DIR", VIRTEX), ("backbone.pkl", "{tmp}/backbone_dir.pkl"))
   ),
+  # The quick start's run is a VirTex, not a VisualBERT: a clear refusal (tests/test_import_visual_bert.py exports).
+  "python -m vlrep.export --workdir=DIR --format=visual_bert --out=FOLDER": Refuses(
+    r"exports VisualBERT runs", replace=(("DIR", VIRTEX), ("FOLDER", "{tmp}/visual_bert_hf"))
+  ),
   # --- Tools on the runs above. ------------------------------------------------------------------------ #
   "python -m vlrep.tools.caption --workdir=/tmp/virtex_local photo1.jpg photo2.png": Run(
     replace=(("photo1.jpg", "{image}"), ("photo2.png", "{image_png}")), expect="photo"
@@ -430,6 +434,7 @@ COMMANDS: dict[str, object] = {
       "--workdir=/runs/virtex_zoo_h2048",
       "python -m vlrep.import_run --format=visual_bert --checkpoint=visualbert-vqa-coco-pre/ "
       "--vocab=bert-base-uncased/vocab.txt --workdir=/runs/visualbert_coco",
+      "python -m vlrep.export --workdir=/runs/visualbert_coco --format=visual_bert --out=visualbert_coco_hf",
       "python -m vlrep.evaluate --config=configs/eval/voc07_svm.py --workdir=/runs/in1k_r50",
       "python -m vlrep.evaluate --config=configs/eval/captioning.py --workdir=/runs/virtex_zoo",
       "python -m vlrep.tools.caption --workdir=/runs/virtex_zoo photo.jpg",
@@ -441,9 +446,8 @@ COMMANDS: dict[str, object] = {
     )
   },
   "python -m vlrep.main --config=configs/vlbert.py:arch=visual_bert,stage=finetune,task=vqa,bert=$BERT,"
-  "regions=$REGIONS --config.method.pretrained_run=/runs/visualbert_coco --config.method.region_boxes=False "
-  "--config.method.region_norm=shared --config.method.region_type_embedding=tables "
-  "--config.method.region_type_id=1 --workdir=/runs/vb_vqa": Refuses(NOT_PREPARED),
+  "regions=$REGIONS --config.method.pretrained_run=/runs/visualbert_coco --config.method.region_type_id=1 "
+  "--workdir=/runs/vb_vqa": Refuses(NOT_PREPARED),
   "python -m vlrep.import_run --format=auto --checkpoint=FILE --workdir=RUN": Synopsis(),
   # The quick start's run has the small stem, which the official ResNet lacks: a clear refusal.
   "python -m vlrep.export --workdir=DIR --format=virtex --out=virtex.pth": Refuses(

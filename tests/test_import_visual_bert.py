@@ -1,7 +1,9 @@
 """The `visual_bert` import format against transformers' VisualBERT (an independent implementation): a tiny random
 `VisualBertForPreTraining` saved with `save_pretrained`, imported, and run by vlrep on the same inputs; MMF's layout
 (and torch's zip and legacy files) imports to the same parameters; bad inputs are clear errors; the imported run
-starts a downstream run through `method.pretrained_run`.
+starts a downstream run through `method.pretrained_run`; export (`vlrep.export --format=visual_bert`) writes the
+folder back bit for bit, writes a vlrep-trained VisualBERT that transformers loads and computes as vlrep does, and
+refuses any other model.
 
 Tolerance: 1e-5 relative (the largest absolute difference over the largest reference value) in float32. The two
 implementations sum the embeddings in another order and reduce in other orders; the measured figure is printed
@@ -18,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ROOT, run_main
+from ml_collections import ConfigDict
+from safetensors.numpy import load_file
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -107,18 +111,19 @@ def _method(config, **method):
 
 
 def _vlrep_outputs(run, tokens, types, regions, region_mask):
-  method = _method(run.config)
+  return _model_outputs(_method(run.config).model, run.params, tokens, types, regions, region_mask)
+
+
+def _model_outputs(model, params, tokens, types, regions, region_mask):
   boxes = jnp.zeros(regions.shape[:2] + (4,))
   args = (jnp.asarray(tokens, jnp.int32), jnp.asarray(types, jnp.int32), jnp.asarray(regions), boxes)
-  params = {"params": run.params}
-  t, v, pooled, _ = method.model.apply(params, *args, jnp.asarray(region_mask), method=vl_bert.VLBertModel.encode)
+  variables = {"params": params}
+  t, v, pooled, _ = model.apply(variables, *args, jnp.asarray(region_mask), method=vl_bert.VLBertModel.encode)
   seq = jnp.concatenate([t, v], axis=1)
   out = {"sequence": np.asarray(seq), "pooled": np.asarray(pooled)}
-  out["mlm_logits"] = np.asarray(method.model.apply(params, t, method=vl_bert.VLBertModel.mlm_logits))
-  if "align_head" in run.params:
-    out["alignment_logits"] = np.asarray(
-      method.model.apply(params, pooled, method=vl_bert.VLBertModel.alignment_logits)
-    )
+  out["mlm_logits"] = np.asarray(model.apply(variables, t, method=vl_bert.VLBertModel.mlm_logits))
+  if "align_head" in params:
+    out["alignment_logits"] = np.asarray(model.apply(variables, pooled, method=vl_bert.VLBertModel.alignment_logits))
   return out
 
 
@@ -331,8 +336,8 @@ def test_score_tells_visual_bert_checkpoints_from_others(hf_model):
 # ---------------------------------------------------------------------------------------------------------
 # Downstream: pretrained_run.
 # ---------------------------------------------------------------------------------------------------------
-def _as_run(imported, path="/runs/imported"):
-  return runs.Run(config=imported.config, params=imported.params, model_state={}, step=0, path=path, meta={})
+def _as_run(imported, path="/runs/imported", meta=None):
+  return runs.Run(config=imported.config, params=imported.params, model_state={}, step=0, path=path, meta=meta or {})
 
 
 def test_downstream_method_takes_the_imported_transformer_and_refuses_another_model(imported):
@@ -373,6 +378,140 @@ def test_visual_bert_tables_start_from_berts_when_bert_initialises_the_run():
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Export: the same key map read the other way (vlrep.export --format=visual_bert).
+# ---------------------------------------------------------------------------------------------------------
+def _exportable(imported):
+  """The imported run as vlrep.export reads it from its directory (the import note in its metadata)."""
+  return _as_run(imported, "/runs/imported/best/0", meta={"import": json.loads(json.dumps(imported.note))})
+
+
+def _differing(want: dict, got: dict) -> list[str]:
+  """The names of `want` that `got` lacks or holds otherwise: another dtype, shape or any bit."""
+  same = lambda a, b: a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()  # noqa: E731
+  return [k for k in want if k not in got or not same(np.asarray(want[k]), np.asarray(got[k]))]
+
+
+def _loads_cleanly(folder):
+  model, info = transformers.VisualBertForPreTraining.from_pretrained(str(folder), output_loading_info=True)
+  assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), info
+  return model.eval()
+
+
+def test_export_round_trip_is_bit_exact_and_transformers_computes_the_same(hf_model, hf_folder, imported, tmp_path):
+  out = tmp_path / "exported"
+  info = visual_bert.write_folder(_exportable(imported), str(out))
+  assert info["files"] == ["config.json", "model.safetensors", "vocab.txt"] and info["notes"] == []
+  original, exported = (
+    load_file(os.path.join(hf_folder, "model.safetensors")),
+    load_file(str(out / "model.safetensors")),
+  )
+  assert _differing(original, exported) == []  # every tensor of the file: same name, dtype, shape and bits
+  # Besides them, exactly the tied MLM decoder (which save_pretrained leaves out), as the model's own tensors.
+  assert set(exported) - set(original) == set(visual_bert.tied("visual_bert.", "cls."))
+  model_sd = {k: v.numpy() for k, v in hf_model.state_dict().items()}
+  assert set(exported) == set(model_sd) and _differing(model_sd, exported) == []
+  # config.json: every field (the architecture and the folder's others) but the writer's version and dtype.
+  want = json.loads(open(os.path.join(hf_folder, "config.json")).read())
+  assert json.loads((out / "config.json").read_text()) == {
+    k: v for k, v in want.items() if k not in ("transformers_version", "dtype")
+  }
+  assert (out / "vocab.txt").read_text() == open(os.path.join(hf_folder, "vocab.txt")).read()
+  # transformers loads it (no missing or unexpected key) and computes exactly what the original computes.
+  loaded = _loads_cleanly(out)
+  inputs = _inputs(seed=2)
+  want_out, got_out = (_reference_outputs(m, *inputs, visual_type=1) for m in (hf_model, loaded))
+  for k in want_out:
+    np.testing.assert_array_equal(got_out[k], want_out[k], err_msg=k)
+  # Imported again: the run's parameters, bit for bit (the tied copies checked and dropped).
+  again = visual_bert.read(str(out))
+  assert _differing(_flat(imported.params), _flat(again.params)) == [] and again.config.method.region_type_id == 1
+  # An existing folder is not replaced silently.
+  with pytest.raises(FileExistsError, match="not empty; pass --overwrite"):
+    visual_bert.write_folder(_exportable(imported), str(out))
+  assert visual_bert.write_folder(_exportable(imported), str(out), overwrite=True)["keys"] == len(exported)
+
+
+def test_the_round_trip_comparison_sees_a_transposed_kernel_and_unswapped_logits(hf_folder, imported, monkeypatch):
+  """The bit-exact comparison has teeth: an exporter that wrote square Dense kernels untransposed (which no shape
+  check sees) or the sentence-image logits in vlrep's order would fail it, on exactly those tensors."""
+  from vlrep.importers import TRANSFORMS
+
+  original = load_file(os.path.join(hf_folder, "model.safetensors"))
+  right, _ = visual_bert.state_dict(_exportable(imported))
+  assert _differing(original, right) == []
+  untransposed = lambda x, ctx: x if x.shape[0] == x.shape[1] else x.T  # noqa: E731
+  monkeypatch.setitem(TRANSFORMS, "linear", (untransposed, TRANSFORMS["linear"][1]))
+  monkeypatch.setitem(TRANSFORMS, "swap2", (lambda x, ctx: x, TRANSFORMS["swap2"][1]))
+  wrong, _ = visual_bert.state_dict(_exportable(imported))
+  differ = _differing(original, wrong)
+  assert "visual_bert.encoder.layer.1.attention.self.query.weight" in differ and "cls.seq_relationship.bias" in differ
+  assert "visual_bert.encoder.layer.1.intermediate.dense.weight" not in differ  # 37 x 32: transposed either way
+  assert all(k.endswith((".weight", "seq_relationship.bias")) for k in differ)
+
+
+def test_export_of_a_vlrep_trained_visual_bert_computes_its_outputs_in_transformers(tmp_path):
+  """A configs/vlbert.py:arch=visual_bert run built with VisualBERT's embeddings (BERT from a folder, cut to its
+  first layer, with another activation and LayerNorm eps; MMF's region type 0; no alignment head): transformers
+  loads the export and computes vlrep's outputs."""
+  from vlrep.config_utils import sibling_config
+  from vlrep.importers import unflatten
+  from vlrep.models import bert as bert_lib
+
+  bert_dir = tmp_path / "bert"
+  _write_vocab(bert_dir)
+  sizes = dict(_tiny_config().to_dict(), hidden_act="gelu_new", layer_norm_eps=1e-7)
+  fields = [f.name for f in dataclasses.fields(bert_lib.BertConfig)]
+  (bert_dir / "config.json").write_text(json.dumps({"model_type": "bert", **{k: sizes[k] for k in fields}}))
+  c = sibling_config(os.path.join(ROOT, "configs", "vlbert.py"), "vlbert",
+                     f"arch=visual_bert,stage=pretrain,bert={bert_dir},regions={tmp_path}")  # fmt: skip
+  knobs = dict(region_boxes=False, region_norm="shared", region_type_embedding="tables", region_type_id=0)
+  c.method.update(bert_layers=1, dtype="float32", **knobs)
+  c.method.visual.dim = 16
+  cfg = bert_lib.BertConfig(**{k: sizes[k] for k in fields if k != "num_hidden_layers"}, num_hidden_layers=1)
+  model = vl_bert.VLBertModel(arch="visual_bert", bert=cfg, region_dim=16, **knobs)
+  shapes = visual_bert.expected_shapes(dict(dataclasses.asdict(cfg), visual_embedding_dim=16), 0, False)[0]
+  rng = np.random.default_rng(4)  # every parameter random (LayerNorm scales around 1), as _randomise
+  flat = {k: (k.endswith("scale") + 0.2 * rng.normal(size=v)).astype(np.float32) for k, v in shapes.items()}
+  params = unflatten(flat)["params"]
+  run = runs.Run(config=c, params=params, model_state={}, step=7, path=str(tmp_path / "run/best/7"), meta={})
+  info = visual_bert.write_folder(run, str(tmp_path / "exported"))
+  notes = " ".join(info["notes"])
+  assert "visual_token_type_ids filled with 0" in notes and "written as zeros" in notes
+  got_cfg = info["config"]
+  assert (got_cfg["num_hidden_layers"], got_cfg["hidden_act"], got_cfg["layer_norm_eps"]) == (1, "gelu_new", 1e-7)
+  assert got_cfg["pad_token_id"] == 0 and got_cfg["visual_embedding_dim"] == 16
+  loaded = _loads_cleanly(tmp_path / "exported")
+  inputs = _inputs(seed=3)
+  want = _reference_outputs(loaded, *inputs, visual_type=0)
+  assert not want.pop("alignment_logits").any()  # the zero head: logits 0
+  _assert_equal_to_reference(_model_outputs(model, params, *inputs), want, "vlrep-trained run, exported")
+
+
+def test_export_refuses_a_model_that_is_not_visual_berts(imported):
+  from vlrep.config_utils import sibling_config
+
+  flags = ("--config.method.region_boxes=False", "--config.method.region_norm=shared",
+           "--config.method.region_type_embedding=tables", "--config.method.text_pool=cls")  # fmt: skip
+  # vlrep's own region embeddings (box embedding, region LayerNorm, segment vector): why, and the flags.
+  c = sibling_config(os.path.join(ROOT, "configs", "vlbert.py"), "vlbert", "arch=visual_bert,stage=pretrain")
+  c.method.update(region_boxes=True, region_norm="own", region_type_embedding="segment", text_pool="cls")
+  with pytest.raises(ValueError) as e:
+    visual_bert.state_dict(runs.Run(c, imported.params, {}, 0, "/runs/vlrep_regions/best/0", {}))
+  message = str(e.value)
+  assert all(f in message for f in flags), message
+  assert "region_boxes=True builds a box embedding" in message and "region_norm='own'" in message
+  for change, match in (
+    (dict(text_pool="mean"), r"text_pool='mean' builds a pooled output over the mean text state"),
+    (dict(arch="vilbert"), "this run's arch is 'vilbert'"),
+    (dict(name="virtex"), "this run's method is 'virtex'"),
+  ):
+    other = ConfigDict(imported.config.to_dict())
+    other.method.update(change)
+    with pytest.raises(ValueError, match=match):
+      visual_bert.state_dict(runs.Run(other, imported.params, {}, 0, "/runs/other/best/0", {}))
+
+
+# ---------------------------------------------------------------------------------------------------------
 # The CLI end to end: import, then a downstream run from the imported run.
 # ---------------------------------------------------------------------------------------------------------
 @pytest.mark.skipif(
@@ -394,8 +533,24 @@ def test_cli_import_then_downstream_run_loads_it_through_pretrained_run(tmp_path
                                                                         max_position_embeddings=512)))  # fmt: skip
   folder = tmp_path / "hf"
   model.save_pretrained(folder)
+  regions = tmp_path / "regions"
+  regions.mkdir()
+  rng = np.random.default_rng(0)
+  for image_id in range(64):
+    region_files.write_regions(str(regions / f"{image_id}.npz"), rng.normal(size=(3, 16)), [[0, 0, 16, 16]] * 3, 32, 32)
+  # tests/tiny_vlbert.py with VisualBERT's region embeddings (the imported run's): a wrapper config, so the test does
+  # not depend on which region-embedding defaults configs/vlbert.py chooses.
+  wrapper = tmp_path / "tiny_visual_bert_exact.py"
+  wrapper.write_text(
+    f"import sys\nsys.path.insert(0, {os.path.join(ROOT, 'tests')!r})\nimport tiny_vlbert\n\n\n"
+    "def get_config(arg=None):\n  c = tiny_vlbert.get_config(arg)\n"
+    "  c.method.update(region_boxes=False, region_norm='shared', region_type_embedding='tables', region_type_id=1)\n"
+    "  return c\n"
+  )
   run_dir = tmp_path / "imported"
   cmd = [sys.executable, "-m", "vlrep.import_run", "--format=visual_bert", f"--checkpoint={folder}"]
+  # The run keeps --config's data and evaluations (the tiny dataset and its region files).
+  cmd += [f"--config={wrapper}:arch=visual_bert,stage=pretrain,regions={regions}"]
   cmd += [f"--vocab={os.path.join(minilm, 'vocab.txt')}", f"--workdir={run_dir}"]
   proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-4000:]
@@ -407,22 +562,26 @@ def test_cli_import_then_downstream_run_loads_it_through_pretrained_run(tmp_path
     loaded.params["regions_embed"]["feature"]["kernel"],
     model.visual_bert.embeddings.visual_projection.weight.detach().numpy().T,
   )
+  # ... and the run on disk exports back (vlrep.export): the folder's tensors, bit for bit.
+  from vlrep import export
 
-  regions = tmp_path / "regions"
-  regions.mkdir()
-  rng = np.random.default_rng(0)
-  for image_id in range(64):
-    region_files.write_regions(str(regions / f"{image_id}.npz"), rng.normal(size=(3, 16)), [[0, 0, 16, 16]] * 3, 32, 32)
-  down = tmp_path / "ve"
-  # tests/tiny_vlbert.py with VisualBERT's region embeddings (the imported run's): a wrapper config, so the test does
-  # not depend on which region-embedding defaults configs/vlbert.py chooses.
-  wrapper = tmp_path / "tiny_visual_bert_exact.py"
-  wrapper.write_text(
-    f"import sys\nsys.path.insert(0, {os.path.join(ROOT, 'tests')!r})\nimport tiny_vlbert\n\n\n"
-    "def get_config(arg=None):\n  c = tiny_vlbert.get_config(arg)\n"
-    "  c.method.update(region_boxes=False, region_norm='shared', region_type_embedding='tables', region_type_id=1)\n"
-    "  return c\n"
+  info = export.export(str(run_dir), "visual_bert", str(tmp_path / "exported"))
+  assert info["files"] == ["config.json", "model.safetensors", "vocab.txt"]
+  assert (
+    _differing(load_file(str(folder / "model.safetensors")), load_file(str(tmp_path / "exported/model.safetensors")))
+    == []
   )
+  with pytest.raises(FileExistsError, match="--overwrite"):
+    export.export(str(run_dir), "visual_bert", str(tmp_path / "exported"))
+  # vlrep.evaluate on the imported run, with its own evaluations (the masked-token accuracy over the region files: a
+  # VisualBERT run has no backbone, and evaluate builds backbone features only for evaluations that read them).
+  from vlrep import evaluate
+
+  metrics = evaluate.evaluate(ConfigDict({"evals": loaded.config.evals.to_dict()}), str(run_dir), checkpoint="latest")
+  assert metrics["mlm/masked_tokens"] > 0 and 0 <= metrics["mlm/mlm_accuracy"] <= 100, metrics
+  assert json.load(open(run_dir / "summary.json"))["mlm/mlm_accuracy"] == metrics["mlm/mlm_accuracy"]
+
+  down = tmp_path / "ve"
   proc = run_main(
     down,
     "--config.method.visual.dim=16",

@@ -50,14 +50,15 @@ def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", na
   if unknown:
     raise ValueError(f"Unknown evaluations {unknown}; this config defines {sorted(evals_cfg)}.")
   run_inputs = run_inputs_of(run, with_method=any(evaluators.needs_method(cfg) for cfg in evals_cfg.values()))
-  features = runs.backbone_fn(run)
+  features = None  # built on first use: a run without a backbone (VisualBERT on region files) has evaluations too
   results: dict[str, float] = {}
   for name, cfg in evals_cfg.items():
     if names and name not in names:
       continue
     ev = evaluators.build(cfg, run_inputs)
     if ev.feature_key:
-      metrics = ev.run(lambda batch, key=ev.feature_key: features(batch, key))
+      features = features or runs.backbone_fn(run)
+      metrics = ev.run(lambda batch, key=ev.feature_key, f=features: f(batch, key))
     else:
       metrics = ev.run(None, variables=jax.device_put(run.variables))
     results.update({f"{name}/{k}": v for k, v in metrics.items()})

@@ -1,8 +1,9 @@
-r"""Exports a checkpoint's visual backbone (or a whole VirTex model) for PyTorch users.
+r"""Exports a checkpoint's visual backbone (or a whole VirTex or VisualBERT model) for PyTorch users.
 
   python -m vlrep.export --workdir=DIR --format=torchvision --out=backbone.safetensors   # or backbone.pth
   python -m vlrep.export --workdir=DIR --format=detectron2 --out=backbone.pkl
   python -m vlrep.export --workdir=DIR --format=virtex --out=virtex.pth
+  python -m vlrep.export --workdir=DIR --format=visual_bert --out=FOLDER
 
 torchvision: a ResNet state_dict with torchvision's names (`conv1.weight`, `layer1.0.bn1.running_mean`,
 `layer1.0.downsample.0.weight`, ...) and no `fc`; load it with
@@ -16,6 +17,18 @@ and the tied copies (output = embedding, the backward head's shared modules) wri
 official checkpoint (vlrep.import_run --format=virtex) gets its vocabulary rows back in the official order, so
 import -> export is the identity. The official config values that build the model are printed (MODEL.TEXTUAL.NAME,
 DATA.VOCAB_SIZE, the special token indices, ...).
+
+visual_bert: a Hugging Face folder that `transformers.VisualBertForPreTraining.from_pretrained(FOLDER)` loads with no
+missing or unexpected keys: config.json (VisualBertConfig: the run's BERT sizes, activation, LayerNorm eps and
+visual_embedding_dim), model.safetensors (float32, `visual_bert.*` and `cls.*`, the tied MLM decoder written as
+copies) and the run's WordPiece vocab.txt, by the key map the visual_bert importer reads
+(vlrep/importers/visual_bert.py: `write_folder`). Exports a run whose model is VisualBERT's: an imported one
+(vlrep.import_run --format=visual_bert; import -> export is the identity, bit for bit) or a configs/vlbert.py:
+arch=visual_bert run trained with --config.method.region_boxes=False --config.method.region_norm=shared
+--config.method.region_type_embedding=tables --config.method.text_pool=cls; any other run is refused, naming those
+flags. Notes are printed: a run without a trained alignment head gets `cls.seq_relationship` as zeros, a run
+whose regions' token type is 0 (MMF's) needs `visual_token_type_ids` of zeros, a task head is not written. The
+folder is written beside --out and renamed into place; an existing non-empty --out needs --overwrite.
 
 detectron2: the same weights renamed as Detectron2's ResNet (layerN -> res{N+1}, bnK -> convK.norm,
 downsample.0/1 -> shortcut / shortcut.norm, stem keys under `stem.`), pickled as
@@ -35,8 +48,10 @@ from absl import app, flags, logging
 
 from vlrep import runs
 from vlrep.importers import torchvision as tv_importer
+from vlrep.importers import virtex as virtex_format
+from vlrep.importers import visual_bert as visual_bert_format
 
-FORMATS = ("torchvision", "detectron2", "virtex")
+FORMATS = ("torchvision", "detectron2", "virtex", "visual_bert")
 
 
 def torchvision_state_dict(
@@ -73,13 +88,17 @@ def detectron2_state_dict(torchvision_sd: dict) -> OrderedDict:
   return out
 
 
-def export(workdir: str, fmt: str, out: str, checkpoint: str = "best") -> dict:
-  """Writes the backbone of WORKDIR's checkpoint to `out`; returns {'keys', 'parameters', 'step'}."""
+def export(workdir: str, fmt: str, out: str, checkpoint: str = "best", overwrite: bool = False) -> dict:
+  """Writes the backbone of WORKDIR's checkpoint to `out` (the whole model for virtex and visual_bert); returns
+  {'keys', 'parameters', 'step'} (and what the format adds: 'official_config', 'notes'). `overwrite`: replace an
+  existing non-empty --out folder (visual_bert; it is an error otherwise)."""
   if fmt not in FORMATS:
     raise ValueError(f"Unknown export format {fmt!r}; expected one of {FORMATS}.")
   run = runs.load_run(workdir, checkpoint)
   if fmt == "virtex":
     return _export_virtex(run, out)
+  if fmt == "visual_bert":
+    return _export_visual_bert(run, out, overwrite)
   if run.config.method.get("backbone", {}).get("arch", "resnet") != "resnet":
     raise ValueError(f"{run.path}: export to torchvision/Detectron2 supports ResNet backbones only (this is a VGG16).")
   stem = run.config.method.get("backbone", {}).get("stem", "imagenet")
@@ -125,8 +144,6 @@ def export(workdir: str, fmt: str, out: str, checkpoint: str = "best") -> dict:
 
 
 def _export_virtex(run, out: str) -> dict:
-  from vlrep.importers import virtex as virtex_format
-
   if not out.endswith((".pth", ".pt")):
     raise ValueError(f"--out for virtex must end in .pth (the official code reads it with torch.load), got {out!r}.")
   try:
@@ -148,23 +165,38 @@ def _export_virtex(run, out: str) -> dict:
   return {"keys": len(sd), "parameters": params, "step": run.step, "official_config": official}
 
 
+def _export_visual_bert(run, out: str, overwrite: bool) -> dict:
+  info = visual_bert_format.write_folder(run, out, overwrite)
+  logging.info("Wrote %d tensors of step %d to %s (%s).", info["keys"], run.step, out, ", ".join(info["files"]))
+  return info
+
+
 def define_flags():
   """Command-line flags (defined only when run as a command, so importing the module defines none)."""
   flags.DEFINE_string("workdir", None, "The training run's directory.")
   flags.DEFINE_enum(
-    "format", "torchvision", FORMATS, "torchvision (safetensors or .pth), detectron2 (.pkl) or virtex (.pth)."
+    "format",
+    "torchvision",
+    FORMATS,
+    "torchvision (safetensors or .pth), detectron2 (.pkl), virtex (.pth) or visual_bert (a Hugging Face folder).",
   )
-  flags.DEFINE_string("out", None, "Output file.")
+  flags.DEFINE_string("out", None, "Output file (visual_bert: output folder).")
   flags.DEFINE_string("checkpoint", "best", "'best', 'latest' or a step number.")
+  flags.DEFINE_bool("overwrite", False, "visual_bert: replace an existing non-empty --out folder.")
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  info = export(flags.FLAGS.workdir, flags.FLAGS.format, flags.FLAGS.out, flags.FLAGS.checkpoint)
-  print(f"Exported step {info['step']}: {info['keys']} tensors to {flags.FLAGS.out}", flush=True)
+  f = flags.FLAGS
+  info = export(f.workdir, f.format, f.out, f.checkpoint, f.overwrite)
+  print(f"Exported step {info['step']}: {info['keys']} tensors to {f.out}", flush=True)
   for key, value in info.get("official_config", {}).items():
     print(f"  {key}: {value}", flush=True)
+  if "files" in info:
+    print(f"  files: {', '.join(info['files'])}", flush=True)
+  for note in info.get("notes", []):
+    print(f"  note: {note}", flush=True)
 
 
 if __name__ == "__main__":

@@ -22,13 +22,26 @@ sentence-image prediction, trained) becomes vlrep's alignment head, its two logi
 
   python -m vlrep.import_run --format=visual_bert --checkpoint=visualbert-vqa-coco-pre/ \
       --vocab=bert-base-uncased/vocab.txt --workdir=/runs/visualbert_coco
+  python -m vlrep.export --workdir=/runs/visualbert_coco --format=visual_bert --out=visualbert_coco_hf
+
+Out (`state_dict`, `write_folder`; vlrep.export --format=visual_bert): a Hugging Face `VisualBertForPreTraining`
+folder (config.json, model.safetensors, vocab.txt) through the same table read the other way, the tied MLM decoder
+written as copies of the word embeddings and the output bias. A run exports when its model is VisualBERT's
+(`EXPORT_KNOBS`: the three region-embedding knobs above and the pooler reading [CLS]): an imported run (import ->
+export is the identity, bit for bit, config.json's other fields included) or a vlrep-trained
+`configs/vlbert.py:arch=visual_bert` run built with them; any other run is refused, naming the flags. A run without
+a trained alignment head (`method.alignment_weight=0`) gets `cls.seq_relationship` as zeros (logits 0: even odds),
+said in the notes, as is a `region_type_id` of 0 (pass `visual_token_type_ids` of zeros to transformers' model).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
+import shutil
+from collections import OrderedDict
 
 import numpy as np
 from ml_collections import ConfigDict
@@ -124,6 +137,9 @@ LAYOUTS = {
   "original": ("bert.bert.", "bert.cls.", True),  # the authors' code (MMF renames it when loading)
 }
 _PLACEHOLDER_REGIONS = "REGION_FEATURES_DIR"
+# config.json fields an imported run does not keep: what export writes itself (the model class, the type) and what
+# describes the file rather than the model (the writer's version, the dtype: export writes float32).
+_HF_NOT_KEPT = ("architectures", "model_type", "transformers_version", "_name_or_path", "dtype", "torch_dtype")
 _CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "configs")
 
 
@@ -263,6 +279,8 @@ def _bert_fields(sd, base: str, mmf: bool, config_json: str | None, mmf_config: 
       hidden_dropout_prob=raw.get("hidden_dropout_prob", 0.1),
       attention_probs_dropout_prob=raw.get("attention_probs_dropout_prob", 0.1),
     )
+    # The folder's other config.json fields (pad_token_id, initializer_range, ...), which export writes back.
+    notes["hf_config"] = {k: v for k, v in raw.items() if k not in fields and k not in _HF_NOT_KEPT}
     return fields
   if mmf_config.get("bypass_transformer") or any(k.startswith(f"{base}additional_layer.") for k in sd):
     raise ValueError(
@@ -503,3 +521,206 @@ def _why(key: str, shape) -> str:
     f"shape {shape}: MMF's downstream task head; vlrep's task heads belong to the downstream run (never loaded from "
     "a pretrained run)"
   )
+
+
+# ------------------------------------------------------------------------------------------------------------ #
+# Writing (vlrep.export --format=visual_bert).
+# ------------------------------------------------------------------------------------------------------------ #
+# What a run's method config must say for its model to be Hugging Face's VisualBERT: VisualBERT's region embeddings
+# (vlrep.models.vl_bert) and the pooler over [CLS]. Why each other value has no place in VisualBertForPreTraining:
+EXPORT_KNOBS = dict(region_boxes=False, region_norm="shared", region_type_embedding="tables", text_pool="cls")
+_NOT_VISUAL_BERT = {
+  "region_boxes": "a box embedding (regions_embed/location), for which VisualBERT has no input",
+  "region_norm": "the regions' own LayerNorm (regions_embed/LayerNorm), where VisualBERT applies BERT's embedding "
+  "LayerNorm to text and regions alike",
+  "region_type_embedding": "one learned segment vector (regions_embed/segment), where VisualBERT adds its visual "
+  "token-type and position tables",
+  "text_pool": "a pooled output over the mean text state, where VisualBERT's pooler reads [CLS]",
+}
+# config.json's fields besides the architecture, as transformers' VisualBertConfig writes them (an imported run's
+# own values, kept in its import note, take their place).
+_HF_DEFAULTS = dict(initializer_range=0.02, bypass_transformer=False, special_visual_initialize=True)
+_HF_HEADS = ("bert", "regions_embed", "mlm_head", "align_head")
+
+
+def check_exportable(run) -> None:
+  """A clear error unless the run's model is Hugging Face's VisualBERT (naming the flags of one that is)."""
+  method = run.config.method
+  if method.get("name") != "vlbert" or method.get("arch") != "visual_bert":
+    what = f"method is {method.get('name')!r}" if method.get("name") != "vlbert" else f"arch is {method.get('arch')!r}"
+    raise ValueError(
+      f"{run.path}: --format=visual_bert exports VisualBERT runs (configs/vlbert.py:arch=visual_bert, or a run "
+      f"written by vlrep.import_run --format=visual_bert); this run's {what}, which has no Hugging Face VisualBERT "
+      "layout."
+    )
+  have = {**vlbert.region_embedding_knobs(method), "text_pool": method.get("text_pool", "cls")}
+  differ = [k for k, want in EXPORT_KNOBS.items() if have[k] != want]
+  if differ:
+    flags = " ".join(f"--config.method.{k}={v}" for k, v in EXPORT_KNOBS.items())
+    raise ValueError(
+      f"{run.path} is not Hugging Face's VisualBERT, so it cannot be written as one: "
+      + "; ".join(f"{k}={have[k]!r} builds {_NOT_VISUAL_BERT[k]}" for k in differ)
+      + ". A trained run's weights belong to the model it was trained as; only a run built with VisualBERT's "
+      f"embeddings exports: train (or fine-tune from it) with {flags} (what an imported VisualBERT run sets)."
+    )
+
+
+def _bert_of(run) -> dict:
+  """BertConfig fields of the run's BERT: `method.bert_config` (imported runs) or method.bert_path's config.json cut
+  to `bert_layers`; the dropout rates are the checkpoint's own (what transformers' config.json holds)."""
+  from vlrep.models import bert as bert_lib
+
+  method = run.config.method
+  if method.get("bert_config"):
+    cfg = vlbert.bert_config_from_dict(dict(method.bert_config), f"{run.path}'s method.bert_config")
+  else:
+    folder = bert_lib.resolve_path(method.get("bert_path", ""))
+    path = os.path.join(folder, "config.json")
+    if not os.path.exists(path):
+      raise FileNotFoundError(
+        f"{run.path} was built from the BERT folder {folder!r} (method.bert_path), whose config.json says what the "
+        "weights' shapes do not (heads, activation, LayerNorm eps); it is not there."
+      )
+    cfg = bert_lib.BertConfig.from_json(path)
+    cfg, _ = bert_lib.first_layers(cfg, {}, int(method.get("bert_layers", 0)), folder)
+  return dataclasses.asdict(cfg)
+
+
+def _vocab_file(run, vocab_size: int) -> str | None:
+  """The run's WordPiece vocab.txt (method.bert_path's, the tokenizer's, or the run directory's copy), checked
+  against the word embedding's rows; None when none is found."""
+  from vlrep.models import bert as bert_lib
+
+  folders = []
+  for path in (run.config.method.get("bert_path"), run.config.get("tokenizer", {}).get("path")):
+    try:
+      folders.append(bert_lib.resolve_path(path))
+    except (FileNotFoundError, ValueError):  # '' or the packaged MiniLM not installed
+      continue
+  folders.append(os.path.dirname(os.path.dirname(run.path)))  # <workdir>/best/<step>: an imported run's copy
+  for folder in folders:
+    path = os.path.join(folder, "vocab.txt")
+    if os.path.isfile(path):
+      with open(path, encoding="utf-8") as f:
+        tokens = sum(1 for _ in f)
+      if tokens != vocab_size:
+        raise ValueError(f"{path} has {tokens} tokens but the run's word embedding has {vocab_size} rows.")
+      return path
+  return None
+
+
+def state_dict(run) -> tuple[OrderedDict, dict]:
+  """(a VisualBertForPreTraining state dict as float32 numpy arrays under Hugging Face's names, {'config': its
+  config.json, 'vocab': the vocab.txt to copy or None, 'notes': [...]}) of a VisualBERT run, through
+  `visual_bert_rules` read the other way; the tied MLM decoder written as copies. Everything is checked: the
+  run's model (`check_exportable`) and every parameter's shape against the model its config.json builds."""
+  check_exportable(run)
+  method = run.config.method
+  note = run.meta.get("import", {}) if run.meta.get("import", {}).get("format") == "visual_bert" else {}
+  bert = _bert_of(run)
+  params = {k: v for k, v in run.params.items() if k in _HF_HEADS}
+  notes = []
+  if set(run.params) - set(params):
+    notes.append(
+      f"not written: {sorted(set(run.params) - set(params))} (a downstream task head: VisualBertForPreTraining has "
+      "none; the encoder and the MLM head are written)"
+    )
+  if "regions_embed" not in params or "feature" not in params["regions_embed"]:
+    raise ValueError(f"{run.path} has no regions_embed/feature: not a VisualBERT run's parameters.")
+  hidden = bert["hidden_size"]
+  bert["visual_embedding_dim"] = int(np.shape(params["regions_embed"]["feature"]["kernel"])[0])
+  if "align_head" not in params:
+    params["align_head"] = {"kernel": np.zeros((hidden, 2), np.float32), "bias": np.zeros((2,), np.float32)}
+    notes.append(
+      "cls.seq_relationship (VisualBERT's sentence-image head) is written as zeros: the run has no trained "
+      "alignment head (method.alignment_weight=0), so its two logits are 0 (even odds) until fine-tuned"
+    )
+  if note.get("initialised", {}).get("mlm_head"):
+    notes.append(f"cls.predictions is not trained: {note['initialised']['mlm_head']} when the run was imported")
+  type_id = int(method.get("region_type_id", 1))
+  if type_id != 1:
+    notes.append(
+      f"the regions' token type is {type_id} (method.region_type_id; 0 is MMF's convention): pass "
+      f"visual_token_type_ids filled with {type_id} to the model (transformers' default, ones, computes another "
+      "embedding)"
+    )
+  if method.get("visual", {}).get("mode", "file") != "file":
+    notes.append(
+      f"the run's regions come from its frozen vlrep ResNet (method.visual.mode={method.visual.mode!r}), which the "
+      "folder does not hold: compute visual_embeds with that extractor"
+    )
+  flat = {f"params/{k}": np.asarray(v) for k, v in flatten(params).items()}
+  expected, _ = expected_shapes(bert, type_id, alignment=True)
+  wrong = [
+    f"{k}: {tuple(flat[k].shape) if k in flat else 'missing'} (needs {v})"
+    for k, v in sorted(expected.items())
+    if k not in flat or tuple(flat[k].shape) != tuple(v)
+  ] + [f"{k}: unexpected" for k in sorted(set(flat) - set(expected))]
+  if wrong:
+    raise ValueError(
+      f"{run.path}'s parameters are not the VisualBERT its config describes ({bert}): {wrong[:5]}"
+      + (f" and {len(wrong) - 5} more" if len(wrong) > 5 else "")
+    )
+  base, heads, mmf = LAYOUTS["huggingface"]
+  sd = KeyMap("VisualBERT (huggingface layout)", visual_bert_rules(base, heads, mmf)).to_foreign(flat)
+  for copy, source in tied(base, heads).items():
+    sd[copy] = sd[source].copy()
+  out = OrderedDict((k, np.ascontiguousarray(v, np.float32)) for k, v in sd.items())
+  vocab = _vocab_file(run, bert["vocab_size"])
+  if vocab is None:
+    notes.append("no vocab.txt found (method.bert_path, tokenizer.path, the run directory): none written")
+  config = {"architectures": ["VisualBertForPreTraining"], "model_type": "visual_bert", **_HF_DEFAULTS}
+  if vocab is not None:
+    with open(vocab, encoding="utf-8") as f:
+      tokens = [line.rstrip("\n") for line in f]
+    if "[PAD]" in tokens:  # the row vlrep pads with (BERT's pad_token_id)
+      config["pad_token_id"] = tokens.index("[PAD]")
+  config.update(note.get("hf_config", {}))
+  config.update({k: bert[k] for k in (*vlbert.BERT_ARCHITECTURE, "visual_embedding_dim")})
+  config.update({k: bert[k] for k in ("hidden_dropout_prob", "attention_probs_dropout_prob")})
+  return out, {"config": dict(sorted(config.items())), "vocab": vocab, "notes": notes}
+
+
+def write_folder(run, out: str, overwrite: bool = False) -> dict:
+  """Writes the run as a Hugging Face VisualBertForPreTraining folder: config.json, model.safetensors and the run's
+  vocab.txt, checked first, written beside `out` and renamed into place; an existing non-empty `out` is an error
+  unless `overwrite`. Returns {'keys', 'parameters', 'step', 'files', 'config', 'notes'}."""
+  from safetensors.numpy import save_file
+
+  out = os.path.abspath(os.path.expanduser(out)).rstrip(os.sep)
+
+  def check_out():
+    if os.path.exists(out) and not os.path.isdir(out):
+      raise FileExistsError(f"--out={out} is a file; --format=visual_bert writes a folder.")
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+      raise FileExistsError(
+        f"--out={out} already exists and is not empty; pass --overwrite to replace it, or choose another folder."
+      )
+
+  check_out()
+  sd, info = state_dict(run)
+  tmp = out + ".exporting"
+  shutil.rmtree(tmp, ignore_errors=True)
+  os.makedirs(tmp)
+  try:
+    save_file(dict(sd), os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+      f.write(json.dumps(info["config"], indent=2) + "\n")
+    if info["vocab"]:
+      shutil.copyfile(info["vocab"], os.path.join(tmp, "vocab.txt"))
+    check_out()  # (it may have appeared meanwhile)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  if os.path.isdir(out):
+    shutil.rmtree(out)
+  os.replace(tmp, out)
+  copies = set(tied(*LAYOUTS["huggingface"][:2]))
+  return {
+    "keys": len(sd),
+    "parameters": sum(int(v.size) for k, v in sd.items() if k not in copies),
+    "step": run.step,
+    "files": sorted(os.listdir(out)),
+    "config": info["config"],
+    "notes": info["notes"],
+  }
