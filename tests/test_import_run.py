@@ -424,6 +424,19 @@ def test_imported_virtex_run_evaluates_captions_and_exports(zoo, tmp_path):
   # The pieces shown are the official vocabulary's pieces of the decoded ids.
   sp = zoo["sp"]
   assert all(t in {sp.id_to_piece(i) for i in range(sp.get_piece_size())} for t in entry["tokens"])
+  # ... and it initialises a fine-tuning run (--config.init_from): its backbone arrives unchanged (LR 0), the
+  # architecture adopted from the imported run.
+  proc = run_main(
+    tmp_path / "ft",
+    f"--config.init_from={zoo['workdir']}",
+    "--config.total_steps=1",
+    "--config.optim.lr_groups=(('.*', 0.0),)",
+    config="tests/tiny_finetune.py",
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  imported, ft = runs.load_run(zoo["workdir"]), runs.load_run(str(tmp_path / "ft"), "latest")
+  for a, b in zip(jax.tree.leaves(imported.params["backbone"]), jax.tree.leaves(ft.params["backbone"]), strict=True):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_imported_backbone_initialises_a_finetuning_run(tmp_path):
