@@ -12,10 +12,12 @@ import zipfile
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from conftest import run_main
 
+from vlrep import torch_files
 from vlrep.data import concepts as concepts_lib
 from vlrep.data.wordpiece import WordPieceTokenizer
 from vlrep.methods import icmlm
@@ -154,7 +156,14 @@ def test_pytorch_bin_is_read_without_executing_pickles(tmp_path, minilm):
   np.testing.assert_array_equal(head2["transform"]["kernel"], sd["cls.predictions.transform.dense.weight"].T)
   np.testing.assert_array_equal(head2["bias"], sd["cls.predictions.bias"])
 
-  # A pickle that would run code is refused, not executed.
+  # The same weights in torch's legacy format (torch < 1.6) load to the same parameters.
+  torch.save(state, out / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+  _, params3, _, _ = bert.load_pretrained(str(out))
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params3), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+  # A pickle that would run code stays inert (nothing in the file is imported or called), and a BERT file that holds
+  # such an object where a tensor belongs is an error naming the key.
   class Evil:
     def __reduce__(self):
       return (os.system, ("touch " + str(tmp_path / "pwned"),))
@@ -162,9 +171,48 @@ def test_pytorch_bin_is_read_without_executing_pickles(tmp_path, minilm):
   evil = tmp_path / "evil.bin"
   with zipfile.ZipFile(evil, "w") as z:
     z.writestr("archive/data.pkl", pickle.dumps({"x": Evil()}, protocol=2))
-  with pytest.raises(pickle.UnpicklingError, match="refusing to load"):
-    bert.read_torch_zip(str(evil))
+  placeholder = torch_files.load_checkpoint(str(evil))["x"]
+  assert not isinstance(placeholder, np.ndarray) and repr(placeholder).endswith(".system>")
+  with pytest.raises(ValueError, match=r"holds no tensors .* its entries: \['x'\]"):
+    torch_files.load_state_dict(str(evil))
+  state["bert.embeddings.word_embeddings.weight"] = Evil()
+  for legacy in (False, True):
+    torch.save(state, out / "pytorch_model.bin", _use_new_zipfile_serialization=not legacy)
+    with pytest.raises(ValueError, match=r"not tensors: \['bert\.embeddings\.word_embeddings\.weight'\]"):
+      bert.load_pretrained(str(out))
   assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_torch_files_rebuilds_dtypes_scalars_and_views(tmp_path, legacy):
+  torch = pytest.importorskip("torch")
+  base = torch.arange(24, dtype=torch.float32)
+  obj = {
+    "bfloat16": torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16),
+    "half": torch.tensor([0.5, 65504.0], dtype=torch.float16),
+    "double": torch.tensor([1e-300], dtype=torch.float64),
+    "int8": torch.tensor([-3, 7], dtype=torch.int8),
+    "bool": torch.tensor([True, False, True]),
+    "scalar": torch.tensor(7.5),
+    "int_scalar": torch.tensor(42),  # e.g. BatchNorm's num_batches_tracked
+    "view": base[5:17].view(3, 4).t(),  # an offset into a storage another tensor shares, transposed
+    "base": base,
+    "param": torch.nn.Parameter(torch.ones(2, 3)),
+  }
+  ckpt = {"model": obj, "optimizer": {"step": torch.tensor(3)}, "epochs": [1, (2, "x")]}
+  path = tmp_path / "ckpt.pth"
+  torch.save(ckpt, path, _use_new_zipfile_serialization=not legacy)
+  assert zipfile.is_zipfile(path) is not legacy
+  got = torch_files.load_checkpoint(str(path))
+  assert got["epochs"] == [1, (2, "x")] and int(got["optimizer"]["step"]) == 3
+  sd = torch_files.load_state_dict(str(path))  # the tensors under 'model'
+  assert sd.keys() == obj.keys()
+  for k, t in obj.items():
+    want = t.detach().float().numpy() if t.dtype == torch.bfloat16 else t.detach().numpy()
+    assert sd[k].shape == want.shape and sd[k].dtype.itemsize == t.element_size(), k
+    np.testing.assert_array_equal(sd[k].astype(want.dtype), want, err_msg=k)
+  assert sd["bfloat16"].dtype == ml_dtypes.bfloat16 and sd["int_scalar"].dtype == np.int64
+  assert sd["view"].flags.owndata  # a copy, not a view into the file's bytes
 
 
 def test_bad_bert_folders_are_clear_errors(tmp_path, minilm):

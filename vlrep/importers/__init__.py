@@ -14,23 +14,21 @@ A format module provides:
       the run's contents; a clear error (naming the tensor and both shapes, the missing/unexpected keys, a
       vocabulary whose size differs from the embedding) before anything is written.
 
-Safe loading only: safetensors, or `load_state_dict` below (a restricted unpickler: tensors, ordered dicts and
-plain containers; no code runs).
+Safe loading only: safetensors, or torch.save files through `vlrep.torch_files` (`load_checkpoint` and
+`load_state_dict` below; a restricted unpickler: tensors, ordered dicts and plain containers; no code runs).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import os
-import pickle
 import re
-import struct
-import zipfile
 from typing import Any
 
 import numpy as np
 from ml_collections import ConfigDict
+
+from vlrep import torch_files
 
 
 @dataclasses.dataclass
@@ -94,208 +92,37 @@ def no_format_error(path: str, keys: set[str], fmt: str, score: float, missing, 
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Safe loading of torch checkpoints: a restricted unpickler (no code runs) for torch.save's zip and legacy formats.
+# Safe loading: safetensors, or torch.save files through vlrep.torch_files (a restricted unpickler; no code runs).
 # ------------------------------------------------------------------------------------------------------------------
-_TORCH_STORAGES = {
-  "FloatStorage": np.float32,
-  "DoubleStorage": np.float64,
-  "HalfStorage": np.float16,
-  "BFloat16Storage": "bfloat16",
-  "LongStorage": np.int64,
-  "IntStorage": np.int32,
-  "ShortStorage": np.int16,
-  "CharStorage": np.int8,
-  "ByteStorage": np.uint8,
-  "BoolStorage": np.bool_,
-}
-
-
-class _Opaque:
-  """Stands for any other object of a checkpoint (an optimizer's or scheduler's state, a config object): it records
-  the name and arguments it was unpickled with and runs nothing. A state dict that holds one is an error."""
-
-  name = "?"
-
-  def __init__(self, *args, **kwargs):
-    self.args = args
-
-  def __setstate__(self, state):
-    self.state = state
-
-  def __repr__(self):
-    return f"<{self.name}>"
-
-
-class _Storage:
-  def __init__(self, name: str):
-    self.dtype = _TORCH_STORAGES[name]
-
-
-@dataclasses.dataclass
-class _LazyTensor:
-  """A tensor of a legacy-format file, whose storages follow the pickle: materialised once they are read."""
-
-  storage: Any
-  offset: int
-  size: tuple
-  stride: tuple
-
-
-def _as_array(storage: np.ndarray, offset: int, size, stride) -> np.ndarray:
-  if not size:
-    return storage[offset : offset + 1].reshape(()).copy()
-  itemsize = storage.itemsize
-  return np.lib.stride_tricks.as_strided(
-    storage[offset:], shape=tuple(size), strides=tuple(s * itemsize for s in stride)
-  ).copy()
-
-
-def _frombuffer(raw: bytes, dtype) -> np.ndarray:
-  if dtype == "bfloat16":
-    import ml_dtypes
-
-    return np.frombuffer(raw, np.uint16).view(ml_dtypes.bfloat16)
-  return np.frombuffer(raw, dtype)
-
-
-def _unpickler(file, path: str, load_storage, lazy: bool):
-  class RestrictedUnpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-      if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor"):
-        return rebuild_tensor
-      if module == "torch._utils" and name == "_rebuild_parameter":
-        return lambda data, *unused: data
-      if module == "collections" and name == "OrderedDict":
-        return collections.OrderedDict
-      if module == "torch" and name in _TORCH_STORAGES:
-        return _Storage(name)
-      # Anything else is recorded, never imported or called.
-      return type(f"Opaque_{name}", (_Opaque,), {"name": f"{module}.{name}"})
-
-    def persistent_load(self, pid):
-      if not (isinstance(pid, tuple) and pid and pid[0] in ("storage", b"storage")):
-        raise pickle.UnpicklingError(f"{path}: unexpected persistent id {pid!r}.")
-      return load_storage(*pid[1:])
-
-  def rebuild_tensor(storage, offset, size, stride, *unused):
-    if lazy:
-      return _LazyTensor(storage, offset, tuple(size), tuple(stride))
-    return _as_array(storage, offset, size, stride)
-
-  return RestrictedUnpickler(file)
-
-
-def _read_zip(path: str):
-  archive = zipfile.ZipFile(path)
-  pkl = next((n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
-  if pkl is None:
-    raise ValueError(f"{path} is a zip file without data.pkl: not a torch checkpoint.")
-  prefix = pkl[: -len("data.pkl")]
-
-  def load_storage(storage_type, key, location, numel, *unused):
-    return _frombuffer(archive.read(f"{prefix}data/{key}"), storage_type.dtype)
-
-  with archive.open(pkl) as f:
-    return _unpickler(f, path, load_storage, lazy=False).load()
-
-
-_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
-
-
-def _read_legacy(path: str):
-  """torch.save's format before torch 1.6 (or with _use_new_zipfile_serialization=False): three small pickles,
-  the object's pickle, the list of storage keys, then each storage as an int64 element count and its bytes."""
-  with open(path, "rb") as f:
-    if pickle.load(f) != _LEGACY_MAGIC:
-      raise ValueError(f"{path} is neither a zip nor a legacy torch checkpoint (wrong magic number).")
-    pickle.load(f)  # protocol version
-    pickle.load(f)  # system info
-    storages: dict[str, tuple] = {}
-
-    def load_storage(storage_type, key, location, numel, view_metadata=None):
-      storages.setdefault(key, (storage_type.dtype, numel))
-      if view_metadata is not None:
-        view_key, view_offset, _ = view_metadata
-        return ("view", key, view_offset)
-      return ("root", key, 0)
-
-    obj = _unpickler(f, path, load_storage, lazy=True).load()
-    keys = pickle.load(f)
-    data = {}
-    for key in keys:
-      dtype, _ = storages[key]
-      (count,) = struct.unpack("<q", f.read(8))
-      size = 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
-      data[key] = _frombuffer(f.read(count * size), dtype)
-
-  def materialise(x):
-    if isinstance(x, _LazyTensor):
-      _, key, view_offset = x.storage
-      return _as_array(data[key], view_offset + x.offset, x.size, x.stride)
-    if isinstance(x, dict):
-      return type(x)((k, materialise(v)) for k, v in x.items())
-    if isinstance(x, (list, tuple)):
-      return type(x)(materialise(v) for v in x)
-    return x
-
-  return materialise(obj)
-
-
 def load_checkpoint(path: str) -> Any:
-  """A .pth/.pt/.bin file (torch.save, zip or legacy format) as plain Python containers and numpy arrays, through
-  a restricted unpickler: tensors, storages and ordered dicts are rebuilt; any other object becomes an inert
-  placeholder (nothing is imported or run). A .safetensors file as {name: array}."""
+  """A .safetensors file as {name: array}; any other file (.pth/.pt/.bin: torch.save, zip or legacy format) through
+  `vlrep.torch_files.load_checkpoint`: plain Python containers and numpy arrays, any other object an inert
+  placeholder (nothing is imported or run)."""
+  if not path.endswith(".safetensors"):
+    return torch_files.load_checkpoint(path)
   if not os.path.exists(path):
     raise FileNotFoundError(f"No checkpoint file {path}.")
-  if path.endswith(".safetensors"):
-    from safetensors.numpy import load_file
+  from safetensors.numpy import load_file
 
-    return load_file(path)
-  if zipfile.is_zipfile(path):
-    return _read_zip(path)
-  try:
-    return _read_legacy(path)
-  except (pickle.UnpicklingError, EOFError, struct.error) as e:
-    raise ValueError(f"{path} is not a torch checkpoint (zip or legacy format) nor .safetensors: {e}") from e
-
-
-_WRAPPERS = ("model", "state_dict", "model_state_dict", "module")
+  return load_file(path)
 
 
 def load_state_dict(path: str) -> dict[str, np.ndarray]:
-  """The state dict of a checkpoint file ({name: numpy array}): the file's top level, or what it holds under
-  'model' / 'state_dict' (VirTex's {"model": ..., "optimizer": ..., "iteration": ...}); a 'module.' prefix on every
-  key (a DistributedDataParallel model's) is removed. The last file read is kept (--format=auto reads it first)."""
+  """The state dict of a checkpoint file ({name: numpy array}, `vlrep.torch_files.as_state_dict`): the file's top
+  level, or what it holds under 'model' / 'state_dict' (VirTex's {"model": ..., "optimizer": ..., "iteration": ...});
+  a 'module.' prefix on every key (a DistributedDataParallel model's) is removed. The last file read is kept
+  (--format=auto reads it first)."""
   if not os.path.exists(path):
     raise FileNotFoundError(f"No checkpoint file {path}.")
   stat = os.stat(path)
   key = (os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
   if _LAST_READ.get("key") != key:
     _LAST_READ.clear()
-    _LAST_READ.update(key=key, sd=_load_state_dict(path))
+    _LAST_READ.update(key=key, sd=torch_files.as_state_dict(load_checkpoint(path), path))
   return dict(_LAST_READ["sd"])
 
 
 _LAST_READ: dict = {}
-
-
-def _load_state_dict(path: str) -> dict[str, np.ndarray]:
-  obj = load_checkpoint(path)
-  if not isinstance(obj, dict):
-    raise ValueError(f"{path} holds a {type(obj).__name__}, not a state dict.")
-  if not any(isinstance(v, np.ndarray) for v in obj.values()):
-    inner = next((obj[k] for k in _WRAPPERS if isinstance(obj.get(k), dict)), None)
-    if inner is None:
-      raise ValueError(
-        f"{path} holds no tensors at its top level nor under {_WRAPPERS}; its entries: {sorted(map(str, obj))[:10]}."
-      )
-    obj = inner
-  bad = [k for k, v in obj.items() if not isinstance(v, np.ndarray)]
-  if bad:
-    raise ValueError(f"{path}: the state dict holds entries that are not tensors: {bad[:5]} ({obj[bad[0]]!r}).")
-  if obj and all(k.startswith("module.") for k in obj):
-    obj = {k[len("module.") :]: v for k, v in obj.items()}
-  return dict(obj)
 
 
 # ------------------------------------------------------------------------------------------------------------------

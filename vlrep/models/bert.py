@@ -12,8 +12,9 @@ attention weights, as Hugging Face's) applies only with deterministic=False: fin
 The MLM head (dense, GELU, LayerNorm, then the word-embedding matrix transposed plus a bias) is a separate module:
 checkpoints fine-tuned for sentence embeddings (MiniLM here) do not carry it, and then ICMLM trains it.
 
-`pytorch_model.bin` is read without executing its pickle: a restricted unpickler that knows only how tensors are
-rebuilt, reading the raw storages from the zip archive.
+`pytorch_model.bin` (torch.save's zip or legacy format) is read without executing its pickle, by
+`vlrep.torch_files.load_state_dict`: tensors are rebuilt from the raw storages, nothing in the file is imported or
+run, and an entry that is not a tensor is an error naming its key.
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ import dataclasses
 import importlib.util
 import json
 import os
-import pickle
-import zipfile
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from vlrep import torch_files
 
 _ACTIVATIONS = {
   "gelu": lambda x: jax.nn.gelu(x, approximate=False),
@@ -198,79 +199,8 @@ def read_state_dict(folder: str) -> dict[str, np.ndarray]:
 
     return load_file(st)
   if os.path.exists(pt):
-    return read_torch_zip(pt)
+    return torch_files.load_state_dict(pt)
   raise FileNotFoundError(f"{folder} has neither model.safetensors nor pytorch_model.bin.")
-
-
-_TORCH_DTYPES = {
-  "FloatStorage": np.float32,
-  "DoubleStorage": np.float64,
-  "HalfStorage": np.float16,
-  "LongStorage": np.int64,
-  "IntStorage": np.int32,
-  "ShortStorage": np.int16,
-  "CharStorage": np.int8,
-  "ByteStorage": np.uint8,
-  "BoolStorage": np.bool_,
-  "BFloat16Storage": "bfloat16",
-}
-
-
-def read_torch_zip(path: str) -> dict[str, np.ndarray]:
-  """A torch.save'd state dict (zip format, torch >= 1.6) without executing its pickle: only tensor rebuilds
-  and OrderedDicts are allowed; anything else is an error."""
-  if not zipfile.is_zipfile(path):
-    raise ValueError(f"{path} is not a zip-format torch checkpoint (legacy format); re-save it with torch >= 1.6.")
-  archive = zipfile.ZipFile(path)
-  names = archive.namelist()
-  pkl = next((n for n in names if n.endswith("/data.pkl") or n == "data.pkl"), None)
-  if pkl is None:
-    raise ValueError(f"{path} has no data.pkl: not a torch checkpoint.")
-  prefix = pkl[: -len("data.pkl")]
-
-  def load_storage(dtype, key):
-    raw = archive.read(f"{prefix}data/{key}")
-    if dtype == "bfloat16":
-      import ml_dtypes
-
-      return np.frombuffer(raw, np.uint16).view(ml_dtypes.bfloat16)
-    return np.frombuffer(raw, dtype)
-
-  def rebuild_tensor(storage, offset, size, stride, *unused):
-    if not size:
-      return storage[offset : offset + 1].reshape(()).copy()
-    itemsize = storage.itemsize
-    return np.lib.stride_tricks.as_strided(
-      storage[offset:], shape=tuple(size), strides=tuple(s * itemsize for s in stride)
-    ).copy()
-
-  class _StorageType:
-    def __init__(self, name):
-      self.dtype = _TORCH_DTYPES[name]
-
-  class RestrictedUnpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-      if (module, name) in (("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor")):
-        return rebuild_tensor
-      if module == "collections" and name == "OrderedDict":
-        import collections
-
-        return collections.OrderedDict
-      if module == "torch" and name in _TORCH_DTYPES:
-        return _StorageType(name)
-      raise pickle.UnpicklingError(f"{path}: refusing to load {module}.{name} (only tensors are read).")
-
-    def persistent_load(self, pid):
-      # ('storage', storage_type, key, location, numel)
-      if not (isinstance(pid, tuple) and pid and pid[0] == "storage"):
-        raise pickle.UnpicklingError(f"{path}: unexpected persistent id {pid!r}.")
-      return load_storage(pid[1].dtype, pid[2])
-
-  with archive.open(pkl) as f:
-    state = RestrictedUnpickler(f).load()
-  if not isinstance(state, dict):
-    raise ValueError(f"{path} holds a {type(state).__name__}, not a state dict.")
-  return {k: v for k, v in state.items() if isinstance(v, np.ndarray)}
 
 
 def _linear(sd, name):
