@@ -493,6 +493,7 @@ python -m vlrep.tools.sweep --config=configs/virtex.py:runlocal --vary="fraction
 python -m vlrep.tools.sweep --config=configs/virtex.py:runlocal --vary="steps=400 550" --seeds=0,1,2 --root=/tmp/r/steps --metrics=probe/map,probe/map_val
 python -m vlrep.tools.sweep --config=configs/virtex.py:runlocal --vary="task=bicaptioning captioning masked_lm token_classification" --seeds=0,1,2 --root=/tmp/r/virtex --metrics=probe/map,probe/map_val,probe/map_random_init,probe/map_val_random_init
 python -m vlrep.tools.sweep --config=configs/virtex.py:runlocal --vary="task=bicaptioning" --seeds=0,1,2 --root=/tmp/r/virtex --metrics=probe/map,probe/map_val,probe/map_random_init,probe/map_val_random_init
+python -m vlrep.tools.sweep --config=configs/virtex.py:runlocal --vary="task=bicaptioning" --seeds=0,1,2 --root=/tmp/r/head_without --metrics=probe/map,probe/map_val --overrides=method.decoder_ln_eps=1e-8,method.mlp_dropout=False,method.official_init=False
 """
 COMMANDS.update(
   {
