@@ -13,12 +13,13 @@ import os
 import jax
 import numpy as np
 import pytest
+import tiny_finetune
 import torch
-from conftest import ROOT, run_main
+from conftest import ROOT
 from ml_collections import ConfigDict
 from torch import nn
 
-from vlrep import export, import_run, methods, runs
+from vlrep import export, import_run, methods, runs, train
 from vlrep.data import tokenizers
 from vlrep.models.torch_resnet import ResNet as TorchResNet
 
@@ -406,6 +407,15 @@ def _probe_config():
   return ConfigDict({"evals": {"svm": cfg.evals.probe.to_dict(), "captions": cfg.evals.captioning.to_dict()}})
 
 
+def _finetune_one_step(init_from: str, workdir) -> None:
+  """tests/tiny_finetune.py from `init_from` for one step at LR 0, in this process (vlrep.train.run, as
+  `python -m vlrep.main` runs it; no evaluations): the backbone must arrive unchanged."""
+  config = tiny_finetune.get_config()
+  config.update(init_from=init_from, total_steps=1, evals={})
+  config.optim.lr_groups = ((".*", 0.0),)
+  train.run(config, str(workdir))
+
+
 def test_imported_virtex_run_evaluates_captions_and_exports(zoo, tmp_path):
   from PIL import Image
 
@@ -426,14 +436,7 @@ def test_imported_virtex_run_evaluates_captions_and_exports(zoo, tmp_path):
   assert all(t in {sp.id_to_piece(i) for i in range(sp.get_piece_size())} for t in entry["tokens"])
   # ... and it initialises a fine-tuning run (--config.init_from): its backbone arrives unchanged (LR 0), the
   # architecture adopted from the imported run.
-  proc = run_main(
-    tmp_path / "ft",
-    f"--config.init_from={zoo['workdir']}",
-    "--config.total_steps=1",
-    "--config.optim.lr_groups=(('.*', 0.0),)",
-    config="tests/tiny_finetune.py",
-  )
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  _finetune_one_step(zoo["workdir"], tmp_path / "ft")
   imported, ft = runs.load_run(zoo["workdir"]), runs.load_run(str(tmp_path / "ft"), "latest")
   for a, b in zip(jax.tree.leaves(imported.params["backbone"]), jax.tree.leaves(ft.params["backbone"]), strict=True):
     np.testing.assert_array_equal(a, b)
@@ -448,17 +451,7 @@ def test_imported_backbone_initialises_a_finetuning_run(tmp_path):
     ConfigDict({"evals": {"svm": _probe_config().evals.svm.to_dict()}}), str(tmp_path / "in1k")
   )
   assert np.isfinite(results["svm/map"])
-  proc = run_main(
-    tmp_path / "ft",
-    f"--config.init_from={tmp_path / 'in1k'}",
-    "--config.method.backbone.depth=50",
-    "--config.method.backbone.stem=imagenet",
-    "--config.total_steps=1",
-    "--config.optim.lr_groups=(('.*', 0.0),)",
-    config="tests/tiny_finetune.py",
-  )
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "Backbone initialised from" in proc.stderr
+  _finetune_one_step(str(tmp_path / "in1k"), tmp_path / "ft")  # ResNet-50, ImageNet stem: adopted from the run
   ft = runs.load_run(str(tmp_path / "ft"), "latest")
   assert np.array_equal(ft.params["backbone"]["conv1"]["kernel"], sd["conv1.weight"].numpy().transpose(2, 3, 1, 0))
 
