@@ -179,8 +179,8 @@ def _runlocal(c, arg):
   """synthetic_scenes 2.1.0 at 64x64 and a budget that fits a 2-core CPU in a few minutes.
 
   What differs from the recipe, and why (chosen on probe_val; docs/results/virtex.md):
-  - 550 steps of 64 (about 4 minutes with data generation and both probes): at 3 seeds probe_val 37.66 +- 1.78
-    against 32.22 +- 1.24 at 400 steps.
+  - 550 steps of 64 (about 4.5 minutes with data generation and both probes): at 3 seeds probe_val 39.34 +- 4.16
+    against 33.73 +- 2.31 at 400 steps, ahead at every seed (a tie by the 2-std rule).
   - ResNet-10 w16 with the small stem (3x3 stride 2, no max-pool): the ImageNet stem leaves 64 px shapes a few
     cells of a 16x16 grid, and the deeper ResNet-26 costs twice the time per step.
   - AdamW (backbone 1e-2, head 3e-3; LookAhead off) instead of SGD + LookAhead: at a few hundred steps SGD barely
