@@ -26,7 +26,7 @@ from safetensors.numpy import load_file
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from vlrep import runs  # noqa: E402
+from vlrep import import_run, runs  # noqa: E402
 from vlrep.importers import visual_bert  # noqa: E402
 from vlrep.methods import vlbert  # noqa: E402
 from vlrep.models import vl_bert  # noqa: E402
@@ -518,8 +518,6 @@ def test_export_refuses_a_model_that_is_not_visual_berts(imported):
   not os.path.exists(os.path.join(ROOT, "vlrep", "import_run.py")), reason="vlrep/import_run.py (the CLI) not there yet"
 )
 def test_cli_import_then_downstream_run_loads_it_through_pretrained_run(tmp_path):
-  import subprocess
-  import sys
 
   from vlrep.data import region_files
   from vlrep.models import bert as bert_lib
@@ -548,12 +546,15 @@ def test_cli_import_then_downstream_run_loads_it_through_pretrained_run(tmp_path
     "  return c\n"
   )
   run_dir = tmp_path / "imported"
-  cmd = [sys.executable, "-m", "vlrep.import_run", "--format=visual_bert", f"--checkpoint={folder}"]
+  # What `python -m vlrep.import_run` calls, in this process (the command's flags are run by the docs-commands test).
   # The run keeps --config's data and evaluations (the tiny dataset and its region files).
-  cmd += [f"--config={wrapper}:arch=visual_bert,stage=pretrain,regions={regions}"]
-  cmd += [f"--vocab={os.path.join(minilm, 'vocab.txt')}", f"--workdir={run_dir}"]
-  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-4000:]
+  import_run.import_run(
+    "visual_bert",
+    str(folder),
+    str(run_dir),
+    vocab=os.path.join(minilm, "vocab.txt"),
+    config=f"{wrapper}:arch=visual_bert,stage=pretrain,regions={regions}",
+  )
   loaded = runs.load_run(str(run_dir))
   # The run keeps its vocabulary: its config names the copy in the run directory.
   assert loaded.config.method.bert_path == loaded.config.tokenizer.path == str(run_dir)
