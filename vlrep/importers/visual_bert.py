@@ -43,11 +43,27 @@ import re
 import shutil
 from collections import OrderedDict
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from ml_collections import ConfigDict
+from safetensors.numpy import save_file
 
-from vlrep.importers import TRANSFORMS, ImportedRun, KeyMap, flatten, load_checkpoint, rule, unflatten
+from vlrep import config_utils
+from vlrep.importers import (
+  TRANSFORMS,
+  ImportedRun,
+  KeyMap,
+  closest_format,
+  flatten,
+  load_checkpoint,
+  no_format_error,
+  rule,
+  unflatten,
+)
 from vlrep.methods import vlbert
+from vlrep.models import bert as bert_lib
+from vlrep.models import vl_bert
 
 DESCRIPTION = (
   "VisualBERT: a Hugging Face VisualBertModel / VisualBertForPreTraining folder or an MMF VisualBERT checkpoint, as "
@@ -350,7 +366,6 @@ def _vocab_folder(vocab: str | None, checkpoint_folder: str, vocab_size: int) ->
 def _run_config(base, bert: dict, type_id: int, alignment: bool, vocab_folder: str, regions: str) -> ConfigDict:
   """The base config (configs/vlbert.py:arch=visual_bert,stage=pretrain unless one is given) with region files,
   VisualBERT's embeddings and BERT's architecture written in."""
-  from vlrep import config_utils
 
   if base is None:
     path = os.path.join(_CONFIGS, "vlbert.py")
@@ -386,12 +401,8 @@ def _run_config(base, bert: dict, type_id: int, alignment: bool, vocab_folder: s
 def expected_shapes(bert: dict, type_id: int, alignment: bool, mlm: bool = True):
   """({'params/...': shape}, the model) of the VisualBERT pretraining model these sizes build (without the MLM
   head's entries when `mlm` is False)."""
-  import jax
 
-  from vlrep.methods import vlbert as vlbert_method
-  from vlrep.models import vl_bert
-
-  cfg = vlbert_method.bert_config_from_dict({k: v for k, v in bert.items() if k != "visual_embedding_dim"}, "config")
+  cfg = vlbert.bert_config_from_dict({k: v for k, v in bert.items() if k != "visual_embedding_dim"}, "config")
   model = vl_bert.VLBertModel(
     arch="visual_bert",
     bert=cfg,
@@ -408,8 +419,6 @@ def expected_shapes(bert: dict, type_id: int, alignment: bool, mlm: bool = True)
 
 
 def _init(model, bert):
-  import jax
-  import jax.numpy as jnp
 
   ids = jnp.zeros((1, 2), jnp.int32)
   regions = jnp.zeros((1, 1, bert["visual_embedding_dim"]), jnp.float32)
@@ -445,15 +454,12 @@ def read(
   notes: dict = {"format": "visual_bert", "source": os.path.abspath(weights), "layout": layout, "dropped": {}}
   missing = [k for k in expected_keys(sd) if k not in sd]
   if missing:
-    from vlrep.importers import closest_format, no_format_error
-
     fmt, best, m, u = closest_format(set(sd))
     if fmt != "visual_bert":
       raise no_format_error(weights, set(sd), fmt, best, m, u)
     raise ValueError(f"{weights} is not a complete VisualBERT checkpoint ({layout} layout): it lacks {missing[:5]}.")
   mmf_config = _mmf_model_config(config_yaml, embedded_config) if mmf else {}
   bert = _bert_fields(sd, base, mmf, None if mmf else config_json, mmf_config, options, notes)
-  from vlrep.models import bert as bert_lib
 
   if bert["hidden_act"] not in bert_lib._ACTIVATIONS:
     raise ValueError(
@@ -486,8 +492,6 @@ def read(
     notes["dropped"][key] = _why(key, shape)
   params = unflatten(converted.variables)["params"]
   if not mlm:  # a VisualBertModel: no pretraining heads in the checkpoint
-    import jax
-
     params["mlm_head"] = jax.tree.map(np.asarray, _init(model, bert)["params"]["mlm_head"])
     notes["initialised"] = {"mlm_head": "the checkpoint has no MLM head (a VisualBertModel): vlrep's initialisation"}
   notes["sizes"] = {k: v for k, v in bert.items() if "dropout" not in k}
@@ -568,7 +572,6 @@ def check_exportable(run) -> None:
 def _bert_of(run) -> dict:
   """BertConfig fields of the run's BERT: `method.bert_config` (imported runs) or method.bert_path's config.json cut
   to `bert_layers`; the dropout rates are the checkpoint's own (what transformers' config.json holds)."""
-  from vlrep.models import bert as bert_lib
 
   method = run.config.method
   if method.get("bert_config"):
@@ -589,7 +592,6 @@ def _bert_of(run) -> dict:
 def _vocab_file(run, vocab_size: int) -> str | None:
   """The run's WordPiece vocab.txt (method.bert_path's, the tokenizer's, or the run directory's copy), checked
   against the word embedding's rows; None when none is found."""
-  from vlrep.models import bert as bert_lib
 
   folders = []
   for path in (run.config.method.get("bert_path"), run.config.get("tokenizer", {}).get("path")):
@@ -685,7 +687,6 @@ def write_folder(run, out: str, overwrite: bool = False) -> dict:
   """Writes the run as a Hugging Face VisualBertForPreTraining folder: config.json, model.safetensors and the run's
   vocab.txt, checked first, written beside `out` and renamed into place; an existing non-empty `out` is an error
   unless `overwrite`. Returns {'keys', 'parameters', 'step', 'files', 'config', 'notes'}."""
-  from safetensors.numpy import save_file
 
   out = os.path.abspath(os.path.expanduser(out)).rstrip(os.sep)
 
