@@ -37,6 +37,7 @@ be fetched here; pre-computed paraphrases replace some of them with paraphrases=
 
 import re
 
+from vlrep import eval_protocols
 from vlrep.config_utils import BACKBONE_SPEED_SWITCHES, OPTIM_SPEED_SWITCHES, parse_arg
 
 # (lambda_ii, lambda_tag, lambda_cc, lambda_ic, lambda_ci)
@@ -213,9 +214,7 @@ def get_config(arg=None):
   )
   # VSE++ on the frozen backbone (tables 4, 6, 7): a linear image projection and a 1-layer GRU trained with the
   # hardest-negative hinge loss on train2017's pairs, Adam 2e-4 for 15 epochs then 2e-5 for 15; COCO 1K test.
-  from vlrep.evaluators import vsepp
-
-  c.evals.vsepp = dict(vsepp.COCO_PROTOCOL)
+  c.evals.vsepp = dict(eval_protocols.VSEPP_COCO)
   c.best_metric = "probe/map"
   if arg.runlocal:
     _runlocal(c, arg)
@@ -244,8 +243,6 @@ def get_config(arg=None):
 
 
 def _runlocal(c, arg):
-  from vlrep.evaluators import vsepp
-
   """synthetic_scenes at 64x64 on a 2-core CPU budget; tags are the 10 shapes and the colours present."""
   data_dir = "~/.cache/vlrep/tensorflow_datasets"
   c.data.update(name="synthetic_scenes", config_name="default", data_dir=data_dir)
@@ -301,4 +298,4 @@ def _runlocal(c, arg):
     fold_size=0,
     random_init=True,
   )
-  c.evals.vsepp.update(vsepp.RUNLOCAL, random_init=True)
+  c.evals.vsepp.update(eval_protocols.VSEPP_RUNLOCAL, random_init=True)

@@ -4,69 +4,86 @@
 # class before and after, the fair PyTorch reference (same optimizer and BatchNorm groups; torch.compile default
 # and max-autotune) beside vlrep's step, XLA's GPU flags, LocTex and MCT with and without the switches, and the
 # pallas_conv1x1 kernels one ResNet-50 convolution at a time over several tile settings.
-#   launch/benchmark_gpu.sh OUT_DIR [PARTS] [STEPS] [WINDOWS]
-# PARTS (comma-separated, default all of them): kernels, optimizer, head_backbone, torch, xla, methods. Each part is
-# one or a few processes of a few minutes; run them in separate calls where a call's time is limited. A variant
-# that fails to compile (e.g. a kernel Triton refuses) is reported in the JSON with its error; the others run.
+#   launch/benchmark_gpu.sh OUT_DIR [PARTS] [STEPS] [WINDOWS] [DEADLINE_S]
+# PARTS (comma-separated, default all): switches (every switch of the VirTex step; `optimizer` and `head_backbone`
+# name its two halves), torch, kernels, methods, xla. All parts start at once, one process each (xla: two), and
+# share the device through vlrep.tools.device_turns: they compile together (XLA's autotuning, torch.compile and
+# Triton take far longer than the timing), and time one at a time once all are ready, so no timed window shares
+# the device. A process still compiling DEADLINE_S seconds (default 330) after the start is killed and reported,
+# and the others time without it. A variant that fails to compile (a kernel Triton refuses) is reported in the
+# JSON with its error; the others run. Results: OUT_DIR/*.json, profile.md, log.txt; a summary table at the end.
 # Needs JAX with the accelerator's plugin, flax, optax, ml_collections, sentencepiece and (for the reference)
 # PyTorch; TensorFlow is not needed.
-set -euo pipefail
-OUT=${1:?usage: launch/benchmark_gpu.sh OUT_DIR [PARTS] [STEPS] [WINDOWS]}
-PARTS=${2:-kernels,optimizer,head_backbone,torch,xla,methods}; STEPS=${3:-20}; WINDOWS=${4:-3}
+set -uo pipefail
+OUT=${1:?usage: launch/benchmark_gpu.sh OUT_DIR [PARTS] [STEPS] [WINDOWS] [DEADLINE_S]}
+PARTS=${2:-switches,torch,kernels,methods,xla}; STEPS=${3:-20}; WINDOWS=${4:-3}; DEADLINE_S=${5:-330}
 mkdir -p "$OUT"
-export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$OUT/device.txt" || true
-B="python3 -m vlrep.tools.benchmark --steps=$STEPS --windows=$WINDOWS --input=device"
-VIRTEX="--config=configs/virtex.py --config.batch_size=256"
+has() { [[ ",$PARTS," == *",$1,"* ]]; }
+has switches && PARTS="$PARTS,optimizer,head_backbone"
+
 ALL_BACKBONE="method.backbone.fused_bn_act=True,method.backbone.fast_max_pool=True,method.backbone.conv1x1_as_dot=True"
 ALL_OPTIM="optim.grad_norm_once=True,optim.lookahead_sync_only=True,optim.flat_update=True"
 ALL_HEAD="method.fused_qkv=True,method.fused_memory_kv=True,method.vocab_multiple=128"
 ALL="$ALL_BACKBONE,$ALL_OPTIM,$ALL_HEAD,rng_impl=unsafe_rbg"
-has() { [[ ",$PARTS," == *",$1,"* ]]; }
+M_ALL="$ALL_BACKBONE,optim.flat_update=True,rng_impl=unsafe_rbg"
+VIRTEX="--config=configs/virtex.py --config.batch_size=256"
 
-if has kernels; then  # the Pallas 1x1 convolution + BatchNorm kernels against XLA, per shape and tile setting
-  python3 -m vlrep.tools.kernel_benchmark --batch=256 --group=32 --output="$OUT/kernels.json" | tail -n 12
-fi
-
+# One command line per process; the torch reference runs as two more processes started by the VirTex one.
+declare -A CMDS
+V=()
 if has optimizer; then  # fixed per-step cost, and the RNG behind dropout
-  $B $VIRTEX --output="$OUT/virtex_optimizer.json" \
-    --variant=no_lookahead_no_clip:optim.lookahead_steps=0,optim.grad_clip_norm=0.0 \
-    --variant=grad_norm_once:optim.grad_norm_once=True \
-    --variant=lookahead_sync_only:optim.lookahead_sync_only=True \
-    --variant=flat_update:optim.flat_update=True \
-    --variant=rbg:rng_impl=rbg \
-    --variant=unsafe_rbg:rng_impl=unsafe_rbg
+  V+=(--variant=no_lookahead_no_clip:optim.lookahead_steps=0,optim.grad_clip_norm=0.0
+    --variant=grad_norm_once:optim.grad_norm_once=True --variant=lookahead_sync_only:optim.lookahead_sync_only=True
+    --variant=flat_update:optim.flat_update=True --variant=rbg:rng_impl=rbg --variant=unsafe_rbg:rng_impl=unsafe_rbg)
 fi
-if has head_backbone; then  # the textual head's and the backbone's switches; all switches together; profiles
-  $B $VIRTEX --output="$OUT/virtex_head_backbone.json" --profile --output_dir="$OUT/profile_virtex" \
-    --variant=fused_qkv:method.fused_qkv=True \
-    --variant=fused_memory_kv:method.fused_memory_kv=True \
-    --variant=vocab_multiple_128:method.vocab_multiple=128 \
-    --variant=fused_bn_act:method.backbone.fused_bn_act=True \
-    --variant=fast_max_pool:method.backbone.fast_max_pool=True \
-    --variant=conv1x1_as_dot:method.backbone.conv1x1_as_dot=True \
-    --variant=pallas_conv1x1:method.backbone.pallas_conv1x1=True \
-    --variant="all:$ALL" \
-    --variant="all_pallas:$ALL,method.backbone.pallas_conv1x1=True"
+if has head_backbone; then  # the textual head's and the backbone's switches
+  V+=(--variant=fused_qkv:method.fused_qkv=True --variant=fused_memory_kv:method.fused_memory_kv=True
+    --variant=vocab_multiple_128:method.vocab_multiple=128 --variant=fused_bn_act:method.backbone.fused_bn_act=True
+    --variant=fast_max_pool:method.backbone.fast_max_pool=True
+    --variant=conv1x1_as_dot:method.backbone.conv1x1_as_dot=True
+    --variant=pallas_conv1x1:method.backbone.pallas_conv1x1=True)
 fi
-if has torch; then  # the fair reference first (it frees the device before JAX takes it), then vlrep's step
-  $B $VIRTEX --output="$OUT/virtex_vs_torch.json" --torch_reference --torch_modes=default,max-autotune \
-    --variant="all:$ALL" --variant="all_pallas:$ALL,method.backbone.pallas_conv1x1=True"
+PARTIES=0
+if has optimizer || has head_backbone || has torch; then  # all switches together; profiles before and after
+  T=""; has torch && T="--torch_reference --torch_modes=default,max-autotune" && PARTIES=$((PARTIES + 2))
+  CMDS[virtex]="$VIRTEX ${V[*]} --variant=all:$ALL --variant=all_pallas:$ALL,method.backbone.pallas_conv1x1=True
+    --profile --profile_variants=baseline,all,all_pallas --output_dir=/tmp/vlrep_gpu_profile --compile_threads=6 --offload_states $T"
 fi
-if has xla; then  # XLA's GPU flags are read when the backend starts: one process per setting
-  for FLAGS_NAME in default no_triton_gemm no_command_buffer; do
-    case $FLAGS_NAME in
-      default) X="" ;;
-      no_triton_gemm) X="--xla_gpu_enable_triton_gemm=false" ;;
-      no_command_buffer) X="--xla_gpu_enable_command_buffer=" ;;
-    esac
-    XLA_FLAGS="${XLA_FLAGS:-} $X" $B $VIRTEX --output="$OUT/virtex_xla_$FLAGS_NAME.json" --gemm_size=0
+if has methods; then  # LocTex and MCT, plain and with the switches that apply to them
+  for M in loctex mct; do
+    C="--config=configs/$M.py --config.batch_size=256"; [[ $M == mct ]] && C="--config=configs/mct.py:text=scratch,tags=True --config.batch_size=256"
+    CMDS[$M]="$C --variant=all:$M_ALL --variant=all_pallas:$M_ALL,method.backbone.pallas_conv1x1=True --compile_threads=3 --gemm_size=0"
   done
 fi
-if has methods; then
-  M_ALL="$ALL_BACKBONE,optim.flat_update=True,rng_impl=unsafe_rbg"
-  $B --config=configs/loctex.py --config.batch_size=256 --output="$OUT/loctex.json" \
-    --variant="all:$M_ALL" --variant="all_pallas:$M_ALL,method.backbone.pallas_conv1x1=True"
-  $B --config=configs/mct.py:text=scratch,tags=True --config.batch_size=256 --output="$OUT/mct.json" \
-    --variant="all:$M_ALL" --variant="all_pallas:$M_ALL,method.backbone.pallas_conv1x1=True"
+if has xla; then  # XLA's GPU flags are read when the backend starts: one process per setting (default: virtex's)
+  CMDS[xla_no_triton_gemm]="$VIRTEX --gemm_size=0"
+  CMDS[xla_no_command_buffer]="$VIRTEX --gemm_size=0"
 fi
+has kernels && PARTIES=$((PARTIES + 1))
+PARTIES=$((PARTIES + ${#CMDS[@]}))
+TURNS=/tmp/vlrep_gpu_turns.$$; DEADLINE=$(($(date +%s) + DEADLINE_S))
+TURN="--turn_dir=$TURNS --turn_parties=$PARTIES --turn_deadline=$DEADLINE"
+echo "$(date -u +%T) starting $PARTIES processes; timing starts when all have compiled (at the latest in ${DEADLINE_S} s)"
+
+PIDS=()
+if has kernels; then
+  python3 -m vlrep.tools.kernel_benchmark --batch=256 --group=32 --output="$OUT/kernels.json" $TURN \
+    >/tmp/vlrep_gpu_kernels.log 2>&1 & PIDS+=($!)
+fi
+for NAME in "${!CMDS[@]}"; do
+  X=""
+  [[ $NAME == xla_no_triton_gemm ]] && X="--xla_gpu_enable_triton_gemm=false"
+  [[ $NAME == xla_no_command_buffer ]] && X="--xla_gpu_enable_command_buffer="
+  env ${X:+XLA_FLAGS="${XLA_FLAGS:-} $X"} python3 -m vlrep.tools.benchmark --steps="$STEPS" --windows="$WINDOWS" --input=device \
+    ${CMDS[$NAME]} --output="$OUT/$NAME.json" $TURN >"/tmp/vlrep_gpu_$NAME.log" 2>&1 & PIDS+=($!)
+done
+STATUS=0
+for P in "${PIDS[@]}"; do wait "$P" || STATUS=1; done
+echo "$(date -u +%T) all processes ended"
+[[ -f /tmp/vlrep_gpu_profile/profile.md ]] && cp /tmp/vlrep_gpu_profile/profile.md "$OUT/"
+for L in /tmp/vlrep_gpu_*.log; do echo "=== $L"; grep -v -E "^(I|W)[0-9]{4} " "$L" | tail -n 40; done >"$OUT/log.txt"
+python3 "$ROOT/launch/benchmark_gpu_summary.py" "$OUT"
+exit $STATUS

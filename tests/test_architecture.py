@@ -86,6 +86,7 @@ def test_vlrep_has_no_import_cycle():
 # Layers, lowest first: a module imports only its own layer and those below it (README's "Architecture").
 LAYERS = {
   "vlrep.preemption": 0,  # a leaf: the loop installs it, the pipeline and evaluators check it
+  "vlrep.eval_protocols": 0,  # a leaf: the evaluators' protocol settings, read by configs
   "vlrep.models": 0,  # Flax modules: tensors in, tensors out
   "vlrep.data": 1,  # datasets, ops and tokenizers (token ids and BERT folders come from models)
   "vlrep.evaluators": 2,

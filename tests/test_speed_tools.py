@@ -3,6 +3,8 @@ benchmark's two implementations."""
 
 import math
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +13,8 @@ import pytest
 from conftest import load_tiny_config
 
 from vlrep.tools import benchmark
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_jaxpr_flops_counts_products_and_convolutions_exactly():
@@ -238,7 +242,11 @@ def test_benchmark_times_variants_round_robin_and_profiles_them(tmp_path):
     gemm_size=128,
     profile_dir=str(tmp_path),
     profile_steps=1,
+    compile_threads=3,  # built in threads: the same maths as one after the other
+    profile_variants=("baseline", "fused", "broken"),
+    offload_states=True,  # states wait in host memory between windows: the same steps
   )
+  assert result["compile_threads"] == 3 and result["build_seconds"] > 0
   assert len(result["window_step_seconds"]) == 3
   assert result["images_per_second_min"] <= result["images_per_second"] <= result["images_per_second_max"]
   fused = result["variants"]["fused"]
@@ -258,7 +266,8 @@ def test_benchmark_times_variants_round_robin_and_profiles_them(tmp_path):
 def test_kernel_benchmark_times_the_kernels_beside_xla_and_checks_their_maths():
   from vlrep.tools import kernel_benchmark
 
-  result = kernel_benchmark.run_case("tiny conv3", 4, 16, 32, True, batch=8, group=4, iters=1, windows=2)
+  built = kernel_benchmark.build_case("tiny conv3", 4, 16, 32, True, batch=8, group=4)
+  result = kernel_benchmark.time_case(built, iters=1, windows=2)
   variants = result["variants"]
   assert "xla" in variants and len(variants) >= 2 and "errors" not in result
   for label, v in variants.items():
@@ -267,3 +276,25 @@ def test_kernel_benchmark_times_the_kernels_beside_xla_and_checks_their_maths():
     # largest value, one bf16 step), where a wrong one is off by its whole size.
     assert v["max_relative_difference_vs_xla"] < 2e-2, (label, v)
   assert "| tiny conv3 (prologue) | 128 x 16 -> 32 |" in kernel_benchmark.markdown([result])
+
+
+def test_the_gpu_benchmarks_import_no_tensorflow():
+  # GPU machines may have JAX and PyTorch but no TensorFlow: the step, kernel and reference benchmarks and the
+  # configs they time must load without it (a TensorFlow import anywhere below them fails here).
+  code = """
+import importlib.abc, importlib.util, sys
+class NoTF(importlib.abc.MetaPathFinder):
+  def find_spec(self, name, path, target=None):
+    if name.split('.')[0] in ('tensorflow', 'tensorflow_datasets', 'clu', 'grain', 'array_record'):
+      raise ImportError('no ' + name)
+sys.meta_path.insert(0, NoTF())
+import vlrep.tools.benchmark, vlrep.tools.kernel_benchmark, vlrep.tools.torch_reference
+for name, arg in [('virtex', ''), ('loctex', ''), ('mct', 'text=scratch,tags=True')]:
+  spec = importlib.util.spec_from_file_location(name, f'configs/{name}.py')
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  module.get_config(arg)
+print('ok')
+"""
+  done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert done.stdout.strip().endswith("ok"), done.stderr[-2000:]

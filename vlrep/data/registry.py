@@ -17,6 +17,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorflow as tf
 
+from vlrep.data.op_strings import op_calls
+
 Example = dict[str, Any]
 Op = Callable[[Example], Example]
 
@@ -56,43 +58,6 @@ class Preprocess(NamedTuple):
 
 def known_ops() -> list[str]:
   return sorted(_REGISTRY)
-
-
-def _split_ops(pp: str) -> list[str]:
-  """The `|`-separated op specs of `pp`; a `|` inside a quoted argument (a user's path) does not split."""
-  specs, current, quote = [], [], ""
-  for ch in pp:
-    if quote:
-      quote = "" if ch == quote else quote
-    elif ch in "'\"":
-      quote = ch
-    elif ch == "|":
-      specs.append("".join(current))
-      current = []
-      continue
-    current.append(ch)
-  specs.append("".join(current))
-  return [s.strip() for s in specs if s.strip()]
-
-
-def op_calls(pp: str) -> list[tuple[str, tuple, dict]]:
-  """`[(name, args, kwargs), ...]` of a preprocessing string, its literal arguments evaluated; builds nothing."""
-  calls = []
-  for spec in _split_ops(pp):
-    try:
-      call = ast.parse(spec if "(" in spec else spec + "()", mode="eval").body
-      ok = isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
-    except SyntaxError:
-      ok = False
-    if not ok:
-      raise ValueError(f"Cannot parse preprocessing op {spec!r}; expected name or name(literal args).")
-    try:
-      args = tuple(ast.literal_eval(a) for a in call.args)
-      kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
-    except ValueError as e:
-      raise ValueError(f"Preprocessing op {spec!r}: arguments must be Python literals ({e}).") from None
-    calls.append((call.func.id, args, kwargs))
-  return calls
 
 
 def op_arguments(pp: str, *names: str) -> dict[str, Any] | None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import concurrent.futures
 import functools
 import glob
 import gzip
@@ -41,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import jax
@@ -51,7 +53,8 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from vlrep import methods, optim, sharding, train_step
-from vlrep.data import pipeline, registry  # noqa: F401 (pipeline registers the ops)
+from vlrep.data import op_strings
+from vlrep.tools import device_turns
 
 
 def _define_flags() -> None:
@@ -78,6 +81,19 @@ def _define_flags() -> None:
     "torch_reference", False, "Also time the PyTorch VirTex reference on the same device (VirTex only)."
   )
   flags.DEFINE_list("torch_modes", ["default", "max-autotune"], "torch.compile modes of the reference ('eager': none).")
+  flags.DEFINE_bool(
+    "offload_states", False, "Keep each variant's train state in host memory except during its own windows."
+  )
+  flags.DEFINE_integer("compile_threads", 1, "Variants built and compiled at once (threads); executions take turns.")
+  flags.DEFINE_list("profile_variants", [], "Variants traced by --profile (default: all, the baseline included).")
+  flags.DEFINE_string(
+    "turn_dir",
+    "",
+    "Share the device with other benchmark processes (vlrep.tools.device_turns): all compile at once, time in "
+    "turns. The PyTorch references then compile beside this process's variants.",
+  )
+  flags.DEFINE_integer("turn_parties", 1, "Processes sharing --turn_dir (the references count one each).")
+  flags.DEFINE_float("turn_deadline", 0.0, "Unix time after which the ready processes time without the late ones.")
 
 
 FLAGS = flags.FLAGS
@@ -204,17 +220,31 @@ def model_flops_per_step(method, variables, batch, rng) -> float:
 
 
 def _image_size(config) -> int:
-  crop = registry.op_arguments(config.data.pp, "inception_crop")
-  return FLAGS.image_size or (int(crop["size"]) if crop else 224)
+  """--image_size, else the size of the config's `inception_crop`, else 224. Read from the op string without
+  building the ops (their module imports TensorFlow, which GPU machines may not have)."""
+  if FLAGS.image_size:
+    return FLAGS.image_size
+  for name, args, kwargs in op_strings.op_calls(config.data.pp):
+    if name == "inception_crop":
+      return int(kwargs.get("size", args[0] if args else 224))
+  return 224
 
 
-def prepare(config, image_size: int, vocab_size: int, input_mode: str = "device", num_tags: int = 80) -> dict:
-  """The config's train step compiled on random inputs of its shapes, with its state: what `run_steps` times."""
+# Variants compile in threads (`--compile_threads`); what runs on the device (initial state, warm-up steps) runs
+# one variant at a time, so their activations never share the device's memory.
+_DEVICE_LOCK = threading.Lock()
+
+
+def prepare(
+  config, image_size: int, vocab_size: int, input_mode: str = "device", num_tags: int = 80, offload_state=False
+) -> dict:
+  """The config's train step compiled on random inputs of its shapes, with its state: what `run_steps` times.
+  `offload_state`: the state waits in host memory after the warm-up (`run_steps` brings it back)."""
   with train_step.prng_impl(config):
-    return _prepare(config, image_size, vocab_size, input_mode, num_tags)
+    return _prepare(config, image_size, vocab_size, input_mode, num_tags, offload_state)
 
 
-def _prepare(config, image_size, vocab_size, input_mode, num_tags) -> dict:
+def _prepare(config, image_size, vocab_size, input_mode, num_tags, offload_state) -> dict:
   mesh = sharding.make_mesh(config.sharding.num_devices or None)
   bs = config.batch_size
   rng = np.random.default_rng(0)
@@ -237,7 +267,8 @@ def _prepare(config, image_size, vocab_size, input_mode, num_tags) -> dict:
     else:
       raise ValueError(f"The benchmark does not know how to make field {field!r} of {config.method.name}.")
   batch_sh = sharding.batch_sharding(mesh)
-  batch = sharding.global_batch(local, batch_sh)
+  with _DEVICE_LOCK:
+    batch = sharding.global_batch(local, batch_sh)
   # Host mode: 4 distinct host batches (images differ; the rest is shared), transferred every step.
   images = [f for f in local if f.startswith("image")]
   host_batches = [
@@ -248,7 +279,8 @@ def _prepare(config, image_size, vocab_size, input_mode, num_tags) -> dict:
   init = functools.partial(train_step.init_train_state, method, tx)
   abstract = jax.eval_shape(init, key, batch)
   state_sh = sharding.state_shardings(mesh, abstract, config.sharding.params, rules=config.sharding.get("rules", ()))
-  state = jax.jit(init, out_shardings=state_sh)(key, batch)
+  with _DEVICE_LOCK:
+    state = jax.jit(init, out_shardings=state_sh)(key, batch)
   step = jax.jit(
     train_step.make_train_step(method, tx, schedules, key, optim.step_clip_norm(config.optim)),
     in_shardings=(state_sh, batch_sh),
@@ -265,6 +297,7 @@ def _prepare(config, image_size, vocab_size, input_mode, num_tags) -> dict:
   prepared = {
     "compiled": compiled,
     "state": state,
+    "state_sharding": state_sh,
     "batch": batch,
     "batch_sharding": batch_sh,
     "host_batches": host_batches,
@@ -276,12 +309,27 @@ def _prepare(config, image_size, vocab_size, input_mode, num_tags) -> dict:
     "xla_flops": xla_flops,
     "compile_seconds": compile_s,
   }
-  run_steps(prepared, 3)  # warm-up
+  with _DEVICE_LOCK:
+    run_steps(prepared, 3)  # warm-up
+    if offload_state:
+      offload(prepared)
   return prepared
+
+
+def offload(prepared: dict) -> None:
+  """Moves a prepared variant's train state to host memory (`onload` brings it back), so that many variants of a
+  large step fit the device's memory together; the timed windows never include the transfers."""
+  prepared["state"] = jax.device_get(prepared["state"])
+
+
+def onload(prepared: dict) -> None:
+  if not isinstance(jax.tree.leaves(prepared["state"])[0], jax.Array):
+    prepared["state"] = jax.block_until_ready(jax.device_put(prepared["state"], prepared["state_sharding"]))
 
 
 def run_steps(prepared: dict, n: int) -> dict:
   """Runs `n` steps of a prepared step and waits for them; returns the last step's metrics."""
+  onload(prepared)
   metrics = None
   # Host mode: the loop's device prefetch thread transfers the next batches while a step runs.
   if prepared["input"] == "host":
@@ -297,14 +345,19 @@ def run_steps(prepared: dict, n: int) -> dict:
   return metrics
 
 
-def time_windows(prepared_by_name: dict, steps: int, windows: int) -> dict:
-  """{name: [seconds per step of each window]}; window w of every variant runs before window w + 1 of any."""
+def time_windows(prepared_by_name: dict, steps: int, windows: int, offload_states: bool = False) -> dict:
+  """{name: [seconds per step of each window]}; window w of every variant runs before window w + 1 of any.
+  With `offload_states`, each variant's state is on the device only for its own window (moved before the clock
+  starts and after it stops)."""
   seconds = {name: [] for name in prepared_by_name}
   for _ in range(windows):
     for name, prepared in prepared_by_name.items():
+      onload(prepared)
       t0 = time.perf_counter()
       prepared["last_metrics"] = run_steps(prepared, steps)
       seconds[name].append((time.perf_counter() - t0) / steps)
+      if offload_states:
+        offload(prepared)
   return seconds
 
 
@@ -348,24 +401,52 @@ def benchmark(
   gemm_size: int = 0,
   profile_dir: str | None = None,
   profile_steps: int = 5,
+  compile_threads: int = 1,
+  profile_variants: tuple[str, ...] = (),
+  turns: device_turns.Turns | None = None,
+  offload_states: bool = False,
 ) -> dict:
-  """The baseline config's figures at the top level; each variant's under 'variants' with its ratio to them."""
+  """The baseline config's figures at the top level; each variant's under 'variants' with its ratio to them.
+
+  Variants build and compile `compile_threads` at a time; with `turns`, the timing (and the profile) waits for
+  the device's turn (vlrep.tools.device_turns)."""
   configs = {"baseline": config, **{name: apply_overrides(config, overrides) for name, overrides in variants}}
-  prepared, failed = {}, {}
-  for name, c in configs.items():
+
+  def build(item):
+    name, c = item
     try:
-      prepared[name] = prepare(c, image_size, vocab_size, input_mode, num_tags)
+      return name, prepare(c, image_size, vocab_size, input_mode, num_tags, offload_states), None
     except Exception as e:  # noqa: BLE001 - a variant that does not build or compile is reported, not fatal
       if name == "baseline":
         raise
       # An accelerator's minutes are scarce: the other variants are still timed (e.g. a kernel that Triton's
       # compiler refuses on this device).
-      failed[name] = f"{type(e).__name__}: {e}"[:2000]
-      print(f"Variant {name!r} failed to build or compile and is not timed: {failed[name]}", file=sys.stderr)
+      error = f"{type(e).__name__}: {e}"[:2000]
+      print(f"Variant {name!r} failed to build or compile and is not timed: {error}", file=sys.stderr, flush=True)
+      return name, None, error
+
+  t0 = time.time()
+  prepared, failed = {}, {}
+  with concurrent.futures.ThreadPoolExecutor(max(1, compile_threads)) as pool:
+    for name, p, error in pool.map(build, configs.items()):
+      if error:
+        failed[name] = error
+      else:
+        prepared[name] = p
+  build_s = time.time() - t0
+  print(f"Built and compiled {len(configs)} configs in {build_s:.0f} s.", file=sys.stderr, flush=True)
   device = jax.devices()[0]
   peak = peak_flops(device)
-  measured_peak = measured_gemm_flops(gemm_size) if gemm_size else None
-  seconds = time_windows(prepared, steps, windows)
+  with device_turns.turn(turns) as turn:
+    measured_peak = measured_gemm_flops(gemm_size) if gemm_size else None
+    seconds = time_windows(prepared, steps, windows, offload_states)
+    if profile_dir:
+      traced = [n for n in prepared if not profile_variants or n in profile_variants]
+      profiles = {}
+      for n in traced:
+        profiles[n] = profile(prepared[n], profile_steps, os.path.join(profile_dir, f"trace_{n}"))
+        if offload_states:
+          offload(prepared[n])
   results = {name: summarize(p, seconds[name], peak, measured_peak) for name, p in prepared.items()}
   result = {
     "device": device.device_kind,
@@ -377,6 +458,9 @@ def benchmark(
     "measured_gemm_peak_tflops": measured_peak / 1e12 if measured_peak else None,
     "steps_per_window": steps,
     "windows": windows,
+    "build_seconds": build_s,
+    "compile_threads": compile_threads,
+    "turn": turn,
     **results.pop("baseline"),
   }
   if variants:
@@ -391,10 +475,8 @@ def benchmark(
     for name, error in failed.items():
       result["variants"][name] = {"overrides": dict(variants)[name], "error": error}
   if profile_dir:
-    result["profile"] = {
-      name: profile(p, profile_steps, os.path.join(profile_dir, f"trace_{name}")) for name, p in prepared.items()
-    }
-    write_profile_tables(result["profile"], profile_dir)
+    result["profile"] = profiles
+    write_profile_tables(profiles, profile_dir)
   return result
 
 
@@ -515,26 +597,50 @@ def write_profile_tables(profiles: dict, out_dir: str) -> None:
 
 
 # -- the PyTorch reference ----------------------------------------------------------------------------------
-def torch_reference(config, steps: int, windows: int, image_size: int, vocab_size: int, mode: str) -> dict:
-  """Times the PyTorch reference in a subprocess (it frees the device's memory before JAX takes it), with the
-  config's optimizer (SGD, its LRs and decay groups, clipping, LookAhead) and BatchNorm groups."""
+def torch_reference_command(config, steps, windows, image_size, vocab_size, mode, output) -> list[str]:
+  """The `vlrep.tools.torch_reference` command for the config's model, optimizer (SGD, its LRs and decay groups,
+  clipping, LookAhead) and BatchNorm groups."""
   m, o = config.method, config.optim
   if m.name != "virtex" or m.task != "bicaptioning" or m.backbone.depth != 50 or m.backbone.width != 64:
     raise ValueError("--torch_reference mirrors VirTex bicaptioning with a ResNet-50 backbone only.")
   if o.name != "sgd":
     raise ValueError(f"--torch_reference mirrors SGD; optim.name is {o.name!r}.")
   lrs = dict(o.lr_groups)
-  with tempfile.NamedTemporaryFile(suffix=".json") as f:
-    cmd = [sys.executable, "-m", "vlrep.tools.torch_reference", f"--batch_size={config.batch_size}"]
-    cmd += [f"--image_size={image_size}", f"--vocab_size={vocab_size}", f"--hidden={m.hidden}"]
-    cmd += [f"--layers={m.num_layers}", f"--max_len={m.max_len}", f"--steps={steps}", f"--windows={windows}"]
-    cmd += [f"--backbone_lr={lrs.get('^backbone/', 0.2)}", f"--head_lr={lrs.get('.*', 1e-3)}"]
-    cmd += [f"--weight_decay={o.weight_decay}", f"--momentum={o.momentum}", f"--grad_clip_norm={o.grad_clip_norm}"]
-    cmd += [f"--lookahead_steps={o.lookahead_steps}", f"--lookahead_alpha={o.lookahead_alpha}"]
-    cmd += [f"--bn_group_size={m.backbone.bn_group_size}", f"--compile_mode={mode}", f"--output={f.name}"]
-    subprocess.run(cmd, check=True)
-    with open(f.name) as fh:
-      return json.load(fh)
+  cmd = [sys.executable, "-m", "vlrep.tools.torch_reference", f"--batch_size={config.batch_size}"]
+  cmd += [f"--image_size={image_size}", f"--vocab_size={vocab_size}", f"--hidden={m.hidden}"]
+  cmd += [f"--layers={m.num_layers}", f"--max_len={m.max_len}", f"--steps={steps}", f"--windows={windows}"]
+  cmd += [f"--backbone_lr={lrs.get('^backbone/', 0.2)}", f"--head_lr={lrs.get('.*', 1e-3)}"]
+  cmd += [f"--weight_decay={o.weight_decay}", f"--momentum={o.momentum}", f"--grad_clip_norm={o.grad_clip_norm}"]
+  cmd += [f"--lookahead_steps={o.lookahead_steps}", f"--lookahead_alpha={o.lookahead_alpha}"]
+  cmd += [f"--bn_group_size={m.backbone.bn_group_size}", f"--compile_mode={mode}", f"--output={output}"]
+  return cmd
+
+
+def start_torch_references(config, steps, windows, image_size, vocab_size, modes, turn_args) -> dict:
+  """Starts the references as subprocesses: {mode: (process, output file)}. Without `turn_args` they run one
+  after the other before JAX takes the device's memory; with them they compile beside JAX and time in turns."""
+  started = {}
+  for mode in modes:
+    output = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+    cmd = torch_reference_command(config, steps, windows, image_size, vocab_size, mode, output) + turn_args
+    started[mode] = (subprocess.Popen(cmd), output)
+    if not turn_args:
+      started[mode][0].wait()
+  return started
+
+
+def collect_torch_references(started: dict) -> dict:
+  """{mode: the reference's results, or {'error': ...} when it failed or was killed at the turns' deadline}."""
+  references = {}
+  for mode, (process, output) in started.items():
+    code = process.wait()
+    if code == 0:
+      with open(output) as f:
+        references[mode] = json.load(f)
+    else:
+      references[mode] = {"error": f"exit code {code}" + (" (killed: still compiling at the deadline)" if code == -9 else "")}
+    os.remove(output)
+  return references
 
 
 def main(argv):
@@ -547,10 +653,17 @@ def main(argv):
     pass
   config, image_size = FLAGS.config, _image_size(FLAGS.config)
   vocab_size = FLAGS.vocab_size or config.tokenizer.vocab_size
-  references = {}
+  turns, turn_args = None, []
+  if FLAGS.turn_dir:
+    # Processes share the device's memory: none may take most of it up front.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    turns = device_turns.join(FLAGS.turn_dir, FLAGS.turn_parties, FLAGS.turn_deadline or time.time() + 3600)
+    turn_args = [f"--turn_dir={FLAGS.turn_dir}", f"--turn_parties={FLAGS.turn_parties}"]
+    turn_args += [f"--turn_deadline={turns.deadline}"]
+  started = {}
   if FLAGS.torch_reference:
-    for mode in FLAGS.torch_modes:
-      references[mode] = torch_reference(config, FLAGS.steps, FLAGS.windows, image_size, vocab_size, mode)
+    args = (config, FLAGS.steps, FLAGS.windows, image_size, vocab_size, FLAGS.torch_modes, turn_args)
+    started = start_torch_references(*args)
   gemm_size = FLAGS.gemm_size
   if gemm_size < 0:
     gemm_size = 8192 if jax.devices()[0].platform in ("gpu", "tpu") else 0
@@ -568,11 +681,16 @@ def main(argv):
     gemm_size,
     FLAGS.output_dir if FLAGS.profile else None,
     FLAGS.profile_steps,
+    FLAGS.compile_threads,
+    tuple(FLAGS.profile_variants),
+    turns,
+    FLAGS.offload_states,
   )
+  references = collect_torch_references(started)
   if references:
     result["torch_reference"] = references
     result["speedup_vs_torch"] = {
-      m: result["images_per_second"] / r["images_per_second"] for m, r in references.items()
+      m: result["images_per_second"] / r["images_per_second"] for m, r in references.items() if "error" not in r
     }
   print(json.dumps(result, indent=2), flush=True)
   if FLAGS.output:

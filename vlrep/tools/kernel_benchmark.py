@@ -26,6 +26,7 @@ import numpy as np
 from absl import app, flags
 
 from vlrep.models import pallas_conv
+from vlrep.tools import device_turns
 
 # (name, positions per side, input channels, output channels, BatchNorm + ReLU prologue): ResNet-50's 1x1
 # convolutions at 224x224 (each stage's first block reads the previous stage's width; strides apply before).
@@ -59,6 +60,9 @@ def _define_flags() -> None:
   flags.DEFINE_integer("iters", 20, "Calls per timed window.")
   flags.DEFINE_integer("windows", 3, "Timed windows; the median is reported.")
   flags.DEFINE_string("output", "", "Write the results as JSON here.")
+  flags.DEFINE_string("turn_dir", "", "Share the device with other benchmarks (vlrep.tools.device_turns).")
+  flags.DEFINE_integer("turn_parties", 1, "Processes sharing --turn_dir.")
+  flags.DEFINE_float("turn_deadline", 0.0, "Unix time after which the ready processes time without the late ones.")
 
 
 FLAGS = flags.FLAGS
@@ -114,7 +118,8 @@ def training_call(forward):
   return jax.jit(call)
 
 
-def run_case(name, hw, cin, cout, prologue, batch, group, iters, windows) -> dict:
+def build_case(name, hw, cin, cout, prologue, batch, group) -> dict:
+  """One case's inputs and its variants compiled and checked against the plain path (nothing timed)."""
   inputs = case_inputs(batch, hw, cin, cout, group)
   rows = inputs["x"].shape[0]
   rows_per_group = (group or batch) * hw * hw
@@ -148,6 +153,13 @@ def run_case(name, hw, cin, cout, prologue, batch, group, iters, windows) -> dic
       reference,
     )
     compiled[label] = (fn, max(jax.tree.leaves(relative)))
+  return {"name": name, "args": args, "rows": rows, "cin": cin, "cout": cout, "prologue": prologue,
+          "compiled": compiled, "errors": errors}
+
+
+def time_case(built: dict, iters: int, windows: int) -> dict:
+  """A built case's variants timed round-robin: `windows` windows of `iters` calls each."""
+  compiled, args, errors = built["compiled"], built["args"], built["errors"]
   seconds = {label: [] for label in compiled}
   for _ in range(windows):
     for label, (fn, _) in compiled.items():
@@ -156,7 +168,7 @@ def run_case(name, hw, cin, cout, prologue, batch, group, iters, windows) -> dic
         out = fn(*args)
       jax.block_until_ready(out)
       seconds[label].append((time.perf_counter() - t0) / iters)
-  result = {"case": name, "rows": rows, "cin": cin, "cout": cout, "prologue": prologue, "variants": {}}
+  result = {"case": built["name"], **{k: built[k] for k in ("rows", "cin", "cout", "prologue")}, "variants": {}}
   xla_ms = 1e3 * statistics.median(seconds["xla"]) if "xla" in seconds else None
   for label, s in seconds.items():
     ms = 1e3 * statistics.median(s)
@@ -204,7 +216,10 @@ def main(argv):
       "on a CPU check them with --shapes=tiny --batch=8 --group=8 --windows=1."
     )
   cases = RESNET50_CASES if FLAGS.shapes == "resnet50" else TINY_CASES
-  results = [run_case(*case, FLAGS.batch, FLAGS.group, FLAGS.iters, FLAGS.windows) for case in cases]
+  turns = device_turns.join(FLAGS.turn_dir, FLAGS.turn_parties, FLAGS.turn_deadline or time.time() + 3600)
+  built = [build_case(*case, FLAGS.batch, FLAGS.group) for case in cases]
+  with device_turns.turn(turns):  # with other benchmarks: every case compiled first, then timed alone
+    results = [time_case(b, FLAGS.iters, FLAGS.windows) for b in built]
   device = jax.devices()[0]
   out = {
     "device": device.device_kind,

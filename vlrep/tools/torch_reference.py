@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from vlrep.models.torch_resnet import ResNet
+from vlrep.tools import device_turns
 
 PAD_ID = 0
 
@@ -199,6 +200,7 @@ def benchmark(
   lookahead_steps: int = 5,
   lookahead_alpha: float = 0.5,
   bn_group_size: int = 32,
+  turns: device_turns.Turns | None = None,
 ) -> dict:
   if not torch.cuda.is_available():
     raise SystemExit("torch_reference times a CUDA device; none is visible to PyTorch.")
@@ -230,10 +232,11 @@ def benchmark(
   run(3)
   warmup_s = time.time() - t0
   seconds = []
-  for _ in range(windows):
-    t0 = time.perf_counter()
-    loss = run(steps)
-    seconds.append((time.perf_counter() - t0) / steps)
+  with device_turns.turn(turns) as turn:  # with other benchmark processes: timed alone on the device
+    for _ in range(windows):
+      t0 = time.perf_counter()
+      loss = run(steps)
+      seconds.append((time.perf_counter() - t0) / steps)
   step_s = statistics.median(seconds)
   return {
     "framework": f"torch {torch.__version__}",
@@ -254,6 +257,7 @@ def benchmark(
     "images_per_second_min": batch_size / max(seconds),
     "images_per_second_max": batch_size / min(seconds),
     "warmup_seconds": warmup_s,
+    "turn": turn,
     "final_loss": float(loss),
     "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
   }
@@ -279,7 +283,11 @@ def main(argv=None):
   p.add_argument("--lookahead_alpha", type=float, default=0.5)
   p.add_argument("--bn_group_size", type=int, default=32, help="images per BatchNorm group (0: the whole batch)")
   p.add_argument("--output", default=None, help="optional JSON file for the results")
+  p.add_argument("--turn_dir", default="", help="share the device with other benchmarks (vlrep.tools.device_turns)")
+  p.add_argument("--turn_parties", type=int, default=1, help="processes sharing --turn_dir")
+  p.add_argument("--turn_deadline", type=float, default=0.0, help="Unix time after which the ready ones go on")
   a = p.parse_args(argv)
+  turns = device_turns.join(a.turn_dir, a.turn_parties, a.turn_deadline or time.time() + 3600)
   result = benchmark(
     a.batch_size,
     a.image_size,
@@ -298,6 +306,7 @@ def main(argv=None):
     a.lookahead_steps,
     a.lookahead_alpha,
     a.bn_group_size,
+    turns,
   )
   print(json.dumps(result, indent=2), flush=True)
   if a.output:
