@@ -289,11 +289,13 @@ class NoTF(importlib.abc.MetaPathFinder):
       raise ImportError('no ' + name)
 sys.meta_path.insert(0, NoTF())
 import vlrep.tools.benchmark, vlrep.tools.kernel_benchmark, vlrep.tools.torch_reference
+from vlrep import methods
 for name, arg in [('virtex', ''), ('loctex', ''), ('mct', 'text=scratch,tags=True')]:
   spec = importlib.util.spec_from_file_location(name, f'configs/{name}.py')
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  module.get_config(arg)
+  config = module.get_config(arg)
+  methods.build(config.method, 256)  # a method's module is imported by name when built
 print('ok')
 """
   done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

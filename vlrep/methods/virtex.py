@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from vlrep.data import tokenizers
+from vlrep.models import special_tokens
 from vlrep.models.virtex import VirTexModel
 
 TASKS = ("bicaptioning", "captioning", "token_classification", "masked_lm")
@@ -26,7 +26,7 @@ def reverse_captions(tokens: jnp.ndarray) -> jnp.ndarray:
   token (a padding id inside a caption, an official VirTex vocabulary's [UNK], keeps its mirrored place, as the
   official code's flip of the unpadded caption does)."""
   idx = jnp.arange(tokens.shape[1])[None]
-  lengths = jnp.max(jnp.where(tokens != tokenizers.PAD_ID, idx + 1, 0), axis=1, keepdims=True)
+  lengths = jnp.max(jnp.where(tokens != special_tokens.PAD_ID, idx + 1, 0), axis=1, keepdims=True)
   src = jnp.where(idx < lengths, lengths - 1 - idx, idx)
   return jnp.take_along_axis(tokens, src, axis=1)
 
@@ -37,15 +37,15 @@ def mask_tokens(tokens, rng, mask_prob: float, mask_token_prob: float, random_to
   a uniformly random non-special token with `random_token_prob`, and stays itself otherwise (0.8 / 0.1 / 0.1 in
   BERT and the paper's code). Returns (input tokens, picked mask); the loss is taken at the picked positions."""
   pick_rng, kind_rng, token_rng = jax.random.split(rng, 3)
-  special = tokens < tokenizers.NUM_SPECIAL
+  special = tokens < special_tokens.NUM_SPECIAL
   scores = jax.random.uniform(pick_rng, tokens.shape)
   is_masked = (scores < mask_prob) & ~special
   # At least one per caption: the lowest-scoring maskable token is already picked unless none is.
   first = jnp.argmin(jnp.where(special, 2.0, scores), axis=1)
   is_masked = is_masked | (jax.nn.one_hot(first, tokens.shape[1]) > 0) & ~special
   kind = jax.random.uniform(kind_rng, tokens.shape)
-  random_tokens = jax.random.randint(token_rng, tokens.shape, tokenizers.NUM_SPECIAL, vocab_size, tokens.dtype)
-  replaced = jnp.where(kind < mask_token_prob, tokenizers.MASK_ID, tokens)
+  random_tokens = jax.random.randint(token_rng, tokens.shape, special_tokens.NUM_SPECIAL, vocab_size, tokens.dtype)
+  replaced = jnp.where(kind < mask_token_prob, special_tokens.MASK_ID, tokens)
   replaced = jnp.where(
     (kind >= mask_token_prob) & (kind < mask_token_prob + random_token_prob), random_tokens, replaced
   )
@@ -110,7 +110,7 @@ class VirTex:
     task = self.config.task
     metrics = {}
     if task == "token_classification":
-      targets = jax.nn.one_hot(tokens, self.vocab_size).max(axis=1).at[:, : tokenizers.NUM_SPECIAL].set(0)
+      targets = jax.nn.one_hot(tokens, self.vocab_size).max(axis=1).at[:, : special_tokens.NUM_SPECIAL].set(0)
       targets = targets * valid_caption[:, None]
       # Normalised multi-label cross-entropy: the caption's token set shares the target probability mass.
       per_image = -jnp.sum(targets * jax.nn.log_softmax(logits), -1) / jnp.maximum(targets.sum(-1), 1)
@@ -123,7 +123,7 @@ class VirTex:
       seqs = {"forward": tokens, "backward": reverse_captions(tokens)}
       for direction in _DIRECTIONS[task]:
         targets = seqs[direction][:, 1:]
-        weights = ((targets != tokenizers.PAD_ID) & valid_caption[:, None]).astype(jnp.float32)
+        weights = ((targets != special_tokens.PAD_ID) & valid_caption[:, None]).astype(jnp.float32)
         d_loss = _token_cross_entropy(logits[direction], targets, weights)
         metrics[f"{direction}_loss"] = d_loss
         loss = loss + d_loss
@@ -144,10 +144,10 @@ class VirTex:
       masked, is_masked = mask_tokens(
         tokens, rng, self.config.mask_prob, self.config.mask_token_prob, self.config.random_token_prob, self.vocab_size
       )
-      return ({"bidirectional": masked}, {"bidirectional": tokens == tokenizers.PAD_ID}, is_masked)
+      return ({"bidirectional": masked}, {"bidirectional": tokens == special_tokens.PAD_ID}, is_masked)
     seqs = {"forward": tokens, "backward": reverse_captions(tokens)}
     inputs = {d: seqs[d][:, :-1] for d in _DIRECTIONS[task]}
-    return inputs, {d: x == tokenizers.PAD_ID for d, x in inputs.items()}, None
+    return inputs, {d: x == special_tokens.PAD_ID for d, x in inputs.items()}, None
 
 
 Method = VirTex  # what vlrep.methods.build instantiates for name "virtex"
