@@ -9,8 +9,8 @@
 # name its two halves), torch, kernels, methods, xla. All parts start at once, one process each (xla: two), and
 # share the device through vlrep.tools.device_turns: they compile together (XLA's autotuning, torch.compile and
 # Triton take far longer than the timing), and time one at a time once all are ready, so no timed window shares
-# the device. A process still compiling DEADLINE_S seconds (default 330) after the start is killed and reported,
-# and the others time without it. A variant that fails to compile (a kernel Triton refuses) is reported in the
+# the device. The VirTex process is waited for; the others (references, kernels, other methods) are killed and
+# reported if still compiling DEADLINE_S seconds (default 330) after the start, and the rest time without them. A variant that fails to compile (a kernel Triton refuses) is reported in the
 # JSON with its error; the others run. Results: OUT_DIR/*.json, profile.md, log.txt; a summary table at the end.
 # Needs JAX with the accelerator's plugin, flax, optax, ml_collections, sentencepiece and (for the reference)
 # PyTorch; TensorFlow is not needed.
@@ -55,7 +55,7 @@ fi
 if has methods; then  # LocTex and MCT, plain and with the switches that apply to them
   for M in loctex mct; do
     C="--config=configs/$M.py --config.batch_size=256"; [[ $M == mct ]] && C="--config=configs/mct.py:text=scratch,tags=True --config.batch_size=256"
-    CMDS[$M]="$C --variant=all:$M_ALL --variant=all_pallas:$M_ALL,method.backbone.pallas_conv1x1=True --compile_threads=3 --gemm_size=0"
+    CMDS[$M]="$C --variant=all:$M_ALL --variant=all_pallas:$M_ALL,method.backbone.pallas_conv1x1=True --compile_threads=3 --gemm_size=0 --turn_optional"
   done
 fi
 if has xla; then  # XLA's GPU flags are read when the backend starts: one process per setting (default: virtex's)
@@ -70,7 +70,7 @@ echo "$(date -u +%T) starting $PARTIES processes; timing starts when all have co
 
 PIDS=()
 if has kernels; then
-  python3 -m vlrep.tools.kernel_benchmark --batch=256 --group=32 --output="$OUT/kernels.json" $TURN \
+  python3 -m vlrep.tools.kernel_benchmark --batch=256 --group=32 --output="$OUT/kernels.json" $TURN --turn_optional \
     >/tmp/vlrep_gpu_kernels.log 2>&1 & PIDS+=($!)
 fi
 for NAME in "${!CMDS[@]}"; do

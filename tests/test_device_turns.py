@@ -13,7 +13,7 @@ PARTY = """
 import json, sys, time
 from vlrep.tools import device_turns
 folder, parties, deadline, compile_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
-turns = device_turns.join(folder, parties, deadline)
+turns = device_turns.join(folder, parties, deadline, optional=sys.argv[5] == "optional")
 time.sleep(compile_s)
 ready_at = time.time()
 with device_turns.turn(turns, poll_s=0.02) as info:
@@ -22,8 +22,8 @@ print(json.dumps(dict(info, ready_at=ready_at)))
 """
 
 
-def start(folder, parties, deadline, compile_s):
-  args = [str(folder), str(parties), str(deadline), str(compile_s)]
+def start(folder, parties, deadline, compile_s, optional=False):
+  args = [str(folder), str(parties), str(deadline), str(compile_s), "optional" if optional else "required"]
   return subprocess.Popen([sys.executable, "-c", PARTY, *args], stdout=subprocess.PIPE, text=True)
 
 
@@ -40,13 +40,22 @@ def test_turns_start_after_every_party_is_ready_and_never_overlap(tmp_path):
   assert all(i["ready"] == 3 and i["killed"] == [] for i in infos)
 
 
-def test_a_party_still_compiling_at_the_deadline_is_killed_and_the_others_go_on(tmp_path):
-  late = start(tmp_path, 2, time.time() + 60, 30.0)  # would compile for 30 s
+def test_an_optional_party_still_compiling_at_the_deadline_is_killed_and_the_others_go_on(tmp_path):
+  late = start(tmp_path, 2, time.time() + 60, 30.0, optional=True)  # would compile for 30 s
   time.sleep(0.5)  # registered
   on_time = start(tmp_path, 2, time.time() + 1.5, 0.0)
   info = json.loads(on_time.communicate(timeout=30)[0])
   assert info["killed"] == [late.pid] and info["waited_s"] < 5
   assert late.wait(timeout=10) == -9
+
+
+def test_a_required_party_still_compiling_at_the_deadline_is_waited_for(tmp_path):
+  deadline = time.time() + 0.5
+  slow = start(tmp_path, 2, deadline, 2.0)  # required: compiles past the deadline
+  fast = start(tmp_path, 2, deadline, 0.0)
+  info, slow_info = (json.loads(p.communicate(timeout=30)[0]) for p in (fast, slow))
+  assert info["killed"] == [] and slow.returncode == 0
+  assert min(info["held_from"], slow_info["held_from"]) >= slow_info["ready_at"]
 
 
 def test_a_party_that_crashed_before_its_turn_is_not_waited_for(tmp_path):

@@ -93,7 +93,8 @@ def _define_flags() -> None:
     "turns. The PyTorch references then compile beside this process's variants.",
   )
   flags.DEFINE_integer("turn_parties", 1, "Processes sharing --turn_dir (the references count one each).")
-  flags.DEFINE_float("turn_deadline", 0.0, "Unix time after which the ready processes time without the late ones.")
+  flags.DEFINE_float("turn_deadline", 0.0, "Unix time at which optional parties still compiling are killed.")
+  flags.DEFINE_bool("turn_optional", False, "This process may be killed if still compiling at --turn_deadline.")
 
 
 FLAGS = flags.FLAGS
@@ -657,7 +658,8 @@ def main(argv):
   if FLAGS.turn_dir:
     # Processes share the device's memory: none may take most of it up front.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    turns = device_turns.join(FLAGS.turn_dir, FLAGS.turn_parties, FLAGS.turn_deadline or time.time() + 3600)
+    deadline = FLAGS.turn_deadline or time.time() + 3600
+    turns = device_turns.join(FLAGS.turn_dir, FLAGS.turn_parties, deadline, FLAGS.turn_optional)
     turn_args = [f"--turn_dir={FLAGS.turn_dir}", f"--turn_parties={FLAGS.turn_parties}"]
     turn_args += [f"--turn_deadline={turns.deadline}"]
   started = {}

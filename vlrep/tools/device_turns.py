@@ -3,9 +3,10 @@
 A lent accelerator is paid by the second, and compiling a step (XLA's autotuning, `torch.compile`, Triton) takes
 far longer than timing it. `launch/benchmark_gpu.sh` therefore starts every benchmark process at once; each
 registers in a shared folder (`join`), compiles, and then times inside `turn()`: a turn starts only once every
-registered process has finished compiling (or the deadline has passed, when the late ones are killed so that
-no compilation runs beside a timing), and turns run one at a time under a file lock. So no timed window shares
-the device with another process's work, while the compilations overlap.
+registered process has finished compiling, and turns run one at a time under a file lock. So no timed window
+shares the device with another process's work, while the compilations overlap. Parties that join as `optional`
+(the PyTorch references, the kernel table, the other methods) are killed if they are still compiling at the
+deadline, so that the others time without them; the required ones (what the run is for) are always waited for.
 
   turns = device_turns.join(DIR, parties=N, deadline=T)   # at start (T: Unix time); None without DIR
   ... compile, warm up ...
@@ -27,12 +28,12 @@ from typing import NamedTuple
 class Turns(NamedTuple):
   folder: str
   parties: int
-  deadline: float  # time.time() after which the ready processes go on without the late ones
+  deadline: float  # time.time() after which the optional parties still compiling are killed
 
 
-def join(folder: str, parties: int, deadline: float) -> Turns | None:
-  """Registers this process as one of `parties` sharing the device, who go on without the late ones after
-  `deadline` (Unix time, the same for all); None (no turns) when `folder` is empty."""
+def join(folder: str, parties: int, deadline: float, optional: bool = False) -> Turns | None:
+  """Registers this process as one of `parties` sharing the device; an `optional` one is killed if it is still
+  compiling at `deadline` (Unix time, the same for all). None (no turns) when `folder` is empty."""
   if not folder:
     return None
   if parties < 1:
@@ -40,6 +41,8 @@ def join(folder: str, parties: int, deadline: float) -> Turns | None:
   os.makedirs(folder, exist_ok=True)
   with open(os.path.join(folder, f"party.{os.getpid()}"), "w") as f:
     f.write(" ".join(sys.argv))
+  if optional:
+    open(os.path.join(folder, f"optional.{os.getpid()}"), "w").close()
   return Turns(folder, parties, deadline)
 
 
@@ -57,8 +60,8 @@ def _alive(pid: int) -> bool:
 
 @contextlib.contextmanager
 def turn(turns: Turns | None, poll_s: float = 0.2):
-  """Waits until every party is ready (or the deadline: then kills the parties still compiling, reported on
-  stderr), then holds the device's lock for the body. Yields {'waited_s', 'ready', 'killed', 'held_from',
+  """Waits until every party is ready or has exited (at the deadline, the optional parties still compiling are
+  killed, reported on stderr), then holds the device's lock for the body. Yields {'waited_s', 'ready', 'killed', 'held_from',
   'held_until'} (Unix times; the last is filled in when the body ends)."""
   info = {"waited_s": 0.0, "ready": 1, "killed": []}
   if turns is None:
@@ -74,15 +77,13 @@ def turn(turns: Turns | None, poll_s: float = 0.2):
     if len(ready) + len(dead) >= turns.parties:
       break
     if time.time() > turns.deadline:
-      late = _pids(turns.folder, "party") - ready - _pids(turns.folder, "done")
+      late = (_pids(turns.folder, "party") - ready - dead) & _pids(turns.folder, "optional")
       for pid in sorted(late):
         with contextlib.suppress(ProcessLookupError):
           os.kill(pid, signal.SIGKILL)
-        open(os.path.join(turns.folder, f"done.{pid}"), "w").close()
-      info["killed"] = sorted(late)
       if late:
-        print(f"device_turns: {sorted(late)} still compiling at the deadline: killed.", file=sys.stderr, flush=True)
-      break
+        info["killed"] = sorted(set(info["killed"]) | late)
+        print(f"device_turns: optional {sorted(late)} still compiling at the deadline: killed.", file=sys.stderr)
     time.sleep(poll_s)
   info["ready"] = len(_pids(turns.folder, "ready"))
   with open(os.path.join(turns.folder, "lock"), "a") as lock:

@@ -62,7 +62,8 @@ def _define_flags() -> None:
   flags.DEFINE_string("output", "", "Write the results as JSON here.")
   flags.DEFINE_string("turn_dir", "", "Share the device with other benchmarks (vlrep.tools.device_turns).")
   flags.DEFINE_integer("turn_parties", 1, "Processes sharing --turn_dir.")
-  flags.DEFINE_float("turn_deadline", 0.0, "Unix time after which the ready processes time without the late ones.")
+  flags.DEFINE_float("turn_deadline", 0.0, "Unix time at which optional parties still compiling are killed.")
+  flags.DEFINE_bool("turn_optional", False, "This process may be killed if still compiling at --turn_deadline.")
 
 
 FLAGS = flags.FLAGS
@@ -216,7 +217,7 @@ def main(argv):
       "on a CPU check them with --shapes=tiny --batch=8 --group=8 --windows=1."
     )
   cases = RESNET50_CASES if FLAGS.shapes == "resnet50" else TINY_CASES
-  turns = device_turns.join(FLAGS.turn_dir, FLAGS.turn_parties, FLAGS.turn_deadline or time.time() + 3600)
+  turns = device_turns.join(FLAGS.turn_dir, FLAGS.turn_parties, FLAGS.turn_deadline or time.time() + 3600, FLAGS.turn_optional)
   built = [build_case(*case, FLAGS.batch, FLAGS.group) for case in cases]
   with device_turns.turn(turns):  # with other benchmarks: every case compiled first, then timed alone
     results = [time_case(b, FLAGS.iters, FLAGS.windows) for b in built]

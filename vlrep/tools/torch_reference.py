@@ -287,7 +287,8 @@ def main(argv=None):
   p.add_argument("--turn_parties", type=int, default=1, help="processes sharing --turn_dir")
   p.add_argument("--turn_deadline", type=float, default=0.0, help="Unix time after which the ready ones go on")
   a = p.parse_args(argv)
-  turns = device_turns.join(a.turn_dir, a.turn_parties, a.turn_deadline or time.time() + 3600)
+  # A reference is an optional party: killed if still compiling at the deadline (max-autotune can take long).
+  turns = device_turns.join(a.turn_dir, a.turn_parties, a.turn_deadline or time.time() + 3600, optional=True)
   result = benchmark(
     a.batch_size,
     a.image_size,
