@@ -23,6 +23,7 @@ def test_main_end_to_end_writes_summary_and_refuses_to_resume_another_model(tiny
   for key in keys:
     assert key in summary, summary
   assert summary["steps"] == 6 and 0 <= summary["probe/map"] <= 100 and np.isfinite(summary["train/loss"])
+  assert summary["best_checkpoint_selected_on"] == "probe/map_val: held out from probe's test split"
   assert "probe/map: pretrained" in proc.stdout and "vs random init" in proc.stdout
   # Whole-model evaluators run in the loop too: captioning on 8 val images at the end.
   assert 0 <= summary["captioning/cider"] and 0 <= summary["captioning/bleu4"] <= 100

@@ -44,6 +44,31 @@ def needs_method(config) -> bool:
   return getattr(_module(config.type).Evaluator, "needs_method", False)
 
 
+def selection_rule(evals_config, best_metric: str, select_on_test: bool = False) -> str:
+  """What a run keeps its best checkpoint by, in words (summary.json's `best_checkpoint_selected_on`).
+
+  A `best_metric` that scores an evaluator's test split (its module's TEST_METRICS, e.g. the VOC07 probe's 'map')
+  is refused unless `select_on_test` is set: a checkpoint chosen on the split that is then reported is not a
+  held-out result. VirTex's appendix A.4 does exactly that; its recipe sets `select_on_test` to reproduce it."""
+  if not best_metric:
+    return "none: the last checkpoint"
+  name, _, metric = best_metric.partition("/")
+  if name not in evals_config:
+    raise ValueError(f"best_metric {best_metric!r} names no evaluator of this config ({', '.join(evals_config)}).")
+  cfg = evals_config[name]
+  if metric in getattr(_module(cfg.type), "TEST_METRICS", ()):
+    split = f"{cfg.get('dataset', '?')} {cfg.get('test_split', '?')}"
+    if not select_on_test:
+      raise ValueError(
+        f"best_metric {best_metric!r} is the score on {name}'s test split ({split}): choosing the checkpoint by it "
+        "is selection on the test split. Select on a held-out score (e.g. probe/map_cv, the probe's cross-"
+        "validation on its training split, or probe/map_val with a val_split), or set select_on_test=True to "
+        "do it knowingly (VirTex appendix A.4's procedure); the summary then says so."
+      )
+    return f"{best_metric}: the TEST split ({split}), chosen knowingly (select_on_test=True)"
+  return f"{best_metric}: held out from {name}'s test split"
+
+
 def build_all(evals_config, run: RunInputs) -> dict:
   for name, cfg in evals_config.items():
     every = cfg.get("every_steps", 0)

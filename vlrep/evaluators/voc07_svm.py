@@ -111,6 +111,8 @@ def fit_and_score(
   solver='sklearn' is the reference (liblinear, one fit after the other); solver='jax' fits every class x cost x
   fold together (linear_svm.py) and agrees with it to a fraction of a point (tests). ap: 'sklearn' (official) or
   '11point'. more_tests: {name: (x, y)} scored by the same SVMs (e.g. a validation split), as 'map_<name>'.
+  'map_cv': the mean over classes of the cross-validated AP at each class's chosen cost, from the training
+  features alone (held out from every test split: what a recipe may select checkpoints on).
   """
   if ap not in AP_KINDS:
     raise ValueError(f"Unknown AP {ap!r}; expected one of {AP_KINDS}.")
@@ -131,11 +133,13 @@ def fit_and_score(
     results = _all_classes_jax(train_x, train_y, all_test_x, fold_ids, costs, folds, tol, ap)
   else:
     raise ValueError(f"Unknown SVM solver {solver!r}; expected 'jax' or 'sklearn'.")
-  out = {"costs": [cost for _, cost in results]}
+  out = {"costs": [cost for _, cost, _ in results]}
+  cv = np.array([cv_ap for _, _, cv_ap in results])
+  out["map_cv"] = float(np.nanmean(cv) * 100) if not np.isnan(cv).all() else float("nan")
   start = 0
   for name, x, y in parts:
     aps = np.full(y.shape[1], np.nan)
-    for c, (scores, _) in enumerate(results):
+    for c, (scores, _, _) in enumerate(results):
       if scores is not None:
         keep = y[:, c] != 0  # difficult: left out at test
         aps[c] = average_precision(scores[start : start + len(x)][keep], y[keep, c], ap)
@@ -147,12 +151,13 @@ def fit_and_score(
   return out
 
 
-def _one_class_sklearn(c, train_x, train_y, test_x, fold_ids, costs, folds, ap) -> tuple[np.ndarray | None, float]:
-  """(test scores of class c's SVM at the cross-validated cost, that cost); (None, NaN) for a skipped class."""
+def _one_class_sklearn(c, train_x, train_y, test_x, fold_ids, costs, folds, ap) -> tuple[np.ndarray | None, float, float]:
+  """(test scores of class c's SVM at the cross-validated cost, that cost, its cross-validated AP); (None, NaN,
+  NaN) for a skipped class."""
   preemption.check()  # SIGTERM: stop between classes
   fold = fold_ids[:, c]
   if (fold < 0).all():
-    return None, float("nan")
+    return None, float("nan"), float("nan")
   y = np.where(train_y[:, c] > 0, 1, -1)
   cv_ap = []
   for cost in costs:
@@ -163,17 +168,18 @@ def _one_class_sklearn(c, train_x, train_y, test_x, fold_ids, costs, folds, ap) 
         clf = _svm(cost).fit(train_x[fold != f], y[fold != f])
       fold_aps.append(average_precision(clf.decision_function(train_x[fold == f]), y[fold == f], ap))
     cv_ap.append(np.mean(fold_aps))
-  best = costs[int(np.argmax(cv_ap))]
+  best = int(np.argmax(cv_ap))
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", ConvergenceWarning)
-    clf = _svm(best).fit(train_x, y)
-  return clf.decision_function(test_x), best
+    clf = _svm(costs[best]).fit(train_x, y)
+  return clf.decision_function(test_x), costs[best], float(cv_ap[best])
 
 
 def _all_classes_jax(
   train_x, train_y, test_x, fold_ids, costs, folds, tol, ap
-) -> list[tuple[np.ndarray | None, float]]:
-  """Every class x fold (plus the full trainval fit) as one batch of SVMs, per cost, warm-started along costs."""
+) -> list[tuple[np.ndarray | None, float, float]]:
+  """Every class x fold (plus the full trainval fit) as one batch of SVMs, per cost, warm-started along costs.
+  Per class: (test scores at the cross-validated cost, that cost, its cross-validated AP)."""
   import jax.numpy as jnp
 
   n, k = train_y.shape
@@ -214,10 +220,10 @@ def _all_classes_jax(
   results = []
   for c in range(k):
     if np.isnan(cv_ap[:, c]).all():
-      results.append((None, float("nan")))
+      results.append((None, float("nan"), float("nan")))
       continue
     best = int(np.nanargmax(cv_ap[:, c]))
-    results.append((test_scores[best][:, c], costs[best]))
+    results.append((test_scores[best][:, c], costs[best], float(cv_ap[best, c])))
   return results
 
 
@@ -234,6 +240,12 @@ def pool_features(x: np.ndarray, pooling: str) -> np.ndarray:
     cells = [x[:, cell(i, h), cell(j, w)].mean(axis=(1, 2)) for i in range(2) for j in range(2)]
     return np.concatenate(cells, axis=1)
   raise ValueError(f"Unknown pooling {pooling!r}; expected 'gap' or '2x2'.")
+
+
+# The metrics that score the config's test split: a run may keep its best checkpoint by one of them only when it
+# says so (`select_on_test`; evaluators.selection_rule). 'map_val' (a val_split) and 'map_cv' (cross-validation on
+# the training split) are held out from it.
+TEST_METRICS = ("map",)
 
 
 class Voc07Svm:
@@ -301,7 +313,7 @@ class Voc07Svm:
       time.time() - t1,
       result["map"],
     )
-    return {k: result[k] for k in ("map", "map_val") if k in result}
+    return {k: result[k] for k in ("map", "map_val", "map_cv") if k in result}
 
 
 Evaluator = Voc07Svm  # what vlrep.evaluators.build instantiates for type "voc07_svm"
