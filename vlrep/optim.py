@@ -2,12 +2,18 @@
 schedules, gradient clipping, and LookAhead.
 
 Config (`config.optim`):
-  name            'sgd' (momentum, PyTorch semantics: decay added to the gradient) or 'adamw'.
+  name            'sgd' (momentum, PyTorch semantics: decay added to the gradient), 'adamw' or 'radam' (Rectified
+                  Adam, Liu et al. 2020, with the official implementation's decoupled weight decay, as AdamW).
   lr_groups       [(regex, peak_lr), ...] matched in order against 'module/submodule/param' paths.
   no_decay        regex of parameters without weight decay.
   warmup_steps / total_steps come from the loop (converted from epochs there).
   lookahead_steps k (0 disables) and lookahead_alpha.
-  frozen_steps    [(lr_groups regex, N), ...]: that group does not move for the first N steps.
+  frozen_steps    [(lr_groups regex, N), ...]: that group is frozen for the first N steps: no update, and its
+                  optimizer state (momentum, Adam moments, their step count) untouched, as if the optimizer met
+                  the group only at step N (`frozen_for`); its schedule is still the run's (LR at step N is the
+                  schedule's value there). The train step also keeps those parameters' gradients out of the
+                  norm (clip and metric) and their model state (BatchNorm statistics) unchanged (`hold_frozen`).
+  schedule        'cosine' (default) or 'step' (x step_factor at each fraction of training in step_at).
 
 Speed switches (same maths, tested against the plain path in tests/test_speed_levers.py; docs/speed.md):
   grad_norm_once      the train step takes the gradient's global norm once, for clipping and its metric alike
@@ -104,14 +110,73 @@ def lookahead(
   return optax.GradientTransformation(init, update)
 
 
+class FrozenForState(NamedTuple):
+  count: jnp.ndarray  # steps seen, frozen ones included
+  inner: Any
+
+
+def frozen_for(inner: optax.GradientTransformation, steps: int) -> optax.GradientTransformation:
+  """`inner` that does nothing for its first `steps` steps: zero updates, its state passed through unchanged (no
+  momentum or moment accumulation, its own step count stays 0). From step `steps` on it runs as if created then,
+  so a schedule inside it must be shifted by `steps` (`build` does)."""
+
+  def init(params):
+    return FrozenForState(jnp.zeros([], jnp.int32), inner.init(params))
+
+  def update(updates, state, params=None):
+    frozen = state.count < steps
+    new_updates, new_inner = inner.update(updates, state.inner, params)
+    new_updates = jax.tree.map(lambda u: jnp.where(frozen, jnp.zeros_like(u), u), new_updates)
+    new_inner = jax.tree.map(lambda n, o: jnp.where(frozen, o, n), new_inner, state.inner)
+    return new_updates, FrozenForState(optax.safe_int32_increment(state.count), new_inner)
+
+  return optax.GradientTransformation(init, update)
+
+
+def frozen_rules(config: ml_collections.ConfigDict) -> tuple[tuple[str, int], ...]:
+  """(regex, N) for every lr_groups regex, in order, N its `frozen_steps` (0: never frozen); () without frozen
+  groups. A path belongs to the first regex it matches, as a parameter belongs to its lr group."""
+  frozen = dict(config.get("frozen_steps", ()) or ())
+  if not any(frozen.values()):
+    return ()
+  unknown = set(frozen) - {rx for rx, _ in config.lr_groups}
+  if unknown:
+    raise ValueError(f"optim.frozen_steps names {sorted(unknown)}, which are not among optim.lr_groups' regexes.")
+  return tuple((rx, int(frozen.get(rx, 0))) for rx, _ in config.lr_groups)
+
+
+def hold_frozen(step, new, old, rules):
+  """`new`, with each leaf whose path ('a/b/c') first matches a `frozen_rules` regex whose N is > `step` replaced
+  by its `old` value (a path matching no regex is never frozen). The train step keeps a frozen group's gradients at
+  zero with it (old = zeros) and its model state (BatchNorm statistics, whose paths mirror the parameters')
+  unchanged."""
+  if not rules:
+    return new
+  compiled = [(re.compile(rx), n) for rx, n in rules]
+
+  def frozen_until(path):
+    return next((n for rx, n in compiled if rx.search(path)), 0)
+
+  def pick(path, n_leaf, o_leaf):
+    n = frozen_until(path)
+    return jnp.where(step < n, o_leaf, n_leaf) if n else n_leaf
+
+  return jax.tree.map(pick, param_paths(new), new, old)
+
+
 class FlatSgdState(NamedTuple):
   count: jnp.ndarray
   momentum: jnp.ndarray  # [number of parameters] f32, or [0] without momentum
 
 
-def flat_sgd(schedules: dict, labels, decay_mask, weight_decay: float, momentum: float, nesterov: bool):
+def flat_sgd(
+  schedules: dict, labels, decay_mask, weight_decay: float, momentum: float, nesterov: bool, frozen: dict | None = None
+):
   """optax's add_decayed_weights(mask) + multi_transform({group: sgd(schedule, momentum, nesterov)}) as one update
-  over the raveled parameters: a per-element LR gathered from the groups' schedules, one momentum vector."""
+  over the raveled parameters: a per-element LR gathered from the groups' schedules, one momentum vector.
+  `frozen` {group: N}: that group's elements neither move nor accumulate momentum for the first N steps (as
+  `frozen_for` around the group's sgd)."""
+  frozen = frozen or {}
   names = list(schedules)
   leaves, _ = jax.tree.flatten(labels)
   masks, _ = jax.tree.flatten(decay_mask)
@@ -137,7 +202,13 @@ def flat_sgd(schedules: dict, labels, decay_mask, weight_decay: float, momentum:
     if momentum:
       trace = g + momentum * trace
       g = g + momentum * trace if nesterov else trace
-    return unravel(-lr * g), FlatSgdState(optax.safe_int32_increment(state.count), trace)
+    update = -lr * g
+    if frozen:
+      active = per_element(params, [state.count >= frozen.get(label, 0) for label in leaves])
+      update = jnp.where(active, update, 0.0)
+      if momentum:
+        trace = jnp.where(active, trace, state.momentum)
+    return unravel(update), FlatSgdState(optax.safe_int32_increment(state.count), trace)
 
   return optax.GradientTransformation(init, update)
 
@@ -174,43 +245,62 @@ def build(config: ml_collections.ConfigDict, params, total_steps: int, warmup_st
     }
   else:
     raise ValueError(f"Unknown LR schedule {config.schedule!r}; expected 'cosine' or 'step'.")
-  # frozen_steps [(lr_groups regex, N)]: that group's LR is 0 for the first N steps (ICMLM warms its attention
-  # heads up with the backbone frozen). With LR 0 neither the gradient nor the weight decay moves the group.
+  # frozen_steps [(lr_groups regex, N)]: that group is frozen for its first N steps (ICMLM warms its heads up with
+  # the backbone frozen): its transformation is wrapped in `frozen_for` (no update, no state change), which starts
+  # counting at step N, so its schedule is shifted by N; the reported schedule is 0 until N, then the run's.
   group_names = list(peaks)
-  for rx, n in config.get("frozen_steps", ()):
-    matches = [name for name, (grx, _) in zip(group_names, config.lr_groups, strict=True) if grx == rx]
-    if not matches:
-      raise ValueError(f"optim.frozen_steps names {rx!r}, which is not one of optim.lr_groups' regexes.")
-    sched = schedules[matches[0]]
-    schedules[matches[0]] = lambda step, sched=sched, n=n: jnp.where(step < n, 0.0, sched(step))
+  frozen = {}
+  for rx, n in frozen_rules(config):
+    if n:
+      frozen[group_names[[grx for grx, _ in config.lr_groups].index(rx)]] = n
+  base_schedules = dict(schedules)
+  for name, n in frozen.items():
+    schedules[name] = lambda step, sched=base_schedules[name], n=n: jnp.where(step < n, 0.0, sched(step))
+
+  def inner_schedule(name):
+    n = frozen.get(name, 0)
+    return (lambda count, sched=base_schedules[name], n=n: sched(count + n)) if n else base_schedules[name]
+
+  def freeze(name, tx):
+    return frozen_for(tx, frozen[name]) if name in frozen else tx
+
   no_decay = re.compile(config.no_decay) if config.no_decay else None
   decay_mask = jax.tree.map(lambda p: not (no_decay and no_decay.search(p)), param_paths(params))
 
   if config.get("flat_update", False):
     if config.name != "sgd":
       raise ValueError(f"optim.flat_update implements SGD only; optim.name is {config.name!r}.")
-    parts = [flat_sgd(schedules, labels, decay_mask, config.weight_decay, config.momentum or 0.0, config.nesterov)]
+    parts = [
+      flat_sgd(schedules, labels, decay_mask, config.weight_decay, config.momentum or 0.0, config.nesterov, frozen)
+    ]
   elif config.name == "sgd":
 
-    def group_tx(schedule):
-      return optax.sgd(schedule, momentum=config.momentum or None, nesterov=config.nesterov)
+    def group_tx(name):
+      tx = optax.sgd(inner_schedule(name), momentum=config.momentum or None, nesterov=config.nesterov)
+      return freeze(name, tx)
 
     parts = [optax.add_decayed_weights(config.weight_decay, mask=decay_mask)] if config.weight_decay else []
-    parts.append(optax.multi_transform({n: group_tx(s) for n, s in schedules.items()}, labels))
-  elif config.name == "adamw":
-    parts = [
-      optax.multi_transform(
-        {
-          n: optax.adamw(
-            s, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay, mask=decay_mask
-          )
-          for n, s in schedules.items()
-        },
-        labels,
+    parts.append(optax.multi_transform({n: group_tx(n) for n in schedules}, labels))
+  elif config.name in ("adamw", "radam"):
+
+    def group_tx(name):
+      if config.name == "adamw":
+        scale = optax.scale_by_adam(b1=config.b1, b2=config.b2, eps=config.eps)
+      else:
+        # optax's RAdam rectification (threshold 5: plain bias-corrected momentum until the variance is
+        # tractable, as the official implementation's `degenerated_to_sgd`); its weight decay is decoupled, as
+        # that implementation's (p -= lr * wd * p), i.e. AdamW's.
+        scale = optax.scale_by_radam(b1=config.b1, b2=config.b2, eps=config.eps)
+      tx = optax.chain(
+        scale,
+        optax.add_decayed_weights(config.weight_decay, mask=decay_mask),
+        optax.scale_by_learning_rate(inner_schedule(name)),
       )
-    ]
+      return freeze(name, tx)
+
+    parts = [optax.multi_transform({n: group_tx(n) for n in schedules}, labels)]
   else:
-    raise ValueError(f"Unknown optimizer {config.name!r}; known: sgd, adamw")
+    raise ValueError(f"Unknown optimizer {config.name!r}; known: sgd, adamw, radam")
   if config.grad_clip_norm and not step_clip_norm(config):
     parts.insert(0, optax.clip_by_global_norm(config.grad_clip_norm))
   tx = optax.chain(*parts)

@@ -181,7 +181,9 @@ def _train(
   # ---------------------------------------------------------------------------------------------------- #
   # Jitted step and feature extraction.
   # ---------------------------------------------------------------------------------------------------- #
-  train_step = make_train_step(method, tx, schedules, base_rng, optim.step_clip_norm(config.optim))
+  train_step = make_train_step(
+    method, tx, schedules, base_rng, optim.step_clip_norm(config.optim), optim.frozen_rules(config.optim)
+  )
   step_fn = sharding.under_mesh(
     mesh,
     jax.jit(train_step, in_shardings=(state_sh, batch_sharding), out_shardings=(state_sh, None), donate_argnums=(0,)),

@@ -10,11 +10,15 @@ import optax
 from vlrep import optim
 
 
-def make_train_step(method, tx, schedules: dict, base_rng, clip_norm: float = 0.0):
+def make_train_step(method, tx, schedules: dict, base_rng, clip_norm: float = 0.0, frozen=()):
   """The step the loop jits: loss and gradients from the method, optimizer update, metrics.
 
   clip_norm > 0 (`optim.step_clip_norm`): the step clips the gradient by its global norm itself, with the norm it
   also reports, so the norm is taken once (`tx` then has no clip of its own).
+  frozen (`optim.frozen_rules`): while a parameter group is frozen, its gradients are zero before the norm (they
+  neither count in the clip nor in `grad_norm`, as parameters without gradients) and the model state under the same
+  paths (BatchNorm statistics) keeps its values; `tx` (`optim.frozen_for`) leaves the group and its optimizer
+  state untouched.
   """
 
   def train_step(state, batch):
@@ -25,6 +29,12 @@ def make_train_step(method, tx, schedules: dict, base_rng, clip_norm: float = 0.
       return loss, (metrics, new_model_state)
 
     (loss, (metrics, new_model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+    if frozen:
+      grads = optim.hold_frozen(state["step"], grads, jax.tree.map(jnp.zeros_like, grads), frozen)
+      new_model_state = {
+        k: optim.hold_frozen(state["step"], v, state["model_state"][k], frozen) if k in state["model_state"] else v
+        for k, v in new_model_state.items()
+      }
     grad_norm = optax.tree.norm(grads)
     if clip_norm:
       grads = optim.clip_by_norm(grads, grad_norm, clip_norm)

@@ -3,7 +3,11 @@
 VirTex's protocol (appendix A.3): BatchNorm in inference mode, the linear layer initialised N(0, 0.01), SGD with
 momentum 0.9, no weight decay, LR 0.3 with cosine decay, 100 epochs, batch 256, random-resized-crop + flip for
 training and resize 256 / centre crop 224 for evaluation; top-1 accuracy. MCT's variant: LR 30, divided by 5 at
-fixed epochs (`schedule='step'`, `milestones`).
+fixed epochs (`schedule='step'`, `milestones`). ICMLM's (appendix F.2; `trials` > 0): logistic regression on
+pre-extracted, global-average-pooled last-layer features of resize-224 / centre-crop-224 images (no augmentation),
+SGD with momentum 0.9, batch 1024, cosine annealing, the LR (log-uniform in [0.1, 100]) and weight decay (uniform
+in [0, 1e-5]) searched over 25 trials (`train_linear_search`: all trials trained at once, each scored on held-out
+training images, the best one's test accuracy reported).
 
 Two modes:
   'features'  (the fast path) the training images' features are extracted once, with `pp_features` (the
@@ -11,7 +15,10 @@ Two modes:
   'images'    every step draws augmented images (`pp_train`) through the frozen backbone: the paper's protocol.
 Config: dataset, data_dir, config_name, train_split, test_split, pp_train, pp_eval, pp_features, num_classes,
 label_key, feature, mode, epochs, batch_size, lr, schedule ('cosine' | 'step'), milestones, step_factor,
-momentum, weight_decay, init_std, seed, every_steps, random_init.
+momentum, weight_decay, init_std, seed, every_steps, random_init; the search (features mode): trials (0: none, `lr`
+and `weight_decay` as given), lr_range (log-uniform), weight_decay_range (uniform), val_split (the split the trials
+are scored on) or holdout_fraction (else that fraction of the training features, held out of training). The
+search adds `top1_val` (the chosen trial's held-out top-1), `lr` and `weight_decay` (the chosen values).
 """
 
 from __future__ import annotations
@@ -77,6 +84,59 @@ def train_linear(
   return np.asarray(params["w"]), np.asarray(params["b"])
 
 
+def search_draws(config) -> tuple[np.ndarray, np.ndarray]:
+  """The trials' (learning rates, weight decays): `trials` independent draws, LR log-uniform in `lr_range` and
+  weight decay uniform in `weight_decay_range` (ICMLM's Optuna search space; drawn at random, not by Optuna's
+  sequential TPE), seeded by `seed`."""
+  rng = np.random.default_rng([config.get("seed", 0), 1])
+  lo, hi = config.lr_range
+  lrs = np.exp(rng.uniform(np.log(lo), np.log(hi), config.trials))
+  wds = rng.uniform(*config.weight_decay_range, config.trials)
+  return lrs.astype(np.float32), wds.astype(np.float32)
+
+
+def train_linear_search(
+  next_batch: Callable[[int], tuple[np.ndarray, np.ndarray, np.ndarray]],
+  dim: int,
+  num_classes: int,
+  total_steps: int,
+  lrs: np.ndarray,
+  weight_decays: np.ndarray,
+  config,
+):
+  """`train_linear` for T (LR, weight decay) pairs at once, on the same batches: SGD with momentum (PyTorch's: the
+  decay added to the gradient, v = m v + g, w -= lr_t v), cosine annealing from each LR to 0 over `total_steps`.
+  Returns (w [T, D, C], b [T, C]); a trial that diverged has non-finite entries."""
+  lrs, wds = jnp.asarray(lrs, jnp.float32), jnp.asarray(weight_decays, jnp.float32)
+  t = len(lrs)
+  momentum = config.get("momentum", 0.9)
+  key = jax.random.PRNGKey(config.get("seed", 0))
+  w0 = config.get("init_std", 0.01) * jax.random.normal(key, (dim, num_classes))
+  params = {"w": jnp.broadcast_to(w0, (t, dim, num_classes)), "b": jnp.zeros((t, num_classes))}
+  velocity = jax.tree.map(jnp.zeros_like, params)
+  decay = {"w": wds[:, None, None], "b": wds[:, None]}
+  rate = {"w": lambda lr: lr[:, None, None], "b": lambda lr: lr[:, None]}
+
+  @jax.jit
+  def step(params, velocity, i, x, y, weight):
+    def loss_fn(p):
+      logits = jnp.einsum("bd,tdc->tbc", x, p["w"]) + p["b"][:, None]
+      nll = optax.softmax_cross_entropy_with_integer_labels(logits, y[None])  # [T, B]
+      # Each trial's mean loss; summed, so each trial's parameters get their own loss's gradient.
+      return jnp.sum(jnp.sum(nll * weight, 1) / jnp.maximum(jnp.sum(weight), 1.0))
+
+    grads = jax.grad(loss_fn)(params)
+    lr_i = lrs * 0.5 * (1.0 + jnp.cos(jnp.pi * jnp.minimum(i, total_steps) / max(total_steps, 1)))
+    velocity = {k: momentum * velocity[k] + grads[k] + decay[k] * params[k] for k in params}
+    params = {k: params[k] - rate[k](lr_i) * velocity[k] for k in params}
+    return params, velocity
+
+  for i in range(total_steps):
+    x, y, weight = next_batch(i)
+    params, velocity = step(params, velocity, i, x, y, weight)
+  return np.asarray(params["w"]), np.asarray(params["b"])
+
+
 def topk_accuracy(logits: np.ndarray, labels: np.ndarray, k: int) -> float:
   top = np.argsort(-logits, axis=1)[:, :k]
   return float(np.mean(np.any(top == labels[:, None], axis=1)) * 100)
@@ -108,6 +168,8 @@ class LinearProbe:
     self.label_key = config.get("label_key", "label")
     if config.get("mode", "features") not in ("features", "images"):
       raise ValueError(f"Unknown linear-probe mode {config.mode!r}; expected 'features' or 'images'.")
+    if config.get("trials", 0) and config.get("mode", "features") != "features":
+      raise ValueError("The linear probe's search (trials > 0) trains on pre-extracted features: mode='features'.")
     if config.batch_size % jax.device_count():
       raise ValueError(f"Probe batch_size {config.batch_size} is not divisible by the {jax.device_count()} devices.")
 
@@ -128,6 +190,8 @@ class LinearProbe:
     steps_per_epoch = n_train / c.batch_size
     total_steps = max(1, int(round(c.epochs * steps_per_epoch)))
     rng = np.random.default_rng(c.get("seed", 0))
+    if c.get("trials", 0):
+      return self._search(features_fn, test_x, test_y, rng, t0)
     if c.get("mode", "features") == "features":
       train_x, train_y = self._extract(c.train_split, c.get("pp_features") or c.pp_eval, features_fn)
       order = np.concatenate([rng.permutation(len(train_x)) for _ in range(int(np.ceil(c.epochs)) + 1)])
@@ -171,6 +235,66 @@ class LinearProbe:
       top5,
     )
     return {"top1": top1, "top5": top5}
+
+  def _search(self, features_fn, test_x, test_y, rng, t0) -> dict[str, float]:
+    """ICMLM's protocol: `trials` (LR, weight decay) pairs trained at once on pre-extracted features, the one with
+    the best held-out top-1 scored on the test split."""
+    c = self.config
+    train_x, train_y = self._extract(c.train_split, c.get("pp_features") or c.pp_eval, features_fn)
+    if c.get("val_split"):
+      val_x, val_y = self._extract(c.val_split, c.get("pp_features") or c.pp_eval, features_fn)
+      train_idx = np.arange(len(train_x))
+    else:
+      held = rng.permutation(len(train_x))
+      fraction = c.get("holdout_fraction", 0.01)
+      n_val = max(1, int(round(fraction * len(train_x))))
+      if n_val >= len(train_x):
+        raise ValueError(f"holdout_fraction {fraction} leaves none of the {len(train_x)} training images to train on.")
+      val_x, val_y = train_x[held[:n_val]], train_y[held[:n_val]]
+      train_idx = np.sort(held[n_val:])  # indices, not a copy of the features (ImageNet's are ~10 GB)
+    num_classes = c.num_classes
+    steps_per_epoch = len(train_idx) / c.batch_size
+    total_steps = max(1, int(round(c.epochs * steps_per_epoch)))
+    order = np.concatenate([rng.permutation(train_idx) for _ in range(int(np.ceil(c.epochs)) + 1)])
+    ones = np.ones((c.batch_size,), np.float32)
+
+    def next_batch(i):
+      idx = order[i * c.batch_size : (i + 1) * c.batch_size]
+      return train_x[idx], train_y[idx], ones[: len(idx)]
+
+    lrs, wds = search_draws(c)
+    t1 = time.time()
+    w, b = train_linear_search(next_batch, train_x.shape[1], num_classes, total_steps, lrs, wds, c)
+    val_top1 = []
+    for i in range(len(lrs)):
+      finite = np.isfinite(w[i]).all() and np.isfinite(b[i]).all()
+      val_top1.append(topk_accuracy(val_x @ w[i] + b[i], val_y, 1) if finite else -1.0)
+    best = int(np.argmax(val_top1))  # the first of equal scores
+    if val_top1[best] < 0:
+      raise FloatingPointError(f"Every linear-probe trial diverged (LRs {lrs.min():.3g}..{lrs.max():.3g}).")
+    logits = test_x @ w[best] + b[best]
+    top1, top5 = topk_accuracy(logits, test_y, 1), topk_accuracy(logits, test_y, min(5, num_classes))
+    logging.info(
+      "Linear probe (search): %d trials x %d steps, %.1fs; chosen LR %.4g, weight decay %.3g (held-out top-1 %.2f, "
+      "%d of %d trials diverged); top-1 %.2f, top-5 %.2f",
+      len(lrs),
+      total_steps,
+      time.time() - t1,
+      lrs[best],
+      wds[best],
+      val_top1[best],
+      sum(v < 0 for v in val_top1),
+      len(lrs),
+      top1,
+      top5,
+    )
+    return {
+      "top1": top1,
+      "top5": top5,
+      "top1_val": val_top1[best],
+      "lr": float(lrs[best]),
+      "weight_decay": float(wds[best]),
+    }
 
 
 Evaluator = LinearProbe  # what vlrep.evaluators.build instantiates for type "linear_probe"
