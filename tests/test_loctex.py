@@ -57,6 +57,35 @@ def test_rendered_masks_on_hand_made_traces():
   assert out["stat_trace_points_outside_time"] == 1 and not out["stat_trace_mismatch"]
 
 
+def test_segments_hit_every_cell_the_pointer_crosses_between_a_words_points():
+  """segments=True adds the cells crossed between consecutive points of the same word (4x4 grid, rows = y)."""
+  pts = [
+    (0.1, 0.2, 1.1),  # 'circle': y = 0.2 + (x - 0.1) / 2 across the grid
+    (0.9, 0.6, 1.9),
+    (0.1, 0.9, 2.2),  # 'left': up column 0 ...
+    (0.1, 0.3, 2.5),
+    (1.5, 0.3, 2.8),  # ... then right along row 1, leaving the image (the part outside is ignored)
+  ]
+  points_only = _run("trace_words(5, sizes=(4,))", _narration(WORDS, pts))["word_masks_4"]
+  out = _run("trace_words(5, sizes=(4,), segments=True)", _narration(WORDS, pts))["word_masks_4"]
+
+  def cells(mask):  # (row, col)
+    return sorted(map(tuple, np.argwhere(mask).tolist()))
+
+  assert cells(points_only[1]) == [(0, 0), (2, 3)] and cells(points_only[2]) == [(1, 0), (3, 0)]
+  # The line enters row 1 at x = 0.2 (col 0) and row 2 at x = 0.7 (col 2): six cells.
+  assert cells(out[1]) == [(0, 0), (1, 0), (1, 1), (1, 2), (2, 2), (2, 3)]
+  assert cells(out[2]) == [(1, 0), (1, 1), (1, 2), (1, 3), (2, 0), (3, 0)]
+  # The segment from 'circle''s last point to 'left''s first spans two words: neither gets it; 'a' has no points.
+  assert out[0].sum() == 0 and out[3:].sum() == 0
+  # A diagonal through grid corners hits the cells it passes through, not those it only touches.
+  diagonal = traces.segment_cells(tf.constant([[0.0, 0.0]]), tf.constant([[1.0, 1.0]]), 4).numpy().reshape(4, 4)
+  np.testing.assert_array_equal(diagonal, np.eye(4, dtype=bool))
+  # A zero-length segment hits its point's cell; one along the right border, the last column (as points there).
+  edge = traces.segment_cells(tf.constant([[0.3, 0.3], [1.0, 0.2]]), tf.constant([[0.3, 0.3], [1.0, 0.8]]), 2)
+  np.testing.assert_array_equal(edge.numpy(), [[1, 0, 0, 0], [0, 1, 0, 1]])
+
+
 def test_flip_mirrors_masks_and_swaps_left_right():
   out = _run("clean_traces|flip_lr_swap_words(prob=1.0)|trace_words(5, sizes=(2, 4))", _narration(WORDS, POINTS))
   assert [w.decode() for w in out["words"][:3]] == ["a", "circle", "right"]
@@ -200,15 +229,17 @@ def _np_info_nce(img, txt, tau, symmetric=False):
   return float(np.mean(rows))
 
 
-def _np_localization(logits, target):
+def _np_localization(logits, target, rows=None):
+  """Eq. 3 per example over the rows in `rows` (default: the tokens with a target), then the mean."""
   losses = []
-  for lg, tg in zip(logits, target, strict=True):
+  for i, (lg, tg) in enumerate(zip(logits, target, strict=True)):
     sup = tg.sum(1) > 0
     if not sup.any():
       continue
-    m = np.exp(lg[sup] - lg[sup].max(1, keepdims=True))
+    keep = sup if rows is None else rows[i].astype(bool) | sup
+    m = np.exp(lg[keep] - lg[keep].max(1, keepdims=True))
     m = m / m.sum(1, keepdims=True)
-    t = tg[sup].astype(float)
+    t = tg[keep].astype(float)
     losses.append(np.linalg.norm(m / np.linalg.norm(m) - t / np.linalg.norm(t)))
   return float(np.mean(losses)), len(losses)
 
@@ -238,6 +269,57 @@ def test_losses_match_numpy():
   one, _ = localization_loss(np.where(even > 0, 30.0, -30.0), even)
   assert float(one) < 1e-3
   assert float(localization_loss(np.where(even > 0, -30.0, 30.0), even)[0]) == pytest.approx(np.sqrt(2), rel=1e-3)
+  rows = rng.random((4, 6)) < 0.5
+  expected, _ = _np_localization(logits, target, rows)
+  assert float(localization_loss(logits, target, rows)[0]) == pytest.approx(expected, rel=1e-5)
+
+
+def test_eq3_normalises_the_whole_caption_map_in_the_recipe():
+  """Eq. 3 divides M_k by the norm of its whole L x R x R map. One example, 2 cells: token 0 traced to cell 0,
+  token 1 a caption token without trace, token 2 padding; uniform attention (0.5, 0.5) in every row.
+  Eq. 3: M / |M| = 0.5 in rows 0-1 (|M| = 1), so |M/|M| - T/|T||^2 = 0.25 + 0.25 + 2 * 0.25 = 1.
+  Traced rows only: M / |M| = (0.707, 0.707) in row 0, so the loss is sqrt(2 - sqrt(2)).
+  (Padding counted as well would give sqrt(2 - 1 / sqrt(1.5)) = 1.088.)"""
+  import jax.numpy as jnp
+
+  from configs import loctex as loctex_config
+  from vlrep import methods
+  from vlrep.methods.loctex import localization_loss
+  from vlrep.models import special_tokens
+
+  logits = np.zeros((1, 3, 2), np.float32)
+  target = np.array([[[1, 0], [0, 0], [0, 0]]], np.uint8)
+  assert float(localization_loss(logits, target, np.array([[1, 1, 0]]))[0]) == pytest.approx(1.0, rel=1e-5)
+  assert float(localization_loss(logits, target)[0]) == pytest.approx(np.sqrt(2 - np.sqrt(2)), rel=1e-5)
+
+  # The method takes the caption's rows from its tokens (all but padding) when localization_norm="caption".
+  # A stand-in model gives uniform maps over a 2x2 grid, token 0 traced to cell 0: eq. 3 gives
+  # sqrt(2 - 2 * 0.25 / sqrt(8 * 0.25^2)) = sqrt(2 - 1 / sqrt(2)); traced rows only give sqrt(2 - 2 * 0.5) = 1.
+  class Model:
+    def apply(self, variables, image, tokens, train, rngs=None, mutable=None):
+      b, t = tokens.shape
+      out = {"image_embedding": jnp.ones((b, 4)), "text_embedding": jnp.ones((b, 4))}
+      out["attention_logits_1x"] = jnp.zeros((b, t, 4))
+      return (out, None), {}
+
+  batch = {
+    "image": np.zeros((1, 8, 8, 3), np.float32),
+    "tokens": np.array([[special_tokens.SOS_ID, 7, special_tokens.PAD_ID]]),
+    "trace_mask_2": np.array([[[[1, 0], [0, 0]], [[0, 0], [0, 0]], [[0, 0], [0, 0]]]], np.uint8),
+  }
+  expected = {"caption": np.sqrt(2 - 1 / np.sqrt(2)), "traced": 1.0}
+  cfg = loctex_config.get_config("runlocal,scales=1").method
+  for norm, value in expected.items():
+    cfg.update(localization_norm=norm, grid_sizes=(2,))
+    method = methods.build(cfg, 50)
+    method.model = Model()
+    metrics = method.loss({}, batch, None)[1]
+    assert float(metrics["localization_loss_1x"]) == pytest.approx(value, rel=1e-5), norm
+  cfg.localization_norm = "all"
+  with pytest.raises(ValueError, match="localization_norm"):
+    methods.build(cfg, 50)
+  del cfg["localization_norm"]  # a run saved before the key existed was trained with "traced"
+  assert methods.build(cfg, 50).localization_norm == "traced"
 
 
 def test_per_device_vs_global_infonce_on_eight_devices(tmp_path):
@@ -464,3 +546,94 @@ def test_loss_weights_follow_the_recipe_and_the_measured_runlocal_rule():
   assert weights("oracle=True") == (1.0, 1.0)  # the recipe is not rescaled
   with pytest.raises(ValueError, match="Unknown loss"):
     loctex.get_config("runlocal,loss=l1")
+
+
+def test_recipe_follows_the_paper_and_runlocal_keeps_its_measured_choices():
+  """Eq. 3 over the whole map, traces rendered as paths, the VOC07 probe on images resized to 224 x 224 (LocTex
+  sec. 4.1); runlocal keeps the choices its results were measured with."""
+  from configs import loctex as loctex_config
+
+  recipe, local = loctex_config.get_config(), loctex_config.get_config("runlocal")
+  assert recipe.method.localization_norm == "caption" and local.method.localization_norm == "traced"
+  assert "trace_words(256, sizes=(7, 14), segments=True)" in recipe.data.pp
+  assert "trace_words(64, sizes=(4, 8))|" in local.data.pp and "segments" not in local.data.pp
+  assert recipe.evals.probe.pp == "decode|resize(224)|normalize|voc_labels(20)"
+  assert local.evals.probe.pp == "decode|normalize|voc_labels(10)"
+  image = tf.zeros([300, 500, 3], tf.uint8)
+  assert _run("resize(224)", {"image": image})["image"].shape == (224, 224, 3)  # the whole image, squashed
+
+
+def _detectron2_yaml(name):
+  """A Detectron2 yaml with its _BASE_ chain merged (dicts recursively), as Detectron2 reads it."""
+  import yaml
+
+  with open(os.path.join(ROOT, "configs", "detectron2", name)) as f:
+    cfg = yaml.safe_load(f)
+  base = cfg.pop("_BASE_", None)
+
+  def merge(a, b):
+    for k, v in b.items():
+      a[k] = merge(a.get(k, {}), v) if isinstance(v, dict) else v
+    return a
+
+  return merge(_detectron2_yaml(base), cfg) if base else cfg
+
+
+def test_detectron2_extra_bn_closes_res5_in_the_roi_head_as_moco(monkeypatch):
+  """loctex_extra_bn.py against stand-ins for the two Detectron2 names it uses (Detectron2 is not installed):
+  its ROI head's res5 block ends with the extra norm (MoCo's Res5ROIHeadsExtraNorm), built both as a
+  classmethod (Detectron2 >= 0.3) and on an instance; the LocTex configs name that head and keep the plain
+  backbone."""
+  import importlib.util
+  import types
+
+  torch = pytest.importorskip("torch")
+  pytest.importorskip("yaml")
+  registered, norms = {}, []
+
+  class Registry:
+    def register(self):
+      def add(cls):
+        registered[cls.__name__] = cls
+        return cls
+
+      return add
+
+  class Res5ROIHeads:
+    @classmethod
+    def _build_res5_block(cls, cfg):
+      return torch.nn.Sequential(torch.nn.Conv2d(4, 8, 1), torch.nn.Conv2d(8, 8, 1)), 8
+
+  def get_norm(norm, channels):
+    norms.append((norm, channels))
+    return torch.nn.BatchNorm2d(channels)
+
+  names = ("detectron2", "detectron2.layers", "detectron2.modeling", "detectron2.modeling.roi_heads")
+  modules = {n: types.ModuleType(n) for n in names}
+  modules["detectron2.layers"].get_norm = get_norm
+  modules["detectron2.modeling.roi_heads"].ROI_HEADS_REGISTRY = Registry()
+  modules["detectron2.modeling.roi_heads"].Res5ROIHeads = Res5ROIHeads
+  for name, module in modules.items():
+    monkeypatch.setitem(sys.modules, name, module)
+  path = os.path.join(ROOT, "configs", "detectron2", "loctex_extra_bn.py")
+  spec = importlib.util.spec_from_file_location("loctex_extra_bn", path)
+  plugin = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(plugin)
+
+  assert list(registered) == [plugin.NAME] == ["Res5ROIHeadsExtraNorm"]
+  head = registered[plugin.NAME]
+  cfg = types.SimpleNamespace(MODEL=types.SimpleNamespace(RESNETS=types.SimpleNamespace(NORM="SyncBN")))
+  for build in (head._build_res5_block, object.__new__(head)._build_res5_block):
+    res5, channels = build(cfg)
+    assert channels == 8 and [n for n, _ in res5.named_children()] == ["0", "1", "norm"]
+    with torch.no_grad():
+      y = res5.train()(torch.randn(4, 4, 3, 3) * 5 + 3)
+    assert float(y.mean(dim=(0, 2, 3)).abs().max()) < 1e-4  # the block's output is the norm's
+  assert norms == [("SyncBN", 8)] * 2
+
+  loctex_files = ["voc_faster_rcnn_R_50_C4_24k_extra_bn.yaml"] + [f"coco_subset_{p}pct.yaml" for p in (10, 20, 50, 100)]
+  for name in loctex_files:
+    model = _detectron2_yaml(name)["MODEL"]
+    assert model["ROI_HEADS"]["NAME"] == plugin.NAME and model["ROI_HEADS"]["IN_FEATURES"] == ["res4"], name
+    assert model["BACKBONE"]["NAME"] == "build_resnet_backbone", name  # res4, which the RPN sees, is not normalised
+  assert _detectron2_yaml("voc_faster_rcnn_R_50_C4_24k.yaml")["MODEL"]["ROI_HEADS"]["NAME"] == "Res5ROIHeads"

@@ -1,42 +1,29 @@
-"""Detectron2 plugin: ResNet backbones with an extra BatchNorm on each output feature map (LocTex sec. 4.2-4.3,
-following MoCo). Import it from detectron2's tools/train_net.py, then set MODEL.BACKBONE.NAME to
-build_resnet_backbone_extra_bn (C4) or build_resnet_fpn_backbone_extra_bn (FPN). Needs detectron2; vlrep itself
-never imports it.
+"""Detectron2 plugin: the extra BatchNorm of LocTex's C4 transfer (sec. 4.2-4.3, "following He et al." = MoCo),
+placed where MoCo puts it: after the res5 stage of the C4 ROI head (MoCo's `Res5ROIHeadsExtraNorm`, from
+moco/detection/train_net.py), normalising the per-region res5 features before the box predictor and mask head.
+The backbone (res2-res4) is unchanged.
+
+Import it from detectron2's tools/train_net.py (`import loctex_extra_bn`), then set
+MODEL.ROI_HEADS.NAME to Res5ROIHeadsExtraNorm (the LocTex configs here do). The norm is MODEL.RESNETS.NORM
+(SyncBN in these configs). Needs detectron2 and torch; vlrep itself never imports this file
+(tests/test_loctex.py loads it against stand-ins for the two detectron2 names it uses).
 """
 
 from detectron2.layers import get_norm
-from detectron2.modeling import BACKBONE_REGISTRY
-from detectron2.modeling.backbone import FPN, Backbone, build_resnet_backbone
-from detectron2.modeling.backbone.fpn import LastLevelMaxPool
-from torch import nn
+from detectron2.modeling.roi_heads import ROI_HEADS_REGISTRY, Res5ROIHeads
+
+NAME = "Res5ROIHeadsExtraNorm"
 
 
-class NormalisedOutputs(Backbone):
-  def __init__(self, body, norm: str):
-    super().__init__()
-    self.body = body
-    self.norms = nn.ModuleDict({k: get_norm(norm, s.channels) for k, s in body.output_shape().items()})
-    self._out_features = list(body.output_shape())
+@ROI_HEADS_REGISTRY.register()
+class Res5ROIHeadsExtraNorm(Res5ROIHeads):
+  """Res5ROIHeads whose res5 block ends with an extra norm layer (MoCo's, same module name "norm").
 
-  def forward(self, x):
-    return {k: self.norms[k](v) for k, v in self.body(x).items()}
+  A classmethod, as Detectron2 >= 0.3 calls `cls._build_res5_block(cfg)` from `from_config` (older versions
+  call it on the instance, which a classmethod also serves)."""
 
-  def output_shape(self):
-    return self.body.output_shape()
-
-
-@BACKBONE_REGISTRY.register()
-def build_resnet_backbone_extra_bn(cfg, input_shape):
-  return NormalisedOutputs(build_resnet_backbone(cfg, input_shape), cfg.MODEL.RESNETS.NORM)
-
-
-@BACKBONE_REGISTRY.register()
-def build_resnet_fpn_backbone_extra_bn(cfg, input_shape):
-  return FPN(
-    bottom_up=build_resnet_backbone_extra_bn(cfg, input_shape),
-    in_features=cfg.MODEL.FPN.IN_FEATURES,
-    out_channels=cfg.MODEL.FPN.OUT_CHANNELS,
-    norm=cfg.MODEL.FPN.NORM,
-    top_block=LastLevelMaxPool(),
-    fuse_type=cfg.MODEL.FPN.FUSE_TYPE,
-  )
+  @classmethod
+  def _build_res5_block(cls, cfg):
+    seq, out_channels = super()._build_res5_block(cfg)
+    seq.add_module("norm", get_norm(cfg.MODEL.RESNETS.NORM, out_channels))
+    return seq, out_channels

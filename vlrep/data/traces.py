@@ -6,8 +6,9 @@ token, a binary mask of the grid cells the mouse visited while that token was sp
 
   clean_traces                drop points that are not finite or lie outside [0, 1] (counted)
   inception_crop / flip ...   (in ops.py) move the points with the image; flips swap 'left'/'right' words
-  trace_words(max_words, sizes)
-                              align utterances to the caption and render one mask per word and grid size
+  trace_words(max_words, sizes, segments)
+                              align utterances to the caption and render one mask per word and grid size:
+                              the cells of its points, with segments=True also those crossed between them
   oracle_word_masks(sizes)    (synthetic_scenes) ground-truth masks instead: LocTex's "oracle" supervision
   tokenize_words(max_len)     host op: BPE-tokenise word by word; every token gets its word's masks; captions
                               longer than max_len are cut to a random window of max_len - 2 tokens
@@ -63,10 +64,42 @@ def flip_points(points: tf.Tensor) -> tf.Tensor:
   return tf.concat([1.0 - points[:, :1], points[:, 1:]], axis=1)
 
 
-def render_word_masks(points: tf.Tensor, starts: tf.Tensor, ends: tf.Tensor, size: int) -> tf.Tensor:
-  """uint8 [W, size, size]: cell (i, j) of word w is 1 iff a point with start_w <= t <= end_w lies in it.
+def segment_cells(a: tf.Tensor, b: tf.Tensor, size: int) -> tf.Tensor:
+  """bool [S, size*size]: the cells that the segment from a[s] to b[s] (x, y in [0, 1] image coordinates; the
+  parts outside the image are ignored) passes through over a positive length (Liang-Barsky clipping against
+  each cell; a segment that only touches a cell's corner or edge does not hit it). A zero-length segment hits
+  the cell of its point, and an axis-parallel one the column or row of its constant coordinate, with the
+  point rendering's rule (a point on the right/bottom border falls in the last cell)."""
+  edges = tf.range(size + 1, dtype=tf.float32) / size
 
-  Cells split [0, 1] evenly; a point on the right/bottom border (x or y == 1) falls in the last cell.
+  def axis(p, q):  # [S] -> (lo, hi) [S, size]: the range of u (point p + u (q - p)) inside each column/row
+    d = q - p
+    flat = tf.equal(d, 0.0)
+    u = (edges[None, :] - p[:, None]) / tf.where(flat, 1.0, d)[:, None]  # [S, size + 1]
+    lo, hi = tf.minimum(u[:, :-1], u[:, 1:]), tf.maximum(u[:, :-1], u[:, 1:])
+    index = tf.clip_by_value(tf.cast(tf.floor(p * size), tf.int32), 0, size - 1)
+    inside = (p >= 0.0) & (p <= 1.0)
+    in_cell = tf.equal(tf.range(size)[None, :], index[:, None]) & inside[:, None]
+    lo = tf.where(flat[:, None], tf.where(in_cell, -np.inf, np.inf), lo)
+    hi = tf.where(flat[:, None], tf.where(in_cell, np.inf, -np.inf), hi)
+    return lo, hi
+
+  lo_x, hi_x = axis(a[:, 0], b[:, 0])
+  lo_y, hi_y = axis(a[:, 1], b[:, 1])
+  lo = tf.maximum(tf.maximum(lo_y[:, :, None], lo_x[:, None, :]), 0.0)  # [S, row, col]
+  hi = tf.minimum(tf.minimum(hi_y[:, :, None], hi_x[:, None, :]), 1.0)
+  return tf.reshape(lo < hi, [-1, size * size])
+
+
+def render_word_masks(
+  points: tf.Tensor, starts: tf.Tensor, ends: tf.Tensor, size: int, segments: bool = False
+) -> tf.Tensor:
+  """uint8 [W, size, size]: cell (i, j) of word w is 1 iff a point with start_w <= t <= end_w lies in it, or,
+  with `segments`, the straight segment between two consecutive such points (both spoken during word w)
+  crosses it: the pointer's path rather than its samples.
+
+  Cells split [0, 1] evenly; a point on the right/bottom border (x or y == 1) falls in the last cell. A segment
+  whose endpoints belong to different words (or to none) is left out; its endpoints still count.
   """
   pts = tf.reshape(points, [-1, 3])
   valid = inside_unit_square(pts)
@@ -76,6 +109,12 @@ def render_word_masks(points: tf.Tensor, starts: tf.Tensor, ends: tf.Tensor, siz
   t = pts[:, 2]
   spoken = (t[None, :] >= starts[:, None]) & (t[None, :] <= ends[:, None])  # [W, N]
   hits = tf.matmul(tf.cast(spoken, tf.float32), onehot)  # [W, size*size]
+  if segments:
+    a, b = pts[:-1], pts[1:]
+    finite = tf.reduce_all(tf.math.is_finite(a), axis=1) & tf.reduce_all(tf.math.is_finite(b), axis=1)
+    crossed = tf.cast(segment_cells(a[:, :2], b[:, :2], size) & finite[:, None], tf.float32)  # [N-1, size*size]
+    both = tf.cast(spoken[:, :-1] & spoken[:, 1:], tf.float32)  # [W, N-1]
+    hits += tf.matmul(both, crossed)
   return tf.reshape(tf.cast(hits > 0, tf.uint8), [-1, size, size])
 
 
@@ -103,8 +142,11 @@ def get_trace_words(
   text: str = "narration",
   timed: str = "timed_caption",
   traces: str = "traces",
+  segments: bool = False,
 ):
-  """Aligns the utterances to the caption and renders each word's trace at every grid size in `sizes`.
+  """Aligns the utterances to the caption and renders each word's trace at every grid size in `sizes`: the
+  cells of its points, and with `segments` also the cells the pointer crosses between two consecutive points
+  of the word (render_word_masks).
 
   Produces `words` [max_words] (padded with ''), `num_words`, `word_masks_<size>` uint8 [max_words, size,
   size], `window_u` (a uniform draw for tokenize_words' random window) and the stats described above.
@@ -143,7 +185,8 @@ def get_trace_words(
     starts = tf.pad(starts, [[0, pad]], constant_values=np.inf)
     ends = tf.pad(ends, [[0, pad]], constant_values=-np.inf)
     for size in sizes:
-      ex[f"word_masks_{size}"] = tf.ensure_shape(render_word_masks(pts, starts, ends, size), [max_words, size, size])
+      masks = render_word_masks(pts, starts, ends, size, segments)
+      ex[f"word_masks_{size}"] = tf.ensure_shape(masks, [max_words, size, size])
 
     t = pts[:, 2]
     outside_time = (t < first) | (t > last)

@@ -9,9 +9,15 @@ other, the same maths on any number of devices (and no all-gather when a device 
 `contrastive_group_size=0` uses the whole batch as negatives. Both are means over images.
 
 L_L (eq. 3), per example: the L2 distance between the attention maps M (softmax over space of token-region
-products) and the rendered traces, each normalised to unit L2 norm over all (token, cell) pairs, restricted
-to tokens whose trace is non-empty. Examples without any such token are left out; the loss is their mean.
-(The paper writes sums over the batch; means keep the two terms' balance independent of the batch size.)
+products) and the rendered traces M^, each normalised to unit L2 norm as one L x R x R vector. Which token rows
+enter M's norm is `localization_norm`:
+  "caption"  every token of the caption ([SOS], words with or without a trace, [EOS]; not padding): eq. 3 as
+             printed, M_k being the whole L x R x R map. The recipe's.
+  "traced"   only tokens whose trace is non-empty (the other rows of M are zeroed before normalising).
+             runlocal's (its results were measured with it).
+M^'s norm is the same either way (untraced rows are zero). Examples without any traced token (M^ = 0) are left
+out; the loss is the mean over the others. (The paper writes sums over the batch; means keep the two terms'
+balance independent of the batch size.)
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from vlrep.models import special_tokens
 from vlrep.models.loctex import LocTexModel
 
 
@@ -49,12 +56,20 @@ def info_nce(
   return jnp.sum(per_row.reshape(b) * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 
-def localization_loss(logits: jnp.ndarray, target: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
-  """Eq. 3 on attention logits [B, T, N] and binary targets [B, T, N]. Returns (mean loss over examples with
-  at least one supervised token, number of such examples)."""
+LOCALIZATION_NORMS = ("caption", "traced")
+
+
+def localization_loss(
+  logits: jnp.ndarray, target: jnp.ndarray, rows: jnp.ndarray | None = None
+) -> tuple[jnp.ndarray, jnp.ndarray]:
+  """Eq. 3 on attention logits [B, T, N] and binary targets [B, T, N]. `rows` [B, T] (0/1) are the tokens whose
+  attention enters M's normalisation (the caption's tokens for eq. 3 as printed; tokens with a target always
+  do); None: only the tokens with a non-empty target ("traced"). Returns (mean loss over examples with at least
+  one supervised token, number of such examples)."""
   target = target.astype(jnp.float32)
   supervised = (jnp.sum(target, axis=2) > 0).astype(jnp.float32)  # [B, T]
-  attention = jax.nn.softmax(logits.astype(jnp.float32), axis=2) * supervised[..., None]
+  kept = supervised if rows is None else jnp.maximum(rows.astype(jnp.float32), supervised)
+  attention = jax.nn.softmax(logits.astype(jnp.float32), axis=2) * kept[..., None]
 
   # Clamped before the square root, so all-zero maps (unsupervised examples) have zero gradients, not NaN.
   def unit(x):
@@ -75,6 +90,10 @@ class LocTex:
       raise ValueError(f"contrastive_group_size={config.contrastive_group_size}: 0 (the whole batch) or a size.")
     if not (config.contrastive_weight or config.localization_weight):
       raise ValueError("LocTex needs contrastive_weight or localization_weight above 0.")
+    # Runs saved before the key existed were trained with "traced".
+    self.localization_norm = config.get("localization_norm", "traced")
+    if self.localization_norm not in LOCALIZATION_NORMS:
+      raise ValueError(f"localization_norm={self.localization_norm!r}: one of {LOCALIZATION_NORMS}.")
     self.config = config
     self.scales = tuple(config.scales)
     self.grid_sizes = tuple(config.grid_sizes)
@@ -108,6 +127,7 @@ class LocTex:
     l_c = info_nce(out["image_embedding"], out["text_embedding"], cfg.temperature, groups, cfg.symmetric, valid_caption)
     metrics = {"contrastive_loss": l_c}
     l_l = 0.0
+    rows = (batch["tokens"] != special_tokens.PAD_ID) if self.localization_norm == "caption" else None
     for s, r in zip(self.scales, self.grid_sizes, strict=True):
       logits = out[f"attention_logits_{s}x"]
       if logits.shape[2] != r * r:
@@ -116,7 +136,7 @@ class LocTex:
           "method.grid_sizes (and trace_words' sizes) to the input size / 32 * scale."
         )
       target = batch[f"trace_mask_{r}"].reshape(logits.shape)
-      loss_s, count = localization_loss(logits, target)
+      loss_s, count = localization_loss(logits, target, rows)
       metrics[f"localization_loss_{s}x"] = loss_s
       metrics[f"supervised_examples_{s}x"] = count
       l_l = l_l + loss_s
