@@ -20,8 +20,11 @@ Variants (arguments combine with commas; any key can also be overridden with --c
                               default) or crops and flips only (runlocal's default, see AUGMENTATIONS)
   pool=cls|mean               the text tower's pooled output: BERT's first token (recipe) or the tokens' mean
                               (runlocal; see vlrep/models/mct.py)
-  paraphrases=PATH            caption views also from pre-computed paraphrases (JSON {caption: [paraphrases]},
-                              e.g. back-translations made elsewhere), each view replaced with probability 0.5
+  paraphrases=PATH            caption views from pre-computed paraphrases (JSON {caption: [paraphrases]}, e.g.
+                              back-translations through French and German made elsewhere): each view is a random
+                              one of its caption's paraphrases with probability paraphrase_prob=
+  paraphrase_prob=P           with paraphrases=PATH (default 1: every view a paraphrase, as the paper
+                              back-translates every view); captions without one keep the offline views
   head_bn=none|inter|all      BatchNorm in the hidden layer of no heads (the paper's), the inter-modal heads
                               (runlocal) or all four
   text=scratch|bert           the text tower: a pretrained BERT fine-tuned (the paper's default, the recipe's;
@@ -31,8 +34,11 @@ Variants (arguments combine with commas; any key can also be overridden with --c
                               'minilm' = the packaged MiniLM-L6-H384, runlocal's default); its WordPiece
                               vocabulary becomes the tokenizer
   bert_layers=N               with text=bert: keep the checkpoint's first N layers (runlocal: 2)
-Caption views come from offline word dropout and swaps (`caption_views`), since back-translation models cannot
-be fetched here; pre-computed paraphrases replace some of them with paraphrases=PATH.
+Caption views come from offline word dropout and swaps (`caption_views`), since vlrep ships no translation
+model: these views stay closer to the caption than the paper's back-translations, so J_cc's positives are easier
+(README, "Where a recipe differs from its paper"). With back-translations computed elsewhere, paraphrases=PATH
+gives the paper's views (give each caption several, e.g. sampled through both pivot languages: two views that
+draw the same paraphrase are identical).
 """
 
 import re
@@ -75,6 +81,7 @@ def get_config(arg=None):
     pool="",
     head_bn="",
     paraphrases="",
+    paraphrase_prob=1.0,
     text="",  # '' = the default of the recipe (bert) or runlocal (scratch)
     bert="",
     bert_layers=-1,
@@ -166,8 +173,12 @@ def get_config(arg=None):
     warmup_steps=0,
     warmup_epochs=0.0,
     warmup_examples=0,
-    # Image tower 0.03, text tower 4e-5 (the paper); heads follow their tower.
-    lr_groups=(("^(textual|text_pooler|text_intra|text_inter)/", 4e-5), (".*", 0.03)),
+    # The paper: image encoder 0.03, text encoder 4e-5 (section 4); it does not say where the randomly
+    # initialised text heads belong. BERT's body ('textual', pretrained) at 4e-5; the text heads (text_intra,
+    # text_inter, and text_pooler where pool=mean or text=scratch uses it) at the image heads' 0.03: 4e-5 is an
+    # Adam-scale fine-tuning rate, under which SGD barely moves a freshly initialised head (each SGD step is 750
+    # times smaller than the image heads' on the same losses).
+    lr_groups=(("^textual/", 4e-5), (".*", 0.03)),
     no_decay="",
     b1=0.9,
     b2=0.999,
@@ -195,7 +206,8 @@ def get_config(arg=None):
       every_steps=10_000,
       random_init=True,
     ),
-    # COCO 1K retrieval with the towers as trained (5 folds of the first 5000 val images; val2017 has 5000).
+    # COCO 1K retrieval with the towers as trained (5 folds of the first 5000 val images; val2017 has 5000;
+    # the paper's 1K test images are Karpathy's, as for vsepp below).
     retrieval=dict(
       type="retrieval",
       dataset="coco_captions2017",
@@ -214,6 +226,10 @@ def get_config(arg=None):
   )
   # VSE++ on the frozen backbone (tables 4, 6, 7): a linear image projection and a 1-layer GRU trained with the
   # hardest-negative hinge loss on train2017's pairs, Adam 2e-4 for 15 epochs then 2e-5 for 15; COCO 1K test.
+  # The paper trains on Karpathy's 113K images and tests on his 1K test images; vlrep trains on train2017
+  # (118K) and tests on 5 folds of 1K val2017 images: the evaluator reads whole TFDS splits, and Karpathy's test
+  # images (from val2014) lie mostly in train2017, which MCT pretrains on (README, "Where a recipe differs from
+  # its paper").
   c.evals.vsepp = dict(eval_protocols.VSEPP_COCO)
   # The best checkpoint is the one with the best cross-validated probe score on VOC07 trainval, held out from the
   # reported test mAP. The paper states no selection rule.
@@ -238,10 +254,13 @@ def get_config(arg=None):
       c.method.bert_layers = arg.bert_layers
     elif arg.runlocal:
       c.method.bert_layers = 2  # MiniLM's first 2 of 6 layers, the size of runlocal's scratch encoder
+  prob = float(arg.paraphrase_prob)
+  if not 0.0 <= prob <= 1.0:
+    raise ValueError(f"paraphrase_prob={arg.paraphrase_prob}: expected a probability in [0, 1].")
   if arg.paraphrases:
     # A draw per view after the offline views (TF), then the file's paraphrases replace some views (host).
     c.data.pp = re.sub(r"(caption_views\([^)]*\))", r"\1|paraphrase_draws", c.data.pp, count=1)
-    c.data.pp = c.data.pp.replace("|tokenize(", f"|paraphrases('{arg.paraphrases}', 0.5)|tokenize(", 1)
+    c.data.pp = c.data.pp.replace("|tokenize(", f"|paraphrases({arg.paraphrases!r}, {prob:g})|tokenize(", 1)
   return c
 
 
@@ -273,7 +292,9 @@ def _runlocal(c, arg):
   c.total_steps = arg.steps or 500
   c.total_epochs = 0.0
   c.optim.warmup_steps = 50
-  # 0.03 / 4e-5 are tuned for 200 epochs of COCO; at a few hundred steps both towers need more.
+  # 0.03 / 4e-5 are tuned for 200 epochs of COCO; at a few hundred steps both towers need more. runlocal keeps
+  # its own measured groups: the whole text tower, heads included, at 0.05 (the recipe puts the text heads in the
+  # image group; runlocal's results in docs/results/mct.md were measured with these).
   c.optim.lr_groups = (("^(textual|text_pooler|text_intra|text_inter)/", 0.05), (".*", 0.1))
   # Momentum 0.999 follows the query encoder over thousands of steps; 500 steps need a faster key encoder.
   c.method.momentum = 0.99

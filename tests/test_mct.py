@@ -61,6 +61,48 @@ def test_recipe_defaults_are_the_papers_method_and_runlocal_keeps_its_own():
     mct_config.get_config("tags=maybe")
 
 
+def test_recipe_lr_groups_text_body_at_berts_rate_heads_at_the_image_rate_runlocal_unchanged():
+  """The paper gives 0.03 (image encoder) and 4e-5 (text encoder), not the text heads' rate: the recipe trains the
+  pretrained BERT body at 4e-5 and the fresh text heads with the image heads at 0.03; runlocal keeps its measured
+  groups (whole text tower 0.05, the rest 0.1)."""
+  from vlrep import optim
+
+  sys.path.insert(0, os.path.join(ROOT, "configs"))
+  import mct as mct_config
+
+  leaf = {"kernel": 0}
+  params = {name: {"fc1": leaf} for name in ("backbone", "image_intra", "image_inter", "text_pooler", "text_intra",
+                                              "text_inter")}  # fmt: skip
+  params["textual"] = {"encoder": {"layer_0": {"attention": leaf}}}
+
+  def rates(config):  # each top-level module's (single) parameter's peak LR
+    labels, peaks = optim.group_labels(params, config.optim.lr_groups)
+    return {name: peaks[jax.tree.leaves(labels[name])[0]] for name in params}
+
+  recipe = rates(mct_config.get_config())
+  assert recipe.pop("textual") == 4e-5 and set(recipe.values()) == {0.03}, recipe
+  local = rates(mct_config.get_config("runlocal"))
+  assert {k: local[k] for k in ("textual", "text_pooler", "text_intra", "text_inter")} == dict.fromkeys(
+    ("textual", "text_pooler", "text_intra", "text_inter"), 0.05
+  )
+  assert {k: local[k] for k in ("backbone", "image_intra", "image_inter")} == dict.fromkeys(
+    ("backbone", "image_intra", "image_inter"), 0.1
+  )
+
+
+def test_paraphrases_replace_every_view_by_default_as_back_translation_does():
+  sys.path.insert(0, os.path.join(ROOT, "configs"))
+  import mct as mct_config
+
+  pp = mct_config.get_config("paraphrases=/bt/coco.json").data.pp
+  assert "|caption_views(0.1, 0.1)|paraphrase_draws|" in pp and "|paraphrases('/bt/coco.json', 1)|tokenize(" in pp
+  half = mct_config.get_config("paraphrases=/bt/coco.json,paraphrase_prob=0.5").data.pp
+  assert "|paraphrases('/bt/coco.json', 0.5)|" in half
+  assert "paraphrase" not in mct_config.get_config().data.pp
+  with pytest.raises(ValueError, match="paraphrase_prob"):
+    mct_config.get_config("paraphrases=/bt/coco.json,paraphrase_prob=2")
+
+
 def test_losses_match_numpy():
   rng = np.random.default_rng(0)
   b, k, d, tau, alpha = 3, 7, 5, 0.07, 0.2
@@ -262,6 +304,33 @@ def test_shuffled_batchnorm_keys_come_back_in_order():
   a = method4.loss(v4, batch, jax.random.PRNGKey(3), True)[2]["queues"]["image_intra"][:8]
   b = method4.loss(v4, batch, jax.random.PRNGKey(4), True)[2]["queues"]["image_intra"][:8]
   assert np.abs(np.asarray(a) - np.asarray(b)).max() > 1e-4
+
+
+def test_text_keys_need_no_shuffle_their_only_batchnorm_sees_the_whole_batch():
+  """Shuffled BatchNorm matters where statistics come from groups of the batch (the image backbone's
+  bn_group_size; test_shuffled_batchnorm_keys_come_back_in_order): the shuffle puts a key in another group than its
+  query. The text path's only BatchNorm is in the heads (head_bn=inter|all; the encoders use LayerNorm), over the
+  whole batch: permuting the key captions before it and back after gives the same keys and statistics in training
+  mode, so shuffling them would change nothing but which caption draws which dropout mask. Should the heads ever
+  get grouped BatchNorm, this fails: the text keys would then need the image path's shuffle."""
+  from vlrep.models.mct import MCTModel
+
+  text = dict(hidden=32, num_layers=1, num_heads=2, max_len=16, dropout=0.0)
+  model = MCTModel(50, dict(depth=10, width=8, bn_group_size=4), text, head_hidden=32, intra_dim=8, inter_dim=16,
+                   head_batchnorm=("intra", "inter"), text_pool="mean")  # fmt: skip
+  tokens = np.random.default_rng(0).integers(5, 50, (8, 12)).astype(np.int32)
+  variables = model.init(jax.random.key(0), tokens[:1], method=MCTModel.embed_texts)
+  perm = np.array([3, 7, 0, 5, 1, 6, 2, 4])
+  inverse = np.argsort(perm)
+  apply = jax.jit(lambda t: model.apply(variables, t, True, method=MCTModel.embed_texts, mutable=["batch_stats"]))
+  want, want_stats = apply(tokens)
+  got, got_stats = apply(tokens[perm])
+  assert set(want_stats["batch_stats"]) == {"text_intra", "text_inter"}  # BatchNorm in both text heads
+  for k in ("intra", "inter"):
+    np.testing.assert_allclose(np.asarray(got[k])[inverse], np.asarray(want[k]), rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(got[k]) - np.asarray(want[k])).max() > 1e-3  # the permutation was applied
+  for a, b in zip(jax.tree.leaves(got_stats), jax.tree.leaves(want_stats), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 def test_text_pooling_mean_ignores_padding_and_separates_captions_cls_does_not():

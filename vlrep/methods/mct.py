@@ -163,7 +163,10 @@ class MCT:
     )
     # Momentum update first, then keys from the updated key encoder (no gradient). Shuffled BatchNorm: the
     # key images are permuted before the encoder and put back after, so BatchNorm groups of the key encoder
-    # never hold a query's own positive in the same positions (MoCo's guard against BN leakage).
+    # never hold a query's own positive in the same positions (MoCo's guard against BN leakage). The key captions
+    # need no shuffle: the text encoders use LayerNorm, and the heads' BatchNorm (head_batchnorm) takes its
+    # statistics over the whole batch, which a permutation leaves unchanged (tested:
+    # test_text_keys_need_no_shuffle_their_only_batchnorm_sees_the_whole_batch).
     m = c.momentum
     mom_params = jax.tree.map(
       lambda k, q: m * k + (1 - m) * jax.lax.stop_gradient(q), variables["momentum"]["params"], params
