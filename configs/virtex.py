@@ -77,7 +77,7 @@ def get_config(arg=None):
       width=width,
       bn_group_size=32,
       zero_init_last_bn=True,
-      **BACKBONE_SPEED_SWITCHES,  # same maths (vlrep/models/fused.py, pallas_conv.py; docs/speed.md)
+      **BACKBONE_SPEED_SWITCHES,  # same maths (vlrep/models/fused.py; docs/speed.md)
       **({"inner_multiplier": inner} if inner > 1 else {}),
     ),
   )

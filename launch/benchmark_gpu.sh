@@ -2,21 +2,21 @@
 # Train-step throughput on one accelerator (docs/speed.md): the VirTex step (R-50, L1 H2048, batch 256, bf16) with
 # every speed switch A/B against the plain step in one process (windows round-robin), the device time by kernel
 # class before and after, the fair PyTorch reference (same optimizer and BatchNorm groups; torch.compile default
-# and max-autotune) beside vlrep's step, XLA's GPU flags, LocTex and MCT with and without the switches, and the
-# pallas_conv1x1 kernels one ResNet-50 convolution at a time over several tile settings.
+# and max-autotune) beside vlrep's step, XLA's GPU flags, and LocTex and MCT with and without the switches.
 #   launch/benchmark_gpu.sh OUT_DIR [PARTS] [STEPS] [WINDOWS] [DEADLINE_S]
 # PARTS (comma-separated, default all): switches (every switch of the VirTex step; `optimizer` and `head_backbone`
-# name its two halves), torch, kernels, methods, xla. All parts start at once, one process each (xla: two), and
+# name its two halves), torch, methods, xla. All parts start at once, one process each (xla: two), and
 # share the device through vlrep.tools.device_turns: they compile together (XLA's autotuning, torch.compile and
 # Triton take far longer than the timing), and time one at a time once all are ready, so no timed window shares
-# the device. The VirTex process is waited for; the others (references, kernels, other methods) are killed and
-# reported if still compiling DEADLINE_S seconds (default 330) after the start, and the rest time without them. A variant that fails to compile (a kernel Triton refuses) is reported in the
-# JSON with its error; the others run. Results: OUT_DIR/*.json, profile.md, log.txt; a summary table at the end.
+# the device. The VirTex process is waited for; the others (references, other methods) are killed and reported if
+# still compiling DEADLINE_S seconds (default 330) after the start, and the rest time without them. A variant that
+# fails to build or compile is reported in the JSON with its error; the others run. Results: OUT_DIR/*.json,
+# profile.md, log.txt; a summary table at the end.
 # Needs JAX with the accelerator's plugin, flax, optax, ml_collections, sentencepiece and (for the reference)
 # PyTorch; TensorFlow is not needed.
 set -uo pipefail
 OUT=${1:?usage: launch/benchmark_gpu.sh OUT_DIR [PARTS] [STEPS] [WINDOWS] [DEADLINE_S]}
-PARTS=${2:-switches,torch,kernels,methods,xla}; STEPS=${3:-20}; WINDOWS=${4:-3}; DEADLINE_S=${5:-330}
+PARTS=${2:-switches,torch,methods,xla}; STEPS=${3:-20}; WINDOWS=${4:-3}; DEADLINE_S=${5:-330}
 mkdir -p "$OUT"
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -43,36 +43,30 @@ if has head_backbone; then  # the textual head's and the backbone's switches
   V+=(--variant=fused_qkv:method.fused_qkv=True --variant=fused_memory_kv:method.fused_memory_kv=True
     --variant=vocab_multiple_128:method.vocab_multiple=128 --variant=fused_bn_act:method.backbone.fused_bn_act=True
     --variant=fast_max_pool:method.backbone.fast_max_pool=True
-    --variant=conv1x1_as_dot:method.backbone.conv1x1_as_dot=True
-    --variant=pallas_conv1x1:method.backbone.pallas_conv1x1=True)
+    --variant=conv1x1_as_dot:method.backbone.conv1x1_as_dot=True)
 fi
 PARTIES=0
 if has optimizer || has head_backbone || has torch; then  # all switches together; profiles before and after
   T=""; has torch && T="--torch_reference --torch_modes=default,max-autotune" && PARTIES=$((PARTIES + 2))
-  CMDS[virtex]="$VIRTEX ${V[*]} --variant=all:$ALL --variant=all_pallas:$ALL,method.backbone.pallas_conv1x1=True
-    --profile --profile_variants=baseline,all,all_pallas --output_dir=/tmp/vlrep_gpu_profile --compile_threads=6 --offload_states $T"
+  CMDS[virtex]="$VIRTEX ${V[*]} --variant=all:$ALL
+    --profile --profile_variants=baseline,all --output_dir=/tmp/vlrep_gpu_profile --compile_threads=6 --offload_states $T"
 fi
 if has methods; then  # LocTex and MCT, plain and with the switches that apply to them
   for M in loctex mct; do
     C="--config=configs/$M.py --config.batch_size=256"; [[ $M == mct ]] && C="--config=configs/mct.py:text=scratch,tags=True --config.batch_size=256"
-    CMDS[$M]="$C --variant=all:$M_ALL --variant=all_pallas:$M_ALL,method.backbone.pallas_conv1x1=True --compile_threads=3 --gemm_size=0 --turn_optional"
+    CMDS[$M]="$C --variant=all:$M_ALL --compile_threads=2 --gemm_size=0 --turn_optional"
   done
 fi
 if has xla; then  # XLA's GPU flags are read when the backend starts: one process per setting (default: virtex's)
   CMDS[xla_no_triton_gemm]="$VIRTEX --gemm_size=0"
   CMDS[xla_no_command_buffer]="$VIRTEX --gemm_size=0"
 fi
-has kernels && PARTIES=$((PARTIES + 1))
 PARTIES=$((PARTIES + ${#CMDS[@]}))
 TURNS=/tmp/vlrep_gpu_turns.$$; DEADLINE=$(($(date +%s) + DEADLINE_S))
 TURN="--turn_dir=$TURNS --turn_parties=$PARTIES --turn_deadline=$DEADLINE"
 echo "$(date -u +%T) starting $PARTIES processes; timing starts when all have compiled (at the latest in ${DEADLINE_S} s)"
 
 PIDS=()
-if has kernels; then
-  python3 -m vlrep.tools.kernel_benchmark --batch=256 --group=32 --output="$OUT/kernels.json" $TURN --turn_optional \
-    >/tmp/vlrep_gpu_kernels.log 2>&1 & PIDS+=($!)
-fi
 for NAME in "${!CMDS[@]}"; do
   X=""
   [[ $NAME == xla_no_triton_gemm ]] && X="--xla_gpu_enable_triton_gemm=false"

@@ -1,8 +1,8 @@
 """One table of what launch/benchmark_gpu.sh measured: `python3 launch/benchmark_gpu_summary.py OUT_DIR`.
 
 Per process: the plain step's images/s (median window, slowest-fastest), MFU, the time to build and compile
-everything and the wait for the device's turn; per variant its ratio to the plain step; the PyTorch references;
-the kernels' best tile per shape. Failed variants and killed processes with their errors."""
+everything and the wait for the device's turn; per variant its ratio to the plain step; the PyTorch references.
+Failed variants and killed processes with their errors."""
 
 import glob
 import json
@@ -35,26 +35,13 @@ def step_file(name, d):
             f"vlrep/torch x{d['speedup_vs_torch'][mode]:.3f}")
 
 
-def kernels_file(d):
-  print(f"\n## kernels: {d['device']} batch {d['batch']} group {d['group']}")
-  for case in d["cases"]:
-    vs = case["variants"]
-    xla = vs.get("xla", {}).get("ms")
-    best = min((v for v in vs if v != "xla"), key=lambda v: vs[v]["ms"], default=None)
-    line = f"  {case['case']:14s} xla {xla:.3f} ms" if xla else f"  {case['case']:14s} xla -"
-    if best:
-      b = vs[best]
-      line += f"  best {best} {b['ms']:.3f} ms x{b['speedup_vs_xla']:.2f} err {b['max_relative_difference_vs_xla']:.1e}"
-    print(line + (f"  errors {len(case['errors'])}: {str(case['errors'])[:200]}" if case.get("errors") else ""))
-
-
 def main(out):
   for path in sorted(glob.glob(os.path.join(out, "*.json"))):
     name = os.path.basename(path)[:-5]
     with open(path) as f:
       d = json.load(f)
-    kernels_file(d) if name == "kernels" else step_file(name, d)
-  expected = {"virtex", "loctex", "mct", "kernels", "xla_no_triton_gemm", "xla_no_command_buffer"}
+    step_file(name, d)
+  expected = {"virtex", "loctex", "mct", "xla_no_triton_gemm", "xla_no_command_buffer"}
   missing = sorted(expected - {os.path.basename(p)[:-5] for p in glob.glob(os.path.join(out, "*.json"))})
   if missing:
     print(f"\nno results (not run, failed or killed; see log.txt): {', '.join(missing)}")

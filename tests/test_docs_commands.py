@@ -260,13 +260,12 @@ COMMANDS: dict[str, object] = {
       "python -m vlrep.main ... --coordinator_address=HOST:PORT --num_processes=N --process_id=I",
       "python -m vlrep.tools.attention_maps --workdir=RUN --out_dir=DIR [--map=1x",
       "python -m vlrep.tools.benchmark --config=CONFIG --config.batch_size=256 --steps=20",
-      'python -m vlrep.tools.benchmark --steps=$STEPS --windows=$WINDOWS --input=device"',
+      'python -m vlrep.tools.benchmark --steps="$STEPS" --windows="$WINDOWS" --input=device ${CMDS[$NAME]} '
+      '--output="$OUT/$NAME.json" $TURN >"/tmp/vlrep_gpu_$NAME.log" 2>',
       "python -m vlrep.tools.caption --workdir=RUN [--decoding=beam",
       "python -m vlrep.tools.coco_subset",
       "python -m vlrep.tools.convert_regions",
       "python -m vlrep.tools.grounding --workdir=/tmp/virtex_local [--direction=backward] [--limit=300]",
-      "python -m vlrep.tools.kernel_benchmark",
-      'python -m vlrep.tools.kernel_benchmark --batch=256 --group=32 --output="$OUT/kernels.json"',
       'python -m vlrep.tools.sweep --config=configs/virtex.py:runlocal --vary="hidden=128 256',
     )
   },
@@ -379,8 +378,6 @@ COMMANDS: dict[str, object] = {
   "python -m vlrep.tools.convert_regions --format=mmf --src=/data/vqa/features/trainval "
   "--dst=/data/vlrep_regions": Refuses(r"trainval"),
   "python -m vlrep.tools.weight_distance --root=/tmp/vl_study --arch=visual_bert --task=vqa": Refuses(r"vl_study"),
-  "python -m vlrep.tools.kernel_benchmark --shapes=tiny --batch=8 --group=8 --windows=1": Run(expect="speed-up"),
-  "python -m vlrep.tools.kernel_benchmark --batch=256 --output=/tmp/kernels.json": Refuses(r"needs a GPU"),
   # One kind at one core (a process each; the kinds' equal work is tests/test_speed_tools.py's).
   "python -m vlrep.tools.pipeline_benchmark": Run(
     add=("--cores=1", "--kinds=tfdata_cache", "--seconds=0.5", "--num_images=16"), expect="images/s"
@@ -403,13 +400,11 @@ COMMANDS: dict[str, object] = {
   "python -m vlrep.tools.benchmark --config=configs/virtex.py --config.batch_size=256 --steps=20 --windows=3": SameAs(
     "python -m vlrep.tools.benchmark --config=configs/virtex.py --config.batch_size=8 --config.method.dtype=float32 "
     "--image_size=64 --vocab_size=512 --steps=2 --windows=3 --gemm_size=0 --variant=fused_qkv:method.fused_qkv=True "
-    "--variant=conv1x1_as_dot:method.backbone.conv1x1_as_dot=True "
-    "--variant=pallas_conv1x1:method.backbone.pallas_conv1x1=True"
+    "--variant=conv1x1_as_dot:method.backbone.conv1x1_as_dot=True"
   ),
   "python -m vlrep.tools.benchmark --config=configs/virtex.py --config.batch_size=8 --config.method.dtype=float32 "
   "--image_size=64 --vocab_size=512 --steps=2 --windows=3 --gemm_size=0 --variant=fused_qkv:method.fused_qkv=True "
-  "--variant=conv1x1_as_dot:method.backbone.conv1x1_as_dot=True "
-  "--variant=pallas_conv1x1:method.backbone.pallas_conv1x1=True": Run(add=TINY_BENCHMARK),
+  "--variant=conv1x1_as_dot:method.backbone.conv1x1_as_dot=True": Run(add=TINY_BENCHMARK),
   "python -m vlrep.tools.benchmark --config=configs/virtex.py --profile --output_dir=/tmp/bench": Run(
     add=TINY_BENCHMARK
   ),
@@ -419,8 +414,7 @@ COMMANDS: dict[str, object] = {
   "--variant=rbg:rng_impl=rbg": SameAs(
     "python -m vlrep.tools.benchmark --config=configs/virtex.py --config.batch_size=8 --config.method.dtype=float32 "
     "--image_size=64 --vocab_size=512 --steps=2 --windows=3 --gemm_size=0 --variant=fused_qkv:method.fused_qkv=True "
-    "--variant=conv1x1_as_dot:method.backbone.conv1x1_as_dot=True "
-    "--variant=pallas_conv1x1:method.backbone.pallas_conv1x1=True"
+    "--variant=conv1x1_as_dot:method.backbone.conv1x1_as_dot=True"
   ),
   # --- Published checkpoints in and out (docs/interop.md): the files are not here, so each command refuses;
   # tests/test_import_run.py and tests/test_import_visual_bert.py run the same chain on checkpoints they write.

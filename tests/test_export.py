@@ -99,7 +99,6 @@ def test_resnet50_w2x_is_wide_resnet50_2_and_exports_to_its_layout(tmp_path):
     fused_bn_act=False,
     fast_max_pool=False,
     conv1x1_as_dot=False,
-    pallas_conv1x1=False,
   )
   net, variables = _write_run(tmp_path / "run", inner_multiplier=2)
   out = str(tmp_path / "w2x.safetensors")

@@ -296,143 +296,21 @@ def test_one_by_one_convolutions_as_matrix_products_match_the_plain_backbone(dep
   assert float(jnp.abs(dot[2]["layer2_block0"]["downsample_conv"]["kernel"]).max()) > 1e-4
 
 
-def conv1x1_reference(x, w, rows_per_group, prologue):
-  """What `pallas_conv.conv1x1_bn_stats` computes, in plain JAX: act(x) @ w and the per-group sums."""
-  m, k = x.shape
-  groups = m // rows_per_group
-  a = x.astype(jnp.float32)
-  if prologue is not None:
-    s, t = prologue
-    a = jnp.maximum(a.reshape(groups, rows_per_group, k) * s[:, None] + t[:, None], 0.0).reshape(m, k)
-  y = jnp.dot(a.astype(x.dtype), w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
-  yf = y.astype(jnp.float32).reshape(groups, rows_per_group, -1)
-  return y, yf.sum(1), (yf * yf).sum(1)
+def test_runs_saved_with_the_removed_pallas_conv1x1_switch_off_still_build():
+  """`method.backbone.pallas_conv1x1` was removed (slower than XLA on an H200, docs/speed.md); runs saved before
+  carry it. Off, the model builds as without it (the same parameters, so its checkpoints restore); on, a clear
+  error."""
+  from conftest import load_tiny_config
 
+  from vlrep import methods
 
-@pytest.mark.parametrize("with_prologue", [False, True], ids=["plain-input", "bn-relu-prologue"])
-def test_pallas_conv1x1_kernels_match_the_plain_maths(with_prologue):
-  from vlrep.models import pallas_conv
+  def init(**backbone):
+    cfg = load_tiny_config("").method
+    with cfg.unlocked():
+      cfg.backbone.update(backbone)
+    batch = {"image": jnp.zeros((2, 32, 32, 3)), "tokens": jnp.zeros((2, 12), jnp.int32)}
+    return methods.build(cfg, vocab_size=60).init(jax.random.PRNGKey(0), batch)
 
-  rng = np.random.default_rng(0)
-  m, k, n, rows = 256, 32, 48, 64  # 4 groups; the tiles below loop over K and N and split wgrad's rows
-  x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
-  w = jnp.asarray(rng.normal(size=(k, n)) * 0.2, jnp.float32)
-  s = jnp.asarray(rng.normal(size=(m // rows, k)), jnp.float32)
-  t = jnp.asarray(rng.normal(size=(m // rows, k)), jnp.float32)
-  # Cotangents for y and for both sums: the statistics' gradients must reach y's, as a BatchNorm's do.
-  cy, c_sum, c_sq = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in [(m, n), (4, n), (4, n)])
-  tiles = pallas_conv.Tiles(bm=32, bk=16, bn=16)
-
-  def loss(f, x, w, s, t):
-    y, group_sum, group_sumsq = f(x, w, rows, (s, t) if with_prologue else None)
-    return jnp.sum(y * cy) + jnp.sum(group_sum * c_sum) + 0.01 * jnp.sum(group_sumsq * c_sq)
-
-  def kernels(x, w, rows, prologue):
-    return pallas_conv.conv1x1_bn_stats(x, w, rows, prologue, tiles)
-
-  for got, want in zip(
-    kernels(x, w, rows, (s, t) if with_prologue else None),
-    conv1x1_reference(x, w, rows, (s, t) if with_prologue else None),
-    strict=True,
-  ):
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
-  got = jax.grad(lambda *a: loss(kernels, *a), argnums=(0, 1, 2, 3))(x, w, s, t)
-  want = jax.grad(lambda *a: loss(conv1x1_reference, *a), argnums=(0, 1, 2, 3))(x, w, s, t)
-  assert_trees_close(got, want)
-  assert float(jnp.abs(got[1]).max()) > 1.0  # dw is not all zero
-  if with_prologue:  # the previous BatchNorm's scale and shift learn through the prologue
-    assert float(jnp.abs(got[2]).max()) > 1e-2 and float(jnp.abs(got[3]).max()) > 1e-2
-    assert float(jnp.mean(got[0] == 0)) > 0.2  # the ReLU's mask stops the gradient where the input was cut
-
-
-def test_pallas_conv1x1_kernels_lower_to_triton_for_a_gpu():
-  """The kernels as a GPU compiles them (Pallas' Triton lowering runs here; Triton's own compiler does not), at a
-  ResNet-50 stage-4 shape with VirTex's 32-image BatchNorm groups (49 positions: 1568 rows a group), in bf16."""
-  import unittest.mock
-
-  from vlrep.models import pallas_conv
-
-  m, k, n, rows = 2 * 1568, 512, 2048, 1568
-  tiles = pallas_conv.choose_tiles(m, k, n, rows)
-  assert (tiles.bm, tiles.bk, tiles.bn) == (32, 64, 128)
-
-  def grads(x, w, s, t):
-    y, group_sum, group_sumsq = pallas_conv.conv1x1_bn_stats(x, w, rows, (s, t))
-    return jnp.sum(y.astype(jnp.float32)) + jnp.sum(group_sum) + jnp.sum(group_sumsq)
-
-  args = (jnp.zeros((m, k), jnp.bfloat16), jnp.zeros((k, n), jnp.bfloat16), jnp.zeros((2, k)), jnp.zeros((2, k)))
-  with unittest.mock.patch.object(pallas_conv, "_interpret", lambda: False):
-    exported = jax.export.export(
-      jax.jit(jax.grad(grads, argnums=(0, 1, 2, 3))),
-      platforms=["cuda"],
-      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-    )(*args)
-  text = exported.mlir_module()
-  for kernel in ("conv1x1_bn_stats_fwd", "conv1x1_bn_stats_dgrad", "conv1x1_bn_stats_wgrad"):
-    assert f'name = "{kernel}"' in text, kernel
-  assert text.count("__gpu$xla.gpu.triton") == 3
-
-
-def test_pallas_conv1x1_backbone_matches_the_plain_backbone():
-  plain = resnet_outputs(26, "imagenet", 4, WELL_CONDITIONED)
-  kernels = resnet_outputs(26, "imagenet", 4, WELL_CONDITIONED, pallas_conv1x1=True)
-  np.testing.assert_allclose(kernels[0], plain[0], rtol=1e-5)
-  assert_trees_close(kernels[1], plain[1])
-  # The BatchNorms are applied as x * s + t from sums (the plain path: (x - mean) * rstd * scale + bias from
-  # means), other rounding in every layer: the gradients differ by up to 2.0e-5 of a leaf's largest magnitude
-  # (measured), beside the 1.5e-5 that a 1e-7 perturbation of the input causes in the plain path itself.
-  assert_trees_close(kernels[2], plain[2], scaled_atol=5e-5)
-  assert_trees_close(kernels[3], plain[3])  # the running statistics, from the kernels' sums
-  # Every kind of 1x1 convolution and the BatchNorms around them learn: conv1, conv3 (behind bn2's prologue) and
-  # the strided shortcut.
-  block = kernels[2]["layer2_block0"]
-  for name in ("conv1", "conv3", "downsample_conv"):
-    assert float(jnp.abs(block[name]["kernel"]).max()) > 1e-4, name
-  assert float(jnp.abs(block["bn2"]["scale"]).max()) > 1e-4 and float(jnp.abs(block["bn2"]["bias"]).max()) > 1e-4
-
-
-def test_pallas_conv1x1_refuses_what_it_cannot_run():
-  from vlrep.models import pallas_conv, resnet
-
-  with pytest.raises(ValueError, match="needs bottleneck blocks"):
-    resnet.ResNet(depth=18, width=8, pallas_conv1x1=True).init(jax.random.PRNGKey(0), jnp.zeros((2, 32, 32, 3)))
-  with pytest.raises(ValueError, match="divisible by 16"):
-    pallas_conv.choose_tiles(8 * 49, 512, 2048, 49)  # 49 rows a group: no 16-row tile lies inside one group
-  with pytest.raises(ValueError, match="prologue's scale and shift must be"):
-    pallas_conv.conv1x1_bn_stats(jnp.ones((64, 16)), jnp.ones((16, 16)), 32, (jnp.ones((1, 16)), jnp.ones((1, 16))))
-
-
-def test_pallas_conv1x1_kernels_shard_over_the_steps_devices():
-  """Under a mesh of 4 devices each runs the kernels on its own rows and the results equal one device's
-  (tests/pallas_sharded.py, in a process of its own: the device count is fixed when JAX starts)."""
-  import json
-  import os
-  import subprocess
-  import sys
-
-  from conftest import TESTS, with_devices
-
-  proc = subprocess.run(
-    [sys.executable, os.path.join(TESTS, "pallas_sharded.py")], env=with_devices(4), capture_output=True, text=True
-  )
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  out = json.loads(proc.stdout.strip().splitlines()[-1])
-  for case in ("two_groups_per_device", "one_group_over_the_batch"):
-    assert out[case]["max_relative_difference"] < 1e-5, out[case]
-    assert out[case]["manual_region"] and out[case]["y_sharding"] == "P('data',)", out[case]
-  assert "neither lie within one device's 64 rows nor span the whole batch" in out["straddling_groups_error"]
-
-
-def test_the_loop_traces_its_step_under_the_runs_mesh():
-  from vlrep import sharding
-
-  mesh = sharding.make_mesh()
-  seen = []
-
-  def step(x):
-    seen.append(jax.sharding.get_abstract_mesh().axis_names)
-    return x + 1
-
-  sharding.under_mesh(mesh, jax.jit(step))(jnp.ones(2))
-  assert seen == [(sharding.DATA,)]
-  assert jax.sharding.get_abstract_mesh().empty  # and only while the step is called
+  jax.tree.map(np.testing.assert_array_equal, init(pallas_conv1x1=False), init())
+  with pytest.raises(ValueError, match=r"pallas_conv1x1=True was removed: .* slower than XLA.* H200 .*Drop the key"):
+    init(pallas_conv1x1=True)

@@ -9,7 +9,7 @@ import ml_collections
 
 # The speed switches (docs/speed.md), all off: the same maths faster on accelerators. Every recipe carries them, so
 # each can be turned on from the command line (an unknown config key is an error).
-BACKBONE_SPEED_SWITCHES = dict(fused_bn_act=False, fast_max_pool=False, conv1x1_as_dot=False, pallas_conv1x1=False)
+BACKBONE_SPEED_SWITCHES = dict(fused_bn_act=False, fast_max_pool=False, conv1x1_as_dot=False)
 OPTIM_SPEED_SWITCHES = dict(grad_norm_once=False, lookahead_sync_only=False, flat_update=False)
 
 

@@ -26,18 +26,6 @@ def make_mesh(num_devices: int | None = None) -> Mesh:
   return jax.make_mesh((len(devices),), (DATA,), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
 
 
-def under_mesh(mesh: Mesh, fn):
-  """`fn` called (and so traced, when it is jitted) with `mesh` as the step's mesh (`jax.set_mesh`): code that
-  shards itself inside the step (the Pallas kernels of `backbone.pallas_conv1x1`, vlrep/models/pallas_conv.py)
-  reads it from there; everything else is placed by jit's shardings as before."""
-
-  def call(*args, **kwargs):
-    with jax.set_mesh(mesh):
-      return fn(*args, **kwargs)
-
-  return call
-
-
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 

@@ -184,9 +184,8 @@ def _train(
   train_step = make_train_step(
     method, tx, schedules, base_rng, optim.step_clip_norm(config.optim), optim.frozen_rules(config.optim)
   )
-  step_fn = sharding.under_mesh(
-    mesh,
-    jax.jit(train_step, in_shardings=(state_sh, batch_sharding), out_shardings=(state_sh, None), donate_argnums=(0,)),
+  step_fn = jax.jit(
+    train_step, in_shardings=(state_sh, batch_sharding), out_shardings=(state_sh, None), donate_argnums=(0,)
   )
 
   extract = runs.sharded_features(method.features, mesh)  # the same extraction as vlrep.evaluate's

@@ -26,7 +26,7 @@ class ClassifierModel(nn.Module):
 
   @nn.compact
   def __call__(self, images, train: bool = False):
-    _, aux = resnet.ResNet(**self.backbone, dtype=self.dtype, name="backbone")(images, train)
+    _, aux = resnet.from_config(self.backbone, dtype=self.dtype, name="backbone")(images, train)
     logits = nn.Dense(
       self.num_classes,
       kernel_init=nn.initializers.normal(self.head_init_std),

@@ -221,7 +221,7 @@ class VLBert:
   def regions_dim(self) -> int:
     if self.config.visual.mode == "file":
       return int(self.config.visual.dim)
-    return resnet.ResNet(**dict(self.config.visual.backbone)).num_features
+    return resnet.from_config(self.config.visual.backbone).num_features
 
   # -- contract -----------------------------------------------------------------------------------------
   def init(self, rng, batch) -> dict:
@@ -468,7 +468,7 @@ class VLBert:
     net_vars = {"params": v["params"]["backbone"]}
     if "batch_stats" in v:
       net_vars["batch_stats"] = v["batch_stats"]["backbone"]
-    grid, aux = resnet.ResNet(**dict(self.config.visual.backbone)).apply(net_vars, images, train=False)
+    grid, aux = resnet.from_config(self.config.visual.backbone).apply(net_vars, images, train=False)
     return {"pre_logits": aux["pre_logits"], "grid": grid.astype(jnp.float32)}
 
   # -- helpers ------------------------------------------------------------------------------------------

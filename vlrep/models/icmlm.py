@@ -37,7 +37,7 @@ def make_backbone(config: dict, dtype=jnp.float32, name: str = "backbone") -> nn
     return vgg.VGG16(**config, dtype=dtype, name=name)
   if arch != "resnet":
     raise ValueError(f"Unknown backbone arch {arch!r}; known: resnet, vgg16.")
-  return resnet.ResNet(**config, dtype=dtype, name=name)
+  return resnet.from_config(config, dtype=dtype, name=name)
 
 
 class TagHead(nn.Module):

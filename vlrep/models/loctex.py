@@ -54,7 +54,7 @@ class LocTexModel(nn.Module):
 
   def setup(self):
     dense = lambda name: nn.Dense(self.embed_dim, dtype=self.dtype, param_dtype=jnp.float32, name=name)  # noqa: E731
-    self.visual = resnet.ResNet(**self.backbone, dtype=self.dtype, name="backbone")
+    self.visual = resnet.from_config(self.backbone, dtype=self.dtype, name="backbone")
     self.textual = TextEncoder(self.vocab_size, **self.text, dtype=self.dtype, name="textual")
     self.visual_contrastive = dense("visual_contrastive")
     self.text_contrastive = dense("text_contrastive")

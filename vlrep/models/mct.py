@@ -55,7 +55,7 @@ class MCTModel(nn.Module):
   dtype: Any = jnp.float32
 
   def setup(self):
-    self.visual = resnet.ResNet(**self.backbone, dtype=self.dtype, name="backbone")
+    self.visual = resnet.from_config(self.backbone, dtype=self.dtype, name="backbone")
     if self.bert is not None:
       self.textual = bert_lib.BertEncoder(self.bert, dtype=self.dtype, name="textual")
       text_width = self.bert.hidden_size

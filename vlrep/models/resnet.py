@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from vlrep.models import fused, pallas_conv
+from vlrep.models import fused
 
 DEPTHS = {
   10: (1, 1, 1, 1),  # tests only: one block per stage
@@ -32,11 +32,7 @@ DEPTHS = {
 class GroupedBatchNorm(nn.Module):
   """BatchNorm whose batch statistics are taken over groups of `group_size` consecutive examples, then
   `+ residual` and ReLU when asked. `fused`: in training, all of it as `fused.batch_norm_act` (same maths, a
-  hand-written backward).
-
-  In training, `stats` = (group means [G, C], group variances [G, C]) computed elsewhere (a convolution's
-  epilogue, `PallasConv1x1`) replaces the reduction over x; `affine_only` returns the per-group scale and shift
-  ([G, C] each, f32) that apply the BatchNorm instead of applying it (for the next convolution's prologue)."""
+  hand-written backward)."""
 
   group_size: int = 0
   momentum: float = 0.9
@@ -46,7 +42,7 @@ class GroupedBatchNorm(nn.Module):
   fused: bool = False
 
   @nn.compact
-  def __call__(self, x, train: bool, residual=None, relu: bool = False, stats=None, affine_only: bool = False):
+  def __call__(self, x, train: bool, residual=None, relu: bool = False):
     c = x.shape[-1]
     scale = self.param("scale", self.scale_init, (c,), jnp.float32)
     bias = self.param("bias", nn.initializers.zeros, (c,), jnp.float32)
@@ -57,14 +53,11 @@ class GroupedBatchNorm(nn.Module):
       g = self.group_size if self.group_size and self.group_size < b else b
       if b % g:
         raise ValueError(f"Batch {b} is not divisible by the BatchNorm group size {g}.")
-      fused_apply = self.fused and stats is None and not affine_only
-      xg = x.astype(jnp.float32).reshape((b // g, g) + x.shape[1:])
-      if stats is not None:
-        mean, var = (v.reshape((b // g,) + (1,) * (x.ndim - 1) + (c,)) for v in stats)
-      elif fused_apply:
+      if self.fused:
         out, mean, var = fused.batch_norm_act(x.astype(self.dtype), scale, bias, residual, g, relu, self.epsilon)
         mean, var = mean[:, None, None, :], var[:, None, None, :]
       else:
+        xg = x.astype(jnp.float32).reshape((b // g, g) + x.shape[1:])
         axes = tuple(range(1, xg.ndim - 1))
         mean = xg.mean(axes, keepdims=True)
         var = jnp.maximum((xg * xg).mean(axes, keepdims=True) - mean * mean, 0.0)
@@ -73,11 +66,8 @@ class GroupedBatchNorm(nn.Module):
         unbiased = var.mean(0).reshape(c) * n / max(n - 1, 1)
         ra_mean.value = self.momentum * ra_mean.value + (1 - self.momentum) * mean.mean(0).reshape(c)
         ra_var.value = self.momentum * ra_var.value + (1 - self.momentum) * unbiased
-      if fused_apply:
+      if self.fused:
         return out
-      if affine_only:
-        group_scale = scale * jax.lax.rsqrt(var.reshape(-1, c) + self.epsilon)
-        return group_scale, bias - mean.reshape(-1, c) * group_scale
       y = (xg - mean) * jax.lax.rsqrt(var + self.epsilon)
       y = y.reshape(x.shape)
     else:
@@ -107,36 +97,6 @@ class DotConv1x1(nn.Module):
     return jnp.einsum("bhwc,cd->bhwd", x.astype(self.dtype), kernel[0, 0].astype(self.dtype))
 
 
-class PallasConv1x1(nn.Module):
-  """A 1x1 convolution (no bias, any stride) that also returns its output's BatchNorm statistics per group of
-  `group_size` examples, and can apply the previous BatchNorm and ReLU to its input as it reads it: the
-  `pallas_conv.conv1x1_bn_stats` kernels (speed switch `pallas_conv1x1`; training only). The same parameter as
-  nn.Conv's and DotConv1x1's ('kernel' [1, 1, Cin, Cout])."""
-
-  features: int
-  strides: tuple[int, int] = (1, 1)
-  group_size: int = 0
-  dtype: Any = jnp.float32
-  kernel_init: Any = nn.initializers.lecun_normal()
-
-  @nn.compact
-  def __call__(self, x, prologue=None):
-    """(y [B, H', W', features], (group means, group variances) of y, each [G, features] f32). `prologue`: None or
-    the previous BatchNorm's per-group (scale, shift) [G, Cin], applied with a ReLU to x before the product."""
-    kernel = self.param("kernel", self.kernel_init, (1, 1, x.shape[-1], self.features), jnp.float32)
-    sh, sw = self.strides
-    x = x[:, ::sh, ::sw].astype(self.dtype)
-    b, h, w, c = x.shape
-    g = self.group_size if self.group_size and self.group_size < b else b
-    rows = g * h * w
-    y, group_sum, group_sumsq = pallas_conv.conv1x1_bn_stats(
-      x.reshape(b * h * w, c), kernel[0, 0].astype(self.dtype), rows, prologue
-    )
-    mean = group_sum / rows
-    var = jnp.maximum(group_sumsq / rows - mean * mean, 0.0)
-    return y.reshape(b, h, w, self.features), (mean, var)
-
-
 def _last_bn(zero_init: bool) -> dict:
   """The last BatchNorm of a residual branch starts at scale 0 with zero_init (torchvision's zero_init_residual,
   which VirTex's official code sets): each block starts as the identity."""
@@ -151,12 +111,9 @@ class Bottleneck(nn.Module):
   expansion: int = 4
   inner_multiplier: int = 1  # Wide ResNet: the 1x1 / 3x3 inner width is width * this; the output stays width * 4
   zero_init_last_bn: bool = False
-  pallas_conv: Any = None  # PallasConv1x1 with the group size, or None: the speed switch pallas_conv1x1
 
   @nn.compact
   def __call__(self, x, train: bool):
-    if train and self.pallas_conv is not None:
-      return self._fused_kernels(x)
     residual = x
     inner = self.width * self.inner_multiplier
     y = self.conv(inner, (1, 1), name="conv1")(x)
@@ -170,26 +127,6 @@ class Bottleneck(nn.Module):
       )(residual)
       residual = self.norm(name="downsample_bn")(residual, train)
     return self.norm(name="bn3", **_last_bn(self.zero_init_last_bn))(y, train, residual=residual, relu=True)
-
-  def _fused_kernels(self, x):
-    """The same block in training with its 1x1 convolutions as `PallasConv1x1`: conv1, conv3 and the shortcut
-    return their BatchNorm statistics, and conv3 reads conv2's output through bn2's apply and ReLU, so neither
-    that activation nor a statistics pass over the 1x1 outputs goes through memory. The same modules and names as
-    `__call__`'s (the same parameters and statistics)."""
-    inner = self.width * self.inner_multiplier
-    y, stats = self.pallas_conv(inner, name="conv1")(x)
-    y = self.norm(name="bn1")(y, True, relu=True, stats=stats)
-    y = self.conv(inner, (3, 3), strides=(self.stride, self.stride), padding=((1, 1), (1, 1)), name="conv2")(y)
-    bn2 = self.norm(name="bn2")(y, True, affine_only=True)
-    y, stats = self.pallas_conv(self.width * self.expansion, name="conv3")(y, prologue=bn2)
-    residual = x
-    if residual.shape[-1] != y.shape[-1] or self.stride != 1:
-      residual, shortcut_stats = self.pallas_conv(
-        self.width * self.expansion, strides=(self.stride, self.stride), name="downsample_conv"
-      )(x)
-      residual = self.norm(name="downsample_bn")(residual, True, stats=shortcut_stats)
-    bn3 = self.norm(name="bn3", **_last_bn(self.zero_init_last_bn))
-    return bn3(y, True, residual=residual, relu=True, stats=stats)
 
 
 class BasicBlock(nn.Module):
@@ -232,9 +169,6 @@ class ResNet(nn.Module):
     fast_max_pool: speed switch, same maths: the ImageNet stem's max-pool as `fused.max_pool_3x3_s2` (no
       select-and-scatter in the backward).
     conv1x1_as_dot: speed switch, same maths: the 1x1 convolutions as matrix products (`DotConv1x1`).
-    pallas_conv1x1: speed switch, same maths: in training, the bottlenecks' 1x1 convolutions as Pallas kernels
-      that compute their BatchNorm statistics and apply the previous BatchNorm + ReLU as they read their input
-      (`PallasConv1x1`; GPUs; interpreted on CPU). Bottleneck depths only.
   Returns:
     (features [B, H/32, W/32, C] (H/8 or H/16 with the small stem), {'stage1'..'stage4', 'pre_logits' [B, C]}).
   """
@@ -251,7 +185,6 @@ class ResNet(nn.Module):
   fused_bn_act: bool = False
   fast_max_pool: bool = False
   conv1x1_as_dot: bool = False
-  pallas_conv1x1: bool = False
 
   @property
   def bottleneck(self) -> bool:
@@ -303,20 +236,10 @@ class ResNet(nn.Module):
       raise ValueError(f"Unknown ResNet stem {self.stem!r}; known: 'imagenet', 'small'.")
     if self.inner_multiplier != 1 and not self.bottleneck:
       raise ValueError(f"inner_multiplier={self.inner_multiplier} needs bottleneck blocks (depth 26 or more).")
-    if self.pallas_conv1x1 and not self.bottleneck:
-      raise ValueError(f"pallas_conv1x1 needs bottleneck blocks (depth 26 or more); got depth {self.depth}.")
     block_cls = functools.partial(BasicBlock, zero_init_last_bn=self.zero_init_last_bn)
     if self.bottleneck:
-      pallas = None
-      if self.pallas_conv1x1:
-        pallas = functools.partial(
-          PallasConv1x1, group_size=self.bn_group_size, dtype=self.dtype, kernel_init=kernel_init
-        )
       block_cls = functools.partial(
-        Bottleneck,
-        inner_multiplier=self.inner_multiplier,
-        zero_init_last_bn=self.zero_init_last_bn,
-        pallas_conv=pallas,
+        Bottleneck, inner_multiplier=self.inner_multiplier, zero_init_last_bn=self.zero_init_last_bn
       )
     for stage, num_blocks in enumerate(_stage_sizes(self.depth)):
       for b in range(num_blocks):
@@ -329,3 +252,24 @@ class ResNet(nn.Module):
 
 def _stage_sizes(depth: int) -> Sequence[int]:
   return DEPTHS[depth]
+
+
+# Speed switches that did not pay and were removed with their code (docs/speed.md). Runs saved before that still
+# carry the key in their `method.backbone`; off, it changed nothing and is dropped.
+REMOVED_SWITCHES = {
+  "pallas_conv1x1": "its Pallas/Triton 1x1 convolution kernels were measured slower than XLA's plain path on an "
+  "NVIDIA H200 (docs/speed.md)",
+}
+
+
+def from_config(section, **kwargs) -> ResNet:
+  """`ResNet(**section, **kwargs)` for a backbone config section (`method.backbone`, possibly saved by an earlier
+  run): a removed speed switch that is off is dropped; one that is on is a clear error."""
+  section = dict(section)
+  for key, why in REMOVED_SWITCHES.items():
+    if section.pop(key, False):
+      raise ValueError(
+        f"The backbone speed switch {key}=True was removed: {why}. Drop the key (method.backbone.{key}) from "
+        "the config; the plain path computes the same maths."
+      )
+  return ResNet(**section, **kwargs)

@@ -43,7 +43,7 @@ class VirTexModel(nn.Module):
   official_init: bool = False
 
   def setup(self):
-    self.visual = resnet.ResNet(**self.backbone, dtype=self.dtype, name="backbone")
+    self.visual = resnet.from_config(self.backbone, dtype=self.dtype, name="backbone")
     if self.head == "linear":
       self.classifier = nn.Dense(self.vocab_size, dtype=self.dtype, param_dtype=jnp.float32, name="classifier")
     elif self.head == "transformer":

@@ -367,7 +367,7 @@ class RegionFeatures(nn.Module):
 
   @nn.compact
   def __call__(self, images, boxes, mask):
-    net = resnet.ResNet(**self.backbone, name="backbone")
+    net = resnet.from_config(self.backbone, name="backbone")
     if self.mode == "crops":
       b, n = boxes.shape[:2]
       crops = roi_sample(images, boxes, self.crop_size).reshape(b * n, self.crop_size, self.crop_size, -1)

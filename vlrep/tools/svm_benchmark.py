@@ -70,7 +70,7 @@ def scenes_features(config_path: str, workdir: str | None):
     spec.loader.exec_module(module)
     config = module.get_config(arg or None)
 
-    net = resnet.ResNet(**dict(config.method.backbone))
+    net = resnet.from_config(config.method.backbone)
     variables = net.init(jax.random.PRNGKey(0), np.zeros((1, 64, 64, 3), np.float32), False)
     params = {"backbone": variables["params"]}
     run = runs.Run(config, params, {"batch_stats": {"backbone": variables["batch_stats"]}}, 0, "random init", {})
