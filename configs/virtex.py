@@ -168,7 +168,11 @@ def get_config(arg=None):
       seed=0,
       every_steps=0,
     )
-  c.best_metric = "probe/map"
+  # The best checkpoint is the one with the best cross-validated probe score on VOC07 trainval, held out from the
+  # reported test mAP. Appendix A.4 instead keeps the best checkpoint by VOC07 test mAP (its tables' numbers):
+  # `--config.best_metric=probe/map --config.select_on_test=True` reproduces that, and the summary says so.
+  c.best_metric = "probe/map_cv"
+  c.select_on_test = False
 
   if arg.runlocal:
     _runlocal(c, arg)

@@ -94,6 +94,9 @@ def _train(
   )
 
   adopt_init_from_architecture(config, workdir)
+  selected_on = evaluators.selection_rule(
+    config.get("evals", {}), config.get("best_metric", ""), config.get("select_on_test", False)
+  )
   builder = pipeline.get_builder(config.data.name, config.data.data_dir, config.data.get("config_name"))
   # Methods without text (e.g. the fine-tuning classifier) have no tokenizer.
   tokenizer = tokenizers.ensure_tokenizer(config.tokenizer, builder) if config.get("tokenizer") else None
@@ -167,6 +170,7 @@ def _train(
     state = load_pretrained_variables(state, pretrained_variables_of(method), tx, state_sh)
     if config.get("init_from"):
       state = init_from_checkpoint(state, config.init_from, tx, state_sh)
+  summary["best_checkpoint_selected_on"] = selected_on
   num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
   logging.info(
     "%s: %.2fM parameters, %d steps (%.1f epochs of %d examples), warmup %d.",
