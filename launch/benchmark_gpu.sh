@@ -22,6 +22,9 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$OUT/device.txt" || true
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
+for P in ${PARTS//,/ }; do
+  case $P in switches|optimizer|head_backbone|torch|methods|xla) ;; *) echo "unknown part '$P' (known: switches, optimizer, head_backbone, torch, methods, xla)" >&2; exit 2 ;; esac
+done
 has switches && PARTS="$PARTS,optimizer,head_backbone"
 
 ALL_BACKBONE="method.backbone.fused_bn_act=True,method.backbone.fast_max_pool=True,method.backbone.conv1x1_as_dot=True"
