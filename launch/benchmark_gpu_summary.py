@@ -18,9 +18,11 @@ def step_file(name, d):
   mfu = f"{100 * d['mfu']:.1f}%" if d.get("mfu") else "-"
   turn = d.get("turn", {})
   print(f"\n## {name}: {d['device']} jax {d.get('jax')} {d.get('xla_flags', '')}")
-  print(f"baseline {fmt_rate(d)} img/s  MFU {mfu}  {d['model_tflops_per_step']:.2f} TFLOP/step  "
-        f"loss {d['final_loss']:.3f}  build {d.get('build_seconds', 0):.0f} s  turn wait {turn.get('waited_s', 0):.0f} s "
-        f"(ready {turn.get('ready')}, killed {turn.get('killed')})")
+  print(
+    f"baseline {fmt_rate(d)} img/s  MFU {mfu}  {d['model_tflops_per_step']:.2f} TFLOP/step  "
+    f"loss {d['final_loss']:.3f}  build {d.get('build_seconds', 0):.0f} s  "
+    f"turn wait {turn.get('waited_s', 0):.0f} s (ready {turn.get('ready')}, killed {turn.get('killed')})"
+  )
   for v, r in sorted(d.get("variants", {}).items(), key=lambda kv: -kv[1].get("speedup_vs_baseline", 0)):
     if "error" in r:
       print(f"  {v:22s} ERROR {r['error'][:300]}")
@@ -31,8 +33,10 @@ def step_file(name, d):
     if "error" in r:
       print(f"  torch {mode:16s} ERROR {r['error']}")
     else:
-      print(f"  torch {mode:16s} {fmt_rate(r)}  warm-up {r['warmup_seconds']:.0f} s  "
-            f"vlrep/torch x{d['speedup_vs_torch'][mode]:.3f}")
+      print(
+        f"  torch {mode:16s} {fmt_rate(r)}  warm-up {r['warmup_seconds']:.0f} s  "
+        f"vlrep/torch x{d['speedup_vs_torch'][mode]:.3f}"
+      )
 
 
 def main(out):

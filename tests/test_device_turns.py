@@ -36,7 +36,7 @@ def test_turns_start_after_every_party_is_ready_and_never_overlap(tmp_path):
   # Nobody times while another party still compiles ...
   assert all(start_ >= last_ready for start_, _ in held), (held, last_ready)
   # ... and the turns follow one another.
-  assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(held, held[1:])), held
+  assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(held, held[1:], strict=False)), held
   assert all(i["ready"] == 3 and i["killed"] == [] for i in infos)
 
 
@@ -59,7 +59,8 @@ def test_a_required_party_still_compiling_at_the_deadline_is_waited_for(tmp_path
 
 
 def test_a_party_that_crashed_before_its_turn_is_not_waited_for(tmp_path):
-  crashed = subprocess.run([sys.executable, "-c", f"from vlrep.tools import device_turns; device_turns.join({str(tmp_path)!r}, 2, 0); raise SystemExit(1)"])
+  code = f"from vlrep.tools import device_turns; device_turns.join({str(tmp_path)!r}, 2, 0); raise SystemExit(1)"
+  crashed = subprocess.run([sys.executable, "-c", code])
   assert crashed.returncode == 1
   info = json.loads(start(tmp_path, 2, time.time() + 60, 0.0).communicate(timeout=30)[0])
   assert info["waited_s"] < 5 and info["killed"] == []

@@ -713,7 +713,8 @@ def _recipe_configs():
   specs += [("finetune", ""), ("vlbert", "stage=pretrain,data=captions"), ("vlbert", "stage=finetune,task=vqa")]
   for name, arg in specs:
     for local in ("", "runlocal"):
-      yield f"{name}:{','.join(a for a in (arg, local) if a)}", _load_config(name, ",".join(a for a in (arg, local) if a))
+      args = ",".join(a for a in (arg, local) if a)
+      yield f"{name}:{args}", _load_config(name, args)
 
 
 def _load_config(name, arg):

@@ -9,7 +9,6 @@ augmentation, which makes runs resumable to the exact batch and independent of t
 
 from __future__ import annotations
 
-import ast
 import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple

@@ -151,7 +151,9 @@ def fit_and_score(
   return out
 
 
-def _one_class_sklearn(c, train_x, train_y, test_x, fold_ids, costs, folds, ap) -> tuple[np.ndarray | None, float, float]:
+def _one_class_sklearn(
+  c, train_x, train_y, test_x, fold_ids, costs, folds, ap
+) -> tuple[np.ndarray | None, float, float]:
   """(test scores of class c's SVM at the cross-validated cost, that cost, its cross-validated AP); (None, NaN,
   NaN) for a skipped class."""
   preemption.check()  # SIGTERM: stop between classes

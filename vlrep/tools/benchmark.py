@@ -637,7 +637,8 @@ def collect_torch_references(started: dict) -> dict:
       with open(output) as f:
         references[mode] = json.load(f)
     else:
-      references[mode] = {"error": f"exit code {code}" + (" (killed: still compiling at the deadline)" if code == -9 else "")}
+      killed = " (killed: still compiling at the deadline)" if code == -9 else ""
+      references[mode] = {"error": f"exit code {code}{killed}"}
     os.remove(output)
   return references
 

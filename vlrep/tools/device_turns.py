@@ -5,7 +5,7 @@ far longer than timing it. `launch/benchmark_gpu.sh` therefore starts every benc
 registers in a shared folder (`join`), compiles, and then times inside `turn()`: a turn starts only once every
 registered process has finished compiling, and turns run one at a time under a file lock. So no timed window
 shares the device with another process's work, while the compilations overlap. Parties that join as `optional`
-(the PyTorch references, the kernel table, the other methods) are killed if they are still compiling at the
+(the PyTorch references, the other methods) are killed if they are still compiling at the
 deadline, so that the others time without them; the required ones (what the run is for) are always waited for.
 
   turns = device_turns.join(DIR, parties=N, deadline=T)   # at start (T: Unix time); None without DIR
@@ -61,8 +61,8 @@ def _alive(pid: int) -> bool:
 @contextlib.contextmanager
 def turn(turns: Turns | None, poll_s: float = 0.2):
   """Waits until every party is ready or has exited (at the deadline, the optional parties still compiling are
-  killed, reported on stderr), then holds the device's lock for the body. Yields {'waited_s', 'ready', 'killed', 'held_from',
-  'held_until'} (Unix times; the last is filled in when the body ends)."""
+  killed, reported on stderr), then holds the device's lock for the body. Yields {'waited_s', 'ready', 'killed',
+  'held_from', 'held_until'} (Unix times; the last is filled in when the body ends)."""
   info = {"waited_s": 0.0, "ready": 1, "killed": []}
   if turns is None:
     yield info
