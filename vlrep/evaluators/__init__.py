@@ -53,8 +53,8 @@ def selection_rule(evals_config, best_metric: str, select_on_test: bool = False)
   if not best_metric:
     return "none: the last checkpoint"
   name, _, metric = best_metric.partition("/")
-  if name not in evals_config:
-    raise ValueError(f"best_metric {best_metric!r} names no evaluator of this config ({', '.join(evals_config)}).")
+  if name not in evals_config:  # e.g. `--config.evals={}`: nothing is evaluated, so nothing is chosen
+    return f"none: best_metric {best_metric!r} names no evaluator of this config; the last checkpoint"
   cfg = evals_config[name]
   if metric in getattr(_module(cfg.type), "TEST_METRICS", ()):
     split = f"{cfg.get('dataset', '?')} {cfg.get('test_split', '?')}"
