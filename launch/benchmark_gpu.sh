@@ -5,7 +5,9 @@
 # and max-autotune) beside vlrep's step, XLA's GPU flags, and LocTex and MCT with and without the switches.
 #   launch/benchmark_gpu.sh OUT_DIR [PARTS] [STEPS] [WINDOWS] [DEADLINE_S]
 # PARTS (comma-separated, default all): switches (every switch of the VirTex step; `optimizer` and `head_backbone`
-# name its two halves), torch, methods, xla. All parts start at once, one process each (xla: two), and
+# name its two halves), torch, methods, xla; `groups` (not in the default) is the short form that fits one 15-minute
+# lease: the switches in three groups (backbone, optimizer + RNG, textual head) and all together, beside the plain
+# step and the torch.compile default reference. All parts start at once, one process each (xla: two), and
 # share the device through vlrep.tools.device_turns: they compile together (XLA's autotuning, torch.compile and
 # Triton take far longer than the timing), and time one at a time once all are ready, so no timed window shares
 # the device. The VirTex process is waited for; the others (references, other methods) are killed and reported if
@@ -23,7 +25,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTH
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$OUT/device.txt" || true
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
 for P in ${PARTS//,/ }; do
-  case $P in switches|optimizer|head_backbone|torch|methods|xla) ;; *) echo "unknown part '$P' (known: switches, optimizer, head_backbone, torch, methods, xla)" >&2; exit 2 ;; esac
+  case $P in switches|optimizer|head_backbone|groups|torch|methods|xla) ;; *) echo "unknown part '$P' (known: switches, optimizer, head_backbone, groups, torch, methods, xla)" >&2; exit 2 ;; esac
 done
 has switches && PARTS="$PARTS,optimizer,head_backbone"
 
@@ -48,8 +50,16 @@ if has head_backbone; then  # the textual head's and the backbone's switches
     --variant=fast_max_pool:method.backbone.fast_max_pool=True
     --variant=conv1x1_as_dot:method.backbone.conv1x1_as_dot=True)
 fi
+if has groups; then  # one config per group of switches: what a short lease can compile
+  V+=(--variant=backbone:$ALL_BACKBONE --variant=optimizer_rng:$ALL_OPTIM,rng_impl=unsafe_rbg --variant=head:$ALL_HEAD)
+fi
 PARTIES=0
-if has optimizer || has head_backbone || has torch; then  # all switches together; profiles before and after
+if has groups && ! has torch; then
+  PARTIES=1
+  CMDS[virtex]="$VIRTEX ${V[*]} --variant=all:$ALL
+    --profile --profile_variants=baseline,all --output_dir=/tmp/vlrep_gpu_profile --compile_threads=5 --offload_states
+    --torch_reference --torch_modes=default"
+elif has optimizer || has head_backbone || has torch; then  # all switches together; profiles before and after
   T=""; has torch && T="--torch_reference --torch_modes=default,max-autotune" && PARTIES=$((PARTIES + 2))
   CMDS[virtex]="$VIRTEX ${V[*]} --variant=all:$ALL
     --profile --profile_variants=baseline,all --output_dir=/tmp/vlrep_gpu_profile --compile_threads=6 --offload_states $T"
