@@ -7,7 +7,8 @@
 # PARTS (comma-separated, default all): switches (every switch of the VirTex step; `optimizer` and `head_backbone`
 # name its two halves), torch, methods, xla; `groups` (not in the default) is the short form that fits one 15-minute
 # lease: the switches in three groups (backbone, optimizer + RNG, textual head) and all together, beside the plain
-# step and the torch.compile default reference. All parts start at once, one process each (xla: two), and
+# step and the torch.compile default reference; `singles` times each switch alone in two processes (optimizer and
+# RNG switches, each with its own plain step; textual-head and backbone switches, optional), without profiles. All parts start at once, one process each (xla: two), and
 # share the device through vlrep.tools.device_turns: they compile together (XLA's autotuning, torch.compile and
 # Triton take far longer than the timing), and time one at a time once all are ready, so no timed window shares
 # the device. The VirTex process is waited for; the others (references, other methods) are killed and reported if
@@ -25,7 +26,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTH
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$OUT/device.txt" || true
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
 for P in ${PARTS//,/ }; do
-  case $P in switches|optimizer|head_backbone|groups|torch|methods|xla) ;; *) echo "unknown part '$P' (known: switches, optimizer, head_backbone, groups, torch, methods, xla)" >&2; exit 2 ;; esac
+  case $P in switches|optimizer|head_backbone|groups|singles|torch|methods|xla) ;; *) echo "unknown part '$P' (known: switches, optimizer, head_backbone, groups, singles, torch, methods, xla)" >&2; exit 2 ;; esac
 done
 has switches && PARTS="$PARTS,optimizer,head_backbone"
 
@@ -54,7 +55,16 @@ if has groups; then  # one config per group of switches: what a short lease can 
   V+=(--variant=backbone:$ALL_BACKBONE --variant=optimizer_rng:$ALL_OPTIM,rng_impl=unsafe_rbg --variant=head:$ALL_HEAD)
 fi
 PARTIES=0
-if has groups && ! has torch; then
+if has singles; then  # each switch alone; two processes so that the first one's results survive the deadline
+  CMDS[virtex_optimizer]="$VIRTEX --variant=grad_norm_once:optim.grad_norm_once=True
+    --variant=lookahead_sync_only:optim.lookahead_sync_only=True --variant=flat_update:optim.flat_update=True
+    --variant=unsafe_rbg:rng_impl=unsafe_rbg --compile_threads=5 --offload_states"
+  CMDS[virtex_head_backbone]="$VIRTEX --variant=fused_qkv:method.fused_qkv=True
+    --variant=fused_memory_kv:method.fused_memory_kv=True --variant=vocab_multiple_128:method.vocab_multiple=128
+    --variant=fused_bn_act:method.backbone.fused_bn_act=True --variant=fast_max_pool:method.backbone.fast_max_pool=True
+    --variant=conv1x1_as_dot:method.backbone.conv1x1_as_dot=True --compile_threads=7 --offload_states --gemm_size=0
+    --turn_optional"
+elif has groups && ! has torch; then
   PARTIES=1
   CMDS[virtex]="$VIRTEX ${V[*]} --variant=all:$ALL
     --profile --profile_variants=baseline,all --output_dir=/tmp/vlrep_gpu_profile --compile_threads=5 --offload_states
