@@ -20,7 +20,7 @@ shapes are present; sigmoid cross-entropy) at the pretraining methods' runlocal 
 
 from ml_collections import ConfigDict
 
-from vlrep.config_utils import OPTIM_SPEED_SWITCHES, parse_arg, sibling_config
+from vlrep.config_utils import parse_arg, sibling_config
 
 
 def get_config(arg=None):
@@ -33,8 +33,6 @@ def get_config(arg=None):
     raise ValueError("labels=presence is synthetic_scenes' multi-label reference: use it with runlocal.")
   c = ConfigDict()
   c.seed = 0
-  # PRNG behind dropout and masking: 'threefry2x32' (JAX's default), 'rbg' or 'unsafe_rbg' (cheaper on GPUs).
-  c.rng_impl = "threefry2x32"
   c.init_from = ""  # a vlrep run directory whose backbone initialises this one
   c.method = dict(
     name="classifier",
@@ -67,7 +65,6 @@ def get_config(arg=None):
     grad_clip_norm=0.0,
     lookahead_steps=0,
     lookahead_alpha=0.5,
-    **OPTIM_SPEED_SWITCHES,  # same maths (vlrep/optim.py, docs/speed.md)
     warmup_steps=0,
     warmup_epochs=0.0,
     warmup_examples=0,

@@ -46,7 +46,7 @@ ICMLM masks only postag concepts; with tags=cluster or label its l_tp uses those
 
 import numpy as np
 
-from vlrep.config_utils import OPTIM_SPEED_SWITCHES, parse_arg
+from vlrep.config_utils import parse_arg
 
 VARIANTS = ("tp", "tfm", "att_fc", "text_only")
 TAGS = ("postag", "cluster", "label")
@@ -86,8 +86,6 @@ def get_config(arg=None):
 
   c = ConfigDict()
   c.seed = 0
-  # PRNG behind dropout and masking: 'threefry2x32' (JAX's default), 'rbg' or 'unsafe_rbg' (cheaper on GPUs).
-  c.rng_impl = "threefry2x32"
   c.method = dict(
     name="icmlm",
     variant=arg.variant,
@@ -162,7 +160,6 @@ def get_config(arg=None):
     grad_clip_norm=0.0,
     lookahead_steps=0,
     lookahead_alpha=0.5,
-    **OPTIM_SPEED_SWITCHES,  # same maths (vlrep/optim.py, docs/speed.md)
     warmup_steps=0,
     warmup_epochs=0.0,
     warmup_examples=0,

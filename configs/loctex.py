@@ -20,7 +20,7 @@ Ablations (arguments combine with commas; any key can also be overridden with --
   steps=N                               training steps instead of the recipe's epochs
 """
 
-from vlrep.config_utils import BACKBONE_SPEED_SWITCHES, OPTIM_SPEED_SWITCHES, parse_arg
+from vlrep.config_utils import parse_arg
 
 LOSSES = {"both": (1.0, 1.0), "contrastive": (1.0, 0.0), "localization": (0.0, 1.0)}
 CONTRASTIVE_GROUPS = {"per_gpu": 128, "global": 0}
@@ -52,16 +52,13 @@ def get_config(arg=None):
 
   c = ConfigDict()
   c.seed = 0
-  # PRNG behind dropout and masking: 'threefry2x32' (JAX's default), 'rbg' or 'unsafe_rbg' (cheaper on GPUs).
-  c.rng_impl = "threefry2x32"
   c.method = dict(
     name="loctex",
-    # Synchronized BatchNorm over the batch, as the paper; speed switches as configs/virtex.py's.
+    # Synchronized BatchNorm over the batch, as the paper.
     backbone=dict(
       depth=50,
       width=64,
       bn_group_size=0,
-      **BACKBONE_SPEED_SWITCHES,
     ),
     # Textual backbone: 4 layers, 1024 wide, 16 heads, GELU; captions of at most 60 tokens.
     text=dict(hidden=1024, num_layers=4, num_heads=16, max_len=60, dropout=0.1),
@@ -111,7 +108,6 @@ def get_config(arg=None):
     grad_clip_norm=0.0,
     lookahead_steps=0,
     lookahead_alpha=0.5,
-    **OPTIM_SPEED_SWITCHES,  # same maths (vlrep/optim.py, docs/speed.md)
     warmup_steps=0,
     warmup_epochs=20.0,
     warmup_examples=0,

@@ -44,7 +44,7 @@ draw the same paraphrase are identical).
 import re
 
 from vlrep import eval_protocols
-from vlrep.config_utils import BACKBONE_SPEED_SWITCHES, OPTIM_SPEED_SWITCHES, parse_arg
+from vlrep.config_utils import parse_arg
 
 # (lambda_ii, lambda_tag, lambda_cc, lambda_ic, lambda_ci)
 LOSSES = {
@@ -104,8 +104,6 @@ def get_config(arg=None):
 
   c = ConfigDict()
   c.seed = 0
-  # PRNG behind dropout and masking: 'threefry2x32' (JAX's default), 'rbg' or 'unsafe_rbg' (cheaper on GPUs).
-  c.rng_impl = "threefry2x32"
   c.method = dict(
     name="mct",
     dtype="bfloat16",
@@ -114,7 +112,6 @@ def get_config(arg=None):
       depth=50,
       width=64,
       bn_group_size=64,
-      **BACKBONE_SPEED_SWITCHES,
     ),
     text_tower=text,
     bert_path=bert,  # text_tower='bert': the pretrained BERT's folder ('minilm' = the packaged MiniLM)
@@ -169,7 +166,6 @@ def get_config(arg=None):
     grad_clip_norm=0.0,
     lookahead_steps=0,
     lookahead_alpha=0.5,
-    **OPTIM_SPEED_SWITCHES,  # same maths (vlrep/optim.py, docs/speed.md)
     warmup_steps=0,
     warmup_epochs=0.0,
     warmup_examples=0,

@@ -18,7 +18,7 @@ Ablations (arguments combine with commas; any key can also be overridden with --
                                                                   runlocal: head 3e-3, backbone 1e-2)
 """
 
-from vlrep.config_utils import BACKBONE_SPEED_SWITCHES, OPTIM_SPEED_SWITCHES, parse_arg
+from vlrep.config_utils import parse_arg
 
 # (depth, stem width, bottleneck inner-width multiplier): w2x is Wide ResNet-50-2 (torchvision wide_resnet50_2).
 BACKBONES = {"r50": (50, 64, 1), "r101": (101, 64, 1), "r50w2x": (50, 64, 2)}
@@ -42,8 +42,6 @@ def get_config(arg=None):
 
   c = ConfigDict()
   c.seed = 0
-  # PRNG behind dropout and masking: 'threefry2x32' (JAX's default), 'rbg' or 'unsafe_rbg' (cheaper on GPUs).
-  c.rng_impl = "threefry2x32"
   depth, width, inner = BACKBONES[arg.backbone]
 
   # Method: model sizes and task. A = H / 64 heads and F = 4H are derived in the model.
@@ -67,9 +65,6 @@ def get_config(arg=None):
     random_token_prob=0.1,
     dtype="bfloat16",
     # Speed switches of the textual head, same maths (vlrep/models/transformer.py, docs/speed.md).
-    fused_qkv=False,
-    fused_memory_kv=False,
-    vocab_multiple=1,
     # Per-GPU BatchNorm with 32 images per GPU in the paper; 0 = synchronised over the whole batch. The official
     # code builds torchvision's ResNet with zero_init_residual=True: each block's last BN starts at scale 0.
     backbone=dict(
@@ -77,7 +72,6 @@ def get_config(arg=None):
       width=width,
       bn_group_size=32,
       zero_init_last_bn=True,
-      **BACKBONE_SPEED_SWITCHES,  # same maths (vlrep/models/fused.py; docs/speed.md)
       **({"inner_multiplier": inner} if inner > 1 else {}),
     ),
   )
@@ -113,7 +107,6 @@ def get_config(arg=None):
     grad_clip_norm=10.0,
     lookahead_steps=5,
     lookahead_alpha=0.5,
-    **OPTIM_SPEED_SWITCHES,  # same maths (vlrep/optim.py, docs/speed.md)
     warmup_steps=10_000,
     warmup_epochs=0.0,
     warmup_examples=0,
@@ -209,7 +202,7 @@ def _runlocal(c, arg):
   c.method.dtype = "float32"  # bf16 matmuls are slow on CPUs
   c.method.hidden = 128 if arg.hidden == 2048 else arg.hidden
   c.method.init_std = 0.08
-  c.method.backbone = dict(depth=10, width=16, bn_group_size=32, stem="small", stem_stride=2, **BACKBONE_SPEED_SWITCHES)
+  c.method.backbone = dict(depth=10, width=16, bn_group_size=32, stem="small", stem_stride=2)
   c.tokenizer.vocab_size = 256
   c.batch_size = 64
   c.total_steps = arg.steps or _scaled(550, arg.fraction)

@@ -67,7 +67,7 @@ Arguments (comma-separated; any key can also be set with --config.KEY=VALUE):
 import re
 
 from vlrep import runs
-from vlrep.config_utils import OPTIM_SPEED_SWITCHES, parse_arg
+from vlrep.config_utils import parse_arg
 
 ARCHS = ("visual_bert", "vilbert")
 STAGES = ("pretrain", "finetune")
@@ -115,8 +115,6 @@ def get_config(arg=None):
 
   c = ConfigDict()
   c.seed = 0
-  # PRNG behind dropout and masking: 'threefry2x32' (JAX's default), 'rbg' or 'unsafe_rbg' (cheaper on GPUs).
-  c.rng_impl = "threefry2x32"
   c.method = dict(
     name="vlbert",
     arch=arg.arch,
@@ -208,7 +206,6 @@ def get_config(arg=None):
     grad_clip_norm=0.0 if pretrain else 1.0,
     lookahead_steps=0,
     lookahead_alpha=0.5,
-    **OPTIM_SPEED_SWITCHES,  # same maths (vlrep/optim.py, docs/speed.md)
     warmup_steps=2000,
     warmup_epochs=0.0,
     warmup_examples=0,

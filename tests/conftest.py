@@ -39,7 +39,6 @@ SLOWEST_FIRST = (
   "test_data.py",
   "test_own_data.py",
   "test_loctex.py",
-  "test_speed_levers.py",
   "test_models_optim_eval.py",
   "test_architecture.py",
   "test_import_run.py",

@@ -96,9 +96,6 @@ def test_resnet50_w2x_is_wide_resnet50_2_and_exports_to_its_layout(tmp_path):
     bn_group_size=32,
     zero_init_last_bn=True,
     inner_multiplier=2,
-    fused_bn_act=False,
-    fast_max_pool=False,
-    conv1x1_as_dot=False,
   )
   net, variables = _write_run(tmp_path / "run", inner_multiplier=2)
   out = str(tmp_path / "w2x.safetensors")

@@ -208,14 +208,17 @@ def test_profile_table_sums_kernel_time_by_class_and_finds_idle_gaps():
 
 def test_overrides_and_variants_are_checked():
   config = load_tiny_config()
-  changed = benchmark.apply_overrides(config, "method.fused_qkv=True,rng_impl=rbg,optim.lookahead_alpha=0.25")
-  assert changed.method.fused_qkv is True and changed.rng_impl == "rbg" and changed.optim.lookahead_alpha == 0.25
-  assert config.method.fused_qkv is False  # the baseline is untouched
-  with pytest.raises(ValueError, match="has no 'fused_qvk'"):
-    benchmark.apply_overrides(config, "method.fused_qvk=True")
+  changed = benchmark.apply_overrides(config, "method.dropout=0.25,sharding.params=fsdp,optim.lookahead_alpha=0.25")
+  assert changed.method.dropout == 0.25 and changed.sharding.params == "fsdp" and changed.optim.lookahead_alpha == 0.25
+  assert config.method.dropout != 0.25 and config.sharding.params == "replicate"  # the baseline is untouched
+  with pytest.raises(ValueError, match="has no 'droput'"):
+    benchmark.apply_overrides(config, "method.droput=0.25")
+  # A removed speed switch is an unknown key like any other.
+  with pytest.raises(ValueError, match="has no 'fused_qkv'"):
+    benchmark.apply_overrides(config, "method.fused_qkv=True")
   with pytest.raises(ValueError, match="NAME:KEY=VALUE"):
-    benchmark.parse_variant("method.fused_qkv=True")
-  assert benchmark.parse_variant("qkv:method.fused_qkv=True") == ("qkv", "method.fused_qkv=True")
+    benchmark.parse_variant("sharding.params=fsdp")
+  assert benchmark.parse_variant("fsdp:sharding.params=fsdp") == ("fsdp", "sharding.params=fsdp")
 
 
 def test_benchmark_times_variants_round_robin_and_profiles_them(tmp_path):
@@ -226,29 +229,30 @@ def test_benchmark_times_variants_round_robin_and_profiles_them(tmp_path):
     32,
     200,
     windows=3,
-    variants=(("fused", "method.fused_qkv=True,optim.grad_norm_once=True"), ("broken", "method.backbone.depth=7")),
+    # fsdp: another program (sharded state) for the same maths on one device.
+    variants=(("fsdp", "sharding.params=fsdp"), ("broken", "method.backbone.depth=7")),
     gemm_size=128,
     profile_dir=str(tmp_path),
     profile_steps=1,
     compile_threads=3,  # built in threads: the same maths as one after the other
-    profile_variants=("baseline", "fused", "broken"),
+    profile_variants=("baseline", "fsdp", "broken"),
     offload_states=True,  # states wait in host memory between windows: the same steps
   )
   assert result["compile_threads"] == 3 and result["build_seconds"] > 0
   assert len(result["window_step_seconds"]) == 3
   assert result["images_per_second_min"] <= result["images_per_second"] <= result["images_per_second_max"]
-  fused = result["variants"]["fused"]
-  assert fused["speedup_vs_baseline"] == pytest.approx(fused["images_per_second"] / result["images_per_second"])
+  fsdp = result["variants"]["fsdp"]
+  assert fsdp["speedup_vs_baseline"] == pytest.approx(fsdp["images_per_second"] / result["images_per_second"])
   # Same maths: the two variants reach the same loss on the same batches.
-  assert fused["final_loss"] == pytest.approx(result["final_loss"], rel=1e-4)
+  assert fsdp["final_loss"] == pytest.approx(result["final_loss"], rel=1e-4)
   # A variant that does not build is reported with its error; the others are still timed and profiled.
   assert "Unsupported ResNet depth 7" in result["variants"]["broken"]["error"]
   assert "broken" not in result["profile"]
   assert result["measured_gemm_peak_tflops"] > 0 and result["mfu_vs_measured_gemm_peak"] > 0
   assert result["mfu"] is None  # a CPU has no datasheet peak
   table = (tmp_path / "profile.md").read_text()
-  assert "| kernel class | baseline: ms/step (share) | fused: ms/step (share) |" in table
-  assert "convolution" in table and os.path.exists(result["profile"]["fused"]["trace"])
+  assert "| kernel class | baseline: ms/step (share) | fsdp: ms/step (share) |" in table
+  assert "convolution" in table and os.path.exists(result["profile"]["fsdp"]["trace"])
 
 
 def test_the_gpu_benchmarks_import_no_tensorflow():

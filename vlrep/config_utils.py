@@ -7,11 +7,6 @@ import os
 
 import ml_collections
 
-# The speed switches (docs/speed.md), all off: the same maths faster on accelerators. Every recipe carries them, so
-# each can be turned on from the command line (an unknown config key is an error).
-BACKBONE_SPEED_SWITCHES = dict(fused_bn_act=False, fast_max_pool=False, conv1x1_as_dot=False)
-OPTIM_SPEED_SWITCHES = dict(grad_norm_once=False, lookahead_sync_only=False, flat_update=False)
-
 
 def sibling_config(this_file: str, name: str, arg: str | None = None) -> ml_collections.ConfigDict:
   """get_config(arg) of the config file `name`.py beside `this_file`: one recipe built on another's (e.g. the

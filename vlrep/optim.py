@@ -14,14 +14,6 @@ Config (`config.optim`):
                   schedule's value there). The train step also keeps those parameters' gradients out of the
                   norm (clip and metric) and their model state (BatchNorm statistics) unchanged (`hold_frozen`).
   schedule        'cosine' (default) or 'step' (x step_factor at each fraction of training in step_at).
-
-Speed switches (same maths, tested against the plain path in tests/test_speed_levers.py; docs/speed.md):
-  grad_norm_once      the train step takes the gradient's global norm once, for clipping and its metric alike
-                      (the plain path has optax's clip compute it again); see `step_clip_norm`.
-  lookahead_sync_only LookAhead writes its slow copy only on sync steps (a `lax.cond`), instead of a select over
-                      every parameter on every step.
-  flat_update         SGD's decay, momentum and per-group LR as one update over the parameters raveled into a
-                      single vector (one momentum vector), instead of one small update per parameter and group.
 """
 
 from __future__ import annotations
@@ -32,9 +24,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 import optax
-from jax.flatten_util import ravel_pytree
 
 
 def param_paths(params) -> Any:
@@ -78,9 +68,7 @@ class LookaheadState(NamedTuple):
   count: jnp.ndarray
 
 
-def lookahead(
-  inner: optax.GradientTransformation, sync_period: int, alpha: float, sync_only: bool = False
-) -> optax.GradientTransformation:
+def lookahead(inner: optax.GradientTransformation, sync_period: int, alpha: float) -> optax.GradientTransformation:
   """LookAhead (Zhang et al.): every `sync_period` steps, slow += alpha * (fast - slow) and fast = slow.
 
   Unlike optax.lookahead, the model parameters are a single tree: the fast weights between syncs, the slow
@@ -95,16 +83,8 @@ def lookahead(
     fast = optax.apply_updates(params, updates)
     count = state.count + 1
     sync = count % sync_period == 0
-    if sync_only:
-      # Between syncs the slow copy passes through untouched, so it costs no memory traffic on those steps.
-      def do_sync(slow, fast):
-        slow = jax.tree.map(lambda s, f: s + alpha * (f - s), slow, fast)
-        return slow, slow
-
-      slow, new_params = jax.lax.cond(sync, do_sync, lambda slow, fast: (slow, fast), state.slow, fast)
-    else:
-      slow = jax.tree.map(lambda s, f: jnp.where(sync, s + alpha * (f - s), s), state.slow, fast)
-      new_params = jax.tree.map(lambda s, f: jnp.where(sync, s, f), slow, fast)
+    slow = jax.tree.map(lambda s, f: jnp.where(sync, s + alpha * (f - s), s), state.slow, fast)
+    new_params = jax.tree.map(lambda s, f: jnp.where(sync, s, f), slow, fast)
     return jax.tree.map(lambda n, p: n - p, new_params, params), LookaheadState(inner_state, slow, count)
 
   return optax.GradientTransformation(init, update)
@@ -164,65 +144,6 @@ def hold_frozen(step, new, old, rules):
   return jax.tree.map(pick, param_paths(new), new, old)
 
 
-class FlatSgdState(NamedTuple):
-  count: jnp.ndarray
-  momentum: jnp.ndarray  # [number of parameters] f32, or [0] without momentum
-
-
-def flat_sgd(
-  schedules: dict, labels, decay_mask, weight_decay: float, momentum: float, nesterov: bool, frozen: dict | None = None
-):
-  """optax's add_decayed_weights(mask) + multi_transform({group: sgd(schedule, momentum, nesterov)}) as one update
-  over the raveled parameters: a per-element LR gathered from the groups' schedules, one momentum vector.
-  `frozen` {group: N}: that group's elements neither move nor accumulate momentum for the first N steps (as
-  `frozen_for` around the group's sgd)."""
-  frozen = frozen or {}
-  names = list(schedules)
-  leaves, _ = jax.tree.flatten(labels)
-  masks, _ = jax.tree.flatten(decay_mask)
-
-  def per_element(params, values_by_leaf):
-    """One value per leaf, spread over the leaf's elements: a concatenation of broadcasts, which XLA fuses into
-    the update (an index array as long as the parameters would be a constant of that size in the program)."""
-    sizes = [int(np.prod(p.shape)) for p in jax.tree.leaves(params)]
-    return jnp.concatenate([jnp.broadcast_to(v, (n,)) for v, n in zip(values_by_leaf, sizes, strict=True)])
-
-  def init(params):
-    n = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
-    return FlatSgdState(jnp.zeros([], jnp.int32), jnp.zeros([n if momentum else 0], jnp.float32))
-
-  def update(grads, state, params):
-    g, unravel = ravel_pytree(grads)
-    if weight_decay:
-      p, _ = ravel_pytree(params)
-      g = g + weight_decay * per_element(params, [jnp.float32(m) for m in masks]) * p
-    lrs = {n: jnp.asarray(schedules[n](state.count), jnp.float32) for n in names}
-    lr = per_element(params, [lrs[label] for label in leaves])
-    trace = state.momentum
-    if momentum:
-      trace = g + momentum * trace
-      g = g + momentum * trace if nesterov else trace
-    update = -lr * g
-    if frozen:
-      active = per_element(params, [state.count >= frozen.get(label, 0) for label in leaves])
-      update = jnp.where(active, update, 0.0)
-      if momentum:
-        trace = jnp.where(active, trace, state.momentum)
-    return unravel(update), FlatSgdState(optax.safe_int32_increment(state.count), trace)
-
-  return optax.GradientTransformation(init, update)
-
-
-def step_clip_norm(config: ml_collections.ConfigDict) -> float:
-  """The global-norm clip the train step applies itself (`grad_norm_once`), else 0 (the optimizer clips)."""
-  return float(config.grad_clip_norm or 0.0) if config.get("grad_norm_once", False) else 0.0
-
-
-def clip_by_norm(grads, norm, max_norm: float):
-  """optax.clip_by_global_norm's maths, given the norm: unchanged below `max_norm`, scaled to it above."""
-  return jax.tree.map(lambda t: jax.lax.select(norm < max_norm, t, (t / norm.astype(t.dtype)) * max_norm), grads)
-
-
 def build(config: ml_collections.ConfigDict, params, total_steps: int, warmup_steps: int):
   """Returns (optax transformation, {group: schedule}) for `params`."""
   labels, peaks = group_labels(params, config.lr_groups)
@@ -267,13 +188,7 @@ def build(config: ml_collections.ConfigDict, params, total_steps: int, warmup_st
   no_decay = re.compile(config.no_decay) if config.no_decay else None
   decay_mask = jax.tree.map(lambda p: not (no_decay and no_decay.search(p)), param_paths(params))
 
-  if config.get("flat_update", False):
-    if config.name != "sgd":
-      raise ValueError(f"optim.flat_update implements SGD only; optim.name is {config.name!r}.")
-    parts = [
-      flat_sgd(schedules, labels, decay_mask, config.weight_decay, config.momentum or 0.0, config.nesterov, frozen)
-    ]
-  elif config.name == "sgd":
+  if config.name == "sgd":
 
     def group_tx(name):
       tx = optax.sgd(inner_schedule(name), momentum=config.momentum or None, nesterov=config.nesterov)
@@ -301,9 +216,9 @@ def build(config: ml_collections.ConfigDict, params, total_steps: int, warmup_st
     parts = [optax.multi_transform({n: group_tx(n) for n in schedules}, labels)]
   else:
     raise ValueError(f"Unknown optimizer {config.name!r}; known: sgd, adamw, radam")
-  if config.grad_clip_norm and not step_clip_norm(config):
+  if config.grad_clip_norm:
     parts.insert(0, optax.clip_by_global_norm(config.grad_clip_norm))
   tx = optax.chain(*parts)
   if config.lookahead_steps:
-    tx = lookahead(tx, config.lookahead_steps, config.lookahead_alpha, config.get("lookahead_sync_only", False))
+    tx = lookahead(tx, config.lookahead_steps, config.lookahead_alpha)
   return tx, schedules

@@ -19,6 +19,7 @@ from ml_collections import ConfigDict
 
 from vlrep import sharding
 from vlrep.models import resnet, vgg
+from vlrep.removed_switches import drop_removed_switches
 
 
 @dataclasses.dataclass
@@ -67,16 +68,19 @@ def load_run(workdir: str, checkpoint: str = "best") -> Run:
   raise RuntimeError(f"No checkpoint of {workdir} restores:\n  " + "\n  ".join(failures))
 
 
-def read_config(workdir: str) -> ConfigDict:
+def read_config(workdir: str, resuming: bool = False) -> ConfigDict:
   """The training config a run saved with its newest checkpoint (best or latest), read without restoring any
-  weights: cheap enough for a config file to resolve what it inherits from another run."""
+  weights: cheap enough for a config file to resolve what it inherits from another run. Removed speed switches
+  are dropped (`resuming`: one that changed the optimizer state is an error; removed_switches)."""
   workdir, dirs = _run_dirs(workdir)
   failures = []
   for directory, step in _candidates(workdir, dirs, "best"):
     try:
-      return ConfigDict(_restore_meta(directory, step)["config"])
+      meta = _restore_meta(directory, step)
     except Exception as e:  # noqa: BLE001 -- a damaged checkpoint's metadata: the next candidate
       failures.append(f"{os.path.join(directory, str(step))}: {type(e).__name__}: {str(e)[:200]}")
+      continue
+    return ConfigDict(drop_removed_switches(meta["config"], resuming=resuming))
   raise RuntimeError(f"No checkpoint of {workdir} has a readable config:\n  " + "\n  ".join(failures))
 
 
@@ -120,7 +124,7 @@ def _restore_run(directory: str, step: int) -> Run:
   state = checkpointer.restore(state_path, abstract)
   to_np = lambda tree: {k: to_np(v) if isinstance(v, dict) else np.asarray(v) for k, v in tree.items()}  # noqa: E731
   return Run(
-    config=ConfigDict(meta["config"]),
+    config=ConfigDict(drop_removed_switches(meta["config"])),
     params=to_np(state["params"]),
     model_state=to_np(state.get("model_state", {})),
     step=step,
@@ -149,7 +153,7 @@ def backbone_of(run: Run) -> tuple[Any, dict]:
 
 
 # The keys of a `method.backbone` section that fix its architecture (what its weights' shapes depend on), with the
-# value an omitted key means. BatchNorm grouping and the speed switches are training choices, not architecture.
+# value an omitted key means. BatchNorm grouping is a training choice, not architecture.
 BACKBONE_ARCHITECTURE = {
   "arch": "resnet",
   "depth": 50,

@@ -23,7 +23,7 @@ from vlrep import checkpoint as ckpt_lib
 from vlrep import evaluators, methods, optim, runs, sharding
 from vlrep import preemption as preemption_lib
 from vlrep.data import pipeline, records, tokenizers
-from vlrep.train_step import init_train_state, make_train_step, prng_impl
+from vlrep.train_step import init_train_state, make_train_step
 
 
 class NonFiniteLossError(RuntimeError):
@@ -61,8 +61,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, on_preempted=None) -> d
     config.checkpoint.get("exit_deadline_secs", 20.0), interrupt_evaluations=jax.process_count() == 1
   )
   try:
-    with prng_impl(config):
-      return _train(config, workdir, preemption, on_preempted)
+    return _train(config, workdir, preemption, on_preempted)
   finally:
     preemption.close()
 
@@ -153,6 +152,7 @@ def _train(
   state_sh = sharding.state_shardings(mesh, abstract, config.sharding.params, rules=config.sharding.get("rules", ()))
   summary: dict[str, Any] = {}
   if start_step:
+    runs.read_config(workdir, resuming=True)  # a removed speed switch that changed the train state: a clear error
     abstract_sh = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh)
     restored_step, state, meta, skipped = ckpt.restore_newest_intact(abstract_sh)
     for step, why in skipped:
@@ -185,9 +185,7 @@ def _train(
   # ---------------------------------------------------------------------------------------------------- #
   # Jitted step and feature extraction.
   # ---------------------------------------------------------------------------------------------------- #
-  train_step = make_train_step(
-    method, tx, schedules, base_rng, optim.step_clip_norm(config.optim), optim.frozen_rules(config.optim)
-  )
+  train_step = make_train_step(method, tx, schedules, base_rng, optim.frozen_rules(config.optim))
   step_fn = jax.jit(
     train_step, in_shardings=(state_sh, batch_sharding), out_shardings=(state_sh, None), donate_argnums=(0,)
   )
@@ -452,7 +450,7 @@ def load_pretrained_variables(state: dict, pretrained: dict, tx, state_sh) -> di
 def adopt_init_from_architecture(config: ml_collections.ConfigDict, workdir: str) -> None:
   """`init_from=RUN`: this run's backbone takes RUN's architecture (depth, width, stem, ...), so any config can
   start from any run's backbone (e.g. finetune.py:runlocal from the quick start's ResNet-10); its BatchNorm
-  grouping and speed switches stay this config's. When resuming, the architecture is the one this run saved, so
+  grouping stays this config's. When resuming, the architecture is the one this run saved, so
   RUN is not read again. Said in the log when it changes the config."""
   if not config.get("init_from") or "backbone" not in config.get("method", {}):
     return

@@ -10,11 +10,9 @@ import optax
 from vlrep import optim
 
 
-def make_train_step(method, tx, schedules: dict, base_rng, clip_norm: float = 0.0, frozen=()):
+def make_train_step(method, tx, schedules: dict, base_rng, frozen=()):
   """The step the loop jits: loss and gradients from the method, optimizer update, metrics.
 
-  clip_norm > 0 (`optim.step_clip_norm`): the step clips the gradient by its global norm itself, with the norm it
-  also reports, so the norm is taken once (`tx` then has no clip of its own).
   frozen (`optim.frozen_rules`): while a parameter group is frozen, its gradients are zero before the norm (they
   neither count in the clip nor in `grad_norm`, as parameters without gradients) and the model state under the same
   paths (BatchNorm statistics) keeps its values; `tx` (`optim.frozen_for`) leaves the group and its optimizer
@@ -36,8 +34,6 @@ def make_train_step(method, tx, schedules: dict, base_rng, clip_norm: float = 0.
         for k, v in new_model_state.items()
       }
     grad_norm = optax.tree.norm(grads)
-    if clip_norm:
-      grads = optim.clip_by_norm(grads, grad_norm, clip_norm)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     new = {
@@ -61,20 +57,6 @@ def make_train_step(method, tx, schedules: dict, base_rng, clip_norm: float = 0.
     return new, metrics
 
   return train_step
-
-
-PRNG_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
-
-
-def prng_impl(config):
-  """The context in which a run makes and uses its random keys: `config.rng_impl` (default threefry2x32).
-
-  'rbg' and 'unsafe_rbg' draw dropout masks with the accelerator's random-bit generator, cheaper than threefry on
-  GPUs; the masks differ from threefry's (same distribution), so a run's seed gives other numbers under them."""
-  impl = config.get("rng_impl", "threefry2x32") or "threefry2x32"
-  if impl not in PRNG_IMPLS:
-    raise ValueError(f"Unknown rng_impl {impl!r}; known: {', '.join(PRNG_IMPLS)}.")
-  return jax.default_prng_impl(impl)
 
 
 def init_train_state(method, tx, rng, batch) -> dict:

@@ -135,7 +135,7 @@ def expected_shapes(arch: dict, root: str = "backbone") -> dict[str, tuple]:
 
 def backbone_section(base: dict | None, arch: dict) -> dict:
   """A config's `method.backbone` with the imported architecture (the base section's other keys, e.g. its
-  BatchNorm group size and speed switches, are kept for fine-tuning)."""
+  BatchNorm group size, are kept for fine-tuning)."""
   section = {k: v for k, v in dict(base or {}).items() if k not in ("arch", "inner_multiplier", "stem_stride")}
   section.update(depth=arch["depth"], width=arch["width"], stem="imagenet")
   if arch["inner_multiplier"] != 1:

@@ -190,7 +190,6 @@ def _config(base: ConfigDict | None, task: str, sizes: dict, arch: dict, heads: 
     task=task,
     max_len=sizes["positions"],
     dtype="float32",
-    vocab_multiple=1,
     decoder_ln_eps=OFFICIAL_LN_EPS,
     mlp_dropout=True,
     official_init=True,
@@ -348,11 +347,6 @@ def state_dict(run) -> tuple[OrderedDict, dict]:
     raise ValueError(
       f"{run.path}: the backbone uses stem={stem!r}, which the official code's torchvision ResNet does not have; only "
       "stem='imagenet' backbones export."
-    )
-  if method.get("vocab_multiple", 1) > 1:
-    raise ValueError(
-      f"{run.path}: vocab_multiple={method.vocab_multiple} pads the embedding beyond the vocabulary; the official "
-      "head has exactly one row per token. Export needs a run trained with vocab_multiple=1."
     )
   params = {k: v for k, v in run.params.items() if k in ("backbone", "visual_projection", "textual_head", "classifier")}
   flat = {f"params/{k}": np.asarray(v) for k, v in flatten(params).items()}

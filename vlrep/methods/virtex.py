@@ -79,7 +79,6 @@ class VirTex:
       directions=_DIRECTIONS.get(config.task, ()),
       dtype=jnp.dtype(config.dtype),
       init_std=config.init_std,
-      head_speed={k: config[k] for k in ("fused_qkv", "fused_memory_kv", "vocab_multiple") if k in config},
       # Optional (imported runs set them; vlrep.import_run): the head's attention heads and feed-forward width when
       # not hidden // 64 and 4 * hidden, and the decoder LayerNorms' epsilon (vlrep's 1e-8 unless set).
       num_heads=config.get("num_heads") or None,

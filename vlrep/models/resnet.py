@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from vlrep.models import fused
+from vlrep.removed_switches import drop_removed_switches
 
 DEPTHS = {
   10: (1, 1, 1, 1),  # tests only: one block per stage
@@ -31,15 +31,13 @@ DEPTHS = {
 
 class GroupedBatchNorm(nn.Module):
   """BatchNorm whose batch statistics are taken over groups of `group_size` consecutive examples, then
-  `+ residual` and ReLU when asked. `fused`: in training, all of it as `fused.batch_norm_act` (same maths, a
-  hand-written backward)."""
+  `+ residual` and ReLU when asked."""
 
   group_size: int = 0
   momentum: float = 0.9
   epsilon: float = 1e-5
   dtype: Any = jnp.float32
   scale_init: Any = nn.initializers.ones
-  fused: bool = False
 
   @nn.compact
   def __call__(self, x, train: bool, residual=None, relu: bool = False):
@@ -53,21 +51,15 @@ class GroupedBatchNorm(nn.Module):
       g = self.group_size if self.group_size and self.group_size < b else b
       if b % g:
         raise ValueError(f"Batch {b} is not divisible by the BatchNorm group size {g}.")
-      if self.fused:
-        out, mean, var = fused.batch_norm_act(x.astype(self.dtype), scale, bias, residual, g, relu, self.epsilon)
-        mean, var = mean[:, None, None, :], var[:, None, None, :]
-      else:
-        xg = x.astype(jnp.float32).reshape((b // g, g) + x.shape[1:])
-        axes = tuple(range(1, xg.ndim - 1))
-        mean = xg.mean(axes, keepdims=True)
-        var = jnp.maximum((xg * xg).mean(axes, keepdims=True) - mean * mean, 0.0)
+      xg = x.astype(jnp.float32).reshape((b // g, g) + x.shape[1:])
+      axes = tuple(range(1, xg.ndim - 1))
+      mean = xg.mean(axes, keepdims=True)
+      var = jnp.maximum((xg * xg).mean(axes, keepdims=True) - mean * mean, 0.0)
       if not self.is_initializing():
         n = g * x[0, ..., 0].size  # elements per channel in one group
         unbiased = var.mean(0).reshape(c) * n / max(n - 1, 1)
         ra_mean.value = self.momentum * ra_mean.value + (1 - self.momentum) * mean.mean(0).reshape(c)
         ra_var.value = self.momentum * ra_var.value + (1 - self.momentum) * unbiased
-      if self.fused:
-        return out
       y = (xg - mean) * jax.lax.rsqrt(var + self.epsilon)
       y = y.reshape(x.shape)
     else:
@@ -76,25 +68,6 @@ class GroupedBatchNorm(nn.Module):
     if residual is not None:
       out = residual + out
     return nn.relu(out) if relu else out
-
-
-class DotConv1x1(nn.Module):
-  """A 1x1 convolution (no bias, 'SAME' padding, any stride) as a matrix product over channels: the same
-  parameter ('kernel' [1, 1, Cin, Cout], initialised as nn.Conv's) and the same products, but an XLA dot rather
-  than a convolution, which XLA's GPU compiler may fuse with the BatchNorm-apply and ReLU that produce its input
-  (speed switch `conv1x1_as_dot`; docs/speed.md)."""
-
-  features: int
-  strides: tuple[int, int] = (1, 1)
-  dtype: Any = jnp.float32
-  kernel_init: Any = nn.initializers.lecun_normal()
-
-  @nn.compact
-  def __call__(self, x):
-    kernel = self.param("kernel", self.kernel_init, (1, 1, x.shape[-1], self.features), jnp.float32)
-    sh, sw = self.strides
-    x = x[:, ::sh, ::sw]  # 'SAME' for a 1x1 kernel keeps positions 0, s, 2s, ...
-    return jnp.einsum("bhwc,cd->bhwd", x.astype(self.dtype), kernel[0, 0].astype(self.dtype))
 
 
 def _last_bn(zero_init: bool) -> dict:
@@ -164,11 +137,6 @@ class ResNet(nn.Module):
     stem_stride: the small stem's stride (1 or 2); the ImageNet stem's is fixed.
     zero_init_last_bn: start the last BatchNorm of every residual branch at scale 0 (torchvision's
       zero_init_residual; VirTex's official backbone sets it).
-    fused_bn_act: speed switch, same maths: each training-mode BatchNorm with its residual sum and ReLU as
-      `fused.batch_norm_act` (one reduction pass per BatchNorm in the backward).
-    fast_max_pool: speed switch, same maths: the ImageNet stem's max-pool as `fused.max_pool_3x3_s2` (no
-      select-and-scatter in the backward).
-    conv1x1_as_dot: speed switch, same maths: the 1x1 convolutions as matrix products (`DotConv1x1`).
   Returns:
     (features [B, H/32, W/32, C] (H/8 or H/16 with the small stem), {'stage1'..'stage4', 'pre_logits' [B, C]}).
   """
@@ -182,9 +150,6 @@ class ResNet(nn.Module):
   stem: str = "imagenet"
   stem_stride: int = 2
   zero_init_last_bn: bool = False
-  fused_bn_act: bool = False
-  fast_max_pool: bool = False
-  conv1x1_as_dot: bool = False
 
   @property
   def bottleneck(self) -> bool:
@@ -199,21 +164,11 @@ class ResNet(nn.Module):
     if self.depth not in DEPTHS:
       raise ValueError(f"Unsupported ResNet depth {self.depth}; supported: {sorted(DEPTHS)}")
     kernel_init = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
-    plain_conv = functools.partial(
+    conv = functools.partial(
       nn.Conv, use_bias=False, dtype=self.dtype, param_dtype=jnp.float32, kernel_init=kernel_init
     )
-
-    def conv(features, kernel_size, strides=(1, 1), **kwargs):
-      if self.conv1x1_as_dot and tuple(kernel_size) == (1, 1):
-        return DotConv1x1(features, tuple(strides), self.dtype, kernel_init, name=kwargs.get("name"))
-      return plain_conv(features, kernel_size, strides=strides, **kwargs)
-
     norm = functools.partial(
-      GroupedBatchNorm,
-      group_size=self.bn_group_size,
-      momentum=self.bn_momentum,
-      dtype=self.dtype,
-      fused=self.fused_bn_act,
+      GroupedBatchNorm, group_size=self.bn_group_size, momentum=self.bn_momentum, dtype=self.dtype
     )
     aux = {}
     x = x.astype(self.dtype)
@@ -222,10 +177,7 @@ class ResNet(nn.Module):
         raise ValueError(f"stem_stride={self.stem_stride} applies to stem='small'; the ImageNet stem's is 2.")
       x = conv(self.width, (7, 7), strides=(2, 2), padding=((3, 3), (3, 3)), name="conv1")(x)
       x = norm(name="bn1")(x, train, relu=True)
-      if self.fast_max_pool:
-        x = fused.max_pool_3x3_s2(x)
-      else:
-        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+      x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
     elif self.stem == "small":
       if self.stem_stride not in (1, 2):
         raise ValueError(f"stem_stride must be 1 or 2 for stem='small'; got {self.stem_stride}.")
@@ -254,22 +206,7 @@ def _stage_sizes(depth: int) -> Sequence[int]:
   return DEPTHS[depth]
 
 
-# Speed switches that did not pay and were removed with their code (docs/speed.md). Runs saved before that still
-# carry the key in their `method.backbone`; off, it changed nothing and is dropped.
-REMOVED_SWITCHES = {
-  "pallas_conv1x1": "its Pallas/Triton 1x1 convolution kernels were measured slower than XLA's plain path on an "
-  "NVIDIA H200 (docs/speed.md)",
-}
-
-
 def from_config(section, **kwargs) -> ResNet:
   """`ResNet(**section, **kwargs)` for a backbone config section (`method.backbone`, possibly saved by an earlier
-  run): a removed speed switch that is off is dropped; one that is on is a clear error."""
-  section = dict(section)
-  for key, why in REMOVED_SWITCHES.items():
-    if section.pop(key, False):
-      raise ValueError(
-        f"The backbone speed switch {key}=True was removed: {why}. Drop the key (method.backbone.{key}) from "
-        "the config; the plain path computes the same maths."
-      )
-  return ResNet(**section, **kwargs)
+  run): a removed speed switch is dropped, or a clear error where it changed the weights (removed_switches)."""
+  return ResNet(**drop_removed_switches(dict(section), "method.backbone"), **kwargs)

@@ -31,27 +31,16 @@ def zero_row_init(base, row: int):
   return lambda key, shape, dtype=jnp.float32: base(key, shape, dtype).at[row].set(0.0)
 
 
-def _fused_projection(x, kernels, dtype):
-  """x [B, T, H] times several DenseGeneral kernels [H, heads, d] as one matrix product: [B, T, n * heads, d]."""
-  return jnp.einsum("bth,hnd->btnd", x.astype(dtype), jnp.concatenate(kernels, axis=1).astype(dtype))
-
-
 class MultiHeadAttention(nn.Module):
-  """Multi-head attention returning (output, weights[B, heads, Tq, Tk] averaged-ready).
-
-  fused_qkv: self-attention (kv_in is q_in) computes Q, K and V as one matrix product over the three projections'
-    kernels, concatenated at each step (the parameters keep the plain path's names and shapes).
-  memory_kv: (K, V) [B, N, heads, d] computed by the caller (`TransformerTextualHead.fused_memory_kv`).
-  """
+  """Multi-head attention returning (output, weights[B, heads, Tq, Tk] averaged-ready)."""
 
   num_heads: int
   dtype: Any = jnp.float32
   dropout: float = 0.0
   init_std: float = INIT_STD
-  fused_qkv: bool = False
 
   @nn.compact
-  def __call__(self, q_in, kv_in, mask=None, train: bool = False, memory_kv=None):
+  def __call__(self, q_in, kv_in, mask=None, train: bool = False):
     init = nn.initializers.normal(self.init_std)
     h = q_in.shape[-1]
     if h % self.num_heads:
@@ -66,17 +55,7 @@ class MultiHeadAttention(nn.Module):
     )
     # No key bias: it adds q.b to every logit of a query alike, so softmax removes it and its gradient is zero up to
     # rounding, which Adam would scale up into steps of LR size (different on every device count).
-    if memory_kv is not None:
-      q, (k, v) = dense("query")(q_in), memory_kv
-    elif self.fused_qkv and not self.is_initializing():
-      if kv_in is not q_in:
-        raise ValueError("fused_qkv applies to self-attention only (kv_in is q_in).")
-      p = self.variables["params"]
-      qkv = _fused_projection(q_in, [p[n]["kernel"] for n in ("query", "key", "value")], self.dtype)
-      q, k, v = jnp.split(qkv, 3, axis=2)
-      q, v = q + p["query"]["bias"].astype(self.dtype), v + p["value"]["bias"].astype(self.dtype)
-    else:  # the plain path; also creates the parameters the fused paths read
-      q, k, v = dense("query")(q_in), dense("key", bias=False)(kv_in), dense("value")(kv_in)
+    q, k, v = dense("query")(q_in), dense("key", bias=False)(kv_in), dense("value")(kv_in)
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(q.shape[-1]).astype(jnp.float32)
     if mask is not None:
       logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
@@ -98,7 +77,6 @@ class DecoderLayer(nn.Module):
   cross_attention: bool = True
   dtype: Any = jnp.float32
   init_std: float = INIT_STD
-  fused_qkv: bool = False
   ln_eps: float = 1e-8  # the official VirTex layers (torch.nn.TransformerDecoderLayer) use torch's default 1e-5
   # torch.nn.TransformerDecoderLayer (the official VirTex head) also drops out the feed-forward's hidden
   # activations: linear2(dropout(gelu(linear1(x)))).
@@ -106,20 +84,20 @@ class DecoderLayer(nn.Module):
   torch_bias_init: bool = False  # feed-forward biases U(+-1/sqrt(fan_in)), as the official head leaves them
 
   @nn.compact
-  def __call__(self, x, memory, self_mask, train: bool = False, memory_kv=None):
+  def __call__(self, x, memory, self_mask, train: bool = False):
     init = nn.initializers.normal(self.init_std)
     bias = torch_bias_init if self.torch_bias_init else lambda fan_in: nn.initializers.zeros
     ln = lambda name: nn.LayerNorm(epsilon=self.ln_eps, dtype=self.dtype, param_dtype=jnp.float32, name=name)  # noqa: E731
     drop = nn.Dropout(self.dropout)
-    y, weights = MultiHeadAttention(
-      self.num_heads, self.dtype, self.dropout, self.init_std, self.fused_qkv, name="self_attention"
-    )(x, x, self_mask, train)
+    y, weights = MultiHeadAttention(self.num_heads, self.dtype, self.dropout, self.init_std, name="self_attention")(
+      x, x, self_mask, train
+    )
     self.sow("intermediates", "self_attention_weights", weights)  # kept only when 'intermediates' is mutable (maps)
     x = ln("ln_self")(x + drop(y, deterministic=not train))
     cross = None
     if self.cross_attention:
       y, cross = MultiHeadAttention(self.num_heads, self.dtype, self.dropout, self.init_std, name="cross_attention")(
-        x, memory, None, train, memory_kv
+        x, memory, None, train
       )
       x = ln("ln_cross")(x + drop(y, deterministic=not train))
     h = x.shape[-1]
@@ -174,11 +152,6 @@ class TransformerTextualHead(nn.Module):
   Attributes:
     directions: ('forward',), ('forward', 'backward') for bicaptioning, or ('bidirectional',) for masked LM
       (self-attention without the causal mask).
-    fused_qkv: each self-attention's Q, K and V as one matrix product (`MultiHeadAttention`).
-    fused_memory_kv: the cross-attention keys and values of every layer and direction from the image features as
-      one matrix product over their kernels concatenated (they all read the same memory), not 2 x L x directions.
-    vocab_multiple: the embedding table and output layer padded to a multiple of this many rows (128 suits GPU
-      matrix units); the padding rows are never looked up and their logits are cut off before they are returned.
     decoder_ln_eps: epsilon of the decoder layers' LayerNorms (the official VirTex head builds
       torch.nn.TransformerDecoderLayer, whose LayerNorms use torch's default 1e-5). The embedding's stays 1e-8,
       as the official code's.
@@ -199,9 +172,6 @@ class TransformerTextualHead(nn.Module):
   directions: tuple[str, ...] = ("forward", "backward")
   dtype: Any = jnp.float32
   init_std: float = INIT_STD
-  fused_qkv: bool = False
-  fused_memory_kv: bool = False
-  vocab_multiple: int = 1
   decoder_ln_eps: float = 1e-8
   mlp_dropout: bool = False
   official_init: bool = False
@@ -209,9 +179,8 @@ class TransformerTextualHead(nn.Module):
 
   @nn.compact
   def __call__(self, visual, tokens_by_direction: dict, padding_by_direction: dict, train: bool = False):
-    rows = -(-self.vocab_size // max(self.vocab_multiple, 1)) * max(self.vocab_multiple, 1)
     embedding = WordAndPositionEmbedding(
-      rows,
+      self.vocab_size,
       self.hidden,
       self.max_len,
       self.dropout,
@@ -221,24 +190,8 @@ class TransformerTextualHead(nn.Module):
       name="embedding",
     )
     bias_init = torch_bias_init(self.hidden) if self.official_init else nn.initializers.zeros
-    output_bias = self.param("output_bias", bias_init, (rows,), jnp.float32)
+    output_bias = self.param("output_bias", bias_init, (self.vocab_size,), jnp.float32)
     heads = self.num_heads or max(1, self.hidden // 64)
-    memory_kv = {}
-    if self.fused_memory_kv and not self.is_initializing():
-      p = self.variables["params"]
-      names = [
-        (d, layer, proj)
-        for d in self.directions
-        if d in tokens_by_direction
-        for layer in range(self.num_layers)
-        for proj in ("key", "value")
-      ]
-      kernels = [p[f"{d}_layer{layer}"]["cross_attention"][proj]["kernel"] for d, layer, proj in names]
-      projected = jnp.split(_fused_projection(visual, kernels, self.dtype), len(names), axis=2)
-      for (d, layer, proj), kv in zip(names, projected, strict=True):
-        if proj == "value":
-          kv = kv + p[f"{d}_layer{layer}"]["cross_attention"]["value"]["bias"].astype(self.dtype)
-        memory_kv.setdefault((d, layer), []).append(kv)
     logits, aux = {}, {}
     for direction in self.directions:
       if direction not in tokens_by_direction:  # e.g. decoding runs the forward model alone
@@ -259,13 +212,12 @@ class TransformerTextualHead(nn.Module):
           True,
           self.dtype,
           self.init_std,
-          self.fused_qkv,
           self.decoder_ln_eps,
           self.mlp_dropout,
           self.official_init,
           name=f"{direction}_layer{layer}",
-        )(x, visual, mask, train, memory_kv.get((direction, layer)))
+        )(x, visual, mask, train)
         crosses.append(cross)
-      logits[direction] = (embedding.attend(x).astype(jnp.float32) + output_bias)[..., : self.vocab_size]
+      logits[direction] = embedding.attend(x).astype(jnp.float32) + output_bias
       aux[f"{direction}/cross_attention"] = crosses
     return logits, aux

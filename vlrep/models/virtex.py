@@ -14,8 +14,7 @@ class VirTexModel(nn.Module):
   """Image -> 7x7 grid -> projection to the head width -> textual head.
 
   `head` is 'transformer' (captioning and masked LM, `directions` choose which) or 'linear' (token
-  classification: global-average-pooled features -> vocabulary logits). `head_speed` holds the textual head's
-  speed switches (`fused_qkv`, `fused_memory_kv`, `vocab_multiple`: transformer.TransformerTextualHead).
+  classification: global-average-pooled features -> vocabulary logits).
   `num_heads` / `mlp_dim` (None: hidden // 64 and 4 * hidden, as every VirTex model) and `decoder_ln_eps` (the
   decoder LayerNorms' epsilon) let a run reproduce a head built otherwise, e.g. an imported official checkpoint.
   `mlp_dropout` and `official_init` (transformer.TransformerTextualHead) make the head train as the official
@@ -35,7 +34,6 @@ class VirTexModel(nn.Module):
   directions: tuple[str, ...] = ("forward", "backward")
   dtype: Any = jnp.float32
   init_std: float = transformer.INIT_STD
-  head_speed: dict | None = None
   num_heads: int | None = None
   mlp_dim: int | None = None
   decoder_ln_eps: float = 1e-8
@@ -71,7 +69,6 @@ class VirTexModel(nn.Module):
         mlp_dropout=self.mlp_dropout,
         official_init=self.official_init,
         padding_id=special_tokens.PAD_ID,
-        **(self.head_speed or {}),
         name="textual_head",
       )
     else:

@@ -5,15 +5,16 @@ against its measured bf16 matrix-product peak).
   python -m vlrep.tools.benchmark --config=configs/virtex.py --config.batch_size=256 --steps=20 --windows=3
   python -m vlrep.tools.benchmark --config=configs/virtex.py --torch_reference   # + PyTorch, same device, one run
   python -m vlrep.tools.benchmark --config=configs/virtex.py \
-      --variant=fused_bn:method.backbone.fused_bn_act=True --variant=rbg:rng_impl=rbg   # A/B in one run
+      --variant=f32:method.dtype=float32 --variant=fsdp:sharding.params=fsdp   # A/B in one run
   python -m vlrep.tools.benchmark --config=configs/virtex.py --profile --output_dir=/tmp/bench
 
 Timing: `--windows` windows of `--steps` steps each (after 3 warm-up steps); images/s is the median window, with
-the fastest and slowest beside it. `--variant=NAME:KEY=VALUE,KEY=VALUE` adds a variant of the config (the speed
-switches: docs/speed.md); every variant is compiled first, then the windows run round-robin over the baseline and
-the variants, so slow drifts of the machine fall on all of them alike, and each variant's ratio to the baseline is
-reported. `--profile` traces `--profile_steps` steps of each (jax.profiler, Perfetto JSON) into --output_dir and
-writes a table of device time by kernel class (`profile.md`, `profile.json`).
+the fastest and slowest beside it. `--variant=NAME:KEY=VALUE,KEY=VALUE` adds a variant of the config (how
+docs/speed.md measured the speed switches it then removed); every variant is compiled first, then the windows
+run round-robin over the baseline and the variants, so slow drifts of the machine fall on all of them alike, and
+each variant's ratio to the baseline is reported. `--profile` traces `--profile_steps` steps of each
+(jax.profiler, Perfetto JSON) into --output_dir and writes a table of device time by kernel class (`profile.md`,
+`profile.json`).
 
 Inputs are random arrays of the config's shapes (the input pipeline is timed separately by
 `vlrep.tools.pipeline_benchmark`). `--input=device` reuses one batch already on the device: the step alone.
@@ -239,11 +240,6 @@ def prepare(
 ) -> dict:
   """The config's train step compiled on random inputs of its shapes, with its state: what `run_steps` times.
   `offload_state`: the state waits in host memory after the warm-up (`run_steps` brings it back)."""
-  with train_step.prng_impl(config):
-    return _prepare(config, image_size, vocab_size, input_mode, num_tags, offload_state)
-
-
-def _prepare(config, image_size, vocab_size, input_mode, num_tags, offload_state) -> dict:
   mesh = sharding.make_mesh(config.sharding.num_devices or None)
   bs = config.batch_size
   rng = np.random.default_rng(0)
@@ -281,7 +277,7 @@ def _prepare(config, image_size, vocab_size, input_mode, num_tags, offload_state
   with _DEVICE_LOCK:
     state = jax.jit(init, out_shardings=state_sh)(key, batch)
   step = jax.jit(
-    train_step.make_train_step(method, tx, schedules, key, optim.step_clip_norm(config.optim)),
+    train_step.make_train_step(method, tx, schedules, key),
     in_shardings=(state_sh, batch_sh),
     out_shardings=(state_sh, None),
     donate_argnums=(0,),
