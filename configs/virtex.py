@@ -64,7 +64,6 @@ def get_config(arg=None):
     mask_token_prob=0.8,
     random_token_prob=0.1,
     dtype="bfloat16",
-    # Speed switches of the textual head, same maths (vlrep/models/transformer.py, docs/speed.md).
     # Per-GPU BatchNorm with 32 images per GPU in the paper; 0 = synchronised over the whole batch. The official
     # code builds torchvision's ResNet with zero_init_residual=True: each block's last BN starts at scale 0.
     backbone=dict(
