@@ -41,12 +41,15 @@ Arguments (comma-separated; any key can also be set with --config.KEY=VALUE):
   bert=PATH                         a local Hugging Face BERT folder (the recipe needs bert-base-uncased;
                                     'minilm' = the packaged MiniLM-L6-H384, runlocal's default)
   steps=N                           training steps instead of the recipe's
+  data=DIR  val=P                   your own image_text dataset prepared in DIR (README, "Train on your own data");
+                                    concepts come from its captions (tags=label: from its tags); its first P%
+                                    (default 5) is held out for the masked-token evaluator
 ICMLM masks only postag concepts; with tags=cluster or label its l_tp uses those tags instead.
 """
 
 import numpy as np
 
-from vlrep.config_utils import parse_arg
+from vlrep.config_utils import OWN_DATA_VAL_PERCENT, parse_arg, use_own_data
 
 VARIANTS = ("tp", "tfm", "att_fc", "text_only")
 TAGS = ("postag", "cluster", "label")
@@ -65,6 +68,8 @@ def get_config(arg=None):
     backbone="r50",
     bert="",
     steps=0,
+    data="",
+    val=0.0,
   )
   from ml_collections import ConfigDict
 
@@ -243,6 +248,14 @@ def get_config(arg=None):
   c.select_on_test = False
   if arg.runlocal:
     _runlocal(c, arg, icmlm)
+  if arg.data:
+    if arg.tags == "label":
+      raise ValueError(
+        "tags=label reads COCO's object labels; on your data (data=DIR) use tags=postag or tags=cluster, whose "
+        "concepts come from its captions."
+      )
+    use_own_data(c, arg.data, arg.val or OWN_DATA_VAL_PERCENT, {"captions": "ICMLM's concepts and masked captions"})
+    c.data.pp = c.data.pp.replace("keep('image', 'captions', 'objects')", "keep('image', 'captions')")
   return c
 
 

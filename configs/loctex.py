@@ -18,9 +18,12 @@ Ablations (arguments combine with commas; any key can also be overridden with --
                                         per-GPU sub-batch, on any number of devices) or the whole batch
   openimages=True                       COCO + Open Images narrations (the paper's scaled-up LocTex)
   steps=N                               training steps instead of the recipe's epochs
+  data=DIR  val=P                       your own image_text dataset prepared in DIR, with Localized Narratives'
+                                        traces (README, "Train on your own data"); its first P% (default 5) held
+                                        out. The localization evaluator (ground-truth object masks) is off then
 """
 
-from vlrep.config_utils import parse_arg
+from vlrep.config_utils import OWN_DATA_VAL_PERCENT, parse_arg, use_own_data
 
 LOSSES = {"both": (1.0, 1.0), "contrastive": (1.0, 0.0), "localization": (0.0, 1.0)}
 CONTRASTIVE_GROUPS = {"per_gpu": 128, "global": 0}
@@ -36,6 +39,8 @@ def get_config(arg=None):
     contrastive="per_gpu",
     openimages=False,
     steps=0,
+    data="",
+    val=0.0,
   )
   from ml_collections import ConfigDict
 
@@ -147,6 +152,11 @@ def get_config(arg=None):
   c.select_on_test = False
   if arg.runlocal:
     _runlocal(c, arg, grid_sizes)
+  if arg.data:
+    if arg.oracle:
+      raise ValueError("oracle=True needs synthetic_scenes' ground-truth masks; your data (data=DIR) has traces.")
+    needs = {"narration": "LocTex's localization loss L_L: each word's mouse trace"}
+    use_own_data(c, arg.data, arg.val or OWN_DATA_VAL_PERCENT, needs, drop_evals=("localization",))
   return c
 
 

@@ -44,7 +44,7 @@ draw the same paraphrase are identical).
 import re
 
 from vlrep import eval_protocols
-from vlrep.config_utils import parse_arg
+from vlrep.config_utils import OWN_DATA_VAL_PERCENT, parse_arg, use_own_data
 
 # (lambda_ii, lambda_tag, lambda_cc, lambda_ic, lambda_ci)
 LOSSES = {
@@ -85,6 +85,9 @@ def get_config(arg=None):
     text="",  # '' = the default of the recipe (bert) or runlocal (scratch)
     bert="",
     bert_layers=-1,
+    data="",
+    val=0.0,
+    num_tags=1000,
   )
   bert = arg.bert or ("minilm" if arg.runlocal else "")  # '' fails at load time, naming the files it needs
   from ml_collections import ConfigDict
@@ -257,7 +260,28 @@ def get_config(arg=None):
     # A draw per view after the offline views (TF), then the file's paraphrases replace some views (host).
     c.data.pp = re.sub(r"(caption_views\([^)]*\))", r"\1|paraphrase_draws", c.data.pp, count=1)
     c.data.pp = c.data.pp.replace("|tokenize(", f"|paraphrases({arg.paraphrases!r}, {prob:g})|tokenize(", 1)
+  if arg.data:
+    _own_data(c, arg, tags)
   return c
+
+
+def _own_data(c, arg, tags):
+  """Your own image_text data: captions, and with the tag loss (tags=True) its `tags` strings, the `num_tags`
+  most frequent of which form the tag set (`concepts.kind='tags'`, built from the training part)."""
+  needs = {"captions": "MCT's caption towers"}
+  if tags:
+    needs["tags"] = "MCT's tag loss J_tag (or train without it: configs/mct.py:data=DIR,tags=False)"
+  use_own_data(c, arg.data, arg.val or OWN_DATA_VAL_PERCENT, needs)
+  if tags:
+    c.concepts = dict(kind="tags", size=arg.num_tags, corpus_split=c.data.split, corpus_key="tags", path="")
+    tag_op = re.search(r"\|tags\([^|]*\)", c.data.pp).group(0)
+    # At most 32 tags an image, as fixed-shape strings that batch; the host maps them onto the tag set.
+    c.data.pp = c.data.pp.replace(tag_op, "|fixed_captions(32, key='tags', out='tags')", 1)
+    c.data.pp += "|concept_tags(key='tags')"
+  else:  # no tag loss: an empty tag vector (the model reads its width, J_tag is off)
+    tag_op = re.search(r"\|tags\([^|]*\)", c.data.pp).group(0)
+    c.data.pp = c.data.pp.replace(tag_op, "|tags(fields=(), num_tags=1)", 1)
+  c.data.pp = c.data.pp.replace("keep('image', 'captions', 'objects')", "keep('image', 'captions', 'tags')")
 
 
 def _runlocal(c, arg):

@@ -16,9 +16,12 @@ Ablations (arguments combine with commas; any key can also be overridden with --
                                                                   scale with it, as the paper's A.1 does
   head_lr=0.003  backbone_lr=0.01                                 peak LRs (0: the default: head 1e-3, backbone 0.2;
                                                                   runlocal: head 3e-3, backbone 1e-2)
+  data=DIR  val=P                                                 your own image_text dataset prepared in DIR (README,
+                                                                  "Train on your own data"); its first P% (default 5)
+                                                                  is held out for the captioning evaluator
 """
 
-from vlrep.config_utils import parse_arg
+from vlrep.config_utils import OWN_DATA_VAL_PERCENT, parse_arg, use_own_data
 
 # (depth, stem width, bottleneck inner-width multiplier): w2x is Wide ResNet-50-2 (torchvision wide_resnet50_2).
 BACKBONES = {"r50": (50, 64, 1), "r101": (101, 64, 1), "r50w2x": (50, 64, 2)}
@@ -37,6 +40,8 @@ def get_config(arg=None):
     steps=0,
     head_lr=0.0,
     backbone_lr=0.0,
+    data="",
+    val=0.0,
   )
   from ml_collections import ConfigDict
 
@@ -168,6 +173,10 @@ def get_config(arg=None):
 
   if arg.runlocal:
     _runlocal(c, arg)
+  if arg.data:
+    if arg.fraction != 100:
+      raise ValueError("fraction= takes part of COCO; with data=DIR, prepare the part of your data to train on.")
+    use_own_data(c, arg.data, arg.val or OWN_DATA_VAL_PERCENT, {"captions": "VirTex's captioning loss"})
   return c
 
 

@@ -38,7 +38,9 @@ pretraining run; a different one is an error when the run starts).
 Arguments (comma-separated; any key can also be set with --config.KEY=VALUE):
   arch=visual_bert|vilbert
   stage=pretrain|finetune
-  data=captions|questions|ood_captions|generated   the pretraining source (stage=pretrain)
+  data=captions|questions|ood_captions|generated   the pretraining source (stage=pretrain); or data=DIR: your own
+                       image_text captions prepared in DIR (README, "Train on your own data"), regions from the
+                       extractor's grid, the first P% (val=P, default 5) held out for the mlm evaluator
   generated=PATH       the generated-caption file (JSON {image_id: [captions]}) for data=generated
   task=vqa|vizwiz|ve|mmimdb   the downstream task (stage=finetune): VQA 2.0 or VizWiz (answer vocabulary, soft
                        scores, BCE, VQA accuracy), SNLI-VE visual entailment (3-way softmax, accuracy), MM-IMDB
@@ -67,7 +69,7 @@ Arguments (comma-separated; any key can also be set with --config.KEY=VALUE):
 import re
 
 from vlrep import runs
-from vlrep.config_utils import parse_arg
+from vlrep.config_utils import OWN_DATA_VAL_PERCENT, parse_arg, use_own_data
 
 ARCHS = ("visual_bert", "vilbert")
 STAGES = ("pretrain", "finetune")
@@ -99,6 +101,7 @@ def get_config(arg=None):
     bert="",
     steps=0,
     fraction=0.0,
+    val=0.0,
   )
   bert = arg.bert or ("minilm" if arg.runlocal else "")  # '' fails at load time, naming the files it needs
   from ml_collections import ConfigDict
@@ -106,8 +109,11 @@ def get_config(arg=None):
   for name, value, known in (("arch", arg.arch, ARCHS), ("stage", arg.stage, STAGES), ("task", arg.task, TASKS)):
     if value not in known:
       raise ValueError(f"Unknown {name}={value!r}; known: {known}")
-  if arg.data not in SOURCES:
-    raise ValueError(f"Unknown data={arg.data!r}; known: {SOURCES}")
+  own = arg.data not in SOURCES and ("/" in arg.data or "~" in arg.data)  # your own image_text data: a folder
+  if arg.data not in SOURCES and not own:
+    raise ValueError(f"Unknown data={arg.data!r}; known: {SOURCES}, or the folder of your own prepared data")
+  if own and arg.stage != "pretrain":
+    raise ValueError("data=DIR (your own captions) is a pretraining source: stage=pretrain.")
   if arg.data == "generated" and arg.stage == "pretrain" and not arg.generated:
     raise ValueError("data=generated needs generated=PATH (made by `python -m vlrep.tools.caption --output=PATH`).")
   pretrain = arg.stage == "pretrain"
@@ -174,7 +180,9 @@ def get_config(arg=None):
   )
   image_pp = f"decode|resize_small({image_size})|central_crop({image_size})|normalize|regions_from_objects(36)"
   if pretrain:
-    source = {"captions": "captions", "questions": "qa", "ood_captions": "captions", "generated": "captions"}[arg.data]
+    source = {"captions": "captions", "questions": "qa", "ood_captions": "captions", "generated": "captions"}.get(
+      arg.data, "captions"
+    )
     pairs = f"vl_pairs('{source}', 1, answer_as_text_b=True)" if source == "qa" else f"vl_pairs('{source}', 1)"
     host = f"|generated_captions('{arg.generated}')" if arg.data == "generated" else ""
     c.data.pp = f"{image_pp}|{pairs}{host}|tokenize_pairs(36)"
@@ -284,6 +292,13 @@ def get_config(arg=None):
     _region_files(c, arg.regions)
   if arg.extractor:
     c.method.visual.update(init_from=arg.extractor, allow_random_init=False, backbone=extractor_backbone(arg.extractor))
+  if own:
+    # Your own captions (README, "Train on your own data"): regions are the extractor's grid cells, which need no
+    # boxes (ViLBERT's masked-region target is then the cell's feature); the mlm evaluator reads the held-out P%.
+    use_own_data(c, arg.data, arg.val or OWN_DATA_VAL_PERCENT, {"captions": "the masked language model's texts"})
+    c.method.visual.mode = "grid"
+    if arg.arch == "vilbert":
+      c.method.region_target = "feature"
   return c
 
 

@@ -167,3 +167,63 @@ def test_virtex_trains_on_your_own_data_end_to_end(tmp_path, tiny_builder):
   assert "Training stream over 4 records of image_text/train (host 0/1), read from disk" in proc.stderr
   summary = json.loads((tmp_path / "run" / "summary.json").read_text())
   assert summary["steps"] == 3 and np.isfinite(summary["train/loss"])
+
+
+# ---------------------------------------------------------------------------------------------------- #
+# Every method on your own data, one switch each (`configs/<method>.py:data=DIR`).
+# ---------------------------------------------------------------------------------------------------- #
+COLORS = ("red", "blue", "green", "yellow", "white", "black", "purple", "orange", "gray", "pink", "brown", "cyan")
+
+
+def write_captioned_folder(root, tags=True) -> None:
+  """Twelve images of one colour each with two captions (and, with `tags`, two tags) per image in captions.jsonl:
+  a user's own annotated photos, at test size."""
+  os.makedirs(os.path.join(root, "imgs"))
+  rows = []
+  for i, color in enumerate(COLORS):
+    with open(os.path.join(root, "imgs", f"{i:02d}.jpg"), "wb") as f:
+      f.write(_image(color, size=(48, 40)))
+    for caption in (f"a {color} square on a table", f"the photo shows a {color} thing"):
+      row = {"image": f"imgs/{i:02d}.jpg", "caption": caption}
+      if tags:
+        row["tags"] = [color, "square" if i % 2 else "thing"]
+      rows.append(row)
+  with open(os.path.join(root, "captions.jsonl"), "w") as f:
+    f.write("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+@pytest.fixture(scope="module")
+def own_data(tmp_path_factory):
+  """The prepared folder (DATA_DIR) of write_captioned_folder's data, shared by the runs below."""
+  root = tmp_path_factory.mktemp("own")
+  write_captioned_folder(root / "mine")
+  report = prepare.prepare("image_text", str(root / "mine"), str(root / "tfds"))
+  assert report["splits"] == {"train": 12} and not report["skipped"], report
+  return root / "tfds"
+
+
+# method -> (tiny config, its arguments besides data=, the metric its own-data evaluator reports)
+OWN_DATA_RUNS = {
+  "virtex": ("tests/tiny_virtex.py", "", "captioning/cider"),
+  "mct": ("tests/tiny_mct.py", "", "retrieval/rsum"),
+  "icmlm_tp": ("tests/tiny_icmlm.py", "variant=tp", None),
+  "icmlm_tfm": ("tests/tiny_icmlm.py", "variant=tfm", "masked_tokens/top1"),
+  "visual_bert": ("tests/tiny_vlbert.py", "arch=visual_bert,stage=pretrain", "mlm/"),
+}
+
+
+@pytest.mark.parametrize("name", list(OWN_DATA_RUNS))
+def test_every_method_trains_and_evaluates_on_your_own_data_with_one_switch(tmp_path, own_data, name):
+  config, args, metric = OWN_DATA_RUNS[name]
+  arg = ",".join(a for a in (args, f"data={own_data}", "val=25") if a)
+  proc = run_main(
+    tmp_path / "run", "--config.total_steps=2", "--config.batch_size=4", config=f"{config}:{arg}", timeout=900
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  # Training reads the 9 images after the held-out first 25% (3 images), never those.
+  assert "Training stream over 9 records of image_text/train[25%:]" in proc.stderr, proc.stderr[-3000:]
+  summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+  assert summary["steps"] == 2 and np.isfinite(summary["train/loss"])
+  if metric:
+    # Its evaluator read the held-out part of the same folder.
+    assert any(k.startswith(metric) for k in summary), sorted(summary)

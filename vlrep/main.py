@@ -13,11 +13,14 @@ from __future__ import annotations
 import logging as pylogging
 import os
 import socket
+import sys
 import threading
 import time
 
 from absl import app, flags, logging
 from ml_collections import config_flags
+
+from vlrep.errors import UserError
 
 config_flags.DEFINE_config_file("config", None, "Run config: configs/NAME.py[:ARG].", lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and summary.json (resumes if it has some).")
@@ -89,6 +92,11 @@ def main(argv):
   )
   try:
     summary = train.run(FLAGS.config, FLAGS.workdir, on_preempted=_exit_preempted)
+  except UserError as e:
+    # Something the user fixes (data not prepared, a field the data lacks, a bad config value): the message
+    # says what and how; a traceback would bury it.
+    print(f"ERROR: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
   except Exception as e:
     if jax.process_count() > 1 and "NonFinite" not in type(e).__name__:
       # A collective failing mid-run almost always means another process died; the runtime then stops this

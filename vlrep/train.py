@@ -97,6 +97,7 @@ def _train(
     config.get("evals", {}), config.get("best_metric", ""), config.get("select_on_test", False)
   )
   builder = pipeline.get_builder(config.data.name, config.data.data_dir, config.data.get("config_name"))
+  pipeline.check_required_fields(builder, config.data.split, config.data.get("requires", {}), config.method.name)
   # Methods without text (e.g. the fine-tuning classifier) have no tokenizer.
   tokenizer = tokenizers.ensure_tokenizer(config.tokenizer, builder) if config.get("tokenizer") else None
   needs = methods.setup(config, builder, tokenizer)  # e.g. ICMLM's concept set, a VQA run's answer vocabulary

@@ -7,6 +7,8 @@ Kinds (config `concepts.kind`):
   cluster  k-means with K centroids over the frozen BERT's [CLS] vectors of every training caption; an image's
            tags are the clusters of its captions (TP_Cluster).
   label    not built here: the dataset's object labels, through the `tags` op (TP_Label).
+  tags     the K most frequent strings of the dataset's `tags` field (your own data's tags: MCT's tag supervision
+           on `image_text`); an image's tags are those of its strings in the set, matched exactly.
 
 Part-of-speech tagging works offline: spaCy with a packaged English model (`en_core_web_sm`) when both are
 installed (`tagger='spacy'`), otherwise (`tagger='auto'` falls back, `'lexicon'` forces it) a small built-in
@@ -23,6 +25,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -151,6 +154,10 @@ class ConceptSet:
         k = self.caption_cluster.get(" ".join(basic_tokenize(c)))
         if k is not None:
           hot[k] = 1.0
+      elif self.kind == "tags":
+        k = self.index.get(c.strip())
+        if k is not None:
+          hot[k] = 1.0
       else:
         for w in basic_tokenize(c):
           k = self.index.get(w)
@@ -210,6 +217,14 @@ def postag_concepts(
   return ConceptSet("postag", words, ids, meta=meta)
 
 
+def tag_concepts(tags: Iterable[str], size: int) -> ConceptSet:
+  """The `size` most frequent tag strings (ties broken alphabetically), as given (stripped)."""
+  counts = collections.Counter(t.strip() for t in tags if t.strip())
+  ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size]
+  logging.info("Tag set: %d of %d distinct tags.", len(ranked), len(counts))
+  return ConceptSet("tags", [t for t, _ in ranked], meta={"distinct": len(counts), "counts": [n for _, n in ranked]})
+
+
 def cluster_concepts(captions: Iterable[str], size: int, embed_fn, seed: int = 0, batch_size: int = 256) -> ConceptSet:
   """k-means (K = size) over `embed_fn(list[str]) -> float[N, D]` ([CLS] vectors) of the unique captions."""
   from sklearn.cluster import KMeans
@@ -252,9 +267,13 @@ def bert_cls_embedder(bert_path: str, max_len: int = 40):
 
 
 def default_path(config, builder, tokenizer_path: str = "") -> str:
-  split = config.corpus_split.replace("[", "_").replace("]", "").replace(":", "").replace("%", "pct")
+  # 'train[:5%]' -> train_5pct, 'train[5%:]' (own data's training part) -> train_from5pct.
+  split = re.sub(r"\[([\d.]+)%:\]", r"_from\1pct", config.corpus_split)
+  split = split.replace("[", "_").replace("]", "").replace(":", "").replace("%", "pct")
   if config.kind == "postag":
     what = f"postag{config.size}_{'-'.join(p.lower() for p in _pos(config))}_{resolve_tagger(config.tagger)}"
+  elif config.kind == "tags":
+    what = f"tags{config.size}"
   else:
     what = f"cluster{config.size}_{os.path.basename(os.path.dirname(tokenizer_path.rstrip('/'))) or 'bert'}"
   return os.path.join(builder.data_dir, f"vlrep_concepts_{what}_{split}.json")
@@ -269,8 +288,10 @@ def ensure_concepts(config, builder, tokenizer, bert_path: str = "") -> ConceptS
   """Loads the configured concept set, building and caching it from the training captions when missing (only
   process 0 builds; the others wait)."""
 
-  if config.kind not in ("postag", "cluster"):
-    raise ValueError(f"Unknown concepts.kind {config.kind!r}; known: postag, cluster (TP_Label uses the `tags` op).")
+  if config.kind not in ("postag", "cluster", "tags"):
+    raise ValueError(
+      f"Unknown concepts.kind {config.kind!r}; known: postag, cluster, tags (TP_Label uses the `tags` op)."
+    )
   if config.size < 1:
     raise ValueError(f"concepts.size must be >= 1; got {config.size}.")
   path = config.path or default_path(config, builder, getattr(tokenizer, "path", ""))
@@ -280,6 +301,8 @@ def ensure_concepts(config, builder, tokenizer, bert_path: str = "") -> ConceptS
       logging.info("Building concept set %s from %d captions.", path, len(captions))
       if config.kind == "postag":
         concepts = postag_concepts(captions, config.size, _pos(config), tokenizer, resolve_tagger(config.tagger))
+      elif config.kind == "tags":
+        concepts = tag_concepts(captions, config.size)
       else:
         concepts = cluster_concepts(captions, config.size, bert_cls_embedder(bert_path), seed=config.get("seed", 0))
       concepts.save(path)

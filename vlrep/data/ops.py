@@ -400,10 +400,14 @@ def get_gaussian_blur(
 @register
 def get_tags(fields=(("objects", "label", 0),), num_tags: int = 0, out: str = "tags"):
   """Multi-hot tag vector (uint8[num_tags]) from class-label fields: each (outer, inner, offset) adds the labels
-  `ex[outer][inner] + offset` (e.g. shapes at 0 and colours at 10). Repeated labels count once."""
+  `ex[outer][inner] + offset` (e.g. shapes at 0 and colours at 10). Repeated labels count once. No fields: all
+  zeros (a method that reads tags, trained without them)."""
 
   def op(ex):
     ex = dict(ex)
+    if not fields:
+      ex[out] = tf.zeros([num_tags], tf.uint8)
+      return ex
     ids = [tf.reshape(tf.cast(ex[o][i], tf.int32), [-1]) + off for o, i, off in fields]
     ids = tf.concat(ids, 0)
     hot = tf.concat([tf.zeros([1, num_tags], tf.int32), tf.one_hot(ids, num_tags, dtype=tf.int32)], 0)

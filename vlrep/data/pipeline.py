@@ -10,6 +10,7 @@ an uninterrupted run would, whatever tf.data's parallelism.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -24,6 +25,7 @@ from absl import logging
 from vlrep import preemption
 from vlrep.data import caption_views, concepts, ops, records, region_files, registry, traces, vl_ops  # noqa: F401
 from vlrep.data.builders import coco_captions, image_text, localized_narratives, synthetic_scenes, vl_datasets, voc2007
+from vlrep.errors import DatasetNotPrepared, MissingField, UserError
 
 _STREAM_END = 2**62
 
@@ -52,6 +54,59 @@ def prepare_command(name: str) -> str:
   return f"python -m vlrep.data.prepare --dataset={name} --manual_dir=PATH --data_dir=DATA_DIR"
 
 
+# Where each annotation a method may need lives in a user's own files (`image_text`, README "Train on your own
+# data"), for the error a method gives when the prepared data lacks it.
+FIELD_FORMATS = {
+  "captions": 'a caption per image: KEY.txt or KEY.json {"caption": ...} in a shard, or the caption column of '
+  "captions.jsonl / captions.csv",
+  "tags": '"tags": [...] on a captions.jsonl row or in a shard\'s KEY.json (captions.csv: a tags column, '
+  "'|'-separated)",
+  "narration": 'Localized Narratives\' "caption", "timed_caption" and "traces" (points in [0, 1] of the image) '
+  "on a captions.jsonl row or in a shard's KEY.json, exactly as in LN's JSONL files",
+  "boxes": '"boxes": [[x_min, y_min, x_max, y_max], ...] in pixels (optional "labels") on a captions.jsonl row or in '
+  "a shard's KEY.json",
+}
+
+
+def prepared_field_counts(builder) -> dict[str, int] | None:
+  """{field: prepared examples carrying it} from the prepare report beside the dataset
+  (DATA_DIR/<name>_prepare_report.json, `fields`), or None when the report does not say."""
+  root = builder.data_dir
+  for _ in range(3):  # DATA_DIR/name/version (or DATA_DIR/name/config/version)
+    root = os.path.dirname(root)
+    path = os.path.join(root, f"{builder.name}_prepare_report.json")
+    if os.path.exists(path):
+      with open(path) as f:
+        counts = json.load(f).get("fields")
+      return {k: int(v) for k, v in counts.items()} if isinstance(counts, dict) else None
+  return None
+
+
+def check_required_fields(builder, split: str, requires: dict, method: str) -> None:
+  """Before anything trains: every field in `requires` ({field: what needs it, and the alternative}) is in the
+  dataset and carried by some prepared example, else a MissingField error naming the field, what needs it and the
+  format that carries it. Counts come from the prepare report, else from the split's first 1,000 examples."""
+  if not requires:
+    return
+  counts = prepared_field_counts(builder)
+  features = builder.info.features
+  for field, why in dict(requires).items():
+    if field in features and counts is not None and field in counts:
+      present = counts[field] > 0
+    elif field in features:
+      present = any(
+        np.asarray(ex[field]).size and np.asarray(ex[field]).reshape(-1)[0] not in (b"", "")
+        for ex in records.examples(builder, split).take(1000).as_numpy_iterator()
+      )
+    else:
+      present = False
+    if not present:
+      raise MissingField(
+        f"{method} needs '{field}' ({why}), and {builder.name}/{split} in {builder.data_dir} has none. Your data "
+        f"carries it as {FIELD_FORMATS.get(field, field)}; add it and prepare again ({prepare_command(builder.name)})."
+      )
+
+
 def get_builder(name: str, data_dir: str | None, config_name: str | None = None) -> tfds.core.DatasetBuilder:
   """Returns the dataset's builder, generating `synthetic_scenes` on first use.
 
@@ -65,7 +120,7 @@ def get_builder(name: str, data_dir: str | None, config_name: str | None = None)
   builder = cls(config=config_name, data_dir=data_dir) if config_name else cls(data_dir=data_dir)
   if not builder.is_prepared():
     if not generated:
-      raise FileNotFoundError(
+      raise DatasetNotPrepared(
         f"Dataset {name!r} is not prepared in {data_dir}. Prepare it from your local copy with:\n  "
         f"{prepare_command(name)}"
       )
@@ -84,11 +139,11 @@ def _tfds_builder(name: str, data_dir: str, config_name: str | None, registry: d
   try:
     builder = tfds.builder(full, data_dir=data_dir)
   except tfds.core.registered.DatasetNotFoundError as e:
-    raise ValueError(
+    raise UserError(
       f"Unknown dataset {name!r}: neither one of vlrep's ({', '.join(sorted(registry))}) nor a TFDS dataset."
     ) from e
   if not builder.is_prepared():
-    raise FileNotFoundError(
+    raise DatasetNotPrepared(
       f"TFDS dataset {full!r} is not prepared in {data_dir}. Prepare it with TFDS from your local copy, e.g.\n  "
       f"tfds build {name} --data_dir={data_dir} --manual_dir=/path/to/downloaded/files"
     )

@@ -27,23 +27,53 @@ def sync_hosts(tag: str) -> None:
 
 
 def split_name(split: str) -> tuple[str, float]:
-  """'train' or 'train[:10%]' -> (name, fraction). Fractions take the first part of the split, deterministically."""
+  """'train', 'train[:10%]' or 'train[10%:]' -> (name, the fraction of the split it holds)."""
+  name, skip, fraction = _split_parts(split)
+  return name, fraction - skip
+
+
+def _split_parts(split: str) -> tuple[str, float, float]:
+  """(name, skipped fraction, end fraction): 'train[:10%]' is its first 10% (0, 0.1); 'train[10%:]' the rest
+  (0.1, 1), which never shares a record with 'train[:10%]' (own data's training part and its held-out part)."""
   if "[" not in split:
-    return split, 1.0
+    return split, 0.0, 1.0
   name, sl = split.rstrip("]").split("[", 1)
-  if not (sl.startswith(":") and sl.endswith("%")):
-    raise ValueError(f"Only 'split[:N%]' slices are supported, got {split!r}.")
-  return name, float(sl[1:-1]) / 100.0
+  if sl.startswith(":") and sl.endswith("%"):
+    return name, 0.0, float(sl[1:-1]) / 100.0
+  if sl.endswith("%:"):
+    return name, float(sl[:-2]) / 100.0, 1.0
+  if sl.count("%") == 2 and sl.endswith("%") and "%:" in sl:  # 'train[10%:20%]': an evaluator's `limit` of a slice
+    a, b = sl[:-1].split("%:")
+    return name, float(a) / 100.0, float(b) / 100.0
+  raise ValueError(f"Only 'split[:N%]', 'split[N%:]' and 'split[A%:B%]' slices are supported, got {split!r}.")
+
+
+def split_range(builder, split: str) -> tuple[str, int, int]:
+  """(name, first record, record count) of `split`: 'name[:N%]' holds the first max(1, round(N% of the split))
+  records, 'name[N%:]' the records after exactly those."""
+  name, skip, end = _split_parts(split)
+  if name not in builder.info.splits:
+    raise ValueError(f"Split {name!r} not in {builder.name}; splits: {sorted(builder.info.splits)}")
+  total = builder.info.splits[name].num_examples
+  head = lambda f: max(1, int(round(total * f))) if f else 0  # noqa: E731
+  start = head(skip)
+  stop = total if end == 1.0 else head(end)
+  if stop <= start:
+    raise ValueError(f"{builder.name}/{split} holds no example (the split has {total}).")
+  return name, start, stop - start
 
 
 def first_examples(builder, split: str, limit: int = 0) -> str:
   """`split`, or the slice of it holding its first `limit` examples (evaluators' `limit`); 0 keeps all."""
   if not limit:
     return split
-  if split not in builder.info.splits:
-    raise ValueError(f"Split {split!r} not in {builder.name}; splits: {sorted(builder.info.splits)}")
-  total = builder.info.splits[split].num_examples
-  return f"{split}[:{100.0 * min(limit, total) / total}%]"
+  name, start, size = split_range(builder, split)
+  if limit >= size:
+    return split
+  total = builder.info.splits[name].num_examples
+  if not start:
+    return f"{name}[:{100.0 * limit / total}%]"
+  return f"{name}[{100.0 * start / total}%:{100.0 * (start + limit) / total}%]"
 
 
 # Records fetched per read call from ArrayRecord files: one Python call per chunk, not per example.
@@ -51,11 +81,8 @@ READ_CHUNK = 32
 
 
 def split_size(builder, split: str) -> int:
-  """How many records `split` (a name, or 'name[:N%]': its first N%) holds."""
-  name, fraction = split_name(split)
-  if name not in builder.info.splits:
-    raise ValueError(f"Split {name!r} not in {builder.name}; splits: {sorted(builder.info.splits)}")
-  return max(1, int(round(builder.info.splits[name].num_examples * fraction)))
+  """How many records `split` (a name, 'name[:N%]': its first N%, or 'name[N%:]': the rest) holds."""
+  return split_range(builder, split)[2]
 
 
 def is_array_record(builder) -> bool:
@@ -67,9 +94,11 @@ class SplitReader:
   """Random access to serialized examples in ArrayRecord files (one split's, or its first `size`), by index;
   `reads` counts the records this process has read (each host reads only its own indices)."""
 
-  def __init__(self, files: Sequence[str], name: str, size: int | None = None):
+  def __init__(self, files: Sequence[str], name: str, size: int | None = None, start: int = 0):
     self._source = array_record_data_source.ArrayRecordDataSource(list(files))
-    self.size = len(self._source) if size is None else min(size, len(self._source))
+    self.start = start  # the split's first record ('name[N%:]' starts after the held-out first N%)
+    available = len(self._source) - start
+    self.size = available if size is None else min(size, available)
     self.name = name
     self.reads = 0
     self._reads_lock = threading.Lock()  # tf.data calls `read` from several threads at once
@@ -85,7 +114,7 @@ class SplitReader:
     with self._reads_lock:
       self.reads += len(indices)
     # One by one: __getitems__ starts a thread pool per call, which costs more than the reads themselves.
-    return [self._source[i] for i in indices]
+    return [self._source[self.start + i] for i in indices]
 
   def host_lookup(self, host_index: int = 0, host_count: int = 1):
     """(this host's record count, a tf function: positions in this host's share -> their serialized examples, of
@@ -116,8 +145,9 @@ def split_reader(builder, split: str) -> SplitReader:
       f"{builder.name} is stored as {builder.info.file_format.value}, which has no random access: prepare it again "
       "with `python -m vlrep.data.prepare` (ArrayRecord), or set data.in_memory=True."
     )
-  files = [os.fspath(p) for p in builder.info.splits[split_name(split)[0]].filepaths]
-  return SplitReader(files, f"{builder.name}/{split}", split_size(builder, split))
+  name, start, size = split_range(builder, split)
+  files = [os.fspath(p) for p in builder.info.splits[name].filepaths]
+  return SplitReader(files, f"{builder.name}/{split}", size, start)
 
 
 def load_records(
@@ -129,8 +159,9 @@ def load_records(
   if is_array_record(builder):
     shard = split_reader(builder, split).read(range(host_index, total, host_count))
   else:
-    files = [os.fspath(p) for p in builder.info.splits[split_name(split)[0]].filepaths]
-    shard = list(tf.data.TFRecordDataset(files).take(total).as_numpy_iterator())[host_index::host_count]
+    name, start, _ = split_range(builder, split)
+    files = [os.fspath(p) for p in builder.info.splits[name].filepaths]
+    shard = list(tf.data.TFRecordDataset(files).skip(start).take(total).as_numpy_iterator())[host_index::host_count]
   if not shard:
     raise ValueError(f"{builder.name}/{split} has {total} examples, too few for {host_count} hosts.")
   return shard
@@ -146,8 +177,9 @@ def serialized_records(builder, split: str, host_index: int = 0, host_count: int
     count, lookup = split_reader(builder, split).host_lookup(host_index, host_count)
     ds = tf.data.Dataset.range(count).batch(READ_CHUNK)
     return ds.map(lookup, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
-  files = [os.fspath(p) for p in builder.info.splits[split_name(split)[0]].filepaths]
-  return tf.data.TFRecordDataset(files).take(total).shard(host_count, host_index)
+  name, start, _ = split_range(builder, split)
+  files = [os.fspath(p) for p in builder.info.splits[name].filepaths]
+  return tf.data.TFRecordDataset(files).skip(start).take(total).shard(host_count, host_index)
 
 
 def examples(builder, split: str, decode_images: bool = False) -> tf.data.Dataset:

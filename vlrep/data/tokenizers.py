@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import unicodedata
 from collections.abc import Iterable
 
@@ -184,7 +185,9 @@ class Tokenizer:
 
 def default_path(config, builder) -> str:
   """Next to the dataset's files, so a vocabulary belongs to one dataset version, corpus split and field."""
-  split = config.corpus_split.replace("[", "_").replace("]", "").replace(":", "").replace("%", "pct")
+  # 'train[:5%]' -> train_5pct, 'train[5%:]' (own data's training part) -> train_from5pct.
+  split = re.sub(r"\[([\d.]+)%:\]", r"_from\1pct", config.corpus_split)
+  split = split.replace("[", "_").replace("]", "").replace(":", "").replace("%", "pct")
   # The corpus field is part of the name: a narration vocabulary is not a caption vocabulary.
   key = "" if config.corpus_key == "captions" else f"_{config.corpus_key}"
   return os.path.join(builder.data_dir, f"vlrep_bpe{config.vocab_size}_{split}{key}.model")
