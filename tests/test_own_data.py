@@ -8,10 +8,12 @@ import tarfile
 
 import numpy as np
 import pytest
-from conftest import load_tiny_config, run_main
+from conftest import run_main
 from PIL import Image
+from test_evaluation import _load_config as load_config
 
-from vlrep.data import pipeline, prepare, records, tokenizers
+from vlrep.data import pipeline, prepare, records
+from vlrep.errors import MissingField
 
 
 def _image(color, fmt="JPEG", size=(40, 30)) -> bytes:
@@ -148,27 +150,6 @@ def test_a_manual_dir_of_neither_format_is_a_clear_error(tmp_path):
     prepare.prepare("image_text", str(tmp_path / "other"), str(tmp_path / "tfds"))
 
 
-def test_virtex_trains_on_your_own_data_end_to_end(tmp_path, tiny_builder):
-  write_shards(tmp_path / "shards")
-  data_dir = tmp_path / "tfds"
-  prepare.prepare("image_text", str(tmp_path / "shards"), str(data_dir))
-  vocab = tokenizers.default_path(load_tiny_config().tokenizer, tiny_builder)  # the tiny set's, built by conftest
-  proc = run_main(
-    tmp_path / "run",
-    "--config.data.name=image_text",
-    f"--config.data.data_dir={data_dir}",
-    "--config.data.config_name=",
-    f"--config.tokenizer.path={vocab}",
-    "--config.batch_size=2",
-    "--config.total_steps=3",
-    "--config.evals={}",
-  )
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "Training stream over 4 records of image_text/train (host 0/1), read from disk" in proc.stderr
-  summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-  assert summary["steps"] == 3 and np.isfinite(summary["train/loss"])
-
-
 # ---------------------------------------------------------------------------------------------------- #
 # Every method on your own data, one switch each (`configs/<method>.py:data=DIR`).
 # ---------------------------------------------------------------------------------------------------- #
@@ -227,3 +208,32 @@ def test_every_method_trains_and_evaluates_on_your_own_data_with_one_switch(tmp_
   if metric:
     # Its evaluator read the held-out part of the same folder.
     assert any(k.startswith(metric) for k in summary), sorted(summary)
+
+
+def test_a_field_the_method_needs_is_a_clear_error_before_training(tmp_path):
+  write_captioned_folder(tmp_path / "mine", tags=False)
+  data_dir = tmp_path / "tfds"
+  prepare.prepare("image_text", str(tmp_path / "mine"), str(data_dir))
+  # MCT's tag loss (runlocal's default) on captions without tags: exit 2, the message alone, no traceback.
+  proc = run_main(tmp_path / "run", config=f"tests/tiny_mct.py:data={data_dir}")
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert (
+    "mct needs 'tags' (MCT's tag loss J_tag (or train without it: configs/mct.py:data=DIR,tags=False))" in proc.stderr
+  )
+  assert '"tags": [...] on a captions.jsonl row' in proc.stderr and "Traceback" not in proc.stderr
+  assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained
+  # LocTex needs Localized Narratives' traces; captions alone are not enough.
+  builder = pipeline.get_builder("image_text", str(data_dir))
+  loctex = load_config("loctex", f"runlocal,data={data_dir}")
+  with pytest.raises(MissingField, match=r"loctex needs 'narration' \(LocTex's localization loss .*timed_caption"):
+    pipeline.check_required_fields(builder, loctex.data.split, loctex.data.requires, "loctex")
+  # What the data has passes.
+  virtex = load_config("virtex", f"runlocal,data={data_dir}")
+  pipeline.check_required_fields(builder, virtex.data.split, virtex.data.requires, "virtex")
+
+
+def test_a_dataset_that_is_not_prepared_exits_2_with_the_command_that_prepares_it(tmp_path):
+  proc = run_main(tmp_path / "run", config=f"tests/tiny_virtex.py:data={tmp_path / 'nothing'}")
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert "Dataset 'image_text' is not prepared" in proc.stderr and "python -m vlrep.data.prepare" in proc.stderr
+  assert "Traceback" not in proc.stderr
