@@ -9,7 +9,9 @@
                                                                               images + captions.jsonl / .csv)
 
 Skipped inputs (undecodable or missing images, empty captions, ...) are counted, printed, and saved to
-DATA_DIR/<dataset>_prepare_report.json.
+DATA_DIR/<dataset>_prepare_report.json. For image_text the report's `fields` also says how many prepared examples
+carry each field ({"captions": n, "tags": n, "narration": n, "timed_caption": n, "traces": n, "boxes": n,
+"box_labels": n}): a method that needs one checks it before training.
 """
 
 from __future__ import annotations
@@ -72,6 +74,11 @@ def prepare(
     "splits": {k: v.num_examples for k, v in builder.info.splits.items()},
     "skipped": {reason: n for (_, reason), n in common.SKIPPED.items()},
   }
+  # Builders that count their optional fields (image_text) keep the counts in the dataset's metadata, so they are
+  # exact whether this call generated the dataset or found it prepared.
+  fields = (builder.info.metadata or {}).get("fields")
+  if fields is not None:
+    report["fields"] = {name: int(n) for name, n in fields.items()}
   os.makedirs(data_dir, exist_ok=True)
   with open(os.path.join(data_dir, f"{dataset}_prepare_report.json"), "w") as f:
     json.dump(report, f, indent=2)

@@ -1,17 +1,68 @@
 """Your own image-text data (manual_dir), in either of two layouts:
 
   (a) webdataset / img2dataset shards:  MANUAL_DIR/*.tar, each holding KEY.jpg (or .jpeg, .png, .webp) beside
-      KEY.txt (the caption) and/or KEY.json ({"caption": "...", "tags": ["...", ...]}, as img2dataset writes);
+      KEY.txt (the caption) and/or KEY.json ({"caption": "...", "tags": ["...", ...]}, as img2dataset writes,
+      with the optional fields below);
   (b) a folder of images with MANUAL_DIR/captions.jsonl, one {"image": "relative/path.jpg", "caption": "...",
-      "tags": [...]} per line, or MANUAL_DIR/captions.csv with the header image,caption[,tags] (tags separated
-      by '|').
+      "tags": [...]} per line (with the optional fields below), or MANUAL_DIR/captions.csv with the header
+      image,caption[,tags] (tags separated by '|'; CSV carries no optional field).
 
 Prepared with `python -m vlrep.data.prepare --dataset=image_text --manual_dir=MANUAL_DIR`; one split, 'train'
 (take a validation set with 'train[:N%]' elsewhere or keep one in another folder). Rows naming the same image are
 grouped into one example holding all its captions and tags. Skipped and counted in the prepare report: lines that
 are not UTF-8 or not JSON, rows without an image or caption field, empty captions, missing and undecodable
 images, captions that are not strings, unreadable shards (a torn shard keeps the examples before the break),
-images without a caption and captions without an image (mismatched keys in a shard).
+images without a caption and captions without an image (mismatched keys in a shard), shard metadata that is not
+a UTF-8 JSON object.
+
+Optional fields of a captions.jsonl row or a shard's KEY.json (LocTex and the VL pretraining read them):
+
+  Localized Narratives, exactly as in LN's JSONL: "caption" (the narration), "timed_caption": [{"utterance",
+  "start_time", "end_time"}, ...] (seconds) and "traces": [[{"x", "y", "t"}, ...], ...] (segments of points; x, y
+  in [0, 1] of the image, t in seconds on the timed_caption's clock). Stored as `narration` (text; '' when the
+  image has none), `timed_caption` (utterance, start_time, end_time: float32) and `traces` (float32 [N, 3]: x, y,
+  t, the segments concatenated), as the localized_narratives builder stores them. An image's narration comes from
+  its first row (file order) with usable `traces`; the narration's caption also goes into `captions`. In a shard
+  the narration is KEY.json's "caption" (KEY.txt, if present, is the caption in `captions`).
+  Checks, each counted under the reason quoted:
+    - a row with "traces" once its image has a narration: "second narration of an image (its caption kept, its
+      trace not)";
+    - "traces" not a list of segment lists: "traces not a list of segments (narration dropped, caption kept)";
+      "timed_caption" not a list: "timed_caption not a list (narration dropped, caption kept)"; "caption" not a
+      non-empty string: "narration without a caption (narration dropped)"; "timed_caption" on a row without
+      "traces": "timed_caption without traces (timed words ignored)";
+    - a point that is not a dict or whose x, y or t is missing, not a number or not finite: "malformed trace
+      point (point dropped)" (counted per point);
+    - a point with x or y outside [0, 1] by at most 0.02 is clipped to the image (LN's own data has such points);
+      further out: "trace point outside the image by more than 0.02 (point dropped)" (per point);
+    - no point left: "narration without usable trace points (narration dropped, caption kept)";
+    - point times that decrease along the trace (segments in order): "trace times decrease (narration dropped,
+      caption kept)": its words could not be matched to the right points;
+    - a timed word that is not a dict with a string utterance: "malformed timed word (word dropped)" (per word);
+    - a word whose start_time or end_time is missing, not a number or not finite: "timed word without numeric
+      times (word kept without times: it gets no trace)"; start_time > end_time: "timed word with start_time >
+      end_time (word kept without times: it gets no trace)". Such a word keeps its utterance (so the words still
+      spell the caption) with both times stored as NaN, which LocTex's trace_words gives no points;
+    - a word spoken entirely before the first or after the last point: "timed word outside the trace's time span
+      (word kept; it gets no trace)" (per word); if no timed word overlaps the trace's time span at all, the clocks
+      do not match: "no timed word within the trace's time span (narration dropped, caption kept)".
+
+  Boxes: "boxes": [[x_min, y_min, x_max, y_max], ...] in pixels of the image, with optional "labels": ["...",
+  ...] (one string or null per box). Stored as `boxes` (float32 [B, 4], pixels) and `box_labels` (text per box,
+  '' without a label). An image's boxes come from its first row with at least one well-formed box; checks:
+    - a row with "boxes" once its image has boxes: "second set of boxes of an image (its caption kept, its boxes
+      not)";
+    - "boxes" not a list: "boxes not a list (boxes ignored)"; "labels" on a row without boxes: "labels without
+      boxes (labels ignored)";
+    - "labels" not a list of strings (or nulls) as long as "boxes": "labels not one string per box (labels
+      dropped, boxes kept)";
+    - a box that is not 4 finite numbers: "box not 4 finite numbers (box dropped)"; x_min >= x_max or y_min >=
+      y_max: "box with x_min >= x_max or y_min >= y_max (box dropped)";
+    - a box reaching outside the image by at most 1 pixel is clipped to it; further out (or empty once clipped):
+      "box outside the image by more than 1 pixel (box dropped)".
+
+The prepare report's `fields` says how many prepared examples carry each field: `captions`, `tags`, `narration`
+(with >= 1 trace point), `timed_caption`, `traces`, `boxes` and `box_labels` (>= 1 non-empty label).
 """
 
 from __future__ import annotations
@@ -21,24 +72,38 @@ import csv
 import glob
 import io
 import json
+import math
 import os
 import tarfile
 
 import numpy as np
 import tensorflow_datasets as tfds
+from absl import logging
 from PIL import Image
 
 from vlrep.data.builders import common
+from vlrep.data.builders import localized_narratives as ln
 
 NAME = "image_text"
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
+# How far (in [0, 1] image units) a trace point may lie outside the image and still be kept, clipped onto it.
+TRACE_TOLERANCE = 0.02
+# How far (pixels) a box may reach outside the image and still be kept, clipped to it.
+BOX_TOLERANCE = 1.0
+# The fields whose examples the prepare report counts (`fields`): an example carries one when it is non-empty.
+COUNTED_FIELDS = ("captions", "tags", "narration", "timed_caption", "traces", "boxes", "box_labels")
 
 
 class ImageText(tfds.core.GeneratorBasedBuilder):
-  """Images with their captions (and optional tags) from webdataset shards or a folder with a JSONL/CSV index."""
+  """Images with their captions (optional tags, Localized Narratives fields and boxes) from webdataset shards or a
+  folder with a JSONL/CSV index."""
 
-  VERSION = tfds.core.Version("1.0.0")
-  RELEASE_NOTES = {"1.0.0": "First release."}
+  VERSION = tfds.core.Version("1.1.0")
+  RELEASE_NOTES = {
+    "1.0.0": "First release.",
+    "1.1.0": "Localized Narratives fields (narration, timed_caption, traces) and boxes (boxes, box_labels); "
+    "metadata `fields`: how many examples carry each optional field.",
+  }
   MANUAL_DOWNLOAD_INSTRUCTIONS = __doc__
 
   def _info(self):
@@ -50,8 +115,19 @@ class ImageText(tfds.core.GeneratorBasedBuilder):
           "key": tfds.features.Text(),  # the shard member's key or the image's path under manual_dir
           "captions": tfds.features.Sequence(tfds.features.Text()),
           "tags": tfds.features.Sequence(tfds.features.Text()),
+          # As the localized_narratives builder stores them (LocTex's ops read both alike).
+          "narration": tfds.features.Text(),
+          "timed_caption": tfds.features.Sequence(
+            {"utterance": tfds.features.Text(), "start_time": np.float32, "end_time": np.float32}
+          ),
+          "traces": tfds.features.Tensor(shape=(None, 3), dtype=np.float32),
+          "boxes": tfds.features.Tensor(shape=(None, 4), dtype=np.float32),  # x_min, y_min, x_max, y_max, pixels
+          "box_labels": tfds.features.Sequence(tfds.features.Text()),
         }
       ),
+      # `fields`: {field: examples carrying it}, written with the dataset and read back with it (the prepare
+      # report copies it), so it is exact even when the report is written again for a dataset already prepared.
+      metadata=tfds.core.MetadataDict(),
       homepage="https://github.com/vlrep/vlrep",
     )
 
@@ -60,12 +136,18 @@ class ImageText(tfds.core.GeneratorBasedBuilder):
     return {"train": self._generate_examples(root)}
 
   def _generate_examples(self, root: str):
-    for image_id, (key, image, captions, tags) in enumerate(read_manual_dir(root)):
-      yield key, {"image": io.BytesIO(image), "image_id": image_id, "key": key, "captions": captions, "tags": tags}
+    counts = dict.fromkeys(COUNTED_FIELDS, 0)
+    for image_id, example in enumerate(read_manual_dir(root)):
+      for field in COUNTED_FIELDS:
+        value = example[field]
+        counts[field] += bool(any(value) if field == "box_labels" else len(value))
+      yield example["key"], {**example, "image": io.BytesIO(example["image"]), "image_id": image_id}
+    self.info.metadata["fields"] = counts
 
 
 def read_manual_dir(root: str):
-  """(key, encoded JPEG, captions, tags) per usable image of `root`, in key order; skips counted in common."""
+  """One dict per usable image of `root`, in key order: key, image (JPEG bytes), captions, tags, narration,
+  timed_caption, traces, boxes, box_labels; skips counted in common."""
   shards = sorted(glob.glob(os.path.join(root, "*.tar")))
   if shards:
     return _from_shards(shards)
@@ -77,16 +159,24 @@ def read_manual_dir(root: str):
   )
 
 
-def _jpeg(data: bytes, what: str) -> bytes | None:
-  """The image as JPEG bytes (JPEGs kept as they are), or None (counted) if it does not decode."""
+def _count(reason: str, n: int, what: str) -> None:
+  """Counts n skips (points, words, boxes) of one row under `reason`, logged once."""
+  if n:
+    common.SKIPPED[(NAME, reason)] += n
+    logging.warning("%s: %s: %d x %s", NAME, what, n, reason)
+
+
+def _jpeg(data: bytes, what: str) -> tuple[bytes, tuple[int, int]] | None:
+  """(the image as JPEG bytes (JPEGs kept as they are), (width, height)), or None (counted) if it does not
+  decode."""
   try:
     with Image.open(io.BytesIO(data)) as im:
       im.load()
       if im.format == "JPEG" and im.mode in ("RGB", "L"):
-        return data
+        return data, im.size
       out = io.BytesIO()
       im.convert("RGB").save(out, "JPEG", quality=95)
-      return out.getvalue()
+      return out.getvalue(), im.size
   except Exception as e:  # PIL raises many types for corrupt files
     common.skip(NAME, f"undecodable image ({type(e).__name__})", what)
     return None
@@ -104,6 +194,140 @@ def _text_fields(meta: dict, what: str) -> tuple[list[str], list[str]]:
   if len(kept) < len(strings):
     common.skip(NAME, "empty caption", what)
   return kept, [t.strip() for t in tags if isinstance(t, str) and t.strip()]
+
+
+def _finite(value) -> bool:
+  return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _narration(row: dict, what: str) -> dict | None:
+  """The row's Localized Narratives fields, checked (see the module docstring): {narration, timed_caption,
+  traces}, or None when the row has no `traces` or its narration is dropped (counted; its caption is kept)."""
+  if "traces" not in row:
+    if row.get("timed_caption"):
+      common.skip(NAME, "timed_caption without traces (timed words ignored)", what)
+    return None
+  traces, timed, caption = row["traces"], row.get("timed_caption") or [], row.get("caption")
+  if not isinstance(traces, list) or not all(isinstance(segment, list) for segment in traces):
+    common.skip(NAME, "traces not a list of segments (narration dropped, caption kept)", what)
+    return None
+  if not isinstance(timed, list):
+    common.skip(NAME, "timed_caption not a list (narration dropped, caption kept)", what)
+    return None
+  if not isinstance(caption, str) or not caption.strip():
+    common.skip(NAME, "narration without a caption (narration dropped)", what)
+    return None
+  points, malformed, outside = [], 0, 0
+  for point in (p for segment in traces for p in segment):
+    xyt = ln.trace_point(point)
+    if xyt is None or not all(math.isfinite(v) for v in xyt):
+      malformed += 1
+    elif not all(-TRACE_TOLERANCE <= v <= 1 + TRACE_TOLERANCE for v in xyt[:2]):
+      outside += 1
+    else:
+      points.append([min(max(xyt[0], 0.0), 1.0), min(max(xyt[1], 0.0), 1.0), xyt[2]])
+  _count("malformed trace point (point dropped)", malformed, what)
+  _count(f"trace point outside the image by more than {TRACE_TOLERANCE} (point dropped)", outside, what)
+  if not points:
+    common.skip(NAME, "narration without usable trace points (narration dropped, caption kept)", what)
+    return None
+  times = [t for _, _, t in points]
+  if any(b < a for a, b in zip(times, times[1:], strict=False)):
+    common.skip(NAME, "trace times decrease (narration dropped, caption kept)", what)
+    return None
+  words, malformed, counts = [], 0, collections.Counter()
+  for entry in timed:
+    word = ln.timed_word(entry)
+    if word is None or not isinstance(entry["utterance"], str):
+      malformed += 1
+      continue
+    start, end = word["start_time"], word["end_time"]
+    if start is None or end is None or not (math.isfinite(start) and math.isfinite(end)):
+      counts["timed word without numeric times (word kept without times: it gets no trace)"] += 1
+      start = end = math.nan
+    elif start > end:
+      counts["timed word with start_time > end_time (word kept without times: it gets no trace)"] += 1
+      start = end = math.nan
+    words.append({"utterance": entry["utterance"], "start_time": start, "end_time": end})
+  _count("malformed timed word (word dropped)", malformed, what)
+  timed_words = [w for w in words if not math.isnan(w["start_time"])]
+  outside = [w for w in timed_words if w["end_time"] < times[0] or w["start_time"] > times[-1]]
+  if timed_words and len(outside) == len(timed_words):
+    common.skip(NAME, "no timed word within the trace's time span (narration dropped, caption kept)", what)
+    return None
+  counts["timed word outside the trace's time span (word kept; it gets no trace)"] += len(outside)
+  for reason, n in counts.items():
+    _count(reason, n, what)
+  return {"narration": caption.strip(), "timed_caption": words, "traces": np.asarray(points, np.float32)}
+
+
+def _boxes(row: dict, what: str) -> list[tuple[list[float], str]] | None:
+  """The row's well-formed boxes [x_min, y_min, x_max, y_max] with their labels ('' without one), or None when
+  the row has none; the image's bounds are checked once it is decoded (`_fit_boxes`)."""
+  boxes, labels = row.get("boxes"), row.get("labels")
+  if boxes is None or boxes == []:
+    if labels:
+      common.skip(NAME, "labels without boxes (labels ignored)", what)
+    return None
+  if not isinstance(boxes, list):
+    common.skip(NAME, "boxes not a list (boxes ignored)", what)
+    return None
+  if labels is not None and not (
+    isinstance(labels, list) and len(labels) == len(boxes) and all(x is None or isinstance(x, str) for x in labels)
+  ):
+    common.skip(NAME, "labels not one string per box (labels dropped, boxes kept)", what)
+    labels = None
+  labels = [(x or "").strip() for x in labels] if labels is not None else [""] * len(boxes)
+  kept, malformed, empty = [], 0, 0
+  for box, label in zip(boxes, labels, strict=True):
+    if not (isinstance(box, list | tuple) and len(box) == 4 and all(_finite(v) for v in box)):
+      malformed += 1
+    elif not (box[0] < box[2] and box[1] < box[3]):
+      empty += 1
+    else:
+      kept.append(([float(v) for v in box], label))
+  _count("box not 4 finite numbers (box dropped)", malformed, what)
+  _count("box with x_min >= x_max or y_min >= y_max (box dropped)", empty, what)
+  return kept or None
+
+
+def _fit_boxes(boxes, size: tuple[int, int], what: str) -> tuple[np.ndarray, list[str]]:
+  """Boxes clipped to the image of `size` (width, height), those outside it by more than BOX_TOLERANCE (or empty
+  once clipped) dropped and counted: (float32 [B, 4], labels)."""
+  width, height = size
+  kept, labels, outside = [], [], 0
+  for (x0, y0, x1, y1), label in boxes or []:
+    inside = min(x0, y0) >= -BOX_TOLERANCE and x1 <= width + BOX_TOLERANCE and y1 <= height + BOX_TOLERANCE
+    x0, x1 = min(max(x0, 0.0), width), min(max(x1, 0.0), width)
+    y0, y1 = min(max(y0, 0.0), height), min(max(y1, 0.0), height)
+    if inside and x0 < x1 and y0 < y1:
+      kept.append([x0, y0, x1, y1])
+      labels.append(label)
+    else:
+      outside += 1
+  _count(f"box outside the image by more than {BOX_TOLERANCE:g} pixel (box dropped)", outside, what)
+  return np.asarray(kept, np.float32).reshape(-1, 4), labels
+
+
+_NO_NARRATION = {"narration": "", "timed_caption": [], "traces": np.zeros((0, 3), np.float32)}
+
+
+def _example(key, image, captions, tags, narration, boxes, what) -> dict | None:
+  """The example's fields (image_id aside), or None (counted) if the image does not decode."""
+  decoded = _jpeg(image, what)
+  if decoded is None:
+    return None
+  jpeg, size = decoded
+  box_array, box_labels = _fit_boxes(boxes, size, what)
+  return {
+    "key": key,
+    "image": jpeg,
+    "captions": captions,
+    "tags": tags,
+    **(narration or _NO_NARRATION),
+    "boxes": box_array,
+    "box_labels": box_labels,
+  }
 
 
 def _from_shards(shards: list[str]):
@@ -131,6 +355,10 @@ def _from_shards(shards: list[str]):
         except (UnicodeDecodeError, json.JSONDecodeError):
           common.skip(NAME, "metadata not UTF-8 JSON", what)
           meta = {}
+        if not isinstance(meta, dict):
+          common.skip(NAME, "metadata not a JSON object", what)
+          meta = {}
+      extra = dict(meta)  # the narration is KEY.json's caption, even beside a KEY.txt
       if ".txt" in files:
         try:
           meta["caption"] = files[".txt"].decode("utf-8")
@@ -148,9 +376,11 @@ def _from_shards(shards: list[str]):
       if not captions:
         common.skip(NAME, "image without captions", what)
         continue
-      jpeg = _jpeg(image, what)
-      if jpeg is not None:
-        yield f"{os.path.basename(shard)}/{key}", jpeg, captions, tags
+      example = _example(
+        f"{os.path.basename(shard)}/{key}", image, captions, tags, _narration(extra, what), _boxes(extra, what), what
+      )
+      if example is not None:
+        yield example
 
 
 def _jsonl_rows(path: str):
@@ -188,19 +418,31 @@ def _csv_rows(path: str):
 
 
 def _from_index(root: str, rows):
-  grouped: dict[str, tuple[list[str], list[str]]] = {}
+  grouped: dict[str, dict] = {}
   for row, what in rows:
     image = row.get("image")
     if not isinstance(image, str) or not image or "caption" not in row and "captions" not in row:
       common.skip(NAME, "row without an image or caption field", what)
       continue
     captions, tags = _text_fields(row, what)
-    entry = grouped.setdefault(image, ([], []))
-    entry[0].extend(captions)
-    entry[1].extend(t for t in tags if t not in entry[1])
+    entry = grouped.setdefault(image, {"captions": [], "tags": [], "narration": None, "boxes": None})
+    entry["captions"].extend(captions)
+    entry["tags"].extend(t for t in tags if t not in entry["tags"])
+    if entry["narration"] is None:
+      entry["narration"] = _narration(row, what)
+    elif "traces" in row:
+      common.skip(NAME, "second narration of an image (its caption kept, its trace not)", what)
+    elif row.get("timed_caption"):
+      common.skip(NAME, "timed_caption without traces (timed words ignored)", what)
+    if entry["boxes"] is None:
+      entry["boxes"] = _boxes(row, what)
+    elif row.get("boxes"):
+      common.skip(NAME, "second set of boxes of an image (its caption kept, its boxes not)", what)
+    elif row.get("labels"):
+      common.skip(NAME, "labels without boxes (labels ignored)", what)
   for image in sorted(grouped):
-    captions, tags = grouped[image]
-    if not captions:
+    entry = grouped[image]
+    if not entry["captions"]:
       common.skip(NAME, "image without captions", image)
       continue
     path = os.path.join(root, image)
@@ -210,6 +452,6 @@ def _from_index(root: str, rows):
     except OSError:
       common.skip(NAME, "missing image file", image)
       continue
-    jpeg = _jpeg(data, image)
-    if jpeg is not None:
-      yield image, jpeg, captions, tags
+    example = _example(image, data, entry["captions"], entry["tags"], entry["narration"], entry["boxes"], image)
+    if example is not None:
+      yield example

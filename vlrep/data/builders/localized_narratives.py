@@ -50,6 +50,22 @@ def _float(value) -> float | None:
   return f
 
 
+def trace_point(point) -> list[float] | None:
+  """One point of an LN trace segment, {"x", "y", "t"} -> [x, y, t]; None if it is not a dict or a field is
+  missing or not a number. Shared with the image_text builder, which adds its own checks on the values."""
+  xyt = [_float(point.get(k)) for k in ("x", "y", "t")] if isinstance(point, dict) else [None]
+  return None if any(v is None for v in xyt) else xyt
+
+
+def timed_word(entry) -> dict | None:
+  """One entry of an LN timed_caption -> {"utterance": str, "start_time", "end_time"} (each time a float, or None
+  if missing or not a number); None if the entry is not a dict with an utterance. Shared with image_text."""
+  if not isinstance(entry, dict) or "utterance" not in entry:
+    return None
+  start, end = _float(entry.get("start_time")), _float(entry.get("end_time"))
+  return {"utterance": str(entry["utterance"]), "start_time": start, "end_time": end}
+
+
 def parse_narration(line: str) -> dict | None:
   """One JSONL line -> {source, image_id, annotator_id, narration, timed_caption, traces}; None (counted) if
   the line cannot be used."""
@@ -66,18 +82,17 @@ def parse_narration(line: str) -> dict | None:
     common.skip(_NAME, "empty caption", f"image {record['image_id']}")
     return None
   timed = []
-  for word in record.get("timed_caption") or []:
-    word = word if isinstance(word, dict) else {}
-    start, end = _float(word.get("start_time")), _float(word.get("end_time"))
-    if "utterance" not in word or start is None or end is None:
+  for entry in record.get("timed_caption") or []:
+    word = timed_word(entry)
+    if word is None or word["start_time"] is None or word["end_time"] is None:
       common.SKIPPED[(_NAME, "malformed timed word (dropped)")] += 1
       continue
-    timed.append({"utterance": str(word["utterance"]), "start_time": start, "end_time": end})
+    timed.append(word)
   points = []
   for segment in record.get("traces") or []:
     for p in segment if isinstance(segment, list) else []:
-      xyt = [_float(p.get(k)) for k in ("x", "y", "t")] if isinstance(p, dict) else [None]
-      if any(v is None for v in xyt):
+      xyt = trace_point(p)
+      if xyt is None:
         common.SKIPPED[(_NAME, "malformed trace point (dropped)")] += 1
         continue
       points.append(xyt)
