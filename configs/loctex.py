@@ -156,6 +156,23 @@ def get_config(arg=None):
     if arg.oracle:
       raise ValueError("oracle=True needs synthetic_scenes' ground-truth masks; your data (data=DIR) has traces.")
     needs = {"narration": "LocTex's localization loss L_L: each word's mouse trace"}
+    # Validation on your data: caption retrieval with L_C's own towers on the held-out images (the localization
+    # evaluator needs ground-truth object masks).
+    c.evals.retrieval = dict(
+      type="retrieval",
+      dataset=c.data.name,
+      data_dir=c.data.data_dir,
+      config_name=c.data.config_name,
+      split="val",
+      pp=f"decode|resize_small({image_size})|central_crop({image_size})|normalize",
+      captions_key="captions",
+      num_captions=5,
+      max_len=c.method.text.max_len,
+      batch_size=100,
+      limit=1000,
+      fold_size=0,
+      every_steps=0,
+    )
     use_own_data(c, arg.data, arg.val or OWN_DATA_VAL_PERCENT, needs, drop_evals=("localization",))
   return c
 

@@ -156,18 +156,26 @@ def test_a_manual_dir_of_neither_format_is_a_clear_error(tmp_path):
 COLORS = ("red", "blue", "green", "yellow", "white", "black", "purple", "orange", "gray", "pink", "brown", "cyan")
 
 
-def write_captioned_folder(root, tags=True) -> None:
-  """Twelve images of one colour each with two captions (and, with `tags`, two tags) per image in captions.jsonl:
-  a user's own annotated photos, at test size."""
+def write_captioned_folder(root, tags=True, narrations=True) -> None:
+  """Twelve images of one colour each with two captions (with `tags`, two tags; with `narrations`, the first
+  caption spoken as a Localized Narrative with its mouse trace) per image in captions.jsonl: a user's own
+  annotated photos, at test size."""
   os.makedirs(os.path.join(root, "imgs"))
   rows = []
   for i, color in enumerate(COLORS):
     with open(os.path.join(root, "imgs", f"{i:02d}.jpg"), "wb") as f:
       f.write(_image(color, size=(48, 40)))
-    for caption in (f"a {color} square on a table", f"the photo shows a {color} thing"):
+    for k, caption in enumerate((f"a {color} square on a table", f"the photo shows a {color} thing")):
       row = {"image": f"imgs/{i:02d}.jpg", "caption": caption}
       if tags:
         row["tags"] = [color, "square" if i % 2 else "thing"]
+      if narrations and k == 0:  # Localized Narratives' fields: a word every 0.5 s, pointed at along a diagonal
+        words = caption.split()
+        row["timed_caption"] = [
+          {"utterance": w, "start_time": 0.5 * j, "end_time": 0.5 * j + 0.4} for j, w in enumerate(words)
+        ]
+        points = [{"x": 0.1 + 0.8 * t / 20, "y": 0.2 + 0.6 * t / 20, "t": 0.15 * t} for t in range(21)]
+        row["traces"] = [points[:10], points[10:]]
       rows.append(row)
   with open(os.path.join(root, "captions.jsonl"), "w") as f:
     f.write("\n".join(json.dumps(r) for r in rows) + "\n")
@@ -180,12 +188,14 @@ def own_data(tmp_path_factory):
   write_captioned_folder(root / "mine")
   report = prepare.prepare("image_text", str(root / "mine"), str(root / "tfds"))
   assert report["splits"] == {"train": 12} and not report["skipped"], report
+  assert report["fields"]["narration"] == 12 and report["fields"]["tags"] == 12, report["fields"]
   return root / "tfds"
 
 
 # method -> (tiny config, its arguments besides data=, the metric its own-data evaluator reports)
 OWN_DATA_RUNS = {
   "virtex": ("tests/tiny_virtex.py", "", "captioning/cider"),
+  "loctex": ("tests/tiny_loctex.py", "", "retrieval/rsum"),
   "mct": ("tests/tiny_mct.py", "", "retrieval/rsum"),
   "icmlm_tp": ("tests/tiny_icmlm.py", "variant=tp", None),
   "icmlm_tfm": ("tests/tiny_icmlm.py", "variant=tfm", "masked_tokens/top1"),
@@ -211,7 +221,7 @@ def test_every_method_trains_and_evaluates_on_your_own_data_with_one_switch(tmp_
 
 
 def test_a_field_the_method_needs_is_a_clear_error_before_training(tmp_path):
-  write_captioned_folder(tmp_path / "mine", tags=False)
+  write_captioned_folder(tmp_path / "mine", tags=False, narrations=False)
   data_dir = tmp_path / "tfds"
   prepare.prepare("image_text", str(tmp_path / "mine"), str(data_dir))
   # MCT's tag loss (runlocal's default) on captions without tags: exit 2, the message alone, no traceback.

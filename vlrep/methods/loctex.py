@@ -149,6 +149,15 @@ class LocTex:
     grid, aux = self.model.apply(variables, images, False, method=LocTexModel.encode_image)
     return {"pre_logits": aux["pre_logits"], "grid": grid.astype(jnp.float32)}
 
+  def embed(self, variables, images=None, tokens=None) -> dict:
+    """l2-normalised L_C embeddings of images and/or captions (the retrieval evaluator's towers)."""
+    out = {}
+    if images is not None:
+      out["image"] = _l2_normalize(self.model.apply(variables, images, method=LocTexModel.embed_images))
+    if tokens is not None:
+      out["text"] = _l2_normalize(self.model.apply(variables, tokens, method=LocTexModel.embed_texts))
+    return out
+
   def attention(self, variables, images, tokens) -> dict:
     """Softmax attention maps [B, T, R, R] per scale ('<s>x') and of the contrastive projections
     ('contrastive'), with inference BatchNorm: what the localization metric and the figures show."""
@@ -160,6 +169,10 @@ class LocTex:
       r = int(round(logits.shape[2] ** 0.5))
       result[k] = jax.nn.softmax(logits, axis=2).reshape(*logits.shape[:2], r, r)
     return result
+
+
+def _l2_normalize(x, eps: float = 1e-12):
+  return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), eps)
 
 
 Method = LocTex  # what vlrep.methods.build instantiates for name "loctex"

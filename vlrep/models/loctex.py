@@ -67,15 +67,27 @@ class LocTexModel(nn.Module):
   def encode_image(self, images, train: bool = False):
     return self.visual(images, train)
 
+  def embed_images(self, images):
+    """L_C's image embeddings [B, D] (inference BatchNorm): the image side of caption retrieval."""
+    _, aux = self.visual(images, False)
+    return self.visual_contrastive(aux["pre_logits"].astype(self.dtype)).astype(jnp.float32)
+
+  def embed_texts(self, tokens):
+    """L_C's caption embeddings [B, D]: the text side of caption retrieval."""
+    return self._text_embedding(self.textual(tokens, False), tokens)
+
+  def _text_embedding(self, words, tokens):
+    keep = (tokens != special_tokens.PAD_ID).astype(jnp.float32)[..., None]
+    text_pooled = jnp.sum(words.astype(jnp.float32) * keep, 1) / jnp.maximum(jnp.sum(keep, 1), 1.0)
+    return self.text_contrastive(text_pooled.astype(self.dtype)).astype(jnp.float32)
+
   def __call__(self, images, tokens, train: bool = False) -> tuple[dict, dict]:
     """Returns ({'image_embedding', 'text_embedding' [B, D], 'attention_logits_<s>x' [B, T, R_s^2]}, aux)."""
     grid, aux = self.visual(images, train)
     words = self.textual(tokens, train)
-    keep = (tokens != special_tokens.PAD_ID).astype(jnp.float32)[..., None]
-    text_pooled = jnp.sum(words.astype(jnp.float32) * keep, 1) / jnp.maximum(jnp.sum(keep, 1), 1.0)
     out = {
       "image_embedding": self.visual_contrastive(aux["pre_logits"].astype(self.dtype)).astype(jnp.float32),
-      "text_embedding": self.text_contrastive(text_pooled.astype(self.dtype)).astype(jnp.float32),
+      "text_embedding": self._text_embedding(words, tokens),
     }
     for s in self.scales:
       out[f"attention_logits_{s}x"] = self._attention_logits(
