@@ -254,8 +254,23 @@ def get_config(arg=None):
         "tags=label reads COCO's object labels; on your data (data=DIR) use tags=postag or tags=cluster, whose "
         "concepts come from its captions."
       )
-    use_own_data(c, arg.data, arg.val or OWN_DATA_VAL_PERCENT, {"captions": "ICMLM's concepts and masked captions"})
+    needs = {"captions": "ICMLM's concepts and masked captions"}
     c.data.pp = c.data.pp.replace("keep('image', 'captions', 'objects')", "keep('image', 'captions')")
+    if arg.variant == "tp":
+      # TP has no evaluator that reads captions: its own tag-prediction loss on the held-out images validates it.
+      c.evals.held_out = dict(
+        type="held_out_loss",
+        dataset=c.data.name,
+        data_dir="",
+        config_name="",
+        split="val",
+        pp=c.data.pp,
+        batch_size=c.batch_size,
+        limit=0,
+        seed=0,
+        every_steps=0,
+      )
+    use_own_data(c, arg.data, arg.val or OWN_DATA_VAL_PERCENT, needs, ("masked_tokens", "held_out"))
   return c
 
 

@@ -271,7 +271,7 @@ def _own_data(c, arg, tags):
   needs = {"captions": "MCT's caption towers"}
   if tags:
     needs["tags"] = "MCT's tag loss J_tag (or train without it: configs/mct.py:data=DIR,tags=False)"
-  use_own_data(c, arg.data, arg.val or OWN_DATA_VAL_PERCENT, needs)
+  use_own_data(c, arg.data, arg.val or OWN_DATA_VAL_PERCENT, needs, ("retrieval", "vsepp"))
   if tags:
     c.concepts = dict(kind="tags", size=arg.num_tags, corpus_split=c.data.split, corpus_key="tags", path="")
     tag_op = re.search(r"\|tags\([^|]*\)", c.data.pp).group(0)

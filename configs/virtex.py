@@ -176,7 +176,9 @@ def get_config(arg=None):
   if arg.data:
     if arg.fraction != 100:
       raise ValueError("fraction= takes part of COCO; with data=DIR, prepare the part of your data to train on.")
-    use_own_data(c, arg.data, arg.val or OWN_DATA_VAL_PERCENT, {"captions": "VirTex's captioning loss"})
+    use_own_data(
+      c, arg.data, arg.val or OWN_DATA_VAL_PERCENT, {"captions": "VirTex's captioning loss"}, ("captioning",)
+    )
   return c
 
 

@@ -295,7 +295,8 @@ def get_config(arg=None):
   if own:
     # Your own captions (README, "Train on your own data"): regions are the extractor's grid cells, which need no
     # boxes (ViLBERT's masked-region target is then the cell's feature); the mlm evaluator reads the held-out P%.
-    use_own_data(c, arg.data, arg.val or OWN_DATA_VAL_PERCENT, {"captions": "the masked language model's texts"})
+    needs = {"captions": "the masked language model's texts"}
+    use_own_data(c, arg.data, arg.val or OWN_DATA_VAL_PERCENT, needs, ("mlm",))
     c.method.visual.mode = "grid"
     if arg.arch == "vilbert":
       c.method.region_target = "feature"

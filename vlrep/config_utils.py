@@ -45,32 +45,41 @@ OWN_DATA_VAL_PERCENT = 5.0
 
 
 def use_own_data(
-  c: ml_collections.ConfigDict, data_dir: str, val_percent: float, requires: dict, drop_evals: tuple[str, ...] = ()
+  c: ml_collections.ConfigDict,
+  data_dir: str,
+  val_percent: float,
+  requires: dict,
+  held_out_evals: tuple[str, ...] = (),
+  drop_evals: tuple[str, ...] = (),
 ) -> None:
   """Points config `c` (a recipe or runlocal) at the user's own `image_text` dataset, prepared in `data_dir` with
-  `python -m vlrep.data.prepare --dataset=image_text`: training reads `train[P%:]`, and every evaluator that read
-  the method's training data (its held-out split: captioning, retrieval, masked tokens, ...) reads the held-out
-  first P% instead (`train[:P%]`), so validation never sees a training image. The tokenizer, concept sets and tag
-  sets are built from the training part. Evaluators on other datasets (the VOC07 probe, synthetic_scenes' probe)
-  stay as they are; `drop_evals` names those that need annotations own data cannot have (LocTex's ground-truth
-  object masks). `requires` {field: what needs it}: checked before training (`pipeline.check_required_fields`)."""
+  `python -m vlrep.data.prepare --dataset=image_text`: training reads `train[P%:]`, and the evaluators named in
+  `held_out_evals` (those that read the method's own kind of data: captioning, retrieval, masked tokens, ...)
+  read the held-out first P% instead (`train[:P%]`; one that trains, VSE++, trains on `train[P%:]`), so
+  validation never sees a training image. The tokenizer and concept sets are built from the training part.
+  Every other evaluator stays as it is (the transfer probes on VOC07 or synthetic_scenes' labelled probe splits);
+  `drop_evals` names those that need annotations own data cannot have (LocTex's ground-truth object masks).
+  `requires` {field: what needs it}: checked before training (`pipeline.check_required_fields`)."""
   if not 0 < val_percent < 100:
     raise ValueError(f"val={val_percent:g}: the held-out share of your data must be a percentage in (0, 100).")
   train, held = f"train[{val_percent:g}%:]", f"train[:{val_percent:g}%]"
-  source = c.data.name
   c.data.update(name="image_text", config_name="", data_dir=data_dir, split=train, requires=dict(requires))
   if c.get("tokenizer") and "corpus_split" in c.tokenizer:
     c.tokenizer.update(path="", corpus_split=train)
   if c.get("concepts"):
     c.concepts.corpus_split = train
-  for name in list(c.get("evals", {}).keys()):
-    e = c.evals[name]
-    if name in drop_evals:
+  for name in drop_evals:
+    if name in c.get("evals", {}):
       del c.evals[name]
-    elif e.get("dataset") == source:
-      e.update(dataset="image_text", config_name="", data_dir=data_dir)
-      for key in list(e.keys()):
-        if key == "train_split":
-          e[key] = train  # an evaluator that trains (VSE++, a tagger) trains on your training part
-        elif key == "split" or key.endswith("_split"):
-          e[key] = held
+  for name in held_out_evals:
+    if name not in c.get("evals", {}):
+      continue
+    e = c.evals[name]
+    e.update(dataset="image_text", config_name="", data_dir=data_dir)
+    if "fold_size" in e:
+      e.fold_size = 0  # rank against the whole held-out part (COCO's 1K folds assume 5K test images)
+    for key in list(e.keys()):
+      if key == "train_split":
+        e[key] = train  # an evaluator that trains (VSE++) trains on your training part
+      elif key == "split" or key.endswith("_split"):
+        e[key] = held

@@ -13,16 +13,17 @@ from absl import app, flags, logging
 from ml_collections import ConfigDict, config_flags
 
 from vlrep import evaluators, methods, runs
-from vlrep.data import pipeline, tokenizers
+from vlrep.data import concepts, pipeline, tokenizers
 
 
 def method_and_tokenizer(run: runs.Run) -> dict:
   """The run's method (whole model) and tokenizer, rebuilt from its config as training built them, with what
-  the method's setup gave it (ICMLM's concepts, a VQA run's answers): what whole-model evaluators and tools need."""
+  its concept set (ICMLM's, MCT's tags on own data) and what the method's setup gave it (a VQA run's answers):
+  what whole-model evaluators and tools need."""
   data = run.config.data
   builder = pipeline.get_builder(data.name, data.data_dir, data.get("config_name"))
   tokenizer = tokenizers.ensure_tokenizer(run.config.tokenizer, builder)
-  needs = methods.setup(run.config, builder, tokenizer)
+  needs = {**concepts.run_concepts(run.config, builder, tokenizer), **methods.setup(run.config, builder, tokenizer)}
   method = methods.build(run.config.method, tokenizer.vocab_size, **needs)
   return {"method": method, "tokenizer": tokenizer, **needs}
 

@@ -22,7 +22,7 @@ from clu import metric_writers
 from vlrep import checkpoint as ckpt_lib
 from vlrep import evaluators, methods, optim, runs, sharding
 from vlrep import preemption as preemption_lib
-from vlrep.data import pipeline, records, tokenizers
+from vlrep.data import concepts, pipeline, records, tokenizers
 from vlrep.train_step import init_train_state, make_train_step
 
 
@@ -100,7 +100,8 @@ def _train(
   pipeline.check_required_fields(builder, config.data.split, config.data.get("requires", {}), config.method.name)
   # Methods without text (e.g. the fine-tuning classifier) have no tokenizer.
   tokenizer = tokenizers.ensure_tokenizer(config.tokenizer, builder) if config.get("tokenizer") else None
-  needs = methods.setup(config, builder, tokenizer)  # e.g. ICMLM's concept set, a VQA run's answer vocabulary
+  # What the method is built with: a concept set (ICMLM, MCT's tags on own data), a VQA run's answer vocabulary.
+  needs = {**concepts.run_concepts(config, builder, tokenizer), **methods.setup(config, builder, tokenizer)}
   method = methods.build(config.method, tokenizer.vocab_size if tokenizer else 0, **needs)
   run_inputs = evaluators.RunInputs(tokenizer=tokenizer, method=method, needs=needs, host=host, num_hosts=num_hosts)
   split, fraction = records.split_name(config.data.split)

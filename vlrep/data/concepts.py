@@ -312,6 +312,15 @@ def ensure_concepts(config, builder, tokenizer, bert_path: str = "") -> ConceptS
   return concepts
 
 
+def run_concepts(config, builder, tokenizer) -> dict:
+  """{'concepts': the run's concept set} when its config has `concepts` (ICMLM's concepts and tags, MCT's tag set
+  on your own data), built on first use; {} otherwise. What the loop and vlrep.evaluate hand the method and the
+  `concept_tags` op, beside the method's own `setup`."""
+  if not config.get("concepts"):
+    return {}
+  return {"concepts": ensure_concepts(config.concepts, builder, tokenizer, config.method.get("bert_path", ""))}
+
+
 @register_host
 def get_concept_tags(key: str = "captions", out: str = "tags", context=None):
   """Tag-prediction targets (float32[B, K] multi-hot) from the run's concept set (`context['concepts']`, see

@@ -23,6 +23,7 @@ KNOWN = (
   "tagging",
   "masked_tokens",
   "vl_task",
+  "held_out_loss",
 )
 
 

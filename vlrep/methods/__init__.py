@@ -19,8 +19,9 @@ def _module(name: str):
 
 def setup(config: ml_collections.ConfigDict, builder, tokenizer) -> dict:
   """What the run's method needs from its data before it is built: its module's optional
-  `setup(config, builder, tokenizer) -> dict` (ICMLM: its concept set; VQA runs: their answer vocabulary). The
-  dict is the Method's extra keyword arguments and joins the preprocessing ops' context."""
+  `setup(config, builder, tokenizer) -> dict` (VQA runs: their answer vocabulary; a config's concept set comes
+  from `data.concepts.run_concepts` beside it). The dict is the Method's extra keyword arguments and joins the
+  preprocessing ops' context."""
   module = _module(config.method.name)
   return module.setup(config, builder, tokenizer) if hasattr(module, "setup") else {}
 

@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from vlrep.data import concepts as concepts_lib
 from vlrep.models import bert as bert_lib
 from vlrep.models.icmlm import VARIANTS, ICMLMModel
 
@@ -248,11 +247,3 @@ class ICMLM:
 
 
 Method = ICMLM  # what vlrep.methods.build instantiates for name "icmlm"
-
-
-def setup(config, builder, tokenizer) -> dict:
-  """The run's concept set (its tags and maskable words), built from the training captions on first use and
-  cached next to the dataset; none for TP_Label and text_only, whose configs have no `concepts`."""
-  if not config.get("concepts"):
-    return {}
-  return {"concepts": concepts_lib.ensure_concepts(config.concepts, builder, tokenizer, config.method.bert_path)}

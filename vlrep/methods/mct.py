@@ -28,7 +28,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from vlrep.data import concepts as concepts_lib
 from vlrep.models import bert as bert_lib
 from vlrep.models.mct import MCTModel
 
@@ -84,8 +83,8 @@ class MCT:
   fields = ("image_q", "image_k", "tokens_q", "tokens_k", "tags")
 
   def __init__(self, config: ml_collections.ConfigDict, vocab_size: int, concepts=None):
-    # `concepts`: the tag set of a run on your own data (`setup`); the `concept_tags` op reads it, the model only
-    # sees the multi-hot tags it makes.
+    # `concepts`: the tag set of a run on your own data (config.concepts, kind 'tags'); the `concept_tags` op
+    # reads it, the model only sees the multi-hot tags it makes.
     del concepts
     self.config = config
     self.text_tower = config.get("text_tower", "scratch")
@@ -266,12 +265,3 @@ class MCT:
 
 
 Method = MCT  # what vlrep.methods.build instantiates for name "mct"
-
-
-def setup(config, builder, tokenizer) -> dict:
-  """On your own data (configs/mct.py:data=DIR), the tag set: the most frequent strings of its `tags` field,
-  built from the training part on first use and cached next to the dataset; none otherwise (COCO's and
-  synthetic_scenes' tags are class labels, read by the `tags` op)."""
-  if not config.get("concepts"):
-    return {}
-  return {"concepts": concepts_lib.ensure_concepts(config.concepts, builder, tokenizer)}
