@@ -281,3 +281,10 @@ def test_data_dir_switches_training_and_the_held_out_evaluators_and_nothing_else
       assert c.get("best_metric") == plain.get("best_metric")
   with pytest.raises(ValueError, match="percentage"):
     load_config("virtex", "data=/d/mine,val=100")
+
+
+def test_a_bad_config_value_exits_2_with_its_message_and_no_traceback(tmp_path):
+  proc = run_main(tmp_path / "run", config="tests/tiny_virtex.py:data=/d/mine,val=100")
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert "val=100: the held-out share of your data must be a percentage in (0, 100)" in proc.stderr
+  assert "Traceback" not in proc.stderr

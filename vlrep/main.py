@@ -201,6 +201,20 @@ def _exit_preempted(summary: dict) -> None:
   os._exit(0)
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, but a bad flag or config value (a config file's get_config refusing an argument) is the
+  user's to fix: its message and exit status 2, as a UserError in the run (absl's own exits with 1)."""
+  try:
+    return FLAGS(argv)
+  except flags.Error as e:
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    if any(line.startswith("Traceback (most recent call last)") for line in lines):
+      # ml_collections puts the config file's traceback in the message: its first line and the error it ended in.
+      lines = [lines[0].rstrip(":"), lines[-1]]
+    print("ERROR: " + "\n".join(lines) + "\nPass --helpfull to see the flags.", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 def _print_result(summary: dict) -> None:
   done = "Preempted (SIGTERM) after" if summary.get("preempted") else "Finished"
   lines = [
@@ -216,4 +230,4 @@ def _print_result(summary: dict) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

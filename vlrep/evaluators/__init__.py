@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 
+from vlrep.errors import UserError
 from vlrep.evaluators.run_inputs import RunInputs
 
 KNOWN = (
@@ -29,7 +30,7 @@ KNOWN = (
 
 def _module(evaluator_type: str):
   if "." not in evaluator_type and evaluator_type not in KNOWN:
-    raise ValueError(f"Unknown evaluator type {evaluator_type!r}. Known evaluators: {', '.join(KNOWN)}")
+    raise UserError(f"Unknown evaluator type {evaluator_type!r}. Known evaluators: {', '.join(KNOWN)}")
   return importlib.import_module(evaluator_type if "." in evaluator_type else f"vlrep.evaluators.{evaluator_type}")
 
 
@@ -60,7 +61,7 @@ def selection_rule(evals_config, best_metric: str, select_on_test: bool = False)
   if metric in getattr(_module(cfg.type), "TEST_METRICS", ()):
     split = f"{cfg.get('dataset', '?')} {cfg.get('test_split', '?')}"
     if not select_on_test:
-      raise ValueError(
+      raise UserError(
         f"best_metric {best_metric!r} is the score on {name}'s test split ({split}): choosing the checkpoint by it "
         "is selection on the test split. Select on a held-out score (e.g. probe/map_cv, the probe's cross-"
         "validation on its training split, or probe/map_val with a val_split), or set select_on_test=True to "
@@ -75,7 +76,7 @@ def build_all(evals_config, run: RunInputs) -> dict:
     every = cfg.get("every_steps", 0)
     if not isinstance(every, int) or every < 0:
       # (A negative value would pass `step % every == 0` at every step and evaluate after each one.)
-      raise ValueError(
+      raise UserError(
         f"evals.{name}.every_steps={every!r}: use a step count > 0, or 0 to evaluate only after the last step."
       )
   return {name: build(cfg, run) for name, cfg in evals_config.items()}
