@@ -230,13 +230,15 @@ def test_a_field_the_method_needs_is_a_clear_error_before_training(tmp_path):
   write_captioned_folder(tmp_path / "mine", tags=False, narrations=False)
   data_dir = tmp_path / "tfds"
   prepare.prepare("image_text", str(tmp_path / "mine"), str(data_dir))
-  # MCT's tag loss (runlocal's default) on captions without tags: exit 2, the message alone, no traceback.
-  proc = run_main(tmp_path / "run", config=f"tests/tiny_mct.py:data={data_dir}")
-  assert proc.returncode == 2, proc.stderr[-3000:]
-  assert (
-    "mct needs 'tags' (MCT's tag loss J_tag (or train without it: configs/mct.py:data=DIR,tags=False))" in proc.stderr
-  )
-  assert '"tags": [...] on a captions.jsonl row' in proc.stderr and "Traceback" not in proc.stderr
+  # MCT's tag loss (runlocal's default) on captions without tags: stops before training (vlrep.main exits 2 on a
+  # UserError without a traceback: test_a_dataset_that_is_not_prepared_exits_2...).
+  import tiny_mct
+
+  with pytest.raises(MissingField) as caught:
+    train.run(tiny_mct.get_config(f"data={data_dir}"), str(tmp_path / "run"))
+  said = str(caught.value)
+  assert "mct needs 'tags' (MCT's tag loss J_tag (or train without it: configs/mct.py:data=DIR,tags=False))" in said
+  assert '"tags": [...] on a captions.jsonl row' in said
   assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained
   # LocTex needs Localized Narratives' traces; captions alone are not enough.
   builder = pipeline.get_builder("image_text", str(data_dir))
