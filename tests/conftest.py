@@ -29,23 +29,23 @@ import pytest  # noqa: E402
 SLOWEST_FIRST = (
   "test_docs_commands.py",
   "test_vlbert.py",
-  "test_evaluation.py",
-  "test_icmlm.py",
-  "test_mct.py",
-  "test_faults.py",
   "test_multihost.py",
-  "test_distributed.py",
-  "test_preemption.py",
-  "test_data.py",
+  "test_faults.py",
+  "test_mct.py",
+  "test_icmlm.py",
+  "test_evaluation.py",
   "test_own_data.py",
+  "test_distributed.py",
+  "test_import_run.py",
+  "test_data.py",
+  "test_speed_tools.py",
   "test_loctex.py",
   "test_models_optim_eval.py",
-  "test_architecture.py",
-  "test_import_run.py",
-  "test_import_visual_bert.py",
   "test_export.py",
-  "test_speed_tools.py",
+  "test_import_visual_bert.py",
   "test_train.py",
+  "test_architecture.py",
+  "test_vsepp.py",
 )
 
 
@@ -138,12 +138,37 @@ def tiny_tokenizer(tiny_builder):
   return tokenizers.ensure_tokenizer(load_tiny_config().tokenizer, tiny_builder)
 
 
-def run_main(workdir, *overrides, env=None, config="tests/tiny_virtex.py", timeout=600):
-  """Runs `python -m vlrep.main` in a subprocess; returns CompletedProcess."""
-  import subprocess
+_runner = None  # this process's command server (tests/command_runner.py), started by the first run_main
 
-  cmd = [sys.executable, "-m", "vlrep.main", f"--config={config}", f"--workdir={workdir}", *overrides]
-  full_env = {**os.environ, **(env or {})}
-  if env and "XLA_FLAGS" in env and "XLA_FLAGS" in os.environ:  # added to this process's flags, not replacing them
-    full_env["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {env['XLA_FLAGS']}"
-  return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+def run_main(workdir, *overrides, env=None, config="tests/tiny_virtex.py", timeout=600):
+  """Runs `python -m vlrep.main` in a process of its own; returns a CompletedProcess (stdout and stderr apart).
+
+  The process is forked from a command server that imported JAX, TensorFlow and the rest once per test worker, so
+  a run skips their ~5 s of imports; it is otherwise `python -m vlrep.main` with these arguments, in this
+  environment plus `env` (XLA_FLAGS in `env` are added to this process's)."""
+  import subprocess
+  import tempfile
+
+  global _runner
+  if _runner is None:
+    from command_runner import Runner
+
+    _runner = Runner(dict(os.environ))
+  extra = dict(env or {})
+  if "XLA_FLAGS" in extra and "XLA_FLAGS" in os.environ:  # added to this process's flags, not replacing them
+    extra["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {extra['XLA_FLAGS']}"
+  argv = ["vlrep.main", f"--config={config}", f"--workdir={workdir}", *overrides]
+  with tempfile.TemporaryDirectory() as logs:
+    out, err = os.path.join(logs, "stdout"), os.path.join(logs, "stderr")
+    rc, _, stdout = _runner.run(argv, out, timeout, err=err, env=extra)
+    with open(err, errors="replace") as f:
+      stderr = f.read()
+  if rc == 124:
+    raise subprocess.TimeoutExpired(["python", "-m", *argv], timeout, stdout, stderr)
+  return subprocess.CompletedProcess(["python", "-m", *argv], rc, stdout, stderr)
+
+
+def pytest_sessionfinish(session):
+  if _runner is not None:
+    _runner.close()

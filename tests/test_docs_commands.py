@@ -22,13 +22,12 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
-import sys
 
 import docs_commands
 import numpy as np
 import pytest
-from conftest import ROOT, TESTS
+from command_runner import Runner
+from conftest import ROOT
 
 # ---------------------------------------------------------------------------------------------------- #
 # How each documented command runs.
@@ -592,32 +591,6 @@ def argv_of(command: str, entry, ctx: dict) -> list[str]:
     return word
 
   return [fill(w) for w in words[2:] + extra]
-
-
-class Runner:
-  """The pre-warmed command server (tests/command_runner.py)."""
-
-  def __init__(self, env: dict):
-    self.proc = subprocess.Popen(
-      [sys.executable, os.path.join(TESTS, "command_runner.py")],
-      cwd=ROOT,
-      env=env,
-      stdin=subprocess.PIPE,
-      stdout=subprocess.PIPE,
-      text=True,
-    )
-    assert json.loads(self.proc.stdout.readline()) == {"ready": True}
-
-  def run(self, argv: list[str], log: str, timeout: int) -> tuple[int, float, str]:
-    self.proc.stdin.write(json.dumps({"argv": argv, "log": log, "timeout": timeout}) + "\n")
-    self.proc.stdin.flush()
-    reply = json.loads(self.proc.stdout.readline())
-    with open(log, errors="replace") as f:
-      return reply["rc"], reply["seconds"], f.read()
-
-  def close(self):
-    self.proc.stdin.close()
-    self.proc.wait(timeout=60)
 
 
 def check(command: str, entry, ctx: dict, runner: Runner, log: str) -> float:

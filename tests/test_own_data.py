@@ -202,6 +202,7 @@ OWN_DATA_RUNS = {
   "icmlm_tp": ("tests/tiny_icmlm.py", "variant=tp", "held_out/loss"),
   "icmlm_tfm": ("tests/tiny_icmlm.py", "variant=tfm", "masked_tokens/top1"),
   "visual_bert": ("tests/tiny_vlbert.py", "arch=visual_bert,stage=pretrain", "mlm/"),
+  "vilbert": ("tests/tiny_vlbert.py", "arch=vilbert,stage=pretrain", "mlm/"),
 }
 
 

@@ -198,6 +198,8 @@ def _exit_preempted(summary: dict) -> None:
   if jax.process_index() == 0:
     _print_result(summary)
   logging.flush()
+  if jax.process_count() > 1:  # leave together: a process that ends first looks like a dead peer to the others
+    jax.distributed.shutdown()
   os._exit(0)
 
 

@@ -57,9 +57,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, on_preempted=None) -> d
   After a SIGTERM the run saves, writes summary.json and calls `on_preempted(summary)` (if given) before tearing
   anything down: a command-line process ends there (vlrep.main), because releasing the input pipeline waits for
   tf.data's workers to finish their elements, seconds to tens of seconds on a loaded machine."""
-  preemption = preemption_lib.Preemption(
-    config.checkpoint.get("exit_deadline_secs", 20.0), interrupt_evaluations=jax.process_count() == 1
-  )
+  preemption = preemption_lib.Preemption(config.checkpoint.get("exit_deadline_secs", 20.0), jax.process_count())
   try:
     return _train(config, workdir, preemption, on_preempted)
   finally:
@@ -271,7 +269,7 @@ def _train(
   # ---------------------------------------------------------------------------------------------------- #
   # Evaluate the random initialisation once (the baseline every table compares to).
   # ---------------------------------------------------------------------------------------------------- #
-  if preemption.requested:  # during startup, data loading or the state's creation: nothing new to save
+  if preemption.stop_before_training(step):  # during startup, data loading or the state's creation: nothing to save
     return stop_for_preemption(step)
   if start_step == 0 and evals:
     t0 = time.time()
@@ -284,7 +282,7 @@ def _train(
       logging.info("Random init: %s = %.2f (%.1fs)", k, v, time.time() - t0)
 
   while step < total_steps:
-    if preemption.requested:  # a signal during startup, the random-init evaluation, or the last evaluations / save
+    if preemption.stop_after(step):  # a signal during the random-init evaluation, or the last evaluations / save
       return stop_for_preemption(step)
     state, metrics = step_fn(state, batch)
     pending.append(metrics)
@@ -318,7 +316,7 @@ def _train(
       pending.clear()
       last_log_time, last_log_step = now, step
 
-    if preemption.requested:  # before this step's evaluations
+    if preemption.stop_after(step):  # before this step's evaluations
       return stop_for_preemption(step)
 
     is_last = step == total_steps
