@@ -16,6 +16,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -100,13 +101,19 @@ def main(argv):
   except Exception as e:
     if jax.process_count() > 1 and "NonFinite" not in type(e).__name__:
       # A collective failing mid-run almost always means another process died; the runtime then stops this
-      # one within --heartbeat_timeout seconds.
+      # one within --heartbeat_timeout seconds. An error of this process alone (e.g. its save failed on a full
+      # disk) ends it at once: leaving through jax.distributed's shutdown barrier would wait for peers that wait
+      # for it in a collective or a save; a dead process is what ends them, within --heartbeat_timeout.
+      traceback.print_exc()
       print(
         f"ERROR: process {jax.process_index()} stopped: {type(e).__name__}: {str(e)[:300]}\n"
         "If another process died, rerun the same command on every host: the run resumes from its last "
         f"checkpoint in {FLAGS.workdir}/checkpoints.",
         flush=True,
       )
+      logging.flush()
+      sys.stderr.flush()
+      os._exit(1)
     raise
   if jax.process_index() == 0:
     _print_result(summary)
