@@ -7,7 +7,8 @@ signal. JAX's preemption service does that (`jax.distributed.initialize` starts 
 notice to the coordination service, and `multihost_utils.reached_preemption_sync_point(step)`, called at every
 step by every process, becomes true on all of them at the same step. So in a multi-process run vlrep installs no
 handler of its own (it would replace JAX's) and reads the notice from the coordination service only to start the
-exit deadline and to log it.
+exit deadline and to log it. JAX's protocol drops a notice that arrives before every process has made its first
+call, so the processes also agree once, at the loop's start, on whether any of them saw one (one all-gather).
 
 The loop installs a `Preemption`; the input pipeline and the evaluators call `check()`, which does nothing when no
 run installed one (e.g. `vlrep.evaluate`).

@@ -83,6 +83,7 @@ class Fault:
   delay: float  # seconds after the arming line
   target: str = "0"  # the process it hits ("both": SIGTERM to every process, the later ones `spread` s later)
   spread: float = 0.0
+  at_step: int | None = None  # train phase: armed this many steps after the resumed step (default: at random)
   attempt: int = 0
   injected: bool = False
   step_before: int = 0  # the newest intact checkpoint when the process started
@@ -215,16 +216,18 @@ class _Run:
     return [p.text for p in self.processes]
 
 
-def _arming(kind: str, phase: str, resumed: int, checkpoints: int, total, every_ckpt, every_eval, rng, processes=1):
+def _arming(fault: Fault, resumed: int, checkpoints: int, total, every_ckpt, every_eval, rng, processes=1):
   """The predicate on log lines that arms a fault (None: its phase does not come in this process). A corruption
   waits until two checkpoints exist (`checkpoints` exist when the process starts), so one intact one remains."""
+  kind, phase = fault.kind, fault.phase
   if kind == "corrupt":
     target = (resumed // every_ckpt + max(1, 2 - checkpoints)) * every_ckpt + 1  # the step after that save
   elif phase in _ARMING_LINES:
     needle = _ARMING_LINES[phase].format(processes=processes)
     return lambda line: needle in line
   elif phase == "train":
-    target = min(total, resumed + int(rng.integers(2, 2 * every_ckpt + 1)))
+    after = fault.at_step if fault.at_step is not None else int(rng.integers(2, 2 * every_ckpt + 1))
+    target = min(total, resumed + after)
   elif phase == "checkpoint":
     target = min(total, (resumed // every_ckpt + 1) * every_ckpt)
   else:  # eval
@@ -381,9 +384,7 @@ def harness(
     newest_before = before[-1] if before else 0
     resumes_at = expect[-1][1] if expect else newest_before
     intact = len([step for step in before if step <= resumes_at])
-    armed = (
-      (f, _arming(f.kind, f.phase, resumes_at, intact, total, every_ckpt, every_eval, rng, processes)) for f in queue
-    )
+    armed = ((f, _arming(f, resumes_at, intact, total, every_ckpt, every_eval, rng, processes)) for f in queue)
     fault, arm = next(((f, a) for f, a in armed if f.kind == "disk_full" or a is not None), (None, None))
     if fault is None:  # no fault can come any more: the run goes to its end
       p = start(faulty, log_path)
