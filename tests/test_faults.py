@@ -136,4 +136,6 @@ def test_the_fault_harness_refuses_bad_arguments_before_training(tmp_path):
     faults.harness(config, str(tmp_path), kills=2, phases=("compile",))
   with pytest.raises(FileNotFoundError, match="No config file"):
     faults.harness(str(tmp_path / "missing.py"), str(tmp_path), kills=2)
+  with pytest.raises(ValueError, match="--processes and --devices_per_process must be at least 1"):
+    faults.harness(config, str(tmp_path), kills=2, processes=0)
   assert not os.path.exists(tmp_path / "reference")  # nothing was started
