@@ -3,7 +3,6 @@
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -15,12 +14,6 @@ from vlrep.tools import scale_test
 
 CONFIG = os.path.join(ROOT, "tests", "tiny_virtex.py")
 OVERRIDES = ["--config=tests/tiny_virtex.py", "--config.evals={}", "--config.checkpoint.every_steps=4"]
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def _start(workdir, port, process_id, num_processes, *extra, log):
@@ -76,7 +69,7 @@ def test_two_processes_train_from_disk_survive_a_dead_host_and_resume_bit_identi
 def test_bad_launches_fail_fast_with_a_clear_error(tmp_path):
   quick = ["--init_timeout=10", "--config.total_steps=2"]
   started = time.time()
-  port_unreachable, port_mismatch, port_missing = _free_port(), _free_port(), _free_port()
+  port_unreachable, port_mismatch, port_missing = scale_test.free_port(), scale_test.free_port(), scale_test.free_port()
   logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("unreachable", "mismatch0", "mismatch1", "missing")}
   procs = {
     # Nobody listens on the coordinator's port.

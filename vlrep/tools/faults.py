@@ -53,7 +53,6 @@ import re
 import resource
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -64,6 +63,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from vlrep import runs
+from vlrep.tools import scale_test
 
 KINDS = ("sigterm", "sigkill", "corrupt", "disk_full")
 PHASES = ("startup", "data", "init", "train", "checkpoint", "eval")
@@ -315,10 +315,8 @@ def harness(
     if processes == 1:
       return _Run([_Process(cmd, log, fsize_limit)])
     # The processes share a compilation cache that only launches before them filled (see scale_test.start_pair).
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices_per_process}"
-    cmd += [f"--coordinator_address=127.0.0.1:{_free_port()}", f"--num_processes={processes}"]
+    env = scale_test.process_env(devices_per_process)
+    cmd += [f"--coordinator_address=127.0.0.1:{scale_test.free_port()}", f"--num_processes={processes}"]
     cmd += [f"--heartbeat_timeout={heartbeat_timeout}", f"--compilation_cache={cache}"]
     return _Run(
       [
@@ -520,12 +518,6 @@ def _check_survivors(fault: Fault, run: _Run, survivors: list[int], sent: float,
 def _log_of(path: str, process: int) -> str:
   """Process 0 logs to `path`, process i to path's name with .i before the extension."""
   return path if process == 0 else f"{os.path.splitext(path)[0]}.{process}.log"
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def table(result: dict) -> str:

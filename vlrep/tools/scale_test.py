@@ -69,10 +69,19 @@ def prepare(size: str, data_dir: str, workdir: str) -> None:
   logging.info("Prepared scale%s in %.0f s.", size, time.time() - t0)
 
 
-def _free_port() -> int:
+def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
+
+
+def process_env(devices_per_process: int) -> dict[str, str]:
+  """The environment of one process of a local multi-process launch: `devices_per_process` CPU devices, unbuffered
+  output, and no inherited JAX_COMPILATION_CACHE_DIR (the launch names its own cache with --compilation_cache)."""
+  env = dict(os.environ, PYTHONUNBUFFERED="1")
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices_per_process}"
+  return env
 
 
 def start_pair(run_dir: str, config: str, overrides, devices_per_process: int, heartbeat_timeout: int, cache: str):
@@ -84,10 +93,8 @@ def start_pair(run_dir: str, config: str, overrides, devices_per_process: int, h
   DEADLINE_EXCEEDED"). What the pair itself adds was compiled by one of them, so loading it can only let a process
   that is behind catch up."""
   os.makedirs(run_dir, exist_ok=True)
-  port = _free_port()
-  env = dict(os.environ, PYTHONUNBUFFERED="1")
-  env.pop("JAX_COMPILATION_CACHE_DIR", None)
-  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices_per_process}"
+  port = free_port()
+  env = process_env(devices_per_process)
   procs = []
   for i in range(2):
     cmd = [sys.executable, "-m", "vlrep.main", f"--config={config}", f"--workdir={run_dir}/run"]
