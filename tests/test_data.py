@@ -131,9 +131,11 @@ def test_missing_dataset_names_the_prepare_command(tmp_path):
 def test_stream_resumes_at_the_exact_batch(tiny_builder, tiny_tokenizer):
   pp = "decode|inception_crop(32)|flip_lr_swap_words|normalize|choose_caption|tokenize(20)"
   ctx = {"tokenizer": tiny_tokenizer}
-  full = pipeline.train_stream(tiny_builder, "train", pp, ("image", "tokens"), 8, seed=3, context=ctx)
+  full = pipeline.train_stream(tiny_builder, {"split": "train", "pp": pp}, ("image", "tokens"), 8, seed=3, context=ctx)
   batches = [next(full) for _ in range(12)]  # 12 batches of 8 = 1.5 epochs of 64
-  resumed = pipeline.train_stream(tiny_builder, "train", pp, ("image", "tokens"), 8, seed=3, start_step=7, context=ctx)
+  resumed = pipeline.train_stream(
+    tiny_builder, {"split": "train", "pp": pp}, ("image", "tokens"), 8, seed=3, start_step=7, context=ctx
+  )
   for k in range(7, 12):
     b = next(resumed)
     np.testing.assert_array_equal(b["image"], batches[k]["image"])
@@ -144,9 +146,11 @@ def test_stream_resumes_at_the_exact_batch(tiny_builder, tiny_tokenizer):
 
 def test_decoded_image_cache_gives_the_same_batches_and_resizes(tiny_builder):
   pp = "decode|inception_crop(32, area=(0.5, 1.0))|flip_lr_swap_words|normalize"
-  plain = pipeline.train_stream(tiny_builder, "train", pp, ("image",), 8, seed=1, start_step=5)
+  plain = pipeline.train_stream(tiny_builder, {"split": "train", "pp": pp}, ("image",), 8, seed=1, start_step=5)
   # Cached at the images' own size (32): the very same pixels, augmentations and order, resumed mid-run too.
-  cached = pipeline.train_stream(tiny_builder, "train", pp, ("image",), 8, seed=1, start_step=5, cache_image_size=32)
+  cached = pipeline.train_stream(
+    tiny_builder, {"split": "train", "pp": pp, "cache_image_size": 32}, ("image",), 8, seed=1, start_step=5
+  )
   for _ in range(3):
     np.testing.assert_array_equal(next(plain)["image"], next(cached)["image"])
   recs = records.load_records(tiny_builder, "train")[:5]
@@ -161,7 +165,13 @@ def test_decoded_image_cache_gives_the_same_batches_and_resizes(tiny_builder):
   third = tf.image.resize(tf.io.decode_image(deserialize(recs[2])["image"]), [16, 16], antialias=True)
   np.testing.assert_allclose(lookup(tf.constant(2, tf.int64)).numpy(), np.clip(third.numpy(), 0, 255), atol=1)
   with pytest.raises(ValueError, match="caches the image alone"):
-    pipeline.train_stream(tiny_builder, "train", pp + "|oracle_word_masks((2,))", ("image",), 8, 0, cache_image_size=32)
+    pipeline.train_stream(
+      tiny_builder,
+      {"split": "train", "pp": pp + "|oracle_word_masks((2,))", "cache_image_size": 32},
+      ("image",),
+      8,
+      seed=0,
+    )
 
 
 def test_device_prefetch_keeps_order_surfaces_errors_and_closes():
@@ -233,7 +243,7 @@ def test_disk_stream_reads_only_its_hosts_records_and_equals_the_in_memory_strea
 
   def stream(builder, **kw):
     return pipeline.train_stream(
-      builder, "train", pp, ("image",), 4, seed=5, start_step=3, host_index=1, host_count=2, **kw
+      builder, {"split": "train", "pp": pp, **kw}, ("image",), 4, seed=5, start_step=3, host_index=1, host_count=2
     )
 
   from_disk, from_memory, from_tfrecord = stream(disk), stream(disk, in_memory=True), stream(tfrecord)

@@ -491,7 +491,7 @@ def test_recipe_has_synchronized_bn_and_per_gpu_negatives_independent_of_devices
   c = tiny_loctex.get_config("loss=contrastive,scales=1")
   tok = tokenizers.ensure_tokenizer(c.tokenizer, tiny_builder)
   fields = methods.build(c.method, tok.vocab_size).fields
-  batch = next(pipeline.train_stream(tiny_builder, "train", c.data.pp, fields, 4, 0, context={"tokenizer": tok}))
+  batch = next(pipeline.train_stream(tiny_builder, c.data, fields, 4, seed=0, context={"tokenizer": tok}))
   losses = {}
   for size in (0, 2, 4, 3):
     c.method.contrastive_group_size = size
@@ -517,7 +517,7 @@ def test_ablation_configs_build_and_give_a_finite_loss(arg, tiny_builder):
   c = tiny_loctex.get_config(arg)
   tok = tokenizers.ensure_tokenizer(c.tokenizer, tiny_builder)
   method = methods.build(c.method, tok.vocab_size)
-  stream = pipeline.train_stream(tiny_builder, "train", c.data.pp, method.fields, 4, 0, context={"tokenizer": tok})
+  stream = pipeline.train_stream(tiny_builder, c.data, method.fields, 4, seed=0, context={"tokenizer": tok})
   batch = next(stream)
   assert set(method.fields) <= set(batch)
   variables = jax.jit(method.init)(jax.random.PRNGKey(0), batch)

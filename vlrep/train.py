@@ -119,18 +119,14 @@ def _train(
     previous step runs."""
     stream = pipeline.train_stream(
       builder,
-      config.data.split,
-      config.data.pp,
+      config.data,
       method.fields,
       local_bs,
-      config.seed,
-      step,
-      host,
-      num_hosts,
-      run_inputs.pp_context,
-      config.data.prefetch,
-      config.data.get("cache_image_size", 0),
-      config.data.get("in_memory", False),
+      seed=config.seed,
+      start_step=step,
+      host_index=host,
+      host_count=num_hosts,
+      context=run_inputs.pp_context,
     )
     streams.append(stream)
     return sharding.device_prefetch(stream, batch_sharding, config.data.get("device_prefetch", 2))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -272,28 +272,29 @@ class TrainStream:
 
 def train_stream(
   builder,
-  split: str,
-  pp: str,
+  data: Mapping[str, Any],
   fields: Sequence[str],
   local_batch: int,
+  *,
   seed: int,
   start_step: int = 0,
   host_index: int = 0,
   host_count: int = 1,
   context: dict | None = None,
-  prefetch: int = 2,
-  cache_image_size: int = 0,
-  in_memory: bool = False,
 ) -> TrainStream:
-  """Infinite iterator of local training batches, starting at batch `start_step`.
+  """Infinite iterator of local training batches of `data.split` preprocessed by `data.pp`, starting at batch
+  `start_step`. `data` is a config's `data` block (or any mapping with those keys).
 
   Records stored as ArrayRecord are read from disk by index as the stream needs them (this host's share only);
-  `in_memory` (or TFRecord storage, which has no random access) holds this host's share of the encoded records
-  in memory instead. Either way batch k is the same. `prefetch` bounds the batches prepared ahead: an autotuned
-  buffer grows over a long run, competes with evaluation for host cores and makes teardown slow.
-  `cache_image_size` > 0 decodes every image once into memory, resized to that shorter side (`decode` then
+  `data.in_memory` (or TFRecord storage, which has no random access) holds this host's share of the encoded records
+  in memory instead. Either way batch k is the same. `data.prefetch` (default 2) bounds the batches prepared ahead:
+  an autotuned buffer grows over a long run, competes with evaluation for host cores and makes teardown slow.
+  `data.cache_image_size` > 0 decodes every image once into memory, resized to that shorter side (`decode` then
   passes the cached pixels through). Call `.close()` when done to stop the workers.
   """
+  split, pp = data["split"], data["pp"]
+  prefetch, in_memory = data.get("prefetch", 2), data.get("in_memory", False)
+  cache_image_size = data.get("cache_image_size", 0)
   from_disk = records.is_array_record(builder) and not in_memory and not cache_image_size
   if from_disk:
     reader = records.split_reader(builder, split)

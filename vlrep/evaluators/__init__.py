@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 
 from vlrep.errors import UserError
-from vlrep.evaluators.run_inputs import RunInputs
+from vlrep.evaluators.run_inputs import Model, RunInputs  # noqa: F401  (the contract's types)
 
 KNOWN = (
   "voc07_svm",

@@ -203,16 +203,13 @@ class LinearProbe:
     else:
       stream = pipeline.train_stream(
         self.builder,
-        c.train_split,
-        c.pp_train,
+        {"split": c.train_split, "pp": c.pp_train},
         ("image", self.label_key),
         c.batch_size // self.run_inputs.num_hosts,
-        c.get("seed", 0),
-        0,
-        self.run_inputs.host,
-        self.run_inputs.num_hosts,
-        self.run_inputs.pp_context,
-        prefetch=2,
+        seed=c.get("seed", 0),
+        host_index=self.run_inputs.host,
+        host_count=self.run_inputs.num_hosts,
+        context=self.run_inputs.pp_context,
       )
 
       def next_batch(i):

@@ -1,4 +1,5 @@
-"""What an evaluator gets of the run it evaluates, by name (`RunInputs`), and the one way evaluators read a split.
+"""What an evaluator gets of the run it evaluates: at construction `RunInputs` (by name), at each evaluation the
+`Model` to evaluate; and the one way evaluators read a split.
 
 Built once by the training loop (and by `vlrep.evaluate`): the run's tokenizer, its method (for whole-model
 evaluators: captioning, retrieval, masked tokens, localization, VL tasks), what the method's setup derived from the
@@ -8,7 +9,7 @@ data (ICMLM's concepts, a VQA run's answer vocabulary: `needs`), and this proces
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -41,3 +42,14 @@ class RunInputs:
     return pipeline.eval_batches(
       builder, split, pp, fields, batch_size // self.num_hosts, self.host, self.num_hosts, self.pp_context
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+  """What every evaluator's `run(model)` evaluates: the model's `variables` ({'params': ..., 'batch_stats': ...,
+  on device: whole-model evaluators such as captioning apply the method to them) and `features(local_batch, key)
+  -> (global features, global batch)` as numpy, the method's `features(variables, images)[key]` extracted sharded
+  over the mesh (backbone evaluators: the probe, the SVM). The training loop and `vlrep.evaluate` build it."""
+
+  variables: Mapping[str, Any]
+  features: Callable[[Mapping[str, np.ndarray], str], tuple[np.ndarray, dict[str, np.ndarray]]]
