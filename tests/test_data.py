@@ -154,7 +154,7 @@ def test_decoded_image_cache_gives_the_same_batches_and_resizes(tiny_builder):
   for _ in range(3):
     np.testing.assert_array_equal(next(plain)["image"], next(cached)["image"])
   recs = records.load_records(tiny_builder, "train")[:5]
-  deserialize = lambda r: tiny_builder.info.features.deserialize_example(  # noqa: E731
+  deserialize = lambda r: tiny_builder.info.features.deserialize_example(
     r, decoders=records.skip_image_decoding(tiny_builder.info.features)
   )
   buffer, offsets, shapes = pipeline.decoded_image_cache(recs, deserialize, 16)

@@ -171,7 +171,7 @@ def _official_vocab(path, size=100):
 def _official_tokens(sp, captions, max_len):
   """The official dataset's tokens: [SOS] pieces [EOS] cut to max_len, the flipped copy, padded with 0."""
   rows = [([1, *sp.encode(tokenizers.normalize_text(c)), 2])[:max_len] for c in captions]
-  pad = lambda rs: torch.tensor([r + [0] * (max_len - len(r)) for r in rs])  # noqa: E731
+  pad = lambda rs: torch.tensor([r + [0] * (max_len - len(r)) for r in rs])
   return pad(rows), pad([r[::-1] for r in rows]), torch.tensor([len(r) for r in rows])
 
 

@@ -387,7 +387,7 @@ def _exportable(imported):
 
 def _differing(want: dict, got: dict) -> list[str]:
   """The names of `want` that `got` lacks or holds otherwise: another dtype, shape or any bit."""
-  same = lambda a, b: a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()  # noqa: E731
+  same = lambda a, b: a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
   return [k for k in want if k not in got or not same(np.asarray(want[k]), np.asarray(got[k]))]
 
 
@@ -439,7 +439,7 @@ def test_the_round_trip_comparison_sees_a_transposed_kernel_and_unswapped_logits
   original = load_file(os.path.join(hf_folder, "model.safetensors"))
   right, _ = visual_bert.state_dict(_exportable(imported))
   assert _differing(original, right) == []
-  untransposed = lambda x, ctx: x if x.shape[0] == x.shape[1] else x.T  # noqa: E731
+  untransposed = lambda x, ctx: x if x.shape[0] == x.shape[1] else x.T
   monkeypatch.setitem(TRANSFORMS, "linear", (untransposed, TRANSFORMS["linear"][1]))
   monkeypatch.setitem(TRANSFORMS, "swap2", (lambda x, ctx: x, TRANSFORMS["swap2"][1]))
   wrong, _ = visual_bert.state_dict(_exportable(imported))

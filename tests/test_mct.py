@@ -450,7 +450,7 @@ def test_pretrained_bert_text_tower_trains_with_dropout_set_by_the_config():
   tokenizer = tokenizers.ensure_tokenizer(config.tokenizer, None)
   ids = [tokenizer.encode(t, 12)[0] for t in ("a red circle left of a blue square", "two green triangles")]
   tokens = jnp.asarray(np.stack(ids))
-  embed = lambda m, t, train: m.embed_texts(t, train)["inter"]  # noqa: E731
+  embed = lambda m, t, train: m.embed_texts(t, train)["inter"]
 
   def build(rate):
     config.method.bert_dropout = rate

@@ -45,7 +45,7 @@ def test_vqa2_from_local_files_and_its_ops(tmp_path):
     {"image_id": 25, "question": "Is it raining?", "question_id": 250},  # no annotation: kept, no answers
     {"image_id": 30, "question": "Where?", "question_id": 300},  # image missing: skipped, counted
   ]
-  ans = lambda *xs: [{"answer": a, "answer_confidence": "yes", "answer_id": i + 1} for i, a in enumerate(xs)]  # noqa: E731
+  ans = lambda *xs: [{"answer": a, "answer_confidence": "yes", "answer_id": i + 1} for i, a in enumerate(xs)]
   annotations = [
     {"question_id": 90, "image_id": 9, "answers": ans(*["black"] * 7, "gray", "grey", "Black"), "answer_type": "other"},
     {"question_id": 91, "image_id": 9, "answers": ans("2", "two", "2", "2", "3", "2", "2", "2", "2", "2")},
@@ -104,7 +104,7 @@ def test_vizwiz_snli_ve_mmimdb_and_conceptual_captions_from_local_files(tmp_path
 
   # SNLI-VE: JSON lines with Flickr30k ids; '-' labels and malformed lines are counted.
   ve = tmp_path / "snli_ve"
-  pair = lambda img, s2, label, pid: json.dumps(  # noqa: E731
+  pair = lambda img, s2, label, pid: json.dumps(
     {"Flikr30kID": img, "sentence1": "Two dogs run on grass.", "sentence2": s2, "gold_label": label, "pairID": pid}
   )
   lines = [pair("100.jpg", "Animals are outside.", "entailment", "a"), pair("100.jpg", "Cats sleep.", "contradiction",

@@ -64,7 +64,7 @@ class Checkpointer:
     self.workdir = workdir
     opts = lambda n: ocp.CheckpointManagerOptions(
       max_to_keep=n,
-      create=True,  # noqa: E731
+      create=True,
       enable_async_checkpointing=async_save,
     )
     self.latest = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")), options=opts(keep))

@@ -87,7 +87,7 @@ def beam_search(logits_fn, batch: int, max_len: int, beam_size: int = 5, length_
   tokens, scores, _ = jax.lax.fori_loop(0, max_len, body, (tokens, scores, jnp.zeros((batch, k), bool)))
   lengths = jnp.sum((tokens[:, :, 1:] != PAD), -1).astype(jnp.float32)
   best = jnp.argmax(scores / jnp.maximum(lengths, 1.0) ** length_penalty, axis=1)
-  pick = lambda x: jnp.take_along_axis(x, best.reshape((batch,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]  # noqa: E731
+  pick = lambda x: jnp.take_along_axis(x, best.reshape((batch,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
   return pick(tokens)[:, 1:], pick(scores)
 
 

@@ -111,7 +111,7 @@ def write_run(workdir: str, imported: importers.ImportedRun, overwrite: bool) ->
     for rel, src in imported.files.items():
       os.makedirs(os.path.dirname(os.path.join(tmp, rel)), exist_ok=True)
       shutil.copyfile(src, os.path.join(tmp, rel))
-    to_np = lambda t: {k: to_np(v) if isinstance(v, dict) else np.asarray(v) for k, v in t.items()}  # noqa: E731
+    to_np = lambda t: {k: to_np(v) if isinstance(v, dict) else np.asarray(v) for k, v in t.items()}
     params, model_state = to_np(imported.params), to_np(imported.model_state)
     state = {"step": np.int32(0), "params": params, "model_state": model_state}
     meta = {

@@ -122,7 +122,7 @@ def _restore_run(directory: str, step: int) -> Run:
     lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), checkpointer.metadata(state_path).item_metadata
   )
   state = checkpointer.restore(state_path, abstract)
-  to_np = lambda tree: {k: to_np(v) if isinstance(v, dict) else np.asarray(v) for k, v in tree.items()}  # noqa: E731
+  to_np = lambda tree: {k: to_np(v) if isinstance(v, dict) else np.asarray(v) for k, v in tree.items()}
   return Run(
     config=ConfigDict(drop_removed_switches(meta["config"])),
     params=to_np(state["params"]),

@@ -80,7 +80,7 @@ def get_paraphrases(
 
   def fn(batch):
     batch = dict(batch)
-    dec = lambda t: t.decode("utf-8") if isinstance(t, bytes) else str(t)  # noqa: E731
+    dec = lambda t: t.decode("utf-8") if isinstance(t, bytes) else str(t)
     captions = [dec(c) for c in np.asarray(batch[key]).reshape(-1)]
     u = np.asarray(batch[draws], np.float64).reshape(len(captions), -1)
     missing = np.zeros(len(captions), bool)

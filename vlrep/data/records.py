@@ -55,7 +55,7 @@ def split_range(builder, split: str) -> tuple[str, int, int]:
   if name not in builder.info.splits:
     raise ValueError(f"Split {name!r} not in {builder.name}; splits: {sorted(builder.info.splits)}")
   total = builder.info.splits[name].num_examples
-  head = lambda f: max(1, int(round(total * f))) if f else 0  # noqa: E731
+  head = lambda f: max(1, int(round(total * f))) if f else 0
   start = head(skip)
   stop = total if end == 1.0 else head(end)
   if stop <= start:

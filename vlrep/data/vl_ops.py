@@ -171,7 +171,7 @@ def get_tokenize_pairs(max_len: int, a: str = "text_a", b: str = "text_b", conte
     batch = dict(batch)
     texts_a, texts_b = np.asarray(batch[a]), np.asarray(batch[b])
     shape = texts_a.shape
-    dec = lambda t: t.decode("utf-8") if isinstance(t, bytes) else str(t)  # noqa: E731
+    dec = lambda t: t.decode("utf-8") if isinstance(t, bytes) else str(t)
     pairs = zip(texts_a.reshape(-1), texts_b.reshape(-1), strict=True)
     flat = [encode_pair(tokenizer, dec(x), dec(y), max_len) for x, y in pairs]
     batch["tokens"] = np.stack([f[0] for f in flat]).reshape(shape + (max_len,))
@@ -200,7 +200,7 @@ def get_answer_targets(key: str = "answers", out: str = "targets", context=None)
     batch = dict(batch)
     answers = np.asarray(batch[key])
     lead = answers.shape[:-1]
-    dec = lambda t: t.decode("utf-8") if isinstance(t, bytes) else str(t)  # noqa: E731
+    dec = lambda t: t.decode("utf-8") if isinstance(t, bytes) else str(t)
     per_question = answers.reshape(-1, answers.shape[-1])
     rows = [vqa_answers.soft_scores([dec(h) for h in humans if dec(h)], index) for humans in per_question]
     batch[out] = np.stack([r[0] for r in rows]).reshape(lead + (len(vocab),))

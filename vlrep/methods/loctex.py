@@ -44,7 +44,7 @@ def info_nce(
   b = image.shape[0]
   if b % groups:
     raise ValueError(f"Batch {b} does not split into {groups} contrastive groups.")
-  normalize = lambda x: x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)  # noqa: E731
+  normalize = lambda x: x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
   img = normalize(image.astype(jnp.float32)).reshape(groups, b // groups, -1)
   txt = normalize(text.astype(jnp.float32)).reshape(groups, b // groups, -1)
   logits = jnp.einsum("gid,gjd->gij", img, txt) / temperature

@@ -139,7 +139,7 @@ class MCT:
       text_valid=jnp.ones((k,), bool),
       ptr=jnp.zeros((), jnp.int32),
     )
-    copy = lambda t: jax.tree.map(jnp.array, t)  # noqa: E731
+    copy = lambda t: jax.tree.map(jnp.array, t)
     return {"params": params, "batch_stats": stats, "momentum": {"params": copy(params), "batch_stats": copy(stats)},
             "queues": queues}  # fmt: skip
 

@@ -339,7 +339,7 @@ class VLBert:
     feats, boxes, region_mask = self._regions(variables, batch)
     tokens, type_ids, pair_mask = self._flatten_pairs(batch)
     q = batch["tokens"].shape[1]
-    rep = lambda x: jnp.repeat(x, q, axis=0)  # noqa: E731  one copy of the image's regions per text
+    rep = lambda x: jnp.repeat(x, q, axis=0)  # one copy of the image's regions per text
     params = variables["params"]
     metrics = {"pairs": jnp.sum(pair_mask).astype(jnp.float32)}
     if self.task == "pretrain":
@@ -354,8 +354,8 @@ class VLBert:
           raise ValueError("method.alignment_weight > 0 pairs texts with other images of the batch: it needs >= 2.")
         # Folded in (as dropout's rng) so that the token and region masks stay those of a run without alignment.
         swap = jax.random.uniform(jax.random.fold_in(rng, 2), pair_mask.shape) < 0.5
-        other = lambda x: rep(jnp.roll(x, 1, axis=0))  # noqa: E731  each text meets the batch's next image
-        pick = lambda mine, theirs: jnp.where(swap.reshape(swap.shape + (1,) * (mine.ndim - 1)), theirs, mine)  # noqa: E731
+        other = lambda x: rep(jnp.roll(x, 1, axis=0))  # each text meets the batch's next image
+        pick = lambda mine, theirs: jnp.where(swap.reshape(swap.shape + (1,) * (mine.ndim - 1)), theirs, mine)
         r_feats, r_boxes, r_mask = (
           pick(r_feats, other(feats)),
           pick(r_boxes, other(boxes)),
@@ -434,7 +434,7 @@ class VLBert:
     feats, boxes, region_mask = feats if feats is not None else self._regions(variables, batch)
     tokens, type_ids, _ = self._flatten_pairs(batch)
     q = batch["tokens"].shape[1]
-    rep = lambda x: jnp.repeat(x, q, axis=0)  # noqa: E731
+    rep = lambda x: jnp.repeat(x, q, axis=0)
     params = variables["params"]
     if self.config.freeze_base:
       params = {k: (v if k.startswith("task_head") else jax.lax.stop_gradient(v)) for k, v in params.items()}
@@ -450,7 +450,7 @@ class VLBert:
     feats, boxes, region_mask = self._regions(variables, batch)
     tokens, type_ids, pair_mask = self._flatten_pairs(batch)
     q = batch["tokens"].shape[1]
-    rep = lambda x: jnp.repeat(x, q, axis=0)  # noqa: E731
+    rep = lambda x: jnp.repeat(x, q, axis=0)
     special = (tokens == 0) | (tokens == self.cls_id) | (tokens == self.sep_id) | ~pair_mask[:, None]
     inputs, picked = bert_mask(rng, tokens, special, self.config.mask_rate, self.bert_config.vocab_size, self.mask_id)
     params = variables["params"]

@@ -84,12 +84,12 @@ class BertLayer(nn.Module):
   @nn.compact
   def __call__(self, x, mask, deterministic: bool = True):
     c = self.config
-    hidden_dropout = lambda y: nn.Dropout(c.hidden_dropout_prob)(y, deterministic)  # noqa: E731
+    hidden_dropout = lambda y: nn.Dropout(c.hidden_dropout_prob)(y, deterministic)
     heads, head_dim = c.num_attention_heads, c.hidden_size // c.num_attention_heads
-    dense = lambda n, name: nn.Dense(n, dtype=self.dtype, name=name)  # noqa: E731
-    norm = lambda name: nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=self.dtype, name=name)  # noqa: E731
+    dense = lambda n, name: nn.Dense(n, dtype=self.dtype, name=name)
+    norm = lambda name: nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=self.dtype, name=name)
     b, t, _ = x.shape
-    split = lambda y: y.reshape(b, t, heads, head_dim)  # noqa: E731
+    split = lambda y: y.reshape(b, t, heads, head_dim)
     q, k, v = (split(dense(c.hidden_size, n)(x)) for n in ("query", "key", "value"))
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(head_dim)
     scores = jnp.where(mask[:, None, None, :], scores, jnp.finfo(jnp.float32).min)

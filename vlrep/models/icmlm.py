@@ -48,7 +48,7 @@ class TagHead(nn.Module):
 
   @nn.compact
   def __call__(self, grid):
-    dense = lambda n, name: nn.Dense(n, dtype=self.dtype, param_dtype=jnp.float32, name=name)  # noqa: E731
+    dense = lambda n, name: nn.Dense(n, dtype=self.dtype, param_dtype=jnp.float32, name=name)
     if self.kind == "mlp":
       x = jnp.mean(grid, axis=(1, 2))
       x = nn.relu(dense(self.hidden, "fc1")(x))
@@ -72,7 +72,7 @@ class AttentionPooling(nn.Module):
 
   @nn.compact
   def __call__(self, grid, tokens, token_mask):
-    proj = lambda x, name: nn.relu(  # noqa: E731
+    proj = lambda x, name: nn.relu(
       nn.LayerNorm(dtype=self.dtype, param_dtype=jnp.float32, name=f"{name}_norm")(
         nn.DenseGeneral((self.num_heads, self.dim), dtype=self.dtype, param_dtype=jnp.float32, name=name)(x)
       )

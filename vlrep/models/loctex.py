@@ -53,7 +53,7 @@ class LocTexModel(nn.Module):
   dtype: Any = jnp.float32
 
   def setup(self):
-    dense = lambda name: nn.Dense(self.embed_dim, dtype=self.dtype, param_dtype=jnp.float32, name=name)  # noqa: E731
+    dense = lambda name: nn.Dense(self.embed_dim, dtype=self.dtype, param_dtype=jnp.float32, name=name)
     self.visual = resnet.from_config(self.backbone, dtype=self.dtype, name="backbone")
     self.textual = TextEncoder(self.vocab_size, **self.text, dtype=self.dtype, name="textual")
     self.visual_contrastive = dense("visual_contrastive")

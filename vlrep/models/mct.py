@@ -66,9 +66,7 @@ class MCTModel(nn.Module):
     for kind in self.head_batchnorm:
       if kind not in ("intra", "inter"):
         raise ValueError(f"Unknown head_batchnorm entry {kind!r}; expected 'intra' and/or 'inter'.")
-    head = lambda out, kind, name: MLPHead(  # noqa: E731
-      self.head_hidden, out, self.dtype, kind in self.head_batchnorm, name=name
-    )
+    head = lambda out, kind, name: MLPHead(self.head_hidden, out, self.dtype, kind in self.head_batchnorm, name=name)
     self.image_intra = head(self.intra_dim, "intra", "image_intra")
     self.image_inter = head(self.inter_dim, "inter", "image_inter")
     self.text_intra = head(self.intra_dim, "intra", "text_intra")

@@ -47,7 +47,7 @@ class MultiHeadAttention(nn.Module):
       raise ValueError(f"Hidden size {h} is not divisible by {self.num_heads} heads.")
     dense = lambda name, bias=True: nn.DenseGeneral(
       (self.num_heads, h // self.num_heads),
-      dtype=self.dtype,  # noqa: E731
+      dtype=self.dtype,
       param_dtype=jnp.float32,
       kernel_init=init,
       use_bias=bias,
@@ -87,7 +87,7 @@ class DecoderLayer(nn.Module):
   def __call__(self, x, memory, self_mask, train: bool = False):
     init = nn.initializers.normal(self.init_std)
     bias = torch_bias_init if self.torch_bias_init else lambda fan_in: nn.initializers.zeros
-    ln = lambda name: nn.LayerNorm(epsilon=self.ln_eps, dtype=self.dtype, param_dtype=jnp.float32, name=name)  # noqa: E731
+    ln = lambda name: nn.LayerNorm(epsilon=self.ln_eps, dtype=self.dtype, param_dtype=jnp.float32, name=name)
     drop = nn.Dropout(self.dropout)
     y, weights = MultiHeadAttention(self.num_heads, self.dtype, self.dropout, self.init_std, name="self_attention")(
       x, x, self_mask, train
@@ -101,7 +101,7 @@ class DecoderLayer(nn.Module):
       )
       x = ln("ln_cross")(x + drop(y, deterministic=not train))
     h = x.shape[-1]
-    dense = lambda width, fan_in, name: nn.Dense(  # noqa: E731
+    dense = lambda width, fan_in, name: nn.Dense(
       width, dtype=self.dtype, param_dtype=jnp.float32, kernel_init=init, bias_init=bias(fan_in), name=name
     )
     y = nn.gelu(dense(self.mlp_dim, h, "mlp_in")(x), approximate=False)

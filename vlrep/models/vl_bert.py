@@ -87,7 +87,7 @@ def _attend(q, k, v, mask, heads, drop_weights=lambda w: w):
   attention-weight dropout."""
   b, tq, d = q.shape
   tk = k.shape[1]
-  split = lambda y, t: y.reshape(b, t, heads, d // heads)  # noqa: E731
+  split = lambda y, t: y.reshape(b, t, heads, d // heads)
   q, k, v = split(q, tq), split(k, tk), split(v, tk)
   scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(d // heads)
   scores = jnp.where(mask[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
@@ -113,9 +113,9 @@ class CoAttentionBlock(nn.Module):
 
   @nn.compact
   def __call__(self, t, t_mask, v, v_mask, deterministic: bool = True):
-    dense = lambda n, name: nn.Dense(n, dtype=self.dtype, name=name)  # noqa: E731
-    norm = lambda name: nn.LayerNorm(epsilon=self.eps, dtype=self.dtype, name=name)  # noqa: E731
-    drop = lambda rate: lambda y: nn.Dropout(rate)(y, deterministic)  # noqa: E731
+    dense = lambda n, name: nn.Dense(n, dtype=self.dtype, name=name)
+    norm = lambda name: nn.LayerNorm(epsilon=self.eps, dtype=self.dtype, name=name)
+    drop = lambda rate: lambda y: nn.Dropout(rate)(y, deterministic)
     (t_hidden, t_attn), (v_hidden, v_attn) = self.text_dropout, self.visual_dropout
     bi = self.bi_hidden
     t_ctx = _attend(
