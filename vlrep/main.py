@@ -99,7 +99,8 @@ def main(argv):
     print(f"ERROR: {e}", file=sys.stderr, flush=True)
     sys.exit(2)
   except Exception as e:
-    if jax.process_count() > 1 and "NonFinite" not in type(e).__name__:
+    # A non-finite loss is global, so every process raises it at the same step and can leave normally.
+    if jax.process_count() > 1 and not isinstance(e, train.NonFiniteLossError):
       # A collective failing mid-run almost always means another process died; the runtime then stops this
       # one within --heartbeat_timeout seconds. An error of this process alone (e.g. its save failed on a full
       # disk) ends it at once: leaving through jax.distributed's shutdown barrier would wait for peers that wait
