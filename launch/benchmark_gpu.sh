@@ -5,7 +5,7 @@
 #   launch/benchmark_gpu.sh OUT_DIR [PARTS] [STEPS] [WINDOWS] [DEADLINE_S]
 # PARTS (comma-separated, default all): virtex (the plain step, profiled), torch (the references, beside virtex),
 # methods (LocTex and MCT), xla (two flag settings). All parts start at once, one process each (xla: two; torch:
-# two more), and share the device through vlrep.tools.device_turns: they compile together (XLA's autotuning,
+# two more), and share the device through vlrep.bench.device_turns: they compile together (XLA's autotuning,
 # torch.compile and Triton take far longer than the timing), and time one at a time once all are ready, so no
 # timed window shares the device. The VirTex process is waited for; the others (references, other methods, XLA
 # flags) are killed and reported if still compiling DEADLINE_S seconds (default 330) after the start, and the rest
@@ -53,7 +53,7 @@ for NAME in "${!CMDS[@]}"; do
   X=""
   [[ $NAME == xla_no_triton_gemm ]] && X="--xla_gpu_enable_triton_gemm=false"
   [[ $NAME == xla_no_command_buffer ]] && X="--xla_gpu_enable_command_buffer="
-  env ${X:+XLA_FLAGS="${XLA_FLAGS:-} $X"} python3 -m vlrep.tools.benchmark --steps="$STEPS" --windows="$WINDOWS" --input=device \
+  env ${X:+XLA_FLAGS="${XLA_FLAGS:-} $X"} python3 -m vlrep.bench.benchmark --steps="$STEPS" --windows="$WINDOWS" --input=device \
     ${CMDS[$NAME]} --output="$OUT/$NAME.json" $TURN >"/tmp/vlrep_gpu_$NAME.log" 2>&1 & PIDS+=($!)
 done
 STATUS=0

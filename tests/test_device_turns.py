@@ -1,17 +1,17 @@
-"""vlrep.tools.device_turns: benchmark processes on one accelerator compile together and time one at a time."""
+"""vlrep.bench.device_turns: benchmark processes on one accelerator compile together and time one at a time."""
 
 import json
 import subprocess
 import sys
 import time
 
-from vlrep.tools import device_turns
+from vlrep.bench import device_turns
 
 # A party: joins, "compiles" for its first argument's seconds, then "times" for 0.3 s inside its turn and prints
 # when it held the device.
 PARTY = """
 import json, sys, time
-from vlrep.tools import device_turns
+from vlrep.bench import device_turns
 folder, parties, deadline, compile_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
 turns = device_turns.join(folder, parties, deadline, optional=sys.argv[5] == "optional")
 time.sleep(compile_s)
@@ -59,7 +59,7 @@ def test_a_required_party_still_compiling_at_the_deadline_is_waited_for(tmp_path
 
 
 def test_a_party_that_crashed_before_its_turn_is_not_waited_for(tmp_path):
-  code = f"from vlrep.tools import device_turns; device_turns.join({str(tmp_path)!r}, 2, 0); raise SystemExit(1)"
+  code = f"from vlrep.bench import device_turns; device_turns.join({str(tmp_path)!r}, 2, 0); raise SystemExit(1)"
   crashed = subprocess.run([sys.executable, "-c", code])
   assert crashed.returncode == 1
   info = json.loads(start(tmp_path, 2, time.time() + 60, 0.0).communicate(timeout=30)[0])

@@ -278,8 +278,8 @@ COMMANDS: dict[str, object] = {
       'python -m vlrep.main --multihost --config=$CONFIG --workdir=$WORKDIR $*"',
       "python -m vlrep.main ... --coordinator_address=HOST:PORT --num_processes=N --process_id=I",
       "python -m vlrep.tools.attention_maps --workdir=RUN --out_dir=DIR [--map=1x",
-      "python -m vlrep.tools.benchmark --config=CONFIG --config.batch_size=256 --steps=20",
-      'python -m vlrep.tools.benchmark --steps="$STEPS" --windows="$WINDOWS" --input=device ${CMDS[$NAME]} '
+      "python -m vlrep.bench.benchmark --config=CONFIG --config.batch_size=256 --steps=20",
+      'python -m vlrep.bench.benchmark --steps="$STEPS" --windows="$WINDOWS" --input=device ${CMDS[$NAME]} '
       '--output="$OUT/$NAME.json" $TURN >"/tmp/vlrep_gpu_$NAME.log" 2>',
       "python -m vlrep.tools.caption --workdir=RUN [--decoding=beam",
       "python -m vlrep.tools.coco_subset",
@@ -367,9 +367,9 @@ COMMANDS: dict[str, object] = {
   "python -m vlrep.tools.grounding --workdir=/tmp/r/virtex/taskbicaptioning": Run(
     replace=(("{tmp}/r/virtex/taskbicaptioning", VIRTEX),), add=("--limit=8",)
   ),
-  "python -m vlrep.tools.svm_benchmark --workdir=/tmp/virtex_local": Run(add=("--sets=synthetic_scenes",)),
-  "python -m vlrep.tools.svm_benchmark": Run(add=("--config=tests/tiny_virtex.py", "--voc07_size_scale=0.05")),
-  "python -m vlrep.tools.svm_benchmark --chance": Run(add=(f"--data_dir={D}", "--config_name=tiny"), expect="chance"),
+  "python -m vlrep.bench.svm_benchmark --workdir=/tmp/virtex_local": Run(add=("--sets=synthetic_scenes",)),
+  "python -m vlrep.bench.svm_benchmark": Run(add=("--config=tests/tiny_virtex.py", "--voc07_size_scale=0.05")),
+  "python -m vlrep.bench.svm_benchmark --chance": Run(add=(f"--data_dir={D}", "--config_name=tiny"), expect="chance"),
   "python -m vlrep.tools.token_prior --config=configs/virtex.py:runlocal": Run(),
   "python -m vlrep.tools.attention_maps --workdir=/tmp/loctex_local --out_dir=/tmp/att --num_examples=4": Run(),
   'python -m vlrep.tools.attention_maps --workdir=RUN --out_dir=/tmp/att --caption="a dog on the left" dog.jpg': Run(
@@ -398,33 +398,33 @@ COMMANDS: dict[str, object] = {
   "--dst=/data/vlrep_regions": Refuses(r"trainval"),
   "python -m vlrep.tools.weight_distance --root=/tmp/vl_study --arch=visual_bert --task=vqa": Refuses(r"vl_study"),
   # One kind at one core (a process each; the kinds' equal work is tests/test_speed_tools.py's).
-  "python -m vlrep.tools.pipeline_benchmark": Run(
+  "python -m vlrep.bench.pipeline_benchmark": Run(
     add=("--cores=1", "--kinds=tfdata_cache", "--seconds=0.5", "--num_images=16"), expect="images/s"
   ),
   **{
     c: Covered("tests/test_speed_tools.py")  # the same four kinds at more cores: a process each
     for c in (
-      "python -m vlrep.tools.pipeline_benchmark --cores=1,2",
-      "python -m vlrep.tools.pipeline_benchmark --cores=1,2 --seconds=15",
-      "python -m vlrep.tools.pipeline_benchmark --cores=1,2 --seconds=15 --output=/tmp/pipeline.json",
+      "python -m vlrep.bench.pipeline_benchmark --cores=1,2",
+      "python -m vlrep.bench.pipeline_benchmark --cores=1,2 --seconds=15",
+      "python -m vlrep.bench.pipeline_benchmark --cores=1,2 --seconds=15 --output=/tmp/pipeline.json",
     )
   },
-  "python -m vlrep.tools.torch_reference --batch_size=256 --steps=30 --compile_mode=max-autotune": Refuses(
+  "python -m vlrep.bench.torch_reference --batch_size=256 --steps=30 --compile_mode=max-autotune": Refuses(
     r"GPU|CUDA|torchvision"
   ),
   # The speed benchmark: the paper recipe's step, shrunk (TINY_BENCHMARK).
-  "python -m vlrep.tools.benchmark --config=configs/virtex.py:runlocal --steps=10": Run(
+  "python -m vlrep.bench.benchmark --config=configs/virtex.py:runlocal --steps=10": Run(
     add=("--steps=1", "--windows=1", "--gemm_size=0")
   ),
-  "python -m vlrep.tools.benchmark --config=configs/virtex.py --config.batch_size=256 --steps=20 --windows=3": Run(
+  "python -m vlrep.bench.benchmark --config=configs/virtex.py --config.batch_size=256 --steps=20 --windows=3": Run(
     add=TINY_BENCHMARK
   ),
-  "python -m vlrep.tools.benchmark --config=configs/virtex.py --profile --output_dir=/tmp/bench": Run(
+  "python -m vlrep.bench.benchmark --config=configs/virtex.py --profile --output_dir=/tmp/bench": Run(
     add=TINY_BENCHMARK
   ),
   # The PyTorch reference mirrors the full ResNet-50 only (too slow to compile here twice).
-  "python -m vlrep.tools.benchmark --config=configs/virtex.py --torch_reference": Covered("tests/test_speed_tools.py"),
-  "python -m vlrep.tools.benchmark --config=configs/virtex.py --variant=f32:method.dtype=float32 "
+  "python -m vlrep.bench.benchmark --config=configs/virtex.py --torch_reference": Covered("tests/test_speed_tools.py"),
+  "python -m vlrep.bench.benchmark --config=configs/virtex.py --variant=f32:method.dtype=float32 "
   "--variant=fsdp:sharding.params=fsdp": Run(add=TINY_BENCHMARK),
   # --- Published checkpoints in and out (docs/interop.md): the files are not here, so each command refuses;
   # tests/test_import_run.py and tests/test_import_visual_bert.py run the same chain on checkpoints they write.
@@ -458,18 +458,18 @@ COMMANDS: dict[str, object] = {
     SMALL_STEM, replace=(("DIR", VIRTEX), ("virtex.pth", "{tmp}/virtex.pth"))
   ),
   # --- Multi-process harnesses, run by their own tests. ------------------------------------------------ #
-  "python -m vlrep.tools.faults --config=tests/tiny_virtex.py --workdir=/tmp/faults --kills=30": Covered(
+  "python -m vlrep.bench.faults --config=tests/tiny_virtex.py --workdir=/tmp/faults --kills=30": Covered(
     "tests/test_faults.py"
   ),
-  "python -m vlrep.tools.faults --config=tests/tiny_virtex.py --workdir=/tmp/faults --kills=30 "
+  "python -m vlrep.bench.faults --config=tests/tiny_virtex.py --workdir=/tmp/faults --kills=30 "
   "--overrides=total_steps=120,checkpoint.every_steps=4,evals.probe.every_steps=40": Covered("tests/test_faults.py"),
-  "python -m vlrep.tools.faults --config=tests/tiny_virtex.py --workdir=/tmp/faults --kills=30 --seed=0 "
+  "python -m vlrep.bench.faults --config=tests/tiny_virtex.py --workdir=/tmp/faults --kills=30 --seed=0 "
   "--overrides=total_steps=200,checkpoint.every_steps=4,evals.probe.every_steps=20": Covered("tests/test_faults.py"),
-  "python -m vlrep.tools.faults --config=tests/tiny_virtex.py --workdir=/tmp/faults2 --kills=22 --seed=0 "
+  "python -m vlrep.bench.faults --config=tests/tiny_virtex.py --workdir=/tmp/faults2 --kills=22 --seed=0 "
   "--processes=2 --overrides=total_steps=300,checkpoint.every_steps=4,evals.probe.every_steps=20": Covered(
     "tests/test_multihost_faults.py"
   ),
-  "python -m vlrep.tools.scale_test --workdir=/tmp/vlrep_scale --sizes=20k,200k --steps=300": Covered(
+  "python -m vlrep.bench.scale_test --workdir=/tmp/vlrep_scale --sizes=20k,200k --steps=300": Covered(
     "tests/test_multihost.py"
   ),
 }

@@ -1,4 +1,4 @@
-"""Faults: the fault-injection harness (vlrep.tools.faults), a non-finite loss, damaged checkpoints, failed saves
+"""Faults: the fault-injection harness (vlrep.bench.faults), a non-finite loss, damaged checkpoints, failed saves
 (SIGTERM alone: test_preemption)."""
 
 import json
@@ -17,7 +17,7 @@ def test_the_fault_harness_survives_every_kind_of_fault(tmp_path):
   each followed by a restart: the final parameters equal an uninterrupted run's bit for bit, every restart resumes
   from the newest intact checkpoint, SIGTERM exits cleanly within the deadline (docs/reliability.md has the
   30-fault table)."""
-  from vlrep.tools import faults
+  from vlrep.bench import faults
 
   # Without evaluations (CI time): the 30-fault run of docs/reliability.md has them, and test_preemption checks that
   # an evaluation stops between batches.
@@ -127,7 +127,7 @@ def test_a_failed_save_is_a_clear_error_and_keeps_the_earlier_checkpoints(tmp_pa
 
 
 def test_the_fault_harness_refuses_bad_arguments_before_training(tmp_path):
-  from vlrep.tools import faults
+  from vlrep.bench import faults
 
   config = os.path.join(ROOT, "tests", "tiny_virtex.py")
   with pytest.raises(ValueError, match="--kills must be at least 1"):

@@ -10,7 +10,7 @@ import time
 import pytest
 from conftest import ROOT, with_devices
 
-from vlrep.tools import scale_test
+from vlrep.bench import scale_test
 
 CONFIG = os.path.join(ROOT, "tests", "tiny_virtex.py")
 OVERRIDES = ["--config=tests/tiny_virtex.py", "--config.evals={}", "--config.checkpoint.every_steps=4"]
@@ -21,13 +21,13 @@ def _start(workdir, port, process_id, num_processes, *extra, log):
   cmd += [f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={num_processes}", f"--process_id={process_id}"]
   env = {**with_devices(2), "PYTHONUNBUFFERED": "1"}
   # Nothing compiled is shared with the session's cache: these launches fail before they compile anything, and a
-  # pair that trains needs a cache of its own (see vlrep.tools.scale_test.start_pair).
+  # pair that trains needs a cache of its own (see vlrep.bench.scale_test.start_pair).
   env.pop("JAX_COMPILATION_CACHE_DIR", None)
   return subprocess.Popen([*cmd, *extra], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def test_two_processes_train_from_disk_survive_a_dead_host_and_resume_bit_identically(tmp_path):
-  """The data-at-scale test (vlrep.tools.scale_test) at its smallest: two processes, two devices each, train on
+  """The data-at-scale test (vlrep.bench.scale_test) at its smallest: two processes, two devices each, train on
   2,000 generated scenes read from disk; then a pair loses process 1 to a SIGKILL at a random step, process 0 stops
   by itself, and the same command on both resumes and ends with the uninterrupted pair's parameters."""
   result = scale_test.scale_test(

@@ -1,4 +1,4 @@
-"""Preemption and faults across the processes of one run: the fault harness (vlrep.tools.faults) on two processes
+"""Preemption and faults across the processes of one run: the fault harness (vlrep.bench.faults) on two processes
 forming one JAX distributed runtime on 127.0.0.1, as the hosts of a pod do (the 22-fault table of
 docs/reliability.md runs the same harness with more faults)."""
 
@@ -6,7 +6,7 @@ import os
 
 from conftest import ROOT
 
-from vlrep.tools import faults
+from vlrep.bench import faults
 
 CONFIG = os.path.join(ROOT, "tests", "tiny_virtex.py")
 

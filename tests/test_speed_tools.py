@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import load_tiny_config
 
-from vlrep.tools import benchmark
+from vlrep.bench import benchmark
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,7 +69,7 @@ def test_benchmark_times_the_real_step_on_cpu(method, input_mode):
 
 def test_torch_reference_matches_the_model_and_learns():
   torch = pytest.importorskip("torch")
-  from vlrep.tools.torch_reference import TorchVirTex
+  from vlrep.bench.torch_reference import TorchVirTex
 
   torch.manual_seed(0)
   vocab, max_len = 100, 12
@@ -96,7 +96,7 @@ def test_torch_reference_matches_the_model_and_learns():
 
 def test_pipeline_benchmark_implementations_do_the_same_work(tmp_path):
   pytest.importorskip("torch")
-  from vlrep.tools import pipeline_benchmark as pb
+  from vlrep.bench import pipeline_benchmark as pb
 
   jpegs = pb.make_jpegs(4)
   assert all(b[:2] == b"\xff\xd8" for b in jpegs) and 30_000 < np.mean([len(b) for b in jpegs]) < 400_000
@@ -122,7 +122,7 @@ def test_pipeline_benchmark_implementations_do_the_same_work(tmp_path):
 
 def test_torch_reference_runs_vlreps_optimizer_and_grouped_batch_norm_on_cpu():
   torch = pytest.importorskip("torch")
-  from vlrep.tools import torch_reference as ref
+  from vlrep.bench import torch_reference as ref
 
   # Grouped BatchNorm: each group of images normalised by its own statistics, as separate BatchNorms would.
   torch.manual_seed(0)
@@ -265,7 +265,7 @@ class NoTF(importlib.abc.MetaPathFinder):
     if name.split('.')[0] in ('tensorflow', 'tensorflow_datasets', 'clu', 'grain', 'array_record'):
       raise ImportError('no ' + name)
 sys.meta_path.insert(0, NoTF())
-import vlrep.tools.benchmark, vlrep.tools.torch_reference
+import vlrep.bench.benchmark, vlrep.bench.torch_reference
 from vlrep import methods
 for name, arg in [('virtex', ''), ('loctex', ''), ('mct', 'text=scratch,tags=True')]:
   spec = importlib.util.spec_from_file_location(name, f'configs/{name}.py')

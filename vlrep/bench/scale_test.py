@@ -2,7 +2,7 @@ r"""Data-at-scale test: two processes train from on-disk datasets of growing siz
 reads only what it needs of its own share, input speed matches the in-memory path, and a killed run resumes to
 bit-identical parameters.
 
-  python -m vlrep.tools.scale_test --workdir=/tmp/vlrep_scale --sizes=20k,200k --steps=300
+  python -m vlrep.bench.scale_test --workdir=/tmp/vlrep_scale --sizes=20k,200k --steps=300
 
 Each size is `synthetic_scenes/scale<size>` (2k, 20k or 200k 64x64 training scenes), prepared into --data_dir
 on first use with `python -m vlrep.data.prepare` (ArrayRecord; 200k: about 15 minutes and 1.8 GB on 2 cores).

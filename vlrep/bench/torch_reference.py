@@ -8,12 +8,12 @@ biases and LayerNorm scales), the gradient clipped to global norm 10, LookAhead 
 statistics over groups of 32 images (the paper's per-GPU BatchNorm). Speed settings: bf16 autocast,
 channels_last, `torch.compile` (`--compile_mode`: default, max-autotune, or eager), `zero_grad(set_to_none=True)`,
 fused SGD, foreach clipping and LookAhead. Inputs are random tensors already on the device, as in
-`vlrep.tools.benchmark --input=device`. Timing: `--windows` windows of `--steps` steps; the median window and
+`vlrep.bench.benchmark --input=device`. Timing: `--windows` windows of `--steps` steps; the median window and
 the spread are reported.
 
-  python -m vlrep.tools.torch_reference --batch_size=256 --steps=30 --compile_mode=max-autotune
+  python -m vlrep.bench.torch_reference --batch_size=256 --steps=30 --compile_mode=max-autotune
 
-`vlrep.tools.benchmark --torch_reference` runs this first, then vlrep's step, and reports the ratio.
+`vlrep.bench.benchmark --torch_reference` runs this first, then vlrep's step, and reports the ratio.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import time
 import torch
 from torch import nn
 
+from vlrep.bench import device_turns
 from vlrep.models.torch_resnet import ResNet
-from vlrep.tools import device_turns
 
 PAD_ID = 0
 
@@ -283,7 +283,7 @@ def main(argv=None):
   p.add_argument("--lookahead_alpha", type=float, default=0.5)
   p.add_argument("--bn_group_size", type=int, default=32, help="images per BatchNorm group (0: the whole batch)")
   p.add_argument("--output", default=None, help="optional JSON file for the results")
-  p.add_argument("--turn_dir", default="", help="share the device with other benchmarks (vlrep.tools.device_turns)")
+  p.add_argument("--turn_dir", default="", help="share the device with other benchmarks (vlrep.bench.device_turns)")
   p.add_argument("--turn_parties", type=int, default=1, help="processes sharing --turn_dir")
   p.add_argument("--turn_deadline", type=float, default=0.0, help="Unix time after which the ready ones go on")
   a = p.parse_args(argv)

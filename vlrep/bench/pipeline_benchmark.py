@@ -1,8 +1,8 @@
 """Input pipeline speed: images/s per CPU core for decode + augment, vlrep's tf.data beside a PyTorch
 DataLoader + PIL baseline doing the same work, in one run.
 
-  python -m vlrep.tools.pipeline_benchmark                     # 1 core and all cores, ~2 minutes
-  python -m vlrep.tools.pipeline_benchmark --cores=1,2 --seconds=15 --output=/tmp/pipeline.json
+  python -m vlrep.bench.pipeline_benchmark                     # 1 core and all cores, ~2 minutes
+  python -m vlrep.bench.pipeline_benchmark --cores=1,2 --seconds=15 --output=/tmp/pipeline.json
 
 The work per image, as VirTex's training recipe: decode a COCO-sized JPEG (640x480, quality 90), random
 resized crop (area 0.2-1, aspect 3/4-4/3) to 224x224 with antialiased bilinear resizing, random horizontal
@@ -188,7 +188,7 @@ def main(argv=None):
   rows = []
   for c in cores:
     for kind in a.kinds.split(","):
-      cmd = [sys.executable, "-m", "vlrep.tools.pipeline_benchmark", f"--_child={kind}:{c}"]
+      cmd = [sys.executable, "-m", "vlrep.bench.pipeline_benchmark", f"--_child={kind}:{c}"]
       cmd += [f"--seconds={a.seconds}", f"--num_images={a.num_images}"]
       env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}
       out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout

@@ -1,7 +1,7 @@
 r"""The VOC07 SVM probe with both solvers side by side, in one run: time, speed ratio and mAP agreement.
 
-  python -m vlrep.tools.svm_benchmark                                  # VOC07-size features + synthetic_scenes
-  python -m vlrep.tools.svm_benchmark --workdir=/tmp/virtex_local      # synthetic_scenes features of a checkpoint
+  python -m vlrep.bench.svm_benchmark                                  # VOC07-size features + synthetic_scenes
+  python -m vlrep.bench.svm_benchmark --workdir=/tmp/virtex_local      # synthetic_scenes features of a checkpoint
 
 Two feature sets:
   voc07_size       5011 trainval / 4952 test images x 2048-d, 20 classes, drawn to look like pooled ResNet-50

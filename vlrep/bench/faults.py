@@ -1,6 +1,6 @@
 r"""Fault-injection harness: kills a training run again and again and checks that nothing is lost.
 
-  python -m vlrep.tools.faults --config=tests/tiny_virtex.py --workdir=/tmp/faults --kills=30 \
+  python -m vlrep.bench.faults --config=tests/tiny_virtex.py --workdir=/tmp/faults --kills=30 \
       --overrides=total_steps=120,checkpoint.every_steps=4,evals.probe.every_steps=40
 
 Trains CONFIG once without interruption (WORKDIR/reference), then again in WORKDIR/faulty while injecting
@@ -63,7 +63,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from vlrep import runs
-from vlrep.tools import scale_test
+from vlrep.bench import scale_test
 
 KINDS = ("sigterm", "sigkill", "corrupt", "disk_full")
 PHASES = ("startup", "data", "init", "train", "checkpoint", "eval")

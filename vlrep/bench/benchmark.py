@@ -2,11 +2,11 @@
 utilisation (model FLOPs counted from the jaxpr of the loss's gradient, against the device's datasheet peak and
 against its measured bf16 matrix-product peak).
 
-  python -m vlrep.tools.benchmark --config=configs/virtex.py --config.batch_size=256 --steps=20 --windows=3
-  python -m vlrep.tools.benchmark --config=configs/virtex.py --torch_reference   # + PyTorch, same device, one run
-  python -m vlrep.tools.benchmark --config=configs/virtex.py \
+  python -m vlrep.bench.benchmark --config=configs/virtex.py --config.batch_size=256 --steps=20 --windows=3
+  python -m vlrep.bench.benchmark --config=configs/virtex.py --torch_reference   # + PyTorch, same device, one run
+  python -m vlrep.bench.benchmark --config=configs/virtex.py \
       --variant=f32:method.dtype=float32 --variant=fsdp:sharding.params=fsdp   # A/B in one run
-  python -m vlrep.tools.benchmark --config=configs/virtex.py --profile --output_dir=/tmp/bench
+  python -m vlrep.bench.benchmark --config=configs/virtex.py --profile --output_dir=/tmp/bench
 
 Timing: `--windows` windows of `--steps` steps each (after 3 warm-up steps); images/s is the median window, with
 the fastest and slowest beside it. `--variant=NAME:KEY=VALUE,KEY=VALUE` adds a variant of the config (how
@@ -17,13 +17,13 @@ each variant's ratio to the baseline is reported. `--profile` traces `--profile_
 `profile.json`).
 
 Inputs are random arrays of the config's shapes (the input pipeline is timed separately by
-`vlrep.tools.pipeline_benchmark`). `--input=device` reuses one batch already on the device: the step alone.
+`vlrep.bench.pipeline_benchmark`). `--input=device` reuses one batch already on the device: the step alone.
 `--input=host` cycles through 4 distinct batches held in host memory (what the in-memory cache of decoded
 images gives the loop) and transfers each step's batch with the loop's device prefetch thread, overlapped with
 the running step.
 Peak FLOP/s are dense bf16 numbers from vendor specs; unknown devices (CPUs) report no MFU.
 
-`--torch_reference` first runs `vlrep.tools.torch_reference` (the same VirTex model and step in PyTorch) in a
+`--torch_reference` first runs `vlrep.bench.torch_reference` (the same VirTex model and step in PyTorch) in a
 subprocess on the same device, before JAX takes the device's memory, then this step, and reports the ratio.
 Only TensorFlow-free modules are imported, so this runs where JAX and PyTorch are installed without TF.
 """
@@ -54,8 +54,8 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from vlrep import methods, optim, sharding, train_step
+from vlrep.bench import device_turns
 from vlrep.data import op_strings
-from vlrep.tools import device_turns
 
 
 def _define_flags() -> None:
@@ -90,7 +90,7 @@ def _define_flags() -> None:
   flags.DEFINE_string(
     "turn_dir",
     "",
-    "Share the device with other benchmark processes (vlrep.tools.device_turns): all compile at once, time in "
+    "Share the device with other benchmark processes (vlrep.bench.device_turns): all compile at once, time in "
     "turns. The PyTorch references then compile beside this process's variants.",
   )
   flags.DEFINE_integer("turn_parties", 1, "Processes sharing --turn_dir (the references count one each).")
@@ -404,7 +404,7 @@ def benchmark(
   """The baseline config's figures at the top level; each variant's under 'variants' with its ratio to them.
 
   Variants build and compile `compile_threads` at a time; with `turns`, the timing (and the profile) waits for
-  the device's turn (vlrep.tools.device_turns)."""
+  the device's turn (vlrep.bench.device_turns)."""
   configs = {"baseline": config, **{name: apply_overrides(config, overrides) for name, overrides in variants}}
 
   def build(item):
@@ -593,7 +593,7 @@ def write_profile_tables(profiles: dict, out_dir: str) -> None:
 
 # -- the PyTorch reference ----------------------------------------------------------------------------------
 def torch_reference_command(config, steps, windows, image_size, vocab_size, mode, output) -> list[str]:
-  """The `vlrep.tools.torch_reference` command for the config's model, optimizer (SGD, its LRs and decay groups,
+  """The `vlrep.bench.torch_reference` command for the config's model, optimizer (SGD, its LRs and decay groups,
   clipping, LookAhead) and BatchNorm groups."""
   m, o = config.method, config.optim
   if m.name != "virtex" or m.task != "bicaptioning" or m.backbone.depth != 50 or m.backbone.width != 64:
@@ -601,7 +601,7 @@ def torch_reference_command(config, steps, windows, image_size, vocab_size, mode
   if o.name != "sgd":
     raise ValueError(f"--torch_reference mirrors SGD; optim.name is {o.name!r}.")
   lrs = dict(o.lr_groups)
-  cmd = [sys.executable, "-m", "vlrep.tools.torch_reference", f"--batch_size={config.batch_size}"]
+  cmd = [sys.executable, "-m", "vlrep.bench.torch_reference", f"--batch_size={config.batch_size}"]
   cmd += [f"--image_size={image_size}", f"--vocab_size={vocab_size}", f"--hidden={m.hidden}"]
   cmd += [f"--layers={m.num_layers}", f"--max_len={m.max_len}", f"--steps={steps}", f"--windows={windows}"]
   cmd += [f"--backbone_lr={lrs.get('^backbone/', 0.2)}", f"--head_lr={lrs.get('.*', 1e-3)}"]
