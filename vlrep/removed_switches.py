@@ -1,8 +1,7 @@
-"""Speed switches that were measured on an accelerator, did not pay, and were removed with their code
-(docs/speed.md; git keeps them). Runs saved before their removal still carry the keys in their config: reading such
-a run drops them, since the plain path computes the same maths with the same parameters. The two that changed what
-a checkpoint holds are a clear error when they were on: padded vocabulary tables wherever the run is read, a flat
-momentum vector when the run is resumed.
+"""Speed switches that do not pay on an accelerator (docs/speed.md), so vlrep has no code for them. A run's saved
+config may still carry their keys: reading such a run drops them, since the plain path computes the same maths with
+the same parameters. The two that change what a checkpoint holds are a clear error when on: padded vocabulary
+tables wherever the run is read, a flat momentum vector when the run is resumed.
 
 A leaf module: the models (a backbone section), `runs` (a saved config) and the tools read it.
 """
@@ -13,8 +12,8 @@ from absl import logging
 
 _H200 = "measured on an NVIDIA H200 (docs/speed.md, 2026-11-26)"
 
-# Dotted key -> (its 'off' value, why it was removed, what it changed in a checkpoint when on: None, 'params' or
-# 'opt_state').
+# Dotted key -> (its 'off' value, why vlrep has no such switch, what it changes in a checkpoint when on: None,
+# 'params' or 'opt_state').
 REMOVED_SWITCHES = {
   "method.backbone.pallas_conv1x1": (
     False,

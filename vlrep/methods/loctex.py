@@ -14,7 +14,7 @@ enter M's norm is `localization_norm`:
   "caption"  every token of the caption ([SOS], words with or without a trace, [EOS]; not padding): eq. 3 as
              printed, M_k being the whole L x R x R map. The recipe's.
   "traced"   only tokens whose trace is non-empty (the other rows of M are zeroed before normalising).
-             runlocal's (its results were measured with it).
+             runlocal's (docs/results/loctex.md's runs use it).
 M^'s norm is the same either way (untraced rows are zero). Examples without any traced token (M^ = 0) are left
 out; the loss is the mean over the others. (The paper writes sums over the batch; means keep the two terms'
 balance independent of the batch size.)
@@ -90,7 +90,7 @@ class LocTex:
       raise ValueError(f"contrastive_group_size={config.contrastive_group_size}: 0 (the whole batch) or a size.")
     if not (config.contrastive_weight or config.localization_weight):
       raise ValueError("LocTex needs contrastive_weight or localization_weight above 0.")
-    # Runs saved before the key existed were trained with "traced".
+    # A saved config without the key means "traced", what such a run trained with.
     self.localization_norm = config.get("localization_norm", "traced")
     if self.localization_norm not in LOCALIZATION_NORMS:
       raise ValueError(f"localization_norm={self.localization_norm!r}: one of {LOCALIZATION_NORMS}.")

@@ -84,8 +84,8 @@ class VirTex:
       num_heads=config.get("num_heads") or None,
       mlp_dim=config.get("mlp_dim") or None,
       decoder_ln_eps=config.get("decoder_ln_eps", 1e-8),
-      # The official head's training-time behaviour (configs/virtex.py sets both; absent in configs saved before
-      # the knobs, which then rebuild the model they trained).
+      # The official head's training-time behaviour (configs/virtex.py sets both; off by default, so a saved config
+      # without them rebuilds the model it trained).
       mlp_dropout=config.get("mlp_dropout", False),
       official_init=config.get("official_init", False),
     )

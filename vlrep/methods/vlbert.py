@@ -334,7 +334,7 @@ class VLBert:
 
   def loss(self, variables, batch, rng, train: bool = True):
     mask_rng, region_rng = jax.random.split(rng)
-    # Folded in, not split off, so the masks stay what they were before dropout existed (same runs, same masks).
+    # Folded in, not split off, so the token and region masks (from split(rng)) do not depend on dropout.
     dropout = {"deterministic": not train, "rngs": {"dropout": jax.random.fold_in(rng, 1)}}
     feats, boxes, region_mask = self._regions(variables, batch)
     tokens, type_ids, pair_mask = self._flatten_pairs(batch)

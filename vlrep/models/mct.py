@@ -46,11 +46,11 @@ class MCTModel(nn.Module):
   inter_dim: int = 1024
   # Heads ('intra', 'inter') with BatchNorm in the hidden layer. The paper's heads have none. Pooled backbone
   # features share a large common component; under the inter-modal hinge summed over the whole queue, a head
-  # without normalisation grows that component until every embedding is the same (measured on runlocal).
+  # without normalisation grows that component until every embedding is the same.
   head_batchnorm: tuple = ()
   # 'cls': BERT's pooled output (the first token's final state); 'mean': the mean of the non-padding tokens'
   # final states. A post-LN encoder trained from scratch starts with nearly the same first-token state for every
-  # caption (cosine 0.999 between unrelated captions at init, measured) and runlocal never leaves it.
+  # caption (tests/test_mct.py checks it at init), and runlocal's budget does not train it out of that.
   text_pool: str = "cls"
   dtype: Any = jnp.float32
 

@@ -19,9 +19,9 @@ class VirTexModel(nn.Module):
   decoder LayerNorms' epsilon) let a run reproduce a head built otherwise, e.g. an imported official checkpoint.
   `mlp_dropout` and `official_init` (transformer.TransformerTextualHead) make the head train as the official
   code's; with `official_init` the visual projection's weight is N(0, init_std) and its bias torch's uniform one
-  (the official `_init_weights`), otherwise LeCun-normal weights and a zero bias. The defaults here are the
-  pre-knob behaviour, so a saved config without the keys rebuilds the model it trained; configs/virtex.py sets
-  the official values.
+  (the official `_init_weights`), otherwise LeCun-normal weights and a zero bias. The defaults build vlrep's own
+  head, so a saved config without these keys rebuilds the model it trained; configs/virtex.py sets the official
+  values.
   """
 
   vocab_size: int

@@ -146,7 +146,7 @@ class VLBertModel(nn.Module):
     num_labels: > 0 adds the downstream classifier on the pooled output.
     text_pool: what the pooler reads of the text: 'cls' = the [CLS] state (BERT's and the study's), 'mean' = the
       mean over the text's tokens (for a checkpoint whose [CLS] was never trained, as sentence-transformers'
-      MiniLM: its [CLS] states of different sentences have cosine 1.000 after 2 layers).
+      MiniLM: its [CLS] states of different sentences are all but identical).
     fusion: how ViLBERT joins its pooled text and image ('mul': their product, the default of ViLBERT's and MMF's
       `fusion_method`; 'sum': their sum, the other).
     alignment: adds the image-text alignment head (ViLBERT's multimodal alignment prediction, VisualBERT's
