@@ -1,8 +1,9 @@
 """Runs `python -m MODULE ARGS` commands fast: one server process imports the heavy libraries once (JAX,
 TensorFlow, TFDS, Flax, Optax, Orbax, scikit-learn) and forks a fresh child per command, which runs MODULE as
-`__main__` with the command's argv exactly as `python -m` would (0.2 s for a command that refuses at once instead of
-5 s for a new interpreter). No vlrep module is imported and no JAX backend is started before the fork, so each
-child defines its own flags and reads XLA_FLAGS (e.g. a device count) when its backend starts.
+`__main__` with the command's argv exactly as `python -m` would, without a new interpreter's seconds of imports
+(most of the time of a command that refuses at once). No vlrep module is imported and no JAX backend is started
+before the fork, so each child defines its own flags and reads XLA_FLAGS (e.g. a device count) when its backend
+starts.
 
 Protocol (JSON lines): stdin {"argv": [module, arg...], "log": path, "err": path or absent (then stderr goes to
 `log` too), "env": {name: value} set in the child before it runs (PYTHONPATH's entries also go on sys.path, as an

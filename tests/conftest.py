@@ -4,17 +4,16 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("VLREP_TEST_DATA_DIR", "/tmp/vlrep_test_data")
 # JAX's persistent compilation cache, shared by the tests and the training subprocesses they start: many tests
-# compile the same tiny models, and on CPU compiling is most of a tiny run (measured: 77 s of CPU for a tiny
-# VirTex run, 21 s with its executables cached). Set before jax is imported (it reads these at import).
+# compile the same tiny models, and on CPU compiling is most of a tiny run. Set before jax is imported (it reads
+# these at import).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ["VLREP_TEST_DATA_DIR"], "jax_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # XLA's CPU backend at LLVM optimization level 0 for every test and the subprocesses they start: the tests' models
-# are tiny, so compiling is most of their time, and level 0 compiles them faster (measured, cache empty, 2 cores:
-# the LocTex end-to-end test 51-55 s against 69-74 s at level 1; six in-process step tests 97 s against 126 s; level 1
-# was itself 31 s against 44 s at the default level for a tiny VirTex run). Both sides of every equality test (1 vs 8
-# devices, resumed vs uninterrupted) run under the same flags. The one compute-bound test (learnability) runs in a
-# process of its own at level 1, where its figures were measured.
+# are tiny, so compiling is most of their time, and level 0 compiles faster than level 1 or the default by more
+# than its slower code costs them. Both sides of every equality test (1 vs 8 devices, resumed vs uninterrupted) run
+# under the same flags. The one compute-bound test (learnability) runs in a process of its own at level 1, the
+# level its margins hold at.
 os.environ["XLA_FLAGS"] = f"--xla_backend_optimization_level=0 {os.environ.get('XLA_FLAGS', '')}".strip()
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -24,8 +23,8 @@ import pytest  # noqa: E402
 
 # Test files, slowest first (their CI durations on 2 cores). With `--dist loadfile` each file is one unit of work
 # and xdist hands them out in this order, so the long ones start first and both workers stay busy to the end (the
-# longest-processing-time-first rule; by default xdist orders files by how many tests they hold, which started the
-# few long multi-process tests last and left one worker idle for minutes).
+# longest-processing-time-first rule; by default xdist orders files by how many tests they hold, which would start
+# the few long multi-process tests last and leave one worker idle for minutes).
 SLOWEST_FIRST = (
   "test_docs_commands.py",
   "test_vlbert.py",
@@ -146,7 +145,7 @@ def run_main(workdir, *overrides, env=None, config="tests/tiny_virtex.py", timeo
   """Runs `python -m vlrep.main` in a process of its own; returns a CompletedProcess (stdout and stderr apart).
 
   The process is forked from a command server that imported JAX, TensorFlow and the rest once per test worker, so
-  a run skips their ~5 s of imports; it is otherwise `python -m vlrep.main` with these arguments, in this
+  a run skips those imports; it is otherwise `python -m vlrep.main` with these arguments, in this
   environment plus `env` (XLA_FLAGS in `env` are added to this process's)."""
   import subprocess
   import tempfile

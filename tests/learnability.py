@@ -1,8 +1,8 @@
 """The learnability check of tests/test_data.py, run as its own process (`python tests/learnability.py` prints
 JSON): a ResNet-10 with the small stem trained on synthetic_scenes' shape-presence labels, on 2.1.0's geometry and
 on 1.1.0's radii. The test suite compiles at XLA's optimization level 0 (conftest: its models are tiny and
-compiling is most of their time); this check computes for a minute, and its figures were measured at level 1, so
-it runs in a process of its own at level 1."""
+compiling is most of their time); this check computes for a minute, and its margins hold at level 1, so it runs
+in a process of its own at level 1."""
 
 import json
 

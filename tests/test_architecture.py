@@ -88,7 +88,7 @@ LAYERS = {
   "vlrep.preemption": 0,  # a leaf: the loop installs it, the pipeline and evaluators check it
   "vlrep.eval_protocols": 0,  # a leaf: the evaluators' protocol settings, read by configs
   "vlrep.errors": 0,  # a leaf: the errors a user can fix (vlrep.main exits with status 2 on them)
-  "vlrep.removed_switches": 0,  # a leaf: speed switches that were removed, dropped from saved configs
+  "vlrep.removed_switches": 0,  # a leaf: speed switches vlrep has no code for, dropped from saved configs
   "vlrep.models": 0,  # Flax modules: tensors in, tensors out
   "vlrep.data": 1,  # datasets, ops and tokenizers (token ids and BERT folders come from models)
   "vlrep.evaluators": 2,

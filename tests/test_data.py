@@ -16,8 +16,8 @@ from vlrep.data.builders import scenes
 
 
 def test_captions_name_every_shape_and_some_colours():
-  """Shapes are always named; colours in about COLOUR_MENTION of the mentions (2.0.0 named every colour, and a
-  captioning head then learned colours instead of shapes)."""
+  """Shapes are always named; colours in about COLOUR_MENTION of the mentions (with every colour named, a
+  captioning head learns colours instead of shapes)."""
   rng = np.random.default_rng(3)
   named, total = 0, 0
   for _ in range(400):
@@ -73,7 +73,7 @@ def test_unknown_op_lists_known_ops():
 
 def test_op_arguments_bind_the_ops_signature_and_never_read_a_users_path():
   """Tools read a recipe's shapes from the parsed ops: digits, quotes and '|' in a path argument change nothing
-  (a regex over the string once read the region count out of pytest's temp path)."""
+  (a regex over the string would read a region count out of pytest's temp path)."""
   path = "/tmp/pytest-0/run 7|x'y"
   pp = f"decode|resize_small(64)|region_features({path!r}, 12, class_probs=True)|tokenize_pairs(36)"
   assert [name for name, _, _ in registry.op_calls(pp)] == [
@@ -307,7 +307,7 @@ def test_build_vocab_command(tmp_path):
 
 
 def test_every_split_has_its_own_images(tiny_builder):
-  """Regression: 1.0.0 seeded splits from the first 4 bytes of their names, so probe_trainval == probe_test."""
+  """Splits share no image (seeds from the first 4 bytes of their names would make probe_trainval == probe_test)."""
   import hashlib
 
   digests = {}
@@ -334,12 +334,11 @@ def test_largest_object_label_is_the_most_visible_object(tiny_builder):
 
 def test_shapes_are_learnable_from_pixels_in_seconds():
   """The probe's concepts are in the pixels at a tiny budget: a ResNet-10 with the small stem trained on the shape
-  labels for 150 steps of 32 images separates them well above chance on held-out scenes (measured: 34.1 mAP against
-  chance, the positive rate, 19.1), and above the same model on scenes with 1.1.0's radii (7-10% / 14-20% of the
-  side; measured 27.9), which did not learn at the runlocal budget. (The ImageNet stem at the same budget reached
-  27.2 on 2.0.0: its 4x downsampling leaves a 64 px shape a few cells wide; the stem's shapes are tested in
-  test_models_optim_eval.)"""
-  # In a process of its own at XLA's optimization level 1, where the figures were measured (tests/learnability.py).
+  labels for 150 steps of 32 images separates them well above chance (the positive rate) on held-out scenes, and
+  above the same model on scenes with 1.1.0's radii (7-10% / 14-20% of the side), which do not learn at the
+  runlocal budget. (The small stem, because the ImageNet stem's 4x downsampling leaves a 64 px shape a few cells
+  wide; the stem's shapes are tested in test_models_optim_eval.)"""
+  # In a process of its own at XLA's optimization level 1, the level its margins hold at (tests/learnability.py).
   env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=1"}
   proc = subprocess.run(
     [sys.executable, os.path.join(TESTS, "learnability.py")], env=env, capture_output=True, text=True, timeout=600

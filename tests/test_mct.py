@@ -46,7 +46,7 @@ def _unit(x):
 
 def test_recipe_defaults_are_the_papers_method_and_runlocal_keeps_its_own():
   """MCT's method: a pretrained BERT-base text tower and lambda_tag = 0 ('with tag' and 'scratch' are variants);
-  runlocal trains the small text tower from scratch with tags, as measured in docs/results/mct.md."""
+  runlocal trains the small text tower from scratch with tags, the setting docs/results/mct.md reports."""
   sys.path.insert(0, os.path.join(ROOT, "configs"))
   import mct as mct_config
 
@@ -63,8 +63,8 @@ def test_recipe_defaults_are_the_papers_method_and_runlocal_keeps_its_own():
 
 def test_recipe_lr_groups_text_body_at_berts_rate_heads_at_the_image_rate_runlocal_unchanged():
   """The paper gives 0.03 (image encoder) and 4e-5 (text encoder), not the text heads' rate: the recipe trains the
-  pretrained BERT body at 4e-5 and the fresh text heads with the image heads at 0.03; runlocal keeps its measured
-  groups (whole text tower 0.05, the rest 0.1)."""
+  pretrained BERT body at 4e-5 and the fresh text heads with the image heads at 0.03; runlocal keeps the groups of
+  docs/results/mct.md (whole text tower 0.05, the rest 0.1)."""
   from vlrep import optim
 
   sys.path.insert(0, os.path.join(ROOT, "configs"))
@@ -444,7 +444,7 @@ def test_pretrained_bert_text_tower_trains_with_dropout_set_by_the_config():
   from vlrep import methods, train
   from vlrep.data import tokenizers
 
-  assert tiny_mct.mct.get_config("text=bert").method.bert_dropout == 0.1  # the recipe; runlocal measured none
+  assert tiny_mct.mct.get_config("text=bert").method.bert_dropout == 0.1  # the recipe's rate (runlocal's is 0)
   config = tiny_mct.get_config("text=bert,bert_layers=1,head_bn=none")
   assert config.method.bert_dropout == 0.0
   tokenizer = tokenizers.ensure_tokenizer(config.tokenizer, None)

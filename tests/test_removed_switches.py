@@ -1,6 +1,6 @@
-"""Speed switches measured on an accelerator that did not pay were removed with their code (docs/speed.md): no
-config carries them, and runs saved while they existed still read, evaluate and export, except the two whose
-checkpoints hold something the plain path cannot read (then a clear error)."""
+"""Speed switches that do not pay on an accelerator have no code in vlrep (docs/speed.md): no config carries them,
+and runs saved with them still read, evaluate and export, except the two whose checkpoints hold something the plain
+path cannot read (then a clear error)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def test_no_recipe_carries_a_removed_switch():
     assert not leftover, (name, leftover)
 
 
-# A config as a run saved it while the switches existed: the speed-only ones on, the state-changing ones off.
+# A config as a run saved it with the switches: the speed-only ones on, the state-changing ones off.
 SAVED = {
   "seed": 0,
   "rng_impl": "unsafe_rbg",
