@@ -370,7 +370,6 @@ COMMANDS: dict[str, object] = {
   "python -m vlrep.bench.svm_benchmark --workdir=/tmp/virtex_local": Run(add=("--sets=synthetic_scenes",)),
   "python -m vlrep.bench.svm_benchmark": Run(add=("--config=tests/tiny_virtex.py", "--voc07_size_scale=0.05")),
   "python -m vlrep.bench.svm_benchmark --chance": Run(add=(f"--data_dir={D}", "--config_name=tiny"), expect="chance"),
-  "python -m vlrep.tools.token_prior --config=configs/virtex.py:runlocal": Run(),
   "python -m vlrep.tools.attention_maps --workdir=/tmp/loctex_local --out_dir=/tmp/att --num_examples=4": Run(),
   'python -m vlrep.tools.attention_maps --workdir=RUN --out_dir=/tmp/att --caption="a dog on the left" dog.jpg': Run(
     replace=(("RUN", LOCTEX), (" dog.jpg", " {image}"))
@@ -382,12 +381,6 @@ COMMANDS: dict[str, object] = {
   "dog.jpg": Run(replace=(("RUN", ICMLM), (" dog.jpg", " {image}"))),
   "python -m vlrep.tools.masked_attention --workdir=RUN --out_dir=DIR": SameAs(
     "python -m vlrep.tools.masked_attention --workdir=/tmp/icmlm_attfc --out_dir=/tmp/icmlm_maps"
-  ),
-  "python -m vlrep.tools.masked_words --workdir=/tmp/icsweep/icmlm_att_fc": Run(
-    replace=(("{tmp}/icsweep/icmlm_att_fc", ICMLM),), expect="top-1"
-  ),
-  "python -m vlrep.tools.scenes_grid --out=docs/synthetic_scenes.png": Run(
-    replace=(("docs/synthetic_scenes.png", "{tmp}/synthetic_scenes.png"),)
   ),
   "python -m vlrep.tools.coco_subset --annotations=instances_train2017.json": Refuses(r"--percent"),
   "python -m vlrep.tools.coco_subset --annotations=instances_train2017.json --percent=10 "

@@ -288,11 +288,3 @@ def test_masked_lm_masks_as_bert_80_10_10():
   assert (inputs[picked][random] >= tokenizers.NUM_SPECIAL).all() and (inputs < 256).all()
   only_mask, _ = mask_tokens(jnp.asarray(tokens), jax.random.PRNGKey(0), 0.15, 1.0, 0.0, 256)
   assert (np.asarray(only_mask)[picked] == tokenizers.MASK_ID).all()
-
-
-def test_image_blind_token_loss_matches_hand_computation():
-  from vlrep.tools.token_prior import image_blind_loss
-
-  # Two captions {0, 1} and {1}: q = (0.25, 0.75); losses: mean(-log .25, -log .75) and -log .75.
-  expected = np.mean([np.mean([-np.log(0.25), -np.log(0.75)]), -np.log(0.75)])
-  assert np.isclose(image_blind_loss([{0, 1}, {1}], 2), expected)

@@ -19,7 +19,7 @@ import numpy as np
 from absl import app, flags
 from PIL import Image, ImageDraw
 
-from vlrep import evaluate, runs, visualize
+from vlrep import run_setup, runs, visualize
 from vlrep.data import pipeline, tokenizers
 from vlrep.tools.caption import training_size
 
@@ -66,8 +66,8 @@ def render(
   import jax
 
   run = runs.load_run(workdir, checkpoint)
-  ctx = evaluate.method_and_tokenizer(run)
-  method, tok = ctx["method"], ctx["tokenizer"]
+  _, inputs = run_setup.build(run.config)
+  method, tok = inputs.method, inputs.tokenizer
   if not hasattr(method, "attention"):
     raise ValueError(f"{workdir} is a {run.config.method.name} run; attention maps need a LocTex run.")
   max_len = run.config.method.text.max_len

@@ -17,7 +17,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import ConfigDict
 
-from vlrep import evaluate, runs, visualize
+from vlrep import run_setup, runs, visualize
 from vlrep.data import pipeline, registry  # noqa: F401 (pipeline registers the ops)
 from vlrep.data.tokenizers import EOS_ID
 from vlrep.evaluators.captioning import captioner_for
@@ -62,14 +62,14 @@ def caption_files(
   if missing:
     raise FileNotFoundError(f"No such image file(s): {missing}")
   run = runs.load_run(workdir, checkpoint)
-  ctx = evaluate.method_and_tokenizer(run)
+  _, inputs = run_setup.build(run.config)
   size = size or training_size(run.config)
   images = np.stack([visualize.load_image(p, size) for p in paths])
   cfg = {"decoding": decoding_method, "max_len": max_len, **decode_kwargs}
-  caption = captioner_for(ctx["method"], ConfigDict(cfg))
+  caption = captioner_for(inputs.method, ConfigDict(cfg))
   tokens, attention = caption(jax.device_put(run.variables), visualize.normalize(images), jax.random.PRNGKey(seed))
   tokens, attention = np.asarray(tokens), np.asarray(attention)
-  tok = ctx["tokenizer"]
+  tok = inputs.tokenizer
   out = {}
   for i, path in enumerate(paths):
     ids = tokens[i].tolist()

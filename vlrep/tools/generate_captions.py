@@ -20,7 +20,7 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import ConfigDict
 
-from vlrep import evaluate, runs
+from vlrep import run_setup, runs
 from vlrep.data import pipeline
 from vlrep.evaluators.captioning import captioner_for
 from vlrep.tools.caption import training_size
@@ -41,11 +41,11 @@ def generate(
   seed: int = 0,
 ) -> dict[str, list[str]]:
   run = runs.load_run(workdir, "best")
-  ctx = evaluate.method_and_tokenizer(run)
+  _, inputs = run_setup.build(run.config)
   size = training_size(run.config)
   builder = pipeline.get_builder(dataset, data_dir or None, config_name or None)
   kwargs = {"beam_size": beam_size} if decoding == "beam" else {}
-  caption = captioner_for(ctx["method"], ConfigDict({"decoding": decoding, "max_len": max_len, **kwargs}))
+  caption = captioner_for(inputs.method, ConfigDict({"decoding": decoding, "max_len": max_len, **kwargs}))
   variables = jax.device_put(run.variables)
   pp = f"decode|resize_small({size})|central_crop({size})|normalize"
   out: dict[str, list[str]] = {}
@@ -58,7 +58,7 @@ def generate(
       # Beam search is deterministic: more than one caption per image needs sampling (--decoding=nucleus).
       tokens, _ = caption(variables, batch["image"], jax.random.fold_in(rng, i * num_captions + k))
       for j, ids in enumerate(np.asarray(tokens)):
-        texts[j].append(ctx["tokenizer"].decode(ids.tolist()))
+        texts[j].append(inputs.tokenizer.decode(ids.tolist()))
     for j in np.flatnonzero(keep):
       out[str(int(batch["image_id"][j]))] = texts[j]
     logging.info("%d images captioned (%.1fs).", len(out), time.time() - t0)

@@ -18,11 +18,18 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from vlrep import evaluate, runs
+from vlrep import run_setup, runs
 from vlrep.data import pipeline, records, tokenizers
+from vlrep.data.builders import scenes
 from vlrep.methods.virtex import reverse_captions
 from vlrep.models.virtex import VirTexModel
-from vlrep.tools.masked_words import GROUPS  # synthetic_scenes' word classes, as ICMLM's breakdown uses them
+
+# synthetic_scenes' word classes: what a caption says of an object's colour, size and shape.
+GROUPS = {
+  "colour": list(scenes.COLOR_NAMES),
+  "size": [*scenes.SIZES, "biggest"],
+  "shape": [word for shape in scenes.SHAPES for word in scenes.shape_words(shape)],
+}
 
 
 def piece_groups(tokenizer, dataset: str) -> dict[int, str]:
@@ -49,11 +56,9 @@ def image_gain(
     raise ValueError(f"{workdir} is not a VirTex captioning run (method {run.config.method.name}).")
   if direction == "backward" and run.config.method.task != "bicaptioning":
     raise ValueError("--direction=backward needs a bicaptioning run.")
-  ctx = evaluate.method_and_tokenizer(run)
-  method, tokenizer = ctx["method"], ctx["tokenizer"]
-  data = run.config.data
-  builder = pipeline.get_builder(data.name, data.data_dir, data.get("config_name"))
-  groups = piece_groups(tokenizer, data.name)
+  builder, inputs = run_setup.build(run.config)
+  method, tokenizer = inputs.method, inputs.tokenizer
+  groups = piece_groups(tokenizer, run.config.data.name)
   max_len = run.config.method.max_len
   variables = jax.device_put(run.variables)
 

@@ -19,7 +19,7 @@ import os
 import numpy as np
 from absl import app, flags
 
-from vlrep import evaluate, runs, visualize
+from vlrep import run_setup, runs, visualize
 from vlrep.tools.attention_maps import load_inputs, strip
 from vlrep.tools.caption import training_size
 
@@ -41,8 +41,8 @@ def render(workdir, out_dir, images, captions, names, checkpoint="best", upscale
   from PIL import Image
 
   run = runs.load_run(workdir, checkpoint)
-  ctx = evaluate.method_and_tokenizer(run)
-  method, tok = ctx["method"], ctx["tokenizer"]
+  _, inputs = run_setup.build(run.config)
+  method, tok = inputs.method, inputs.tokenizer
   if run.config.method.name != "icmlm" or method.variant not in ("tfm", "att_fc"):
     raise ValueError(f"{workdir} is not an ICMLM tfm/att_fc run; masked-token attention needs one.")
   concept_mask = np.asarray(method.concept_mask)
