@@ -96,7 +96,7 @@ def test_init_from_brings_the_source_runs_backbone_architecture_and_a_resume_kee
   grouping; a resumed run takes what it saved, without reading RUN."""
   from ml_collections import ConfigDict
 
-  from vlrep import runs, train
+  from vlrep import runs, train_state
 
   source = ConfigDict({"method": {"backbone": {"depth": 10, "width": 16, "stem": "small", "stem_stride": 2}}})
   saved = ConfigDict({"method": {"backbone": {"depth": 18, "width": 8}}})
@@ -112,12 +112,12 @@ def test_init_from_brings_the_source_runs_backbone_architecture_and_a_resume_kee
     {"init_from": "/runs/quick", "method": {"backbone": {"depth": 26, "width": 16, "bn_group_size": 32}}}
   )
   config.lock()
-  train.adopt_init_from_architecture(config, "/runs/ft")
+  train_state.adopt_init_from_architecture(config, "/runs/ft")
   assert runs.backbone_architecture(config.method.backbone) == runs.backbone_architecture(source.method.backbone)
   assert config.method.backbone.bn_group_size == 32 and config.method.backbone.stem == "small"
   available["/runs/ft"] = saved  # this run has checkpoints now: a restart resumes what it built
   del available["/runs/quick"]
-  train.adopt_init_from_architecture(config, "/runs/ft")
+  train_state.adopt_init_from_architecture(config, "/runs/ft")
   assert (config.method.backbone.depth, config.method.backbone.width, config.method.backbone.stem) == (
     18,
     8,

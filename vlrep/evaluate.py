@@ -9,65 +9,46 @@ Restoring a run and its backbone is `vlrep.runs`' job.
 
 from __future__ import annotations
 
+import functools
+
+import jax
 from absl import app, flags, logging
 from ml_collections import ConfigDict, config_flags
 
-from vlrep import evaluators, methods, runs
-from vlrep.data import concepts, pipeline, tokenizers
-
-
-def method_and_tokenizer(run: runs.Run) -> dict:
-  """The run's method (whole model) and tokenizer, rebuilt from its config as training built them, with what
-  its concept set (ICMLM's, MCT's tags on own data) and what the method's setup gave it (a VQA run's answers):
-  what whole-model evaluators and tools need."""
-  data = run.config.data
-  builder = pipeline.get_builder(data.name, data.data_dir, data.get("config_name"))
-  tokenizer = tokenizers.ensure_tokenizer(run.config.tokenizer, builder)
-  needs = {**concepts.run_concepts(run.config, builder, tokenizer), **methods.setup(run.config, builder, tokenizer)}
-  method = methods.build(run.config.method, tokenizer.vocab_size, **needs)
-  return {"method": method, "tokenizer": tokenizer, **needs}
-
-
-def run_inputs_of(run: runs.Run, with_method: bool = True) -> evaluators.RunInputs:
-  """What an evaluator gets of `run` (its method and tokenizer rebuilt when `with_method`), on this process."""
-  import jax
-
-  host, num_hosts = jax.process_index(), jax.process_count()
-  if not with_method:
-    return evaluators.RunInputs(host=host, num_hosts=num_hosts)
-  parts = method_and_tokenizer(run)
-  method, tokenizer = parts.pop("method"), parts.pop("tokenizer")
-  return evaluators.RunInputs(tokenizer=tokenizer, method=method, needs=parts, host=host, num_hosts=num_hosts)
+from vlrep import evaluators, run_setup, runs, train
 
 
 def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", names=None) -> dict[str, float]:
   """Runs the eval config's evaluators on a checkpoint; merges `<name>/<metric>` into summary.json."""
-  import jax
-
   run = runs.load_run(workdir, checkpoint)
   logging.info("Evaluating %s (step %d, %s).", run.path, run.step, run.config.method.get("name"))
   evals_cfg = eval_config.evals
   unknown = [n for n in (names or []) if n not in evals_cfg]
   if unknown:
     raise ValueError(f"Unknown evaluations {unknown}; this config defines {sorted(evals_cfg)}.")
-  run_inputs = run_inputs_of(run, with_method=any(evaluators.needs_method(cfg) for cfg in evals_cfg.values()))
-  features = None  # built on first use: a run without a backbone (VisualBERT on region files) has evaluations too
+  if any(evaluators.needs_method(cfg) for cfg in evals_cfg.values()):
+    _, run_inputs = run_setup.build(run.config)  # the method and tokenizer, rebuilt as training built them
+  else:
+    run_inputs = evaluators.RunInputs(host=jax.process_index(), num_hosts=jax.process_count())
+  model = evaluators.Model(jax.device_put(run.variables), backbone_features(run))
   results: dict[str, float] = {}
   for name, cfg in evals_cfg.items():
     if names and name not in names:
       continue
-    ev = evaluators.build(cfg, run_inputs)
-    if ev.feature_key:
-      features = features or runs.backbone_fn(run)
-      metrics = ev.run(lambda batch, key=ev.feature_key, f=features: f(batch, key))
-    else:
-      metrics = ev.run(None, variables=jax.device_put(run.variables))
+    metrics = train._compat_run(evaluators.build(cfg, run_inputs), model)
     results.update({f"{name}/{k}": v for k, v in metrics.items()})
     results[f"{name}/checkpoint_step"] = run.step
     logging.info("%s: %s", name, ", ".join(f"{k}={v:.2f}" for k, v in metrics.items()))
   if run_inputs.host == 0:
     runs.write_summary(workdir, results)
   return results
+
+
+def backbone_features(run: runs.Run):
+  """`features(local_batch, key)` of the run's backbone, built on first use: a run without a backbone (VisualBERT
+  on region files) has whole-model evaluations too."""
+  extract = functools.cache(lambda: runs.backbone_fn(run))
+  return lambda local_batch, key: extract()(local_batch, key)
 
 
 def define_flags():

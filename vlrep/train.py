@@ -13,17 +13,16 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import logging
 from clu import metric_writers
 
 from vlrep import checkpoint as ckpt_lib
-from vlrep import evaluators, methods, optim, runs, sharding
+from vlrep import evaluators, optim, run_setup, runs, sharding, train_state
 from vlrep import preemption as preemption_lib
-from vlrep.data import concepts, pipeline, records, tokenizers
-from vlrep.train_step import init_train_state, make_train_step
+from vlrep.data import pipeline, records
+from vlrep.train_step import make_train_step
 
 
 class NonFiniteLossError(RuntimeError):
@@ -67,20 +66,189 @@ def run(config: ml_collections.ConfigDict, workdir: str, on_preempted=None) -> d
 def _train(
   config: ml_collections.ConfigDict, workdir: str, preemption: preemption_lib.Preemption, on_preempted
 ) -> dict[str, Any]:
+  # ---------------------------------------------------------------------------------------------------- #
+  # Setup: devices and batch sizes, the data's builder, tokenizer and method, the run's length.
+  # ---------------------------------------------------------------------------------------------------- #
   t_start = time.time()
   os.makedirs(workdir, exist_ok=True)
   host, num_hosts = jax.process_index(), jax.process_count()
   writer = metric_writers.create_default_writer(workdir, just_logging=host > 0)
+  mesh = sharding.make_mesh(config.sharding.num_devices or None)
+  global_bs = config.batch_size
+  local_bs = local_batch_size(global_bs, mesh, num_hosts)
+  train_state.adopt_init_from_architecture(config, workdir)
+  selected_on = evaluators.selection_rule(
+    config.get("evals", {}), config.get("best_metric", ""), config.get("select_on_test", False)
+  )
+  builder, run_inputs = run_setup.build(config, for_training=True)
+  method = run_inputs.method
+  split, fraction = records.split_name(config.data.split)
+  num_examples = int(builder.info.splits[split].num_examples * fraction)
+  steps_per_epoch = num_examples / global_bs
+  total_steps = to_steps(config, "total", steps_per_epoch, global_bs)
+  warmup_steps = to_steps(config.optim, "warmup", steps_per_epoch, global_bs)
+  ckpt = ckpt_lib.Checkpointer(workdir, keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
 
   # ---------------------------------------------------------------------------------------------------- #
-  # Devices, data, tokenizer, method.
+  # Input: this process's training stream from the step the run resumes at, as global device batches.
   # ---------------------------------------------------------------------------------------------------- #
-  mesh = sharding.make_mesh(config.sharding.num_devices or None)
+  batch_sharding = sharding.batch_sharding(mesh)
+  train_input = TrainInput(builder, config.data, method.fields, local_bs, config.seed, run_inputs, batch_sharding)
+  start_step = ckpt.latest_step() or 0
+  first_batch = train_input.start(start_step)
+
+  # ---------------------------------------------------------------------------------------------------- #
+  # State: the optimizer, and the train state created in its sharded layout or restored into it.
+  # ---------------------------------------------------------------------------------------------------- #
+  base_rng = jax.random.PRNGKey(config.seed)
+  init_rng = jax.random.fold_in(base_rng, -1 % 2**31)
+  # The optimizer only needs the parameter tree's paths, which the abstract (shape-only) init provides.
+  abstract_params = jax.eval_shape(method.init, init_rng, first_batch)["params"]
+  tx, schedules = optim.build(config.optim, abstract_params, total_steps, warmup_steps)
+  layout = train_state.layout(method, tx, mesh, config.sharding, init_rng, first_batch)
+  summary: dict[str, Any] = {}
+  if start_step:
+    restored_step, state, summary = train_state.restore(ckpt, workdir, layout)
+    if restored_step != start_step:  # the data stream restarts where the restored state left it
+      logging.warning("Resuming from step %d, the newest intact checkpoint, instead of %d.", restored_step, start_step)
+      start_step = restored_step
+      first_batch = train_input.start(start_step)
+  else:
+    state = train_state.fresh(layout, method, tx, init_rng, first_batch, config.get("init_from", ""))
+  summary["best_checkpoint_selected_on"] = selected_on
+  logging.info(
+    "%s: %.2fM parameters, %d steps (%.1f epochs of %d examples), warmup %d.",
+    config.method.name,
+    sum(x.size for x in jax.tree.leaves(state["params"])) / 1e6,
+    total_steps,
+    total_steps / max(steps_per_epoch, 1e-9),
+    num_examples,
+    warmup_steps,
+  )
+
+  # ---------------------------------------------------------------------------------------------------- #
+  # The jitted step, the evaluators (through the same sharded feature extraction as vlrep.evaluate's) and the
+  # checkpoint's metadata.
+  # ---------------------------------------------------------------------------------------------------- #
+  train_step = make_train_step(method, tx, schedules, base_rng, optim.frozen_rules(config.optim))
+  step_fn = jax.jit(
+    train_step,
+    in_shardings=(layout.shardings, batch_sharding),
+    out_shardings=(layout.shardings, None),
+    donate_argnums=(0,),
+  )
+  evals = evaluators.build_all(config.get("evals", {}), run_inputs)
+  extract = runs.sharded_features(method.features, mesh)
+
+  def evaluate(names: list[str]) -> dict[str, float] | None:
+    """`{name/metric: value}` of the named evaluators on the current state; None if SIGTERM interrupted them."""
+    variables = {"params": state["params"], **state["model_state"]}
+    model = evaluators.Model(variables, functools.partial(extract, variables))
+    return run_evaluators(evals, names, model)
+
+  def meta() -> dict:
+    return {"signature": ckpt_lib.signature(state["params"]), "config": config.to_dict(), "summary": summary}
+
+  # ---------------------------------------------------------------------------------------------------- #
+  # The loop: evaluate the random initialisation once (the baseline every table compares to), then per step:
+  # train, log, check for a preemption, evaluate, checkpoint.
+  # ---------------------------------------------------------------------------------------------------- #
+  pending = PendingMetrics(ckpt, workdir)
+  log_time, log_step = time.time(), start_step
+  step = saved_step = start_step  # saved_step: the newest step with a periodic checkpoint
+  batch = first_batch
+  train_start_time = time.time()
+  preempted = preemption.stop_before_training(step)  # startup, data loading or the state's creation
+  random_init_evals = [n for n, e in evals.items() if e.config.get("random_init", False)]
+  if not preempted and start_step == 0 and random_init_evals:
+    t0 = time.time()
+    init_metrics = evaluate(random_init_evals)
+    preempted = init_metrics is None
+    for k, v in (init_metrics or {}).items():
+      summary[f"{k}_random_init"] = v
+      logging.info("Random init: %s = %.2f (%.1fs)", k, v, time.time() - t0)
+
+  while not preempted and step < total_steps:
+    state, metrics = step_fn(state, batch)
+    pending.append(metrics)
+    step += 1
+    if step < total_steps:
+      batch = next(train_input)
+    else:
+      train_input.close()  # stop the input workers before the final evaluation and checkpoint
+
+    if step % config.log_every_steps == 0 or step == total_steps:
+      now = time.time()
+      means = pending.means(step)
+      means["perf/steps_per_sec"] = (step - log_step) / max(now - log_time, 1e-9)
+      means["perf/images_per_sec"] = means["perf/steps_per_sec"] * global_bs
+      log_train_metrics(writer, step, total_steps, means)
+      summary["train/loss"] = means["train/loss"]
+      log_time, log_step = now, step
+
+    # The one preemption check of a step, before its evaluations (a SIGTERM during them interrupts them).
+    preempted = preemption.stop_after(step)
+    is_last = step == total_steps
+    due = [n for n, e in evals.items() if is_last or (e.config.every_steps and step % e.config.every_steps == 0)]
+    if not preempted and due:
+      t0 = time.time()
+      eval_metrics = evaluate(due)
+      preempted = eval_metrics is None
+      if not preempted:
+        log_eval_metrics(writer, step, time.time() - t0, eval_metrics)
+        summary.update(eval_metrics)
+        if update_best(summary, config.get("best_metric"), eval_metrics, step):
+          pending.check_finite(step)
+          ckpt.save(step, state, meta(), best=True)
+
+    if not preempted and (step % config.checkpoint.every_steps == 0 or is_last):
+      pending.check_finite(step)
+      ckpt.save(step, state, meta())
+      saved_step = step
+
+  # ---------------------------------------------------------------------------------------------------- #
+  # Finish: after a preemption, save the newest step and exit; otherwise the run's summary and report.
+  # ---------------------------------------------------------------------------------------------------- #
+  if preempted:
+    train_input.close(wait=False)  # the input thread stops on its own; the process is about to exit
+    if step > saved_step:
+      pending.check_finite(step)
+      ckpt.save(step, state, meta())
+    ckpt.wait()
+    what = f"Checkpoint at step {step} saved" if step > saved_step else f"Nothing trained since step {step}"
+    logging.warning("%s after SIGTERM; exiting. Rerun the same command to resume.", what)
+    summary.update({"steps": step, "preempted": True, "seconds": time.time() - t_start})
+  else:
+    ckpt.wait()
+    ckpt.close()
+    split_desc = f"{builder.name}/{config.data.split} ({num_examples} examples)"
+    summary.update(process_report(state, train_input, split_desc, (step - start_step) * local_bs))
+    summary.update(
+      {
+        "steps": step,
+        "preempted": False,
+        "seconds": time.time() - t_start,
+        "train/images_per_sec": (step - start_step) * global_bs / max(time.time() - train_start_time, 1e-9),
+      }
+    )
+  if host == 0:
+    runs.write_summary(workdir, summary)
+  writer.flush()
+  if preempted:
+    preemption.exited_cleanly()
+    if on_preempted is not None:
+      on_preempted(summary)
+  return summary
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The loop's parts.
+# ----------------------------------------------------------------------------------------------------------
+def local_batch_size(global_bs: int, mesh, num_hosts: int) -> int:
+  """This process's share of the global batch; the batch must split evenly over devices and hosts."""
   num_devices = mesh.devices.size
-  global_bs = config.batch_size
   if global_bs % num_devices or global_bs % num_hosts:
     raise ValueError(f"batch_size {global_bs} must be divisible by the {num_devices} devices and {num_hosts} hosts.")
-  local_bs = global_bs // num_hosts
   logging.info(
     "Mesh %s over %d devices (%s), %d host(s); global batch %d.",
     dict(mesh.shape),
@@ -89,287 +257,148 @@ def _train(
     num_hosts,
     global_bs,
   )
+  return global_bs // num_hosts
 
-  adopt_init_from_architecture(config, workdir)
-  selected_on = evaluators.selection_rule(
-    config.get("evals", {}), config.get("best_metric", ""), config.get("select_on_test", False)
-  )
-  builder = pipeline.get_builder(config.data.name, config.data.data_dir, config.data.get("config_name"))
-  pipeline.check_required_fields(builder, config.data.split, config.data.get("requires", {}), config.method.name)
-  # Methods without text (e.g. the fine-tuning classifier) have no tokenizer.
-  tokenizer = tokenizers.ensure_tokenizer(config.tokenizer, builder) if config.get("tokenizer") else None
-  # What the method is built with: a concept set (ICMLM, MCT's tags on own data), a VQA run's answer vocabulary.
-  needs = {**concepts.run_concepts(config, builder, tokenizer), **methods.setup(config, builder, tokenizer)}
-  method = methods.build(config.method, tokenizer.vocab_size if tokenizer else 0, **needs)
-  run_inputs = evaluators.RunInputs(tokenizer=tokenizer, method=method, needs=needs, host=host, num_hosts=num_hosts)
-  split, fraction = records.split_name(config.data.split)
-  num_examples = int(builder.info.splits[split].num_examples * fraction)
-  steps_per_epoch = num_examples / global_bs
-  total_steps = to_steps(config, "total", steps_per_epoch, global_bs)
-  warmup_steps = to_steps(config.optim, "warmup", steps_per_epoch, global_bs)
 
-  ckpt = ckpt_lib.Checkpointer(workdir, keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
-  start_step = ckpt.latest_step() or 0
-  batch_sharding = sharding.batch_sharding(mesh)
+class TrainInput:
+  """This process's training batches as global device arrays: a thread assembles each batch and starts its
+  transfer while the previous step runs. `start(step)` (re)starts the stream at `step` and returns its first
+  batch (a second stream when resuming from an older checkpoint than the newest)."""
 
-  streams = []  # this process's training streams (a second one when resuming from an older checkpoint)
-
-  def input_batches(step: int):
-    """Global device batches from `step` on: a thread assembles them and starts their transfer while the
-    previous step runs."""
-    stream = pipeline.train_stream(
+  def __init__(self, builder, data_config, fields, local_batch: int, seed: int, run_inputs, batch_sharding):
+    self._make = functools.partial(
+      pipeline.train_stream,
       builder,
-      config.data,
-      method.fields,
-      local_bs,
-      seed=config.seed,
-      start_step=step,
-      host_index=host,
-      host_count=num_hosts,
+      data_config,
+      fields,
+      local_batch,
+      seed=seed,
+      host_index=run_inputs.host,
+      host_count=run_inputs.num_hosts,
       context=run_inputs.pp_context,
     )
-    streams.append(stream)
-    return sharding.device_prefetch(stream, batch_sharding, config.data.get("device_prefetch", 2))
+    self._sharding, self._prefetch = batch_sharding, data_config.get("device_prefetch", 2)
+    self._streams: list = []  # every stream this run opened, for the records they read
+    self._batches = None
 
-  device_batches = input_batches(start_step)
-  first_batch = next(device_batches)
+  def start(self, step: int):
+    if self._batches is not None:
+      self._batches.close()
+    self._streams.append(self._make(start_step=step))
+    self._batches = sharding.device_prefetch(self._streams[-1], self._sharding, self._prefetch)
+    return next(self._batches)
 
-  # ---------------------------------------------------------------------------------------------------- #
-  # Train state, created directly in its sharded layout (or restored into it).
-  # ---------------------------------------------------------------------------------------------------- #
-  base_rng = jax.random.PRNGKey(config.seed)
-  init_rng = jax.random.fold_in(base_rng, -1 % 2**31)
-  # The optimizer only needs the parameter tree's paths, which the abstract (shape-only) init provides.
-  tx, schedules = optim.build(
-    config.optim, jax.eval_shape(method.init, init_rng, first_batch)["params"], total_steps, warmup_steps
-  )
-  init_state = functools.partial(init_train_state, method, tx)
-  abstract = jax.eval_shape(init_state, init_rng, first_batch)
-  state_sh = sharding.state_shardings(mesh, abstract, config.sharding.params, rules=config.sharding.get("rules", ()))
-  summary: dict[str, Any] = {}
-  if start_step:
-    runs.read_config(workdir, resuming=True)  # a removed speed switch that changed the train state: a clear error
-    abstract_sh = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sh)
-    restored_step, state, meta, skipped = ckpt.restore_newest_intact(abstract_sh)
-    for step, why in skipped:
-      logging.warning("Checkpoint at step %d does not restore (%s): skipped.", step, why)
-    if restored_step != start_step:  # the data stream restarts where the restored state left it
-      logging.warning("Resuming from step %d, the newest intact checkpoint, instead of %d.", restored_step, start_step)
-      device_batches.close()
-      start_step = restored_step
-      device_batches = input_batches(start_step)
-      first_batch = next(device_batches)
-    summary.update(meta.get("summary", {}))
-    logging.info("Resumed from step %d in %s.", start_step, workdir)
-  else:
-    state = jax.jit(init_state, out_shardings=state_sh)(init_rng, first_batch)
-    state = load_pretrained_variables(state, pretrained_variables_of(method), tx, state_sh)
-    if config.get("init_from"):
-      state = init_from_checkpoint(state, config.init_from, tx, state_sh)
-  summary["best_checkpoint_selected_on"] = selected_on
-  num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
-  logging.info(
-    "%s: %.2fM parameters, %d steps (%.1f epochs of %d examples), warmup %d.",
-    config.method.name,
-    num_params / 1e6,
-    total_steps,
-    total_steps / max(steps_per_epoch, 1e-9),
-    num_examples,
-    warmup_steps,
-  )
+  def __next__(self):
+    return next(self._batches)
 
-  # ---------------------------------------------------------------------------------------------------- #
-  # Jitted step and feature extraction.
-  # ---------------------------------------------------------------------------------------------------- #
-  train_step = make_train_step(method, tx, schedules, base_rng, optim.frozen_rules(config.optim))
-  step_fn = jax.jit(
-    train_step, in_shardings=(state_sh, batch_sharding), out_shardings=(state_sh, None), donate_argnums=(0,)
-  )
+  def close(self, wait: bool = True) -> None:
+    self._batches.close(wait=wait)
 
-  extract = runs.sharded_features(method.features, mesh)  # the same extraction as vlrep.evaluate's
+  def records_read(self) -> int:
+    return sum(s.records_read() for s in self._streams)
 
-  def variables_of(st):
-    return {"params": st["params"], **st["model_state"]}
 
-  evals = evaluators.build_all(config.get("evals", {}), run_inputs)
+class PendingMetrics:
+  """The step metrics since the last log line, still on device until they are logged or a checkpoint is written:
+  fetching them is where a non-finite loss is found, before it can reach a checkpoint."""
 
-  def run_evals(st, names=None) -> dict[str, float]:
-    out = {}
-    for name, ev in evals.items():
-      if names is not None and name not in names:
-        continue
+  def __init__(self, ckpt: ckpt_lib.Checkpointer, workdir: str):
+    self._ckpt, self._workdir, self._metrics = ckpt, workdir, []
 
-      def features(batch, st=st, key=ev.feature_key):
-        return extract(variables_of(st), batch, key)
+  def append(self, metrics: dict) -> None:
+    self._metrics.append(metrics)
 
-      # Evaluators of backbone features get features_fn; whole-model ones (captioning) the variables.
-      result = ev.run(features) if ev.feature_key else ev.run(None, variables=variables_of(st))
-      for k, v in result.items():
-        out[f"{name}/{k}"] = v
-    return out
-
-  def meta() -> dict:
-    return {"signature": ckpt_lib.signature(state["params"]), "config": config.to_dict(), "summary": summary}
-
-  # ---------------------------------------------------------------------------------------------------- #
-  # The loop.
-  # ---------------------------------------------------------------------------------------------------- #
-  pending: list[dict] = []
-  last_log_time, last_log_step = time.time(), start_step
-  best_metric = config.get("best_metric")
-  batch = first_batch
-  step = start_step
-  train_start_time = time.time()
-
-  def check_finite(metrics_list):
-    for m in metrics_list:
+  def check_finite(self, step: int) -> list[dict]:
+    """The pending metrics on the host; raises NonFiniteLossError if a loss among them is not finite."""
+    self._metrics = [dict(m) for m in jax.device_get(self._metrics)]
+    for m in self._metrics:
       loss = float(m["train/loss"])
       if not np.isfinite(loss):
-        last = ckpt.latest_step()
         raise NonFiniteLossError(
           f"Loss became {loss} during the steps before {step}. The last good checkpoint "
-          f"(step {last}) in {workdir} is untouched; lower the learning rate or check the data."
+          f"(step {self._ckpt.latest_step()}) in {self._workdir} is untouched; lower the learning rate or check "
+          "the data."
         )
+    return self._metrics
 
-  saved_step = start_step  # the newest step with a periodic checkpoint (restored or written by this run)
+  def means(self, step: int) -> dict[str, float]:
+    """Means over the pending steps (sums for the data counters `data/...`), then cleared."""
+    fetched = self.check_finite(step)
+    out = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0] if not k.startswith("data/")}
+    out.update({k: float(np.sum([m[k] for m in fetched])) for k in fetched[0] if k.startswith("data/")})
+    self._metrics = []
+    return out
 
-  def save(at_step):
-    nonlocal saved_step
-    check_finite(pending_fetched())
-    ckpt.save(at_step, state, meta())
-    saved_step = at_step
 
-  def stop_for_preemption(at_step):
-    """Saves `at_step` unless it is already saved, and returns the preempted run's summary."""
-    device_batches.close(wait=False)  # the input thread stops on its own; the process is about to exit
-    newly_trained = at_step > saved_step
-    if newly_trained:
-      save(at_step)
-    ckpt.wait()
-    what = f"Checkpoint at step {at_step} saved" if newly_trained else f"Nothing trained since step {at_step}"
-    logging.warning("%s after SIGTERM; exiting. Rerun the same command to resume.", what)
-    summary.update({"steps": at_step, "preempted": True, "seconds": time.time() - t_start})
-    if host == 0:
-      runs.write_summary(workdir, summary)
-    writer.flush()
-    preemption.exited_cleanly()
-    if on_preempted is not None:
-      on_preempted(summary)
-    return summary
-
-  def pending_fetched():
-    fetched = jax.device_get(pending)
-    pending[:] = [dict(m) for m in fetched]
-    return pending
-
-  # ---------------------------------------------------------------------------------------------------- #
-  # Evaluate the random initialisation once (the baseline every table compares to).
-  # ---------------------------------------------------------------------------------------------------- #
-  if preemption.stop_before_training(step):  # during startup, data loading or the state's creation: nothing to save
-    return stop_for_preemption(step)
-  if start_step == 0 and evals:
-    t0 = time.time()
-    try:
-      init_metrics = run_evals(state, [n for n, e in evals.items() if e.config.get("random_init", False)])
-    except preemption_lib.Interrupted:
-      return stop_for_preemption(step)
-    summary.update({f"{k}_random_init": v for k, v in init_metrics.items()})
-    for k, v in init_metrics.items():
-      logging.info("Random init: %s = %.2f (%.1fs)", k, v, time.time() - t0)
-
-  while step < total_steps:
-    if preemption.stop_after(step):  # a signal during the random-init evaluation, or the last evaluations / save
-      return stop_for_preemption(step)
-    state, metrics = step_fn(state, batch)
-    pending.append(metrics)
-    step += 1
-    if step < total_steps:
-      batch = next(device_batches)
-    else:
-      device_batches.close()  # stop the input workers before the final evaluation and checkpoint
-
-    if step % config.log_every_steps == 0 or step == total_steps:
-      fetched = pending_fetched()
-      check_finite(fetched)
-      means = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0] if not k.startswith("data/")}
-      means.update({k: float(np.sum([m[k] for m in fetched])) for k in fetched[0] if k.startswith("data/")})
-      now = time.time()
-      steps_per_s = (step - last_log_step) / max(now - last_log_time, 1e-9)
-      means["perf/steps_per_sec"] = steps_per_s
-      means["perf/images_per_sec"] = steps_per_s * global_bs
-      eta = (total_steps - step) / max(steps_per_s, 1e-9)
-      writer.write_scalars(step, means)
-      logging.info(
-        "[%d/%d] loss %.4f | %.2f steps/s, %.1f images/s | ETA %s",
-        step,
-        total_steps,
-        means["train/loss"],
-        steps_per_s,
-        steps_per_s * global_bs,
-        _hms(eta),
-      )
-      summary["train/loss"] = means["train/loss"]
-      pending.clear()
-      last_log_time, last_log_step = now, step
-
-    if preemption.stop_after(step):  # before this step's evaluations
-      return stop_for_preemption(step)
-
-    is_last = step == total_steps
-    eval_names = [n for n, e in evals.items() if is_last or (e.config.every_steps and step % e.config.every_steps == 0)]
-    if eval_names:
-      t0 = time.time()
-      try:
-        eval_metrics = run_evals(state, eval_names)
-      except preemption_lib.Interrupted:  # SIGTERM during the evaluation: this step's state is what is saved
-        logging.warning("Step %d evaluations interrupted by SIGTERM.", step)
-        return stop_for_preemption(step)
-      writer.write_scalars(step, eval_metrics)
-      logging.info(
-        "Step %d evals (%.1fs): %s", step, time.time() - t0, ", ".join(f"{k}={v:.2f}" for k, v in eval_metrics.items())
-      )
-      summary.update(eval_metrics)
-      if best_metric in eval_metrics and eval_metrics[best_metric] > summary.get(f"{best_metric}_best", -np.inf):
-        summary[f"{best_metric}_best"] = eval_metrics[best_metric]
-        summary[f"{best_metric}_best_step"] = step
-        check_finite(pending_fetched())
-        ckpt.save(step, state, meta(), best=True)
-
-    if step % config.checkpoint.every_steps == 0 or is_last:
-      save(step)
-
-  ckpt.wait()
-  ckpt.close()
-  # Every process logs its own: with replicated parameters, equal fingerprints show the hosts stayed in step.
-  logging.info("Parameter fingerprint (process %d): %s", host, params_fingerprint(state["params"]))
-  # Per process: what it read of the training split, and its peak resident memory.
-  records_read = sum(s.records_read() for s in streams)
-  peak_rss_gb = peak_rss_bytes() / 1e9
+def log_train_metrics(writer, step: int, total_steps: int, means: dict[str, float]) -> None:
+  writer.write_scalars(step, means)
+  steps_per_s = means["perf/steps_per_sec"]
   logging.info(
-    "Input (process %d): read %d records of %s/%s (%d examples) for %d training examples; peak RSS %.3f GB",
+    "[%d/%d] loss %.4f | %.2f steps/s, %.1f images/s | ETA %s",
+    step,
+    total_steps,
+    means["train/loss"],
+    steps_per_s,
+    means["perf/images_per_sec"],
+    _hms((total_steps - step) / max(steps_per_s, 1e-9)),
+  )
+
+
+def log_eval_metrics(writer, step: int, seconds: float, metrics: dict[str, float]) -> None:
+  writer.write_scalars(step, metrics)
+  logging.info("Step %d evals (%.1fs): %s", step, seconds, ", ".join(f"{k}={v:.2f}" for k, v in metrics.items()))
+
+
+def run_evaluators(evals: dict, names: list[str], model: evaluators.Model) -> dict[str, float] | None:
+  """`{name/metric: value}` of the named evaluators; None when SIGTERM interrupted one (the loop then stops)."""
+  out = {}
+  try:
+    for name in names:
+      out.update({f"{name}/{k}": v for k, v in _compat_run(evals[name], model).items()})
+  except preemption_lib.Interrupted:
+    logging.warning("Evaluations interrupted by SIGTERM.")
+    return None
+  return out
+
+
+def _compat_run(ev, model):  # TEMPORARY until every evaluator takes a Model
+  import inspect
+
+  if "model" in inspect.signature(ev.run).parameters:
+    return ev.run(model)
+  if ev.feature_key:
+    return ev.run(lambda b, k=ev.feature_key: model.features(b, k))
+  return ev.run(None, variables=model.variables)
+
+
+def update_best(summary: dict, best_metric: str | None, eval_metrics: dict, step: int) -> bool:
+  """Records a new best value of `best_metric` in the summary; True when this step is the new best."""
+  if not best_metric or best_metric not in eval_metrics:
+    return False
+  if eval_metrics[best_metric] <= summary.get(f"{best_metric}_best", -np.inf):
+    return False
+  summary[f"{best_metric}_best"] = eval_metrics[best_metric]
+  summary[f"{best_metric}_best_step"] = step
+  return True
+
+
+def process_report(state: dict, train_input: TrainInput, split: str, examples_trained: int) -> dict[str, float]:
+  """The end of a run on this process, logged by every process: its parameters' fingerprint (with replicated
+  parameters, equal fingerprints show the hosts stayed in step), the records it read of the training split and
+  its peak resident memory (`split`: "builder/split (N examples)", as vlrep.tools.scale_test reads it). Returns
+  the summary's `input/` entries."""
+  host = jax.process_index()
+  logging.info("Parameter fingerprint (process %d): %s", host, params_fingerprint(state["params"]))
+  records_read, peak_rss_gb = train_input.records_read(), peak_rss_bytes() / 1e9
+  logging.info(
+    "Input (process %d): read %d records of %s for %d training examples; peak RSS %.3f GB",
     host,
     records_read,
-    builder.name,
-    config.data.split,
-    num_examples,
-    (step - start_step) * local_bs,
+    split,
+    examples_trained,
     peak_rss_gb,
   )
-  seconds = time.time() - t_start
-  summary.update(
-    {
-      "steps": step,
-      "preempted": False,
-      "seconds": seconds,
-      "train/images_per_sec": (step - start_step) * global_bs / max(time.time() - train_start_time, 1e-9),
-      "input/records_read": records_read,
-      "input/peak_rss_gb": peak_rss_gb,
-    }
-  )
-  if host == 0:
-    runs.write_summary(workdir, summary)
-  writer.flush()
-  return summary
+  return {"input/records_read": records_read, "input/peak_rss_gb": peak_rss_gb}
 
 
 def peak_rss_bytes() -> int:
@@ -395,100 +424,11 @@ def params_fingerprint(params) -> str:
   return digest.hexdigest()[:16]
 
 
-def pretrained_variables_of(method) -> dict:
-  """A method's pretrained values (its optional `pretrained_variables(pretrained)`), given the runs it names in
-  its optional `pretrained_runs()` ({name: workdir}), each loaded here at its best checkpoint: methods read
-  checkpoints only through the loop."""
-  if not hasattr(method, "pretrained_variables"):
-    return {}
-  wanted = method.pretrained_runs() if hasattr(method, "pretrained_runs") else {}
-  return method.pretrained_variables({name: runs.load_run(path, "best") for name, path in wanted.items()})
-
-
-def load_pretrained_variables(state: dict, pretrained: dict, tx, state_sh) -> dict:
-  """Writes a method's pretrained values (numpy trees under 'params' / 'model_state', e.g. ICMLM's frozen BERT)
-  into a fresh state, in its sharding; then re-initialises the optimizer state. A subtree whose structure is the
-  model's is checked whole (every path and shape); a dict that names only some of a subtree's entries (MCT's
-  momentum copy: {'momentum': {'params': {'textual': ...}}}) is descended into, each named entry checked."""
-  if not pretrained:
-    return state
-
-  def put(a, s):
-    a = np.asarray(a, np.float32)
-    return jax.make_array_from_callback(a.shape, s, lambda idx, a=a: a[idx])
-
-  def merge(current, given, shardings, where):
-    if not isinstance(given, dict) or not isinstance(current, dict):
-      ckpt_lib.check_signature(ckpt_lib.signature(given), ckpt_lib.signature(current), where)
-      return jax.tree.map(put, given, shardings)
-    try:
-      ckpt_lib.check_signature(ckpt_lib.signature(given), ckpt_lib.signature(current), where)
-      logging.info("Loaded pretrained %s (%d tensors).", where, len(jax.tree.leaves(given)))
-      return jax.tree.map(put, given, shardings)
-    except ValueError:
-      if set(given) == set(current):  # the same entries with other shapes or paths: report the mismatch
-        raise
-    out = dict(current)
-    for name, tree in given.items():
-      if name not in current:
-        raise ValueError(f"Pretrained values for {where}/{name}, which this model does not have.")
-      out[name] = merge(current[name], tree, shardings[name], f"{where}/{name}")
-    return out
-
-  new = dict(state)
-  for part, trees in pretrained.items():
-    new[part] = merge(state[part], trees, state_sh[part], part)
-  if "params" in pretrained:
-    new["opt_state"] = jax.jit(tx.init, out_shardings=state_sh["opt_state"])(new["params"])
-  return new
-
-
-def adopt_init_from_architecture(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """`init_from=RUN`: this run's backbone takes RUN's architecture (depth, width, stem, ...), so any config can
-  start from any run's backbone (e.g. finetune.py:runlocal from the quick start's ResNet-10); its BatchNorm
-  grouping stays this config's. When resuming, the architecture is the one this run saved, so
-  RUN is not read again. Said in the log when it changes the config."""
-  if not config.get("init_from") or "backbone" not in config.get("method", {}):
-    return
-  try:
-    source, saved = workdir, runs.read_config(workdir)  # resuming: what this run was built with
-  except (FileNotFoundError, RuntimeError):
-    source, saved = config.init_from, runs.read_config(config.init_from)
-  if "backbone" not in saved.method:
-    raise ValueError(f"init_from={config.init_from}: that run's model has no 'backbone' to start from.")
-  want = runs.backbone_architecture(saved.method.backbone)
-  have = runs.backbone_architecture(config.method.backbone)
-  changed = {k: (have[k], v) for k, v in want.items() if have[k] != v}
-  if changed:
-    with config.unlocked():
-      config.method.backbone.update({k: v for k, (_, v) in changed.items()})
-    logging.info(
-      "init_from: the backbone takes the architecture of %s: %s.",
-      source,
-      ", ".join(f"{k}={new!r} (config: {old!r})" for k, (old, new) in changed.items()),
-    )
-
-
-def init_from_checkpoint(state: dict, workdir: str, tx, state_sh) -> dict:
-  """Copies the visual backbone (parameters and BatchNorm statistics) of another run's best checkpoint into a
-  fresh state, then re-initialises the optimizer state from the new parameters (LookAhead keeps a copy)."""
-  run = runs.load_run(workdir, "best")
-  src_params, src_stats = runs.backbone_of(run)[1]["params"], run.model_state.get("batch_stats", {})
-  if "backbone" not in state["params"]:
-    raise ValueError("init_from needs a model with a 'backbone'; this config's model has none.")
-  want = ckpt_lib.signature(state["params"]["backbone"])
-  ckpt_lib.check_signature(ckpt_lib.signature(src_params), want, run.path)
-  params = dict(state["params"], backbone=jax.tree.map(jnp.asarray, src_params))
-  model_state = dict(state["model_state"])
-  if "backbone" in src_stats:
-    model_state["batch_stats"] = dict(model_state.get("batch_stats", {}), backbone=src_stats["backbone"])
-  new = {**state, "params": params, "model_state": model_state}
-  new = jax.device_put(new, state_sh)
-  new["opt_state"] = jax.jit(tx.init, out_shardings=state_sh["opt_state"])(new["params"])
-  logging.info("Backbone initialised from %s (step %d).", run.path, run.step)
-  return new
-
-
 def _hms(seconds: float) -> str:
   seconds = int(seconds)
   return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+# TEMPORARY aliases until tests/test_mct.py and tests/test_vlbert.py read them from vlrep.train_state.
+pretrained_variables_of = train_state.pretrained_variables_of
+load_pretrained_variables = train_state.load_pretrained_variables
