@@ -367,9 +367,6 @@ COMMANDS: dict[str, object] = {
   "python -m vlrep.tools.grounding --workdir=/tmp/r/virtex/taskbicaptioning": Run(
     replace=(("{tmp}/r/virtex/taskbicaptioning", VIRTEX),), add=("--limit=8",)
   ),
-  "python -m vlrep.bench.svm_benchmark --workdir=/tmp/virtex_local": Run(add=("--sets=synthetic_scenes",)),
-  "python -m vlrep.bench.svm_benchmark": Run(add=("--config=tests/tiny_virtex.py", "--voc07_size_scale=0.05")),
-  "python -m vlrep.bench.svm_benchmark --chance": Run(add=(f"--data_dir={D}", "--config_name=tiny"), expect="chance"),
   "python -m vlrep.tools.attention_maps --workdir=/tmp/loctex_local --out_dir=/tmp/att --num_examples=4": Run(),
   'python -m vlrep.tools.attention_maps --workdir=RUN --out_dir=/tmp/att --caption="a dog on the left" dog.jpg': Run(
     replace=(("RUN", LOCTEX), (" dog.jpg", " {image}"))
@@ -390,6 +387,10 @@ COMMANDS: dict[str, object] = {
   "python -m vlrep.tools.convert_regions --format=mmf --src=/data/vqa/features/trainval "
   "--dst=/data/vlrep_regions": Refuses(r"trainval"),
   "python -m vlrep.tools.weight_distance --root=/tmp/vl_study --arch=visual_bert --task=vqa": Refuses(r"vl_study"),
+  # --- vlrep.bench: the benchmarks, shrunk. --------------------------------------------------------- #
+  "python -m vlrep.bench.svm_benchmark --workdir=/tmp/virtex_local": Run(add=("--sets=synthetic_scenes",)),
+  "python -m vlrep.bench.svm_benchmark": Run(add=("--config=tests/tiny_virtex.py", "--voc07_size_scale=0.05")),
+  "python -m vlrep.bench.svm_benchmark --chance": Run(add=(f"--data_dir={D}", "--config_name=tiny"), expect="chance"),
   # One kind at one core (a process each; the kinds' equal work is tests/test_speed_tools.py's).
   "python -m vlrep.bench.pipeline_benchmark": Run(
     add=("--cores=1", "--kinds=tfdata_cache", "--seconds=0.5", "--num_images=16"), expect="images/s"
@@ -450,7 +451,7 @@ COMMANDS: dict[str, object] = {
   "python -m vlrep.export --workdir=DIR --format=virtex --out=virtex.pth": Refuses(
     SMALL_STEM, replace=(("DIR", VIRTEX), ("virtex.pth", "{tmp}/virtex.pth"))
   ),
-  # --- Multi-process harnesses, run by their own tests. ------------------------------------------------ #
+  # --- vlrep.bench: the multi-process harnesses, run by their own tests. ---------------------------- #
   "python -m vlrep.bench.faults --config=tests/tiny_virtex.py --workdir=/tmp/faults --kills=30": Covered(
     "tests/test_faults.py"
   ),
