@@ -14,7 +14,7 @@ import optax
 import pytest
 
 from vlrep import optim, train_step
-from vlrep.evaluators import linear_probe
+from vlrep.evaluators import Model, RunInputs, linear_probe
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs"))
 
@@ -272,22 +272,22 @@ def test_icmlm_linear_probe_learns_a_separable_imagenet_format_set_and_skips_div
   chosen one separates the classes; a trial that diverged is never chosen."""
   from eval import linear_probe as probe_config
 
-  from vlrep.evaluators.run_inputs import RunInputs
-
   _write_imagenet_format(tmp_path, "tiny_imagenet_format")
   config = probe_config.get_config("variant=icmlm,num_classes=4,dataset=tiny_imagenet_format,epochs=8")
   probe = config.evals.linear_probe_icmlm
   probe.update(data_dir=str(tmp_path), batch_size=16, holdout_fraction=0.25)
   seen = []
 
-  def features_fn(batch):
+  def features(batch, key):
+    del key  # the stand-in has one feature
     images = np.asarray(batch["image"])
     seen.append(images.shape[1:])
     # A stand-in backbone: each channel's mean and a large constant (features far from unit scale).
     return np.concatenate([images.mean((1, 2)) * 20.0, np.full((len(images), 1), 30.0)], 1), batch
 
+  model = Model(variables=None, features=features)
   evaluator = linear_probe.LinearProbe(probe, RunInputs())
-  result = evaluator.run(features_fn)
+  result = evaluator.run(model)
   assert set(seen) == {(224, 224, 3)}
   assert result["top1"] == 100.0 and result["top1_val"] == 100.0
   lrs, wds = linear_probe.search_draws(probe)
@@ -301,4 +301,4 @@ def test_icmlm_linear_probe_learns_a_separable_imagenet_format_set_and_skips_div
     return w, b
 
   monkeypatch.setattr(linear_probe, "train_linear_search", poisoned)
-  assert evaluator.run(features_fn)["lr"] == pytest.approx(float(lrs[-1]))
+  assert evaluator.run(model)["lr"] == pytest.approx(float(lrs[-1]))

@@ -56,10 +56,11 @@ def prepare(
 ) -> dict:
   import tensorflow_datasets as tfds
 
-  registry = pipeline._builders()  # noqa: SLF001
+  registry = pipeline.builder_classes()
   if dataset not in registry:
     raise ValueError(f"Unknown dataset {dataset!r}; known: {', '.join(sorted(registry))}")
-  cls, generated = registry[dataset]
+  cls = registry[dataset]
+  generated = getattr(cls, "generated_on_first_use", False)
   if not generated and not (manual_dir and os.path.isdir(manual_dir) and os.listdir(manual_dir)):
     raise FileNotFoundError(f"--manual_dir={manual_dir!r} is not a folder or is empty. Expected layout:\n{cls.__doc__}")
   data_dir = os.path.expanduser(data_dir)

@@ -1,40 +1,81 @@
 """Evaluators, built from `config.evals` = {name: {type: ..., every_steps: ..., ...}}.
 
-An evaluator type is a module here (vlrep.evaluators.<type>, listed in KNOWN) whose `Evaluator(config, run)` (run:
-`RunInputs`, what it may use of the run, and its `batches`) has `.config`, `.feature_key` (which of the method's
-`features` it needs) and `.run(features_fn)` ->
-{metric: value}; the loop prefixes metrics with the evaluator's name (e.g. 'probe/map').
+An evaluator type is a module here (vlrep.evaluators.<type>), or the dotted path of a module elsewhere (an
+evaluator of your own), that keeps this contract:
+
+- an `Evaluator` class, built as `Evaluator(config, run)` (its config entry, and `run`: `RunInputs`, what it may
+  use of the run, with the one way to read a split, `run.batches`), whose instances satisfy the `Evaluator`
+  protocol below: `config`, and `run(model) -> {metric: value}` for a `Model` (the variables and the sharded
+  feature extraction of the checkpoint evaluated). Backbone evaluators (the probe, the SVM) call
+  `model.features(batch, key)` with the features key they need; whole-model ones (captioning, localization) apply
+  the run's method to `model.variables`. The loop prefixes metrics with the evaluator's name (e.g. 'probe/map');
+- optionally, on the class, `needs_method = True`: it uses the run's method and tokenizer, so `vlrep.evaluate`
+  rebuilds them for it;
+- optionally, at module level, `TEST_METRICS`: the metrics that score the config's test split (`selection_rule`).
+
+tests/test_contracts.py checks every module here that defines `Evaluator` against this contract; the others are
+the evaluators' helpers (metrics, solvers, `RunInputs`).
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib
+import os
+import pkgutil
+from typing import Any, Protocol, runtime_checkable
 
 from vlrep.errors import UserError
-from vlrep.evaluators.run_inputs import Model, RunInputs  # noqa: F401  (the contract's types)
+from vlrep.evaluators.run_inputs import Model, RunInputs
 
-KNOWN = (
-  "voc07_svm",
-  "linear_probe",
-  "accuracy",
-  "captioning",
-  "localization",
-  "retrieval",
-  "vsepp",
-  "tagging",
-  "masked_tokens",
-  "vl_task",
-  "held_out_loss",
-)
+
+@runtime_checkable
+class Evaluator(Protocol):
+  """What the training loop and `vlrep.evaluate` use of an evaluator (the instance its module's `Evaluator` class
+  builds)."""
+
+  config: Any
+  """Its entry of `config.evals` (`every_steps`: when the loop runs it)."""
+
+  def run(self, model: Model) -> dict[str, float]:
+    """{metric: value} of `model`, the same on every host (each reads its shard of the split)."""
+
+
+def _defines(path: str, name: str) -> bool:
+  """Whether the Python file at `path` binds `name` at its top level (a class or an assignment), read, not run."""
+  with open(path, encoding="utf-8") as f:
+    tree = ast.parse(f.read(), path)
+  for node in tree.body:
+    if isinstance(node, ast.ClassDef) and node.name == name:
+      return True
+    if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+      return True
+  return False
+
+
+@functools.cache
+def available() -> tuple[str, ...]:
+  """The evaluator types vlrep has: the modules of this package that define `Evaluator`."""
+  here = os.path.dirname(__file__)
+  return tuple(
+    sorted(
+      m.name
+      for m in pkgutil.iter_modules([here])
+      if not m.ispkg and _defines(os.path.join(here, f"{m.name}.py"), "Evaluator")
+    )
+  )
 
 
 def _module(evaluator_type: str):
-  if "." not in evaluator_type and evaluator_type not in KNOWN:
-    raise UserError(f"Unknown evaluator type {evaluator_type!r}. Known evaluators: {', '.join(KNOWN)}")
-  return importlib.import_module(evaluator_type if "." in evaluator_type else f"vlrep.evaluators.{evaluator_type}")
+  if "." in evaluator_type:
+    return importlib.import_module(evaluator_type)
+  if evaluator_type not in available():
+    raise UserError(f"Unknown evaluator type {evaluator_type!r}. Known evaluators: {', '.join(available())}")
+  return importlib.import_module(f"{__name__}.{evaluator_type}")
 
 
-def build(config, run: RunInputs):
+def build(config, run: RunInputs) -> Evaluator:
   """The evaluator of `config.type`: the `Evaluator` class of the module vlrep.evaluators.<type> (or of the module
   at that dotted path: an evaluator of your own), given what it may use of the run (`RunInputs`)."""
   return _module(config.type).Evaluator(config, run)
@@ -71,7 +112,7 @@ def selection_rule(evals_config, best_metric: str, select_on_test: bool = False)
   return f"{best_metric}: held out from {name}'s test split"
 
 
-def build_all(evals_config, run: RunInputs) -> dict:
+def build_all(evals_config, run: RunInputs) -> dict[str, Evaluator]:
   for name, cfg in evals_config.items():
     every = cfg.get("every_steps", 0)
     if not isinstance(every, int) or every < 0:

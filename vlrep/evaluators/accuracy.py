@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from vlrep.evaluators.linear_probe import extract_labeled, topk_accuracy
-from vlrep.evaluators.run_inputs import RunInputs
+from vlrep.evaluators.run_inputs import Model, RunInputs
 
 
 class Accuracy:
@@ -21,8 +19,9 @@ class Accuracy:
     self.builder = run.builder(config)
     self.run_inputs = run
 
-  def run(self, features_fn: Callable) -> dict[str, float]:
+  def run(self, model: Model) -> dict[str, float]:
     c = self.config
+    features_fn = model.extractor(self.feature_key)
     logits, labels = extract_labeled(
       self.run_inputs, self.builder, c.split, c.pp, c.get("label_key", "label"), c.batch_size, features_fn
     )

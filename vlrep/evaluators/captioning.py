@@ -9,7 +9,6 @@ Needs a model with a forward captioning direction (VirTex 'captioning' or 'bicap
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -18,7 +17,7 @@ from absl import logging
 from vlrep import decoding
 from vlrep.data import records
 from vlrep.evaluators import caption_metrics
-from vlrep.evaluators.run_inputs import RunInputs
+from vlrep.evaluators.run_inputs import Model, RunInputs
 
 
 def captioner_for(method, config):
@@ -41,7 +40,6 @@ def captioner_for(method, config):
 
 class Captioning:
   needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
-  feature_key = None  # works on the whole model: run() receives the variables
 
   def __init__(self, config, run: RunInputs):
     self.config = config
@@ -55,10 +53,9 @@ class Captioning:
     self.builder = run.builder(config)
     self.run_inputs = run
 
-  def run(self, features_fn: Callable, variables=None) -> dict[str, float]:
+  def run(self, model: Model) -> dict[str, float]:
     from jax.experimental import multihost_utils
 
-    del features_fn
     c = self.config
     split = records.first_examples(self.builder, c.split, c.get("limit", 0))
     t0 = time.time()
@@ -66,7 +63,7 @@ class Captioning:
     rng = jax.random.PRNGKey(c.get("seed", 0))
     tokens, masks = [], []
     for i, batch in enumerate(self.run_inputs.batches(self.builder, split, c.pp, ("image",), c.batch_size)):
-      t, _ = self.caption(variables, batch["image"], jax.random.fold_in(rng, i))
+      t, _ = self.caption(model.variables, batch["image"], jax.random.fold_in(rng, i))
       tokens.append(np.asarray(t))
       masks.append(batch["_mask"].astype(bool))
     tokens, masks = np.concatenate(tokens), np.concatenate(masks)

@@ -13,19 +13,17 @@ Config: dataset, data_dir, config_name, split, pp, batch_size, limit (first N im
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import jax
 import numpy as np
 from absl import logging
 
 from vlrep.data import records
-from vlrep.evaluators.run_inputs import RunInputs
+from vlrep.evaluators.run_inputs import Model, RunInputs
 
 
 class HeldOutLoss:
   needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
-  feature_key = None  # works on the whole model: run() receives the variables
 
   def __init__(self, config, run: RunInputs):
     self.config = config
@@ -35,10 +33,9 @@ class HeldOutLoss:
     key = jax.random.PRNGKey(config.get("seed", 0))
     self.loss = jax.jit(lambda v, b: self.method.loss(v, b, key, False)[:2])
 
-  def run(self, features_fn: Callable, variables=None) -> dict[str, float]:
+  def run(self, model: Model) -> dict[str, float]:
     from jax.experimental import multihost_utils
 
-    del features_fn
     c = self.config
     split = records.first_examples(self.builder, c.split, c.get("limit", 0))
     hosts = self.run_inputs.num_hosts
@@ -54,7 +51,7 @@ class HeldOutLoss:
       if not real.all():
         skipped += int(real.sum())
         continue
-      loss, metrics = self.loss(variables, batch)
+      loss, metrics = self.loss(model.variables, batch)
       for k, v in {"loss": loss, **metrics}.items():
         sums[k] = sums.get(k, 0.0) + float(v)
       batches += 1

@@ -33,7 +33,7 @@ import optax
 from absl import logging
 
 from vlrep.data import pipeline, records
-from vlrep.evaluators.run_inputs import RunInputs
+from vlrep.evaluators.run_inputs import Model, RunInputs
 
 
 def make_schedule(config, total_steps: int, steps_per_epoch: float):
@@ -178,8 +178,9 @@ class LinearProbe:
       self.run_inputs, self.builder, split, pp, self.label_key, self.config.batch_size, features_fn
     )
 
-  def run(self, features_fn: Callable) -> dict[str, float]:
+  def run(self, model: Model) -> dict[str, float]:
     c = self.config
+    features_fn = model.extractor(self.feature_key)
     t0 = time.time()
     test_x, test_y = self._extract(c.test_split, c.pp_eval, features_fn)
     num_classes = c.num_classes

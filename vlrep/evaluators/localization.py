@@ -17,14 +17,13 @@ order; the contrastive map uses the first), batch_size, limit (first N images; 0
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import jax
 import numpy as np
 from absl import logging
 
 from vlrep.data import records
-from vlrep.evaluators.run_inputs import RunInputs
+from vlrep.evaluators.run_inputs import Model, RunInputs
 
 
 def pointing_and_iou(attention: np.ndarray, truth: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -43,7 +42,6 @@ def pointing_and_iou(attention: np.ndarray, truth: np.ndarray) -> tuple[np.ndarr
 
 class Localization:
   needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
-  feature_key = None  # works on the whole model: run() receives the variables
 
   def __init__(self, config, run: RunInputs):
     self.config = config
@@ -65,17 +63,16 @@ class Localization:
     self.run_inputs = run
     self.attention = jax.jit(self.method.attention)
 
-  def run(self, features_fn: Callable, variables=None) -> dict[str, float]:
+  def run(self, model: Model) -> dict[str, float]:
     from jax.experimental import multihost_utils
 
-    del features_fn
     c = self.config
     split = records.first_examples(self.builder, c.split, c.get("limit", 0))
     fields = ("image", "tokens", *(f"trace_mask_{r}" for r in self.grid_sizes))
     t0 = time.time()
     sums: dict[str, np.ndarray] = {}
     for batch in self.run_inputs.batches(self.builder, split, c.pp, fields, c.batch_size):
-      maps = self.attention(variables, batch["image"], batch["tokens"])
+      maps = self.attention(model.variables, batch["image"], batch["tokens"])
       real = batch["_mask"].astype(bool)
       for name, att in maps.items():
         r = np.asarray(att).shape[-1]

@@ -12,19 +12,17 @@ every_steps.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import jax
 import numpy as np
 from absl import logging
 
 from vlrep.data import records
-from vlrep.evaluators.run_inputs import RunInputs
+from vlrep.evaluators.run_inputs import Model, RunInputs
 
 
 class MaskedTokens:
   needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
-  feature_key = None  # works on the whole model: run() receives the variables
 
   def __init__(self, config, run: RunInputs):
     self.config = config
@@ -56,10 +54,9 @@ class MaskedTokens:
       return np.zeros((0,), np.int64), np.zeros((0, self.config.max_len), np.int32), np.zeros((0,), np.int32)
     return np.array(rows), np.stack(toks), np.array(pos, np.int32)
 
-  def run(self, features_fn: Callable, variables=None) -> dict[str, float]:
+  def run(self, model: Model) -> dict[str, float]:
     from jax.experimental import multihost_utils
 
-    del features_fn
     c = self.config
     split = records.first_examples(self.builder, c.split, c.get("limit", 0))
     t0 = time.time()
@@ -73,7 +70,7 @@ class MaskedTokens:
       for start in range(0, len(rows), bs):
         n = min(bs, len(rows) - start)
         sel = np.arange(start, start + bs) % len(rows)  # a full batch (one compilation); extra rows ignored
-        top5 = np.asarray(self.predict(variables, batch["image"][rows[sel]], toks[sel], pos[sel]))[:n]
+        top5 = np.asarray(self.predict(model.variables, batch["image"][rows[sel]], toks[sel], pos[sel]))[:n]
         target = toks[sel][np.arange(n), pos[sel][:n]]
         hits1 += int(np.sum(top5[:, 0] == target))
         hits5 += int(np.sum(np.any(top5 == target[:, None], axis=1)))

@@ -17,14 +17,13 @@ batch_size, limit (first N images; 0 = all), fold_size, every_steps.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import jax
 import numpy as np
 from absl import logging
 
 from vlrep.data import records
-from vlrep.evaluators.run_inputs import RunInputs
+from vlrep.evaluators.run_inputs import Model, RunInputs
 
 RECALL_AT = (1, 5, 10)
 
@@ -65,7 +64,6 @@ def folded_metrics(image_emb, text_emb, text_image, fold_size: int) -> dict[str,
 
 class Retrieval:
   needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
-  feature_key = None  # works on the whole model: run() receives the variables
 
   def __init__(self, config, run: RunInputs):
     self.config = config
@@ -83,22 +81,21 @@ class Retrieval:
     self.embed_images = jax.jit(lambda v, x: self.method.embed(v, images=x)["image"])
     self.embed_texts = jax.jit(lambda v, t: self.method.embed(v, tokens=t)["text"])
 
-  def run(self, features_fn: Callable, variables=None) -> dict[str, float]:
+  def run(self, model: Model) -> dict[str, float]:
     from jax.experimental import multihost_utils
 
-    del features_fn
     c = self.config
     split = records.first_examples(self.builder, c.split, c.get("limit", 0))
     t0 = time.time()
     images, texts, owners, real_images = [], [], [], []
     for batch in self.run_inputs.batches(self.builder, split, c.pp, ("image", c.captions_key), c.batch_size):
-      images.append(np.asarray(self.embed_images(variables, batch["image"])))
+      images.append(np.asarray(self.embed_images(model.variables, batch["image"])))
       real_images.append(batch["_mask"].astype(bool))
       caps = np.asarray(batch[c.captions_key], dtype=object).reshape(len(batch["_mask"]), -1)[:, : c.num_captions]
       caps = np.concatenate([caps, np.full((len(caps), c.num_captions - caps.shape[1]), b"", object)], axis=1)
       strings = [s.decode("utf-8") if isinstance(s, bytes) else ("" if s == 0 else str(s)) for s in caps.reshape(-1)]
       tokens = np.stack([self.tokenizer.encode(s, c.max_len)[0] for s in strings])
-      texts.append(np.asarray(self.embed_texts(variables, tokens)).reshape(len(caps), c.num_captions, -1))
+      texts.append(np.asarray(self.embed_texts(model.variables, tokens)).reshape(len(caps), c.num_captions, -1))
       owners.append(np.array([[bool(s.strip()) for s in strings]]).reshape(len(caps), c.num_captions))
     # Every host's shard, in host order, then only real images and non-empty captions.
     gather = (

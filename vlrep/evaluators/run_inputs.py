@@ -53,3 +53,8 @@ class Model:
 
   variables: Mapping[str, Any]
   features: Callable[[Mapping[str, np.ndarray], str], tuple[np.ndarray, dict[str, np.ndarray]]]
+
+  def extractor(self, key: str) -> Callable[[Mapping[str, np.ndarray]], tuple[np.ndarray, dict[str, np.ndarray]]]:
+    """`features` of one key: local batch -> (global features, global batch), what a backbone evaluator's
+    extraction loop calls."""
+    return lambda local_batch: self.features(local_batch, key)

@@ -32,7 +32,7 @@ import optax
 from absl import logging
 
 from vlrep.data import records
-from vlrep.evaluators.run_inputs import RunInputs
+from vlrep.evaluators.run_inputs import Model, RunInputs
 
 
 def ppmi_matrix(tags: np.ndarray) -> np.ndarray:
@@ -164,8 +164,9 @@ class Tagging:
       raise FloatingPointError(f"The backbone gave non-finite features on {split!r}; the checkpoint is broken.")
     return x, np.concatenate(tags) > 0
 
-  def run(self, features_fn: Callable) -> dict[str, float]:
+  def run(self, model: Model) -> dict[str, float]:
     c = self.config
+    features_fn = model.extractor(self.feature_key)
     t0 = time.time()
     train_x, train_tags = self._extract(c.train_split, c.get("train_limit", 0), features_fn)
     test_x, test_tags = self._extract(c.test_split, c.get("test_limit", 0), features_fn)

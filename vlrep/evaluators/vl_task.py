@@ -13,7 +13,6 @@ Config: dataset, data_dir, config_name, split, pp (must produce the method's fie
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -21,14 +20,13 @@ from absl import logging
 
 from vlrep.data import records
 from vlrep.evaluators import vl_metrics
-from vlrep.evaluators.run_inputs import RunInputs
+from vlrep.evaluators.run_inputs import Model, RunInputs
 
 METRICS = ("vqa", "accuracy", "f1", "mlm")
 
 
 class VLTask:
   needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
-  feature_key = None  # works on the whole model: run() receives the variables
 
   def __init__(self, config, run: RunInputs):
     if config.metric not in METRICS:
@@ -47,9 +45,8 @@ class VLTask:
     self._classify = jax.jit(method.classify)
     self._mlm = jax.jit(method.mlm_predictions)
 
-  def run(self, features_fn: Callable, variables=None) -> dict[str, float]:
-    del features_fn
-    c = self.config
+  def run(self, model: Model) -> dict[str, float]:
+    c, variables = self.config, model.variables
     if self.run_inputs.num_hosts > 1:
       raise NotImplementedError("vl_task evaluates on one host; run `vlrep.evaluate` on a single host.")
     split = records.first_examples(self.builder, c.split, c.get("limit", 0))

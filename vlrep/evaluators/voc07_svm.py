@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable
 
 import numpy as np
 from absl import logging
@@ -25,7 +24,7 @@ from sklearn.svm import LinearSVC
 
 from vlrep import preemption
 from vlrep.evaluators import linear_svm
-from vlrep.evaluators.run_inputs import RunInputs
+from vlrep.evaluators.run_inputs import Model, RunInputs
 
 DEFAULT_COSTS = (0.01, 0.1, 1.0, 10.0)
 AP_KINDS = ("sklearn", "11point")
@@ -271,6 +270,8 @@ class Voc07Svm:
       raise ValueError(f"Eval batch_size {config.batch_size} is not divisible by the {jax.device_count()} devices.")
 
   def _features(self, split, features_fn):
+    """(features [N, D], labels [N, classes]) of a split, through features_fn(local batch) -> (global features
+    np[B, ...], global batch np dict)."""
     feats, labels = [], []
     batches = self.run_inputs.batches(self.builder, split, self.config.pp, ("image", "labels"), self.config.batch_size)
     for local in batches:
@@ -287,8 +288,8 @@ class Voc07Svm:
       x /= np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
     return x, np.concatenate(labels)
 
-  def run(self, features_fn: Callable) -> dict[str, float]:
-    """features_fn(local batch) -> (global features np[B, D], global batch np dict)."""
+  def run(self, model: Model) -> dict[str, float]:
+    features_fn = model.extractor(self.feature_key)
     t0 = time.time()
     train_x, train_y = self._features(self.config.train_split, features_fn)
     test_x, test_y = self._features(self.config.test_split, features_fn)

@@ -37,7 +37,7 @@ from absl import logging
 from vlrep import eval_protocols
 from vlrep.data import records
 from vlrep.evaluators.retrieval import folded_metrics
-from vlrep.evaluators.run_inputs import RunInputs
+from vlrep.evaluators.run_inputs import Model, RunInputs
 
 # The protocol's settings (COCO; synthetic_scenes on a 2-core CPU) live in a TensorFlow-free leaf, so configs
 # read them without importing the evaluators.
@@ -182,8 +182,9 @@ class VsePP:
       raise FloatingPointError(f"The backbone gave non-finite features on {split!r}; the checkpoint is broken.")
     return x, np.concatenate(tokens), np.concatenate(has).astype(bool)
 
-  def run(self, features_fn: Callable) -> dict[str, float]:
+  def run(self, model: Model) -> dict[str, float]:
     c = self.config
+    features_fn = model.extractor(self.feature_key)
     t0 = time.time()
     train_x, train_tokens, train_has = self._extract(c.train_split, c.get("train_limit", 0), features_fn)
     test_x, test_tokens, test_has = self._extract(c.test_split, c.get("test_limit", 0), features_fn)

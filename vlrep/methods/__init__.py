@@ -1,20 +1,96 @@
-"""Pretraining methods. Each is a module here whose `Method` class has `fields`, `init`, `loss` and `features`
-(README, "Architecture"); `config.method.name` names the module, or is the dotted path of a module elsewhere (a
-method of your own, outside vlrep, with the same `Method` contract)."""
+"""Pretraining methods: `config.method.name` names a module here (vlrep.methods.<name>), or is the dotted path of a
+module elsewhere (a method of your own, outside vlrep). Either way the module keeps the same contract:
+
+- a `Method` class, built as `Method(config, vocab_size, **needs)` (the config's `method` block, the tokenizer's
+  vocabulary size, 0 without one, and what `setup` and the run's concept set returned), whose instances satisfy
+  the `Method` protocol below: `fields`, `init`, `loss` and `features` (README, "Architecture");
+- optionally, on the class, `pretrained_variables(pretrained)` (`UsesPretrained`: values the loop writes into the
+  fresh state) and `pretrained_runs()` (`NamesPretrainedRuns`: the runs the loop loads and hands to it; without it
+  `pretrained` is {});
+- optionally, at module level, `setup(config, builder, tokenizer) -> dict` (see `setup` here).
+
+A method never reads a checkpoint and knows nothing of devices; tests/test_contracts.py checks every module here
+against these protocols.
+"""
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib
+import os
+import pkgutil
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import ml_collections
 
-KNOWN = ("virtex", "classifier", "loctex", "mct", "icmlm", "vlbert")
+
+@runtime_checkable
+class Method(Protocol):
+  """What the training loop and the evaluators use of a method (the instance its module's `Method` class builds)."""
+
+  fields: Sequence[str]
+  """The batch keys `init` and `loss` read: the loop asks the input pipeline for exactly these."""
+
+  def init(self, rng, batch) -> Mapping[str, Any]:
+    """The fresh variables ({'params': ..., and any other collection}) for a batch of `fields`."""
+
+  def loss(self, variables, batch, rng, train):
+    """(scalar loss, {metric: scalar}, new model state): traced inside the loop's jitted step."""
+
+  def features(self, variables, images) -> Mapping[str, Any]:
+    """{key: array} of a batch of images (e.g. 'pre_logits', 'grid'): what backbone evaluators probe."""
+
+
+@runtime_checkable
+class UsesPretrained(Protocol):
+  """A method that starts from values it does not initialise itself (a pretrained BERT, another run's weights)."""
+
+  def pretrained_variables(self, pretrained) -> Mapping[str, Any]:
+    """The values written into the fresh state ({'params': ..., 'model_state': ...}, numpy trees), given
+    `pretrained`: {name: the run loaded at its best checkpoint} for the runs `pretrained_runs` names."""
+
+
+@runtime_checkable
+class NamesPretrainedRuns(Protocol):
+  """A method whose pretrained values come from other runs: the loop loads them and hands them over."""
+
+  def pretrained_runs(self) -> Mapping[str, str]:
+    """{name: workdir} of the runs `pretrained_variables` receives."""
+
+
+def _defines(path: str, name: str) -> bool:
+  """Whether the Python file at `path` binds `name` at its top level (a class or an assignment), read, not run."""
+  with open(path, encoding="utf-8") as f:
+    tree = ast.parse(f.read(), path)
+  for node in tree.body:
+    if isinstance(node, ast.ClassDef) and node.name == name:
+      return True
+    if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+      return True
+  return False
+
+
+@functools.cache
+def available() -> tuple[str, ...]:
+  """The methods vlrep has: the modules of this package that define `Method`."""
+  here = os.path.dirname(__file__)
+  return tuple(
+    sorted(
+      m.name
+      for m in pkgutil.iter_modules([here])
+      if not m.ispkg and _defines(os.path.join(here, f"{m.name}.py"), "Method")
+    )
+  )
 
 
 def _module(name: str):
-  if "." not in name and name not in KNOWN:
-    raise ValueError(f"Unknown method {name!r}. Known methods: {', '.join(KNOWN)}, or a module's dotted path")
-  return importlib.import_module(name if "." in name else f"vlrep.methods.{name}")
+  if "." in name:
+    return importlib.import_module(name)
+  if name not in available():
+    raise ValueError(f"Unknown method {name!r}. Known methods: {', '.join(available())}, or a module's dotted path")
+  return importlib.import_module(f"{__name__}.{name}")
 
 
 def setup(config: ml_collections.ConfigDict, builder, tokenizer) -> dict:
@@ -26,7 +102,7 @@ def setup(config: ml_collections.ConfigDict, builder, tokenizer) -> dict:
   return module.setup(config, builder, tokenizer) if hasattr(module, "setup") else {}
 
 
-def build(config: ml_collections.ConfigDict, vocab_size: int, **needs):
+def build(config: ml_collections.ConfigDict, vocab_size: int, **needs) -> Method:
   """The method named by `config.name`: the `Method` class of the module vlrep.methods.<name> (or of the module
   at that dotted path), given what `setup` returned."""
   return _module(config.name).Method(config, vocab_size, **needs)

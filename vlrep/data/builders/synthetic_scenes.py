@@ -71,6 +71,10 @@ def _scale_config(train: int) -> ScenesConfig:
 class SyntheticScenes(tfds.core.GeneratorBasedBuilder):
   """Procedurally generated scenes of coloured shapes with captions, narrations, masks, QA and entailment."""
 
+  # Nothing to download or copy: `pipeline.get_builder` generates it where it is missing (every other dataset of
+  # vlrep's is prepared from a local copy with `vlrep.data.prepare`).
+  generated_on_first_use = True
+
   VERSION = tfds.core.Version("2.1.0")
   RELEASE_NOTES = {
     "1.0.0": "First release.",
