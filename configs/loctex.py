@@ -23,7 +23,16 @@ Ablations (arguments combine with commas; any key can also be overridden with --
                                         out. The localization evaluator (ground-truth object masks) is off then
 """
 
+import os
+import sys
+
+from ml_collections import ConfigDict
+
 from vlrep.config_utils import OWN_DATA_VAL_PERCENT, parse_arg, use_own_data
+
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # configs/common.py, wherever this file is loaded from
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 
 LOSSES = {"both": (1.0, 1.0), "contrastive": (1.0, 0.0), "localization": (0.0, 1.0)}
 CONTRASTIVE_GROUPS = {"per_gpu": 128, "global": 0}
@@ -42,8 +51,6 @@ def get_config(arg=None):
     data="",
     val=0.0,
   )
-  from ml_collections import ConfigDict
-
   if arg.loss not in LOSSES:
     raise ValueError(f"Unknown loss={arg.loss!r}; known: {sorted(LOSSES)}")
   if arg.contrastive not in CONTRASTIVE_GROUPS:
@@ -56,7 +63,7 @@ def get_config(arg=None):
   contrastive_weight, localization_weight = LOSSES[arg.loss]
 
   c = ConfigDict()
-  c.seed = 0
+  common.run_defaults(c)
   c.method = dict(
     name="loctex",
     # Synchronized BatchNorm over the batch, as the paper.
@@ -84,72 +91,23 @@ def get_config(arg=None):
 
   sizes = str(grid_sizes)
   masks = f"|oracle_word_masks(sizes={sizes})" if arg.oracle else ""
-  c.data = dict(
-    name="localized_narratives",
+  c.data = common.train_data(
+    "localized_narratives",
+    f"decode|clean_traces|inception_crop({image_size}, area=(0.2, 1.0))|flip_lr_swap_words"
+    f"|color_jitter(0.4, 0.4, 0.4, 0.1)|normalize|trace_words(256, sizes={sizes}, segments=True){masks}"
+    f"|tokenize_words(60, sizes={sizes})",
     config_name="coco_openimages" if arg.openimages else "coco",
-    data_dir="",
-    split="train",
-    prefetch=2,
-    cache_image_size=0,
-    in_memory=False,
-    device_prefetch=2,
-    pp=(
-      f"decode|clean_traces|inception_crop({image_size}, area=(0.2, 1.0))|flip_lr_swap_words"
-      f"|color_jitter(0.4, 0.4, 0.4, 0.1)|normalize|trace_words(256, sizes={sizes}, segments=True){masks}"
-      f"|tokenize_words(60, sizes={sizes})"
-    ),
   )
-  c.tokenizer = dict(path="", vocab_size=10000, corpus_split="train", corpus_key="narration", build_if_missing=True)
+  c.tokenizer = common.bpe_tokenizer("narration")
 
   c.batch_size = 1024
-  c.total_steps = arg.steps
-  c.total_epochs = 0.0 if arg.steps else 600.0
-  c.total_examples = 0
-  c.optim = dict(
-    name="sgd",
-    momentum=0.9,
-    nesterov=False,
-    weight_decay=1e-4,
-    grad_clip_norm=0.0,
-    lookahead_steps=0,
-    lookahead_alpha=0.5,
-    warmup_steps=0,
-    warmup_epochs=20.0,
-    warmup_examples=0,
-    # LR 0.4 for the visual backbone and the projections, 0.002 for the textual backbone.
-    lr_groups=(("^textual/", 0.002), (".*", 0.4)),
-    no_decay="",
-    b1=0.9,
-    b2=0.999,
-    eps=1e-8,
-  )
-  c.sharding = dict(params="replicate", num_devices=0)
-  c.checkpoint = dict(every_steps=2000, keep=2, async_save=True, exit_deadline_secs=20.0)
-  c.log_every_steps = 100
+  c.update(common.duration(steps=arg.steps, epochs=0.0 if arg.steps else 600.0))
+  # LR 0.4 for the visual backbone and the projections, 0.002 for the textual backbone.
+  c.optim = common.optim((("^textual/", 0.002), (".*", 0.4)), warmup_epochs=20.0)
 
-  c.evals = dict(
-    probe=dict(
-      type="voc07_svm",
-      dataset="voc2007",
-      data_dir="",
-      config_name="",
-      train_split="trainval",
-      test_split="test",
-      # LocTex sec. 4.1: "we first resize all images to 224 x 224" (no 256 resize and centre crop).
-      pp="decode|resize(224)|normalize|voc_labels(20)",
-      batch_size=256,
-      feature="pre_logits",
-      l2_normalize=True,
-      costs=(0.01, 0.1, 1.0, 10.0),
-      folds=3,
-      every_steps=10_000,
-      random_init=True,
-    )
-  )
-  # The best checkpoint is the one with the best cross-validated probe score on VOC07 trainval, held out from the
-  # reported test mAP. The paper states no selection rule.
-  c.best_metric = "probe/map_cv"
-  c.select_on_test = False
+  # LocTex sec. 4.1: "we first resize all images to 224 x 224" (no 256 resize and centre crop).
+  c.evals = dict(probe=common.probe_eval(pp="decode|resize(224)|normalize|voc_labels(20)"))
+  common.select_by_probe(c)  # the paper states no selection rule
   if arg.runlocal:
     _runlocal(c, arg, grid_sizes)
   if arg.data:
@@ -158,15 +116,11 @@ def get_config(arg=None):
     needs = {"narration": "LocTex's localization loss L_L: each word's mouse trace"}
     # Validation on your data: caption retrieval with L_C's own towers on the held-out images (the localization
     # evaluator needs ground-truth object masks).
-    c.evals.retrieval = dict(
-      type="retrieval",
+    c.evals.retrieval = common.retrieval_eval(
       dataset=c.data.name,
       data_dir=c.data.data_dir,
       config_name=c.data.config_name,
-      split="val",
       pp=f"decode|resize_small({image_size})|central_crop({image_size})|normalize",
-      captions_key="captions",
-      num_captions=5,
       max_len=c.method.text.max_len,
       batch_size=100,
       limit=1000,
@@ -180,17 +134,14 @@ def get_config(arg=None):
 def _runlocal(c, arg, grid_sizes):
   """synthetic_scenes' narrations at 64x64 (grids 4x4 at 1x, 8x8 at 2x) on a 2-core CPU budget.
 
-  Besides sizes and budget, two choices differ from the recipe because runlocal's results
-  (docs/results/loctex.md) were measured with them, before the recipe followed the paper:
+  Besides sizes and budget, two choices differ from the recipe, as in the runs of docs/results/loctex.md:
     method.localization_norm="traced"  eq. 3 normalises the attention of traced tokens only (the paper: of the
                                        whole L x R x R map, "caption")
     trace_words(..., segments=False)   each word's mask is the cells of its trace's sample points (the paper's
                                        "covered region", the recipe's segments=True, adds the cells crossed
                                        between them)
   """
-  data_dir = "~/.cache/vlrep/tensorflow_datasets"
-  sizes = str(grid_sizes)
-  c.data.update(name="synthetic_scenes", config_name="default", data_dir=data_dir)
+  c.data.update(common.synthetic_scenes("name"))
   c.data.pp = (
     c.data.pp.replace("area=(0.2, 1.0)", "area=(0.5, 1.0)")
     .replace("trace_words(256", "trace_words(64")
@@ -198,14 +149,13 @@ def _runlocal(c, arg, grid_sizes):
   )
   c.method.update(dtype="float32", embed_dim=128, localization_norm="traced")
   # VirTex runlocal's backbone, a ResNet-10 w16 with the small stem (chosen for VirTex on probe_val; not compared
-  # again for LocTex): 1.x's ResNet-26 with the ImageNet stem left 64 px shapes a cell or two of a 2x2 grid.
+  # again for LocTex): a 64 px image through the ImageNet stem leaves shapes a cell or two of a 2x2 grid.
   c.method.backbone = dict(depth=10, width=16, bn_group_size=32, stem="small", stem_stride=2)
   c.method.text = dict(hidden=128, num_layers=2, num_heads=4, max_len=60, dropout=0.1)
   c.method.contrastive_group_size = 0  # the batch of 64 is smaller than the paper's per-GPU group: one group
   c.tokenizer.vocab_size = 1000
-  # L_L at half weight, chosen on probe_val (3 seeds, docs/results/loctex.md): 35.78 +- 0.75 against the paper's
-  # equal weights' 27.61 +- 0.99, which are tuned for 600 epochs; at 500 steps L_L at full weight pulls the global
-  # features down, and points worse too (77.4 vs 74.6% at 1x).
+  # L_L at half weight, chosen on probe_val (docs/results/loctex.md): the paper's equal weights are tuned for 600
+  # epochs; at 500 steps L_L at full weight pulls the global features down, and points worse too.
   c.method.localization_weight *= 0.5
   if arg.oracle:
     # Ground-truth masks supervise only shape words (~2.3 tokens per caption against ~25 with traces), and eq. 3
@@ -221,32 +171,6 @@ def _runlocal(c, arg, grid_sizes):
   c.optim.lr_groups = (("^textual/", 0.05), (".*", 0.4))
   c.checkpoint.every_steps = 250
   c.log_every_steps = 50
-  c.evals.probe.update(
-    dataset="synthetic_scenes",
-    config_name="default",
-    data_dir=data_dir,
-    train_split="probe_trainval",
-    val_split="probe_val",
-    test_split="probe_test",
-    pp="decode|normalize|voc_labels(10)",
-    every_steps=0,
-    batch_size=200,
-  )
-  c.best_metric = "probe/map_val"  # chosen on probe_val; probe/map (probe_test) is only reported
+  common.local_probe(c)
   # Pointing accuracy / IoU of object words against their ground-truth masks, on held-out val scenes.
-  c.evals.localization = dict(
-    type="localization",
-    dataset="synthetic_scenes",
-    config_name="default",
-    data_dir=data_dir,
-    split="val",
-    pp=(
-      f"decode|normalize|trace_words(64, sizes={sizes})|oracle_word_masks(sizes={sizes}, match_traces=False)"
-      f"|tokenize_words(60, sizes={sizes}, random_window=False)"
-    ),
-    grid_sizes=grid_sizes,
-    batch_size=100,
-    limit=500,
-    every_steps=0,
-    random_init=True,
-  )
+  c.evals.localization = dict(common.localization_eval(grid_sizes), every_steps=0, random_init=True)

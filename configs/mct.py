@@ -41,10 +41,18 @@ gives the paper's views (give each caption several, e.g. sampled through both pi
 draw the same paraphrase are identical).
 """
 
+import os
 import re
+import sys
+
+from ml_collections import ConfigDict
 
 from vlrep import eval_protocols
 from vlrep.config_utils import OWN_DATA_VAL_PERCENT, parse_arg, use_own_data
+
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # configs/common.py, wherever this file is loaded from
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 
 # (lambda_ii, lambda_tag, lambda_cc, lambda_ic, lambda_ci)
 LOSSES = {
@@ -55,9 +63,9 @@ LOSSES = {
 }
 
 
-# One image view; {size} and {k} (the view's key) are filled in. 'crop' is the runlocal default: measured on
-# synthetic_scenes, MoCo-v2's colour distortions keep a 500-step run from bootstrapping (J_ii stays near ln(K+1)
-# and every key collapses onto one direction), while crops and flips alone train steadily.
+# One image view; {size} and {k} (the view's key) are filled in. 'crop' is the runlocal default: on synthetic_scenes,
+# MoCo-v2's colour distortions keep a 500-step run from bootstrapping (J_ii stays near ln(K+1) and every key
+# collapses onto one direction), while crops and flips alone train steadily.
 AUGMENTATIONS = {
   "mocov2": (
     "inception_crop({size}, area=(0.2, 1.0), key='{k}')|color_jitter(0.4, 0.4, 0.4, 0.1, prob=0.8, key='{k}')"
@@ -90,8 +98,6 @@ def get_config(arg=None):
     num_tags=1000,
   )
   bert = arg.bert or ("minilm" if arg.runlocal else "")  # '' fails at load time, naming the files it needs
-  from ml_collections import ConfigDict
-
   text = arg.text or ("scratch" if arg.runlocal else "bert")
   if text not in ("scratch", "bert"):
     raise ValueError(f"Unknown text={arg.text!r}; expected 'scratch' or 'bert'.")
@@ -106,7 +112,9 @@ def get_config(arg=None):
   image_size = 64 if arg.runlocal else 224
 
   c = ConfigDict()
-  c.seed = 0
+  common.run_defaults(c)
+  # The key queues (model state) are split along their first dimension: each device holds 1/N of the keys.
+  c.sharding.rules = ((r"(^|/)queues/", ("data",)),)
   c.method = dict(
     name="mct",
     dtype="bfloat16",
@@ -139,89 +147,28 @@ def get_config(arg=None):
   if aug not in AUGMENTATIONS:
     raise ValueError(f"Unknown aug={aug!r}; known: {sorted(AUGMENTATIONS)}")
   view = AUGMENTATIONS[aug]
-  c.data = dict(
-    name="coco_captions2017",
-    config_name="",
-    data_dir="",
-    split="train",
-    prefetch=2,
-    cache_image_size=0,
-    in_memory=False,
-    device_prefetch=2,
-    pp=(
-      "keep('image', 'captions', 'objects')|decode|copy('image', 'image_q')|copy('image', 'image_k')"
-      f"|{view.format(size=image_size, k='image_q')}|{view.format(size=image_size, k='image_k')}"
-      "|choose_caption(5)|caption_views(0.1, 0.1)|tags(num_tags=80)"
-      "|tokenize(40, key='caption_q', out='tokens_q')|tokenize(40, key='caption_k', out='tokens_k')"
-    ),
+  c.data = common.train_data(
+    "coco_captions2017",
+    "keep('image', 'captions', 'objects')|decode|copy('image', 'image_q')|copy('image', 'image_k')"
+    f"|{view.format(size=image_size, k='image_q')}|{view.format(size=image_size, k='image_k')}"
+    "|choose_caption(5)|caption_views(0.1, 0.1)|tags(num_tags=80)"
+    "|tokenize(40, key='caption_q', out='tokens_q')|tokenize(40, key='caption_k', out='tokens_k')",
   )
-  c.tokenizer = dict(path="", vocab_size=10000, corpus_split="train", corpus_key="captions", build_if_missing=True)
+  c.tokenizer = common.bpe_tokenizer("captions")
 
   c.batch_size = 512
-  c.total_steps = arg.steps
-  c.total_epochs = 0.0 if arg.steps else 200.0
-  c.total_examples = 0
-  c.optim = dict(
-    name="sgd",
-    momentum=0.9,
-    nesterov=False,
-    weight_decay=1e-4,
-    grad_clip_norm=0.0,
-    lookahead_steps=0,
-    lookahead_alpha=0.5,
-    warmup_steps=0,
-    warmup_epochs=0.0,
-    warmup_examples=0,
-    # The paper: image encoder 0.03, text encoder 4e-5 (section 4); it does not say where the randomly
-    # initialised text heads belong. BERT's body ('textual', pretrained) at 4e-5; the text heads (text_intra,
-    # text_inter, and text_pooler where pool=mean or text=scratch uses it) at the image heads' 0.03: 4e-5 is an
-    # Adam-scale fine-tuning rate, under which SGD barely moves a freshly initialised head (each SGD step is 750
-    # times smaller than the image heads' on the same losses).
-    lr_groups=(("^textual/", 4e-5), (".*", 0.03)),
-    no_decay="",
-    b1=0.9,
-    b2=0.999,
-    eps=1e-8,
-  )
-  # The key queues (model state) are split along their first dimension: each device holds 1/N of the keys.
-  c.sharding = dict(params="replicate", num_devices=0, rules=((r"(^|/)queues/", ("data",)),))
-  c.checkpoint = dict(every_steps=2000, keep=2, async_save=True, exit_deadline_secs=20.0)
-  c.log_every_steps = 100
+  c.update(common.duration(steps=arg.steps, epochs=0.0 if arg.steps else 200.0))
+  # The paper: image encoder 0.03, text encoder 4e-5 (section 4); it does not say where the randomly initialised
+  # text heads belong. BERT's body ('textual', pretrained) at 4e-5; the text heads (text_intra, text_inter, and
+  # text_pooler where pool=mean or text=scratch uses it) at the image heads' 0.03: 4e-5 is an Adam-scale
+  # fine-tuning rate, under which SGD barely moves a freshly initialised head (each SGD step is 750 times smaller
+  # than the image heads' on the same losses).
+  c.optim = common.optim((("^textual/", 4e-5), (".*", 0.03)))
 
   c.evals = dict(
-    probe=dict(
-      type="voc07_svm",
-      dataset="voc2007",
-      data_dir="",
-      config_name="",
-      train_split="trainval",
-      test_split="test",
-      pp="decode|resize_small(256)|central_crop(224)|normalize|voc_labels(20)",
-      batch_size=256,
-      feature="pre_logits",
-      l2_normalize=True,
-      costs=(0.01, 0.1, 1.0, 10.0),
-      folds=3,
-      every_steps=10_000,
-      random_init=True,
-    ),
-    # COCO 1K retrieval with the towers as trained (5 folds of the first 5000 val images; val2017 has 5000;
-    # the paper's 1K test images are Karpathy's, as for vsepp below).
-    retrieval=dict(
-      type="retrieval",
-      dataset="coco_captions2017",
-      data_dir="",
-      config_name="",
-      split="val",
-      pp="decode|resize_small(256)|central_crop(224)|normalize",
-      captions_key="captions",
-      num_captions=5,
-      max_len=40,
-      batch_size=250,
-      limit=5000,
-      fold_size=1000,
-      every_steps=0,
-    ),
+    probe=common.probe_eval(),
+    # COCO 1K retrieval with the towers as trained (the paper's 1K test images are Karpathy's, as for vsepp below).
+    retrieval=common.retrieval_eval(every_steps=0),
   )
   # VSE++ on the frozen backbone (tables 4, 6, 7): a linear image projection and a 1-layer GRU trained with the
   # hardest-negative hinge loss on train2017's pairs, Adam 2e-4 for 15 epochs then 2e-5 for 15; COCO 1K test.
@@ -230,10 +177,7 @@ def get_config(arg=None):
   # images (from val2014) lie mostly in train2017, which MCT pretrains on (README, "Where a recipe differs from
   # its paper").
   c.evals.vsepp = dict(eval_protocols.VSEPP_COCO)
-  # The best checkpoint is the one with the best cross-validated probe score on VOC07 trainval, held out from the
-  # reported test mAP. The paper states no selection rule.
-  c.best_metric = "probe/map_cv"
-  c.select_on_test = False
+  common.select_by_probe(c)  # the paper states no selection rule
   if arg.runlocal:
     _runlocal(c, arg)
   # Explicit pool= / head_bn= arguments override both the recipe's and runlocal's choice.
@@ -286,8 +230,7 @@ def _own_data(c, arg, tags):
 
 def _runlocal(c, arg):
   """synthetic_scenes at 64x64 on a 2-core CPU budget; tags are the 10 shapes and the colours present."""
-  data_dir = "~/.cache/vlrep/tensorflow_datasets"
-  c.data.update(name="synthetic_scenes", config_name="default", data_dir=data_dir)
+  c.data.update(common.synthetic_scenes("name"))
   c.data.pp = c.data.pp.replace(
     "tags(num_tags=80)", "tags(fields=(('objects', 'label', 0), ('objects', 'color', 10)), num_tags=20)"
   ).replace("area=(0.2, 1.0)", "area=(0.5, 1.0)")
@@ -296,15 +239,14 @@ def _runlocal(c, arg):
   for name in ("j_ic", "j_ci"):
     c.method.weights[name] *= 32768 / c.method.queue_size
   # Without BatchNorm in the inter-modal heads both towers' 1024-d embeddings collapse to one point within a few
-  # hundred steps here (retrieval at chance; 1.1.0, git show 3853844:README.md, "MCT").
+  # hundred steps here (retrieval at chance).
   c.method.head_batchnorm = ("inter",)
   # The from-scratch text encoder's first-token state is the same for every caption at init and stays so.
   c.method.text_pool = "mean"
-  # text=bert: no dropout at this budget. 0.1 (the recipe's) gave probe 30.76 against 31.05, VSE++ R@10
-  # 11.2 / 9.96 against 15.0 / 13.36, towers mixed; one seed (1.1.0, git show 3853844:README.md, "MCT").
+  # text=bert: no dropout at this budget, where the recipe's 0.1 lowers the probe and VSE++ recall.
   c.method.bert_dropout = 0.0
-  # VirTex runlocal's backbone (ResNet-10 w16, small stem): seed 0, probe_val 27.55 against 24.32 with 1.x's
-  # ResNet-26 w16 and the ImageNet stem (docs/results/mct.md).
+  # VirTex runlocal's backbone (ResNet-10 w16, small stem): it probes better here than a ResNet-26 w16 with the
+  # ImageNet stem (docs/results/mct.md).
   c.method.backbone = dict(depth=10, width=16, bn_group_size=16, stem="small", stem_stride=2)
   c.method.text = dict(hidden=128, num_layers=2, num_heads=4, max_len=40, dropout=0.1)
   c.tokenizer.vocab_size = 1000
@@ -312,34 +254,14 @@ def _runlocal(c, arg):
   c.total_steps = arg.steps or 500
   c.total_epochs = 0.0
   c.optim.warmup_steps = 50
-  # 0.03 / 4e-5 are tuned for 200 epochs of COCO; at a few hundred steps both towers need more. runlocal keeps
-  # its own measured groups: the whole text tower, heads included, at 0.05 (the recipe puts the text heads in the
-  # image group; runlocal's results in docs/results/mct.md were measured with these).
+  # 0.03 / 4e-5 are tuned for 200 epochs of COCO; at a few hundred steps both towers need more. runlocal trains
+  # the whole text tower, heads included, at 0.05 (the recipe puts the text heads in the image group): the setting
+  # of docs/results/mct.md's runlocal figures.
   c.optim.lr_groups = (("^(textual|text_pooler|text_intra|text_inter)/", 0.05), (".*", 0.1))
   # Momentum 0.999 follows the query encoder over thousands of steps; 500 steps need a faster key encoder.
   c.method.momentum = 0.99
   c.checkpoint.every_steps = 250
   c.log_every_steps = 50
-  c.evals.probe.update(
-    dataset="synthetic_scenes",
-    config_name="default",
-    data_dir=data_dir,
-    train_split="probe_trainval",
-    val_split="probe_val",
-    test_split="probe_test",
-    pp="decode|normalize|voc_labels(10)",
-    every_steps=0,
-    batch_size=200,
-  )
-  c.best_metric = "probe/map_val"  # chosen on probe_val; probe/map (probe_test) is only reported
-  c.evals.retrieval.update(
-    dataset="synthetic_scenes",
-    config_name="default",
-    data_dir=data_dir,
-    pp="decode|normalize",
-    batch_size=100,
-    limit=500,
-    fold_size=0,
-    random_init=True,
-  )
+  common.local_probe(c)
+  c.evals.retrieval.update(common.retrieval_local(), random_init=True)
   c.evals.vsepp.update(eval_protocols.VSEPP_RUNLOCAL, random_init=True)

@@ -21,7 +21,16 @@ Ablations (arguments combine with commas; any key can also be overridden with --
                                                                   is held out for the captioning evaluator
 """
 
+import os
+import sys
+
+from ml_collections import ConfigDict
+
 from vlrep.config_utils import OWN_DATA_VAL_PERCENT, parse_arg, use_own_data
+
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # configs/common.py, wherever this file is loaded from
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 
 # (depth, stem width, bottleneck inner-width multiplier): w2x is Wide ResNet-50-2 (torchvision wide_resnet50_2).
 BACKBONES = {"r50": (50, 64, 1), "r101": (101, 64, 1), "r50w2x": (50, 64, 2)}
@@ -43,10 +52,8 @@ def get_config(arg=None):
     data="",
     val=0.0,
   )
-  from ml_collections import ConfigDict
-
   c = ConfigDict()
-  c.seed = 0
+  common.run_defaults(c)
   depth, width, inner = BACKBONES[arg.backbone]
 
   # Method: model sizes and task. A = H / 64 heads and F = 4H are derived in the model.
@@ -81,95 +88,35 @@ def get_config(arg=None):
   )
 
   # Data: COCO Captions train2017 with the paper's augmentation.
-  split = "train" if arg.fraction == 100 else f"train[:{arg.fraction}%]"
-  c.data = dict(
-    name="coco_captions2017",
-    config_name="",
-    data_dir="",
-    split=split,
-    prefetch=2,  # batches prepared ahead on each host
-    cache_image_size=0,  # >0: decode every image once into host memory at this shorter side (docs/speed.md)
-    in_memory=False,  # True: hold this host's encoded records in memory (ArrayRecord splits are read from disk)
-    device_prefetch=2,  # global batches transferred to the devices ahead of the step
-    pp=(
-      "decode|inception_crop(224, area=(0.2, 1.0))|flip_lr_swap_words|color_jitter(0.4, 0.4, 0.4, 0.1)"
-      f"|normalize|choose_caption({arg.captions})|tokenize(30)"
-    ),
+  c.data = common.train_data(
+    "coco_captions2017",
+    "decode|inception_crop(224, area=(0.2, 1.0))|flip_lr_swap_words|color_jitter(0.4, 0.4, 0.4, 0.1)"
+    f"|normalize|choose_caption({arg.captions})|tokenize(30)",
+    split="train" if arg.fraction == 100 else f"train[:{arg.fraction}%]",
   )
-  c.tokenizer = dict(path="", vocab_size=10000, corpus_split="train", corpus_key="captions", build_if_missing=True)
+  c.tokenizer = common.bpe_tokenizer("captions")
 
   c.batch_size = 256  # global
   # Paper A.1: "we scale training iterations according to the size of the sampled training set" (warmup is kept).
-  c.total_steps = arg.steps or _scaled(500_000, arg.fraction)
-  c.total_epochs = 0.0  # durations: set exactly one of steps / epochs / examples (0 = unset)
-  c.total_examples = 0
-  c.optim = dict(
-    name="sgd",
-    momentum=0.9,
-    nesterov=False,
-    weight_decay=1e-4,
+  c.update(common.duration(steps=arg.steps or _scaled(500_000, arg.fraction)))
+  c.optim = common.optim(
+    # Backbone max LR 0.2, textual head (incl. the visual projection) 1e-3.
+    (("^backbone/", arg.backbone_lr or 0.2), (".*", arg.head_lr or 1e-3)),
     grad_clip_norm=10.0,
     lookahead_steps=5,
-    lookahead_alpha=0.5,
     warmup_steps=10_000,
-    warmup_epochs=0.0,
-    warmup_examples=0,
-    # Backbone max LR 0.2, textual head (incl. the visual projection) 1e-3.
-    lr_groups=(("^backbone/", arg.backbone_lr or 0.2), (".*", arg.head_lr or 1e-3)),
     # No weight decay on biases and LayerNorm in the textual head (BERT convention, as in the paper).
     no_decay=r"^(textual_head|visual_projection|classifier)/(.*/)?(bias|output_bias|ln[^/]*/scale)$",
-    b1=0.9,
-    b2=0.999,
-    eps=1e-8,
   )
-  c.sharding = dict(params="replicate", num_devices=0)
-  c.checkpoint = dict(every_steps=2000, keep=2, async_save=True, exit_deadline_secs=20.0)
-  c.log_every_steps = 100
 
-  # VOC07 linear SVM on frozen pooled features; the best checkpoint is kept by its mAP (paper: early stopping).
-  c.evals = dict(
-    probe=dict(
-      type="voc07_svm",
-      dataset="voc2007",
-      data_dir="",
-      config_name="",
-      train_split="trainval",
-      test_split="test",
-      pp="decode|resize_small(256)|central_crop(224)|normalize|voc_labels(20)",
-      batch_size=256,
-      feature="pre_logits",
-      l2_normalize=True,
-      costs=(0.01, 0.1, 1.0, 10.0),
-      folds=3,
-      every_steps=10_000,
-      random_init=True,
-    )
-  )
+  # VOC07 linear SVM on frozen pooled features; the best checkpoint is kept by its score (paper: early stopping).
+  c.evals = dict(probe=common.probe_eval())
   # Captioning metrics of the forward model on val2017 at the end of training (bicaptioning/captioning only).
   if arg.task in ("bicaptioning", "captioning"):
-    c.evals.captioning = dict(
-      type="captioning",
-      dataset="coco_captions2017",
-      data_dir="",
-      config_name="",
-      split="val",
-      pp="decode|resize(224)|normalize",
-      references="captions",
-      decoding="beam",
-      beam_size=5,
-      top_p=0.9,
-      max_len=30,
-      batch_size=64,
-      limit=0,
-      examples=3,
-      seed=0,
-      every_steps=0,
-    )
-  # The best checkpoint is the one with the best cross-validated probe score on VOC07 trainval, held out from the
-  # reported test mAP. Appendix A.4 instead keeps the best checkpoint by VOC07 test mAP (its tables' numbers):
-  # `--config.best_metric=probe/map --config.select_on_test=True` reproduces that, and the summary says so.
-  c.best_metric = "probe/map_cv"
-  c.select_on_test = False
+    c.evals.captioning = common.captioning_eval(every_steps=0)
+  # Appendix A.4 keeps the best checkpoint by VOC07 test mAP (its tables' numbers):
+  # `--config.best_metric=probe/map --config.select_on_test=True` reproduces that.
+  common.select_by_probe(c)
 
   if arg.runlocal:
     _runlocal(c, arg)
@@ -185,28 +132,23 @@ def get_config(arg=None):
 def _runlocal(c, arg):
   """synthetic_scenes 2.1.0 at 64x64 and a budget that fits a 2-core CPU in a few minutes.
 
-  What differs from the recipe, and why (chosen on probe_val; docs/results/virtex.md):
-  - 550 steps of 64 (about 4.5 minutes with data generation and both probes): at 3 seeds probe_val 39.34 +- 4.16
-    against 33.73 +- 2.31 at 400 steps, ahead at every seed (a tie by the 2-std rule).
+  What differs from the recipe, and why (chosen on probe_val; the figures are in docs/results/virtex.md):
+  - 550 steps of 64 (about 4.5 minutes with data generation and both probes): ahead of 400 steps at every seed.
   - ResNet-10 w16 with the small stem (3x3 stride 2, no max-pool): the ImageNet stem leaves 64 px shapes a few
     cells of a 16x16 grid, and the deeper ResNet-26 costs twice the time per step.
   - AdamW (backbone 1e-2, head 3e-3; LookAhead off) instead of SGD + LookAhead: at a few hundred steps SGD barely
-    moves the backbone off its initialisation, even with the probe's own labels (supervised ResNet-10, 250 steps:
-    probe 31.8 with SGD 0.1, 44.4 with AdamW 3e-3). Backbone 3e-3 / 1e-2 / 3e-2 gave probe_val 25.3 / 29.7 / 27.7
-    (single runs of 400 steps on 2.0.0's captions; git history of docs/results/virtex.md).
+    moves the backbone off its initialisation, even with the probe's own labels.
   - Flips only: random crops cut named objects out of the image and colour jitter changes named colours, so both
-    make the captions wrong (token classification, probe_val: 27.8 with them, 33.9 without; a single run).
+    make the captions wrong.
   - H=128 (2 heads): half the step time of H=256, so more steps fit the budget.
   - The head's initialisation N(0, 0.08) instead of BERT's N(0, 0.02): it keeps the paper's per-matrix gain
-    (0.02 * sqrt(2048) = 0.08 * sqrt(128)); at 0.02 the head stayed image-blind for 400 steps (greedy captions
-    identical across images, CIDEr 43 against 108).
-  - Every block's last BN starts at scale 1, not the recipe's 0 (the runlocal defaults were chosen without it).
-  - A 256-piece vocabulary: the captions use 68 words, each one piece at 256 (at 1000 most pieces are unused and
-    the output layer costs 13% of the step).
+    (0.02 * sqrt(2048) = 0.08 * sqrt(128)); at 0.02 the small head stays image-blind (greedy captions identical
+    across images).
+  - Every block's last BN starts at scale 1, not the recipe's 0: the settings above were chosen with scale 1.
+  - A 256-piece vocabulary: the captions use 68 words, each one piece at 256; a larger one leaves most pieces
+    unused and makes the output layer a large share of the step.
   """
-  c.data.name = "synthetic_scenes"
-  c.data.config_name = "default"
-  c.data.data_dir = "~/.cache/vlrep/tensorflow_datasets"
+  c.data.update(common.synthetic_scenes("name"))
   c.data.pp = f"decode|flip_lr_swap_words|normalize|choose_caption({arg.captions})|tokenize(40)"
   c.method.max_len = 40
   c.method.dtype = "float32"  # bf16 matmuls are slow on CPUs
@@ -220,30 +162,10 @@ def _runlocal(c, arg):
   c.optim.lr_groups = (("^backbone/", arg.backbone_lr or 1e-2), (".*", arg.head_lr or 3e-3))
   c.checkpoint.every_steps = 200
   c.log_every_steps = 50
-  c.evals.probe.update(
-    dataset="synthetic_scenes",
-    config_name="default",
-    data_dir=c.data.data_dir,
-    train_split="probe_trainval",
-    val_split="probe_val",  # choose on probe/map_val; probe/map (probe_test) is only reported
-    test_split="probe_test",
-    pp="decode|normalize|voc_labels(10)",
-    every_steps=0,
-    batch_size=200,
-  )
-  c.best_metric = "probe/map_val"
+  common.local_probe(c)
   if "captioning" in c.evals:
     # Greedy on the first 200 val images: about 15 s on 2 cores.
-    c.evals.captioning.update(
-      dataset="synthetic_scenes",
-      config_name="default",
-      data_dir=c.data.data_dir,
-      pp="decode|normalize",
-      decoding="greedy",
-      max_len=39,
-      batch_size=100,
-      limit=200,
-    )
+    c.evals.captioning.update(common.captioning_local(), decoding="greedy", limit=200)
 
 
 def _scaled(steps: int, fraction: int) -> int:
