@@ -18,9 +18,16 @@ shapes are present; sigmoid cross-entropy) at the pretraining methods' runlocal 
       --seeds=0,1,2 --root=/tmp/supervised --metrics=probe/map,probe/map_val,probe/map_random_init
 """
 
+import os
+import sys
+
 from ml_collections import ConfigDict
 
 from vlrep.config_utils import parse_arg, sibling_config
+
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # configs/common.py, wherever this file is loaded from
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 
 
 def get_config(arg=None):
@@ -32,7 +39,7 @@ def get_config(arg=None):
   if arg.labels != "largest" and not arg.runlocal:
     raise ValueError("labels=presence is synthetic_scenes' multi-label reference: use it with runlocal.")
   c = ConfigDict()
-  c.seed = 0
+  common.run_defaults(c, checkpoint_every=5000)
   c.init_from = ""  # a vlrep run directory whose backbone initialises this one
   c.method = dict(
     name="classifier",
@@ -42,44 +49,12 @@ def get_config(arg=None):
     label_smoothing=0.0,
     head_init_std=0.01,
   )
-  c.data = dict(
-    name=arg.dataset,
-    config_name="",
-    data_dir="",
-    split="train",
-    prefetch=2,
-    cache_image_size=0,
-    in_memory=False,
-    device_prefetch=2,
-    pp="decode|inception_crop(224, area=(0.08, 1.0))|flip_lr_swap_words(keys=())|normalize",
+  c.data = common.train_data(
+    arg.dataset, "decode|inception_crop(224, area=(0.08, 1.0))|flip_lr_swap_words(keys=())|normalize"
   )
   c.batch_size = 256
-  c.total_steps = 0
-  c.total_epochs = arg.epochs
-  c.total_examples = 0
-  c.optim = dict(
-    name="sgd",
-    momentum=0.9,
-    nesterov=False,
-    weight_decay=1e-4,
-    grad_clip_norm=0.0,
-    lookahead_steps=0,
-    lookahead_alpha=0.5,
-    warmup_steps=0,
-    warmup_epochs=0.0,
-    warmup_examples=0,
-    lr_groups=((".*", arg.lr),),
-    no_decay="",
-    b1=0.9,
-    b2=0.999,
-    eps=1e-8,
-    schedule="step",
-    step_at=(0.7, 0.9),
-    step_factor=0.1,
-  )
-  c.sharding = dict(params="replicate", num_devices=0)
-  c.checkpoint = dict(every_steps=5000, keep=2, async_save=True, exit_deadline_secs=20.0)
-  c.log_every_steps = 100
+  c.update(common.duration(epochs=arg.epochs))
+  c.optim = common.optim(((".*", arg.lr),), schedule="step", step_at=(0.7, 0.9), step_factor=0.1)
   c.evals = dict(
     val=dict(
       type="accuracy",
@@ -98,9 +73,7 @@ def get_config(arg=None):
     _runlocal_presence(c, arg)
   elif arg.runlocal:
     c.data.update(
-      name="synthetic_scenes",
-      config_name="default",
-      data_dir="~/.cache/vlrep/tensorflow_datasets",
+      common.synthetic_scenes("name"),
       pp="decode|inception_crop(64, area=(0.5, 1.0))|flip_lr_swap_words(keys=())|normalize|largest_object_label",
     )
     c.method.update(num_classes=10, dtype="float32", backbone=dict(depth=26, width=16, bn_group_size=32))
@@ -110,9 +83,7 @@ def get_config(arg=None):
     c.checkpoint.every_steps = 200
     c.log_every_steps = 50
     c.evals.val.update(
-      dataset="synthetic_scenes",
-      config_name="default",
-      data_dir=c.data.data_dir,
+      common.synthetic_scenes(),
       split="val",
       pp="decode|normalize|largest_object_label",
       batch_size=100,
@@ -126,9 +97,7 @@ def _runlocal_presence(c, arg):
   in place of captions, probed on the same splits (so its rows sit beside the methods' in one table)."""
   ref = sibling_config(__file__, "virtex", "runlocal")
   c.data.update(
-    name="synthetic_scenes",
-    config_name="default",
-    data_dir=ref.data.data_dir,
+    common.synthetic_scenes("name"),
     pp=ref.data.pp.split("|normalize|")[0] + "|normalize|tags(num_tags=10, out='label')",
   )
   c.method.update(num_classes=10, multilabel=True, dtype="float32", backbone=dict(ref.method.backbone))

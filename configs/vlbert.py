@@ -66,10 +66,18 @@ Arguments (comma-separated; any key can also be set with --config.KEY=VALUE):
                        0.04M/0.2M/0.4M CC subsets are P = 1.2/6/12 of CC's 3.3M); runlocal: P% of the 500-image clip
 """
 
+import os
 import re
+import sys
+
+from ml_collections import ConfigDict
 
 from vlrep import runs
 from vlrep.config_utils import OWN_DATA_VAL_PERCENT, parse_arg, use_own_data
+
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # configs/common.py, wherever this file is loaded from
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 
 ARCHS = ("visual_bert", "vilbert")
 STAGES = ("pretrain", "finetune")
@@ -104,8 +112,6 @@ def get_config(arg=None):
     val=0.0,
   )
   bert = arg.bert or ("minilm" if arg.runlocal else "")  # '' fails at load time, naming the files it needs
-  from ml_collections import ConfigDict
-
   for name, value, known in (("arch", arg.arch, ARCHS), ("stage", arg.stage, STAGES), ("task", arg.task, TASKS)):
     if value not in known:
       raise ValueError(f"Unknown {name}={value!r}; known: {known}")
@@ -120,7 +126,7 @@ def get_config(arg=None):
   image_size = 64 if arg.runlocal else 224
 
   c = ConfigDict()
-  c.seed = 0
+  common.run_defaults(c)
   c.method = dict(
     name="vlbert",
     arch=arg.arch,
@@ -175,9 +181,9 @@ def get_config(arg=None):
     # region_norm='own', region_type_embedding='segment' (docs/interop.md).
     c.method.update(region_boxes=False, region_norm="shared", region_type_embedding="tables", region_type_id=0)
   c.tokenizer = dict(kind="wordpiece", path=bert)
-  c.data = dict(
-    name="coco_captions2017", config_name="", data_dir="", split="train", prefetch=2, in_memory=False, device_prefetch=2
-  )
+  c.data = common.train_data("coco_captions2017", "")  # pp below
+  # No cache_image_size key: these runs offer no --config.data.cache_image_size (the pipeline reads it as 0).
+  del c.data["cache_image_size"]
   image_pp = f"decode|resize_small({image_size})|central_crop({image_size})|normalize|regions_from_objects(36)"
   if pretrain:
     source = {"captions": "captions", "questions": "qa", "ood_captions": "captions", "generated": "captions"}.get(
@@ -202,33 +208,20 @@ def get_config(arg=None):
   # Section 2.5: batch 1024 and 88K updates "unless otherwise specified"; the supplement's Table A.1 specifies
   # pretraining (batch 896 but for ViLBERT on VQA-P and CC); no fine-tuning task is given another budget.
   c.batch_size = pretrain_batch_size(arg.arch, arg.data) if pretrain else 1024
-  c.total_steps = arg.steps or 88_000
-  c.total_epochs = 0.0
-  c.total_examples = 0
-  c.optim = dict(
+  c.update(common.duration(steps=arg.steps or 88_000))
+  c.optim = common.optim(
+    # Frozen base: LR 0 for everything but the head (neither gradient nor weight decay moves it).
+    (("^task_head", 5e-5), (".*", 0.0)) if arg.frozen else ((".*", 5e-5),),
     name="adamw",
-    momentum=0.9,
-    nesterov=False,
     weight_decay=0.01,
     # Pretraining: Table A.1's "gradient clipping 0" (none). Fine-tuning: not stated; vlrep clips at 1.0.
     grad_clip_norm=0.0 if pretrain else 1.0,
-    lookahead_steps=0,
-    lookahead_alpha=0.5,
     warmup_steps=2000,
-    warmup_epochs=0.0,
-    warmup_examples=0,
-    # Frozen base: LR 0 for everything but the head (neither gradient nor weight decay moves it).
-    lr_groups=(("^task_head", 5e-5), (".*", 0.0)) if arg.frozen else ((".*", 5e-5),),
     frozen_steps=(),
     no_decay="(bias|LayerNorm|scale)",
-    b1=0.9,
     b2=0.98 if pretrain else 0.999,  # Table A.1 (pretraining); section 2.5's (0.9, 0.999) otherwise
-    eps=1e-8,
   )
-  c.sharding = dict(params="replicate", num_devices=0)
-  c.checkpoint = dict(every_steps=2000, keep=2, async_save=True, exit_deadline_secs=20.0)
-  c.log_every_steps = 100
-  c.init_from = ""
+  c.init_from = ""  # a run whose checkpoint initialises this one
   eval_pp_pairs = {
     "vqa": "vl_pairs('qa', 10, sample=False)|tokenize_pairs(24)|answer_targets",
     "vizwiz": "vl_pairs('qa', 1, sample=False)|tokenize_pairs(24)|answer_targets",
@@ -344,19 +337,16 @@ def _runlocal(c, arg, pretrain):
   """synthetic_scenes at 64 px; a frozen ResNet over box crops (extractor=RUN's backbone, e.g. the quick start's
   VirTex run, as docs/results/vlbert.md measures; else a random ResNet-26 w16); MiniLM's first 2 layers; all of an
   image's questions per fine-tuning step; sized for a 2-core CPU."""
-  data_dir = "~/.cache/vlrep/tensorflow_datasets"
-  c.data.update(name="synthetic_scenes", config_name="default", data_dir=data_dir)
+  c.data.update(common.synthetic_scenes("name"))
   c.method.update(dtype="float32", bert_layers=2, region_classes=10)
-  # No dropout at this budget: 0.1 (the recipe's) lowers fine-tuned VQA at 200 steps from 61.22 to 55.26
-  # (VisualBERT) and from 62.70 to 54.33 (ViLBERT), one seed (git show 3853844:README.md, "VisualBERT and ViLBERT").
+  # No dropout at this budget: the recipe's 0.1 lowers fine-tuned VQA at 200 steps, for both architectures.
   c.method.bert_dropout = 0.0
   # MiniLM was trained with mean pooling and its [CLS] never was: after 2 layers the [CLS] states of different
   # questions have cosine 1.000, so a head on them sees nothing of the question (VisualBERT's frozen-base VQA sat
   # at the answer prior, 18.31, at every seed). The mean text state is the sentence representation it learned.
   c.method.text_pool = "mean"
-  # ViLBERT's co-attention joins the last half of the text layers (the recipe's 6 of 12): the last 1 of 2 here.
-  # Chosen on probe_val (frozen-base VQA, 3 seeds): 61.05 +- 1.15 (none) and 61.45 +- 0.29 (captions) with 1,
-  # 53.49 +- 3.14 and 55.77 +- 2.87 with co-attention before both layers.
+  # ViLBERT's co-attention joins the last half of the text layers (the recipe's 6 of 12): the last 1 of 2 here,
+  # ahead of co-attention before both layers on probe_val (frozen-base VQA; docs/results/vlbert.md).
   c.method.update(v_layers=1, v_hidden=256, v_heads=4, v_intermediate=512, bi_hidden=256, bi_heads=4)
   # Without extractor=RUN the extractor is frozen at random init, on purpose: a cheap, fixed region featurizer (the
   # recipe refuses one; see the deviation table in README).
@@ -377,7 +367,7 @@ def _runlocal(c, arg, pretrain):
 
   c.data.pp = local(c.data.pp)
   for ev in c.evals.values():
-    ev.update(dataset="synthetic_scenes", config_name="default", data_dir=data_dir, pp=local(ev.pp))
+    ev.update(common.synthetic_scenes(), pp=local(ev.pp))
   if pretrain:
     # Every source clipped to 500 images (the size of ood_train; 6.25% of train's 8000), as the study clips VQA and CC
     # to COCO's size.
@@ -392,12 +382,11 @@ def _runlocal(c, arg, pretrain):
   c.batch_size = 64
   c.total_steps = arg.steps or 200
   c.optim.warmup_steps = 20
-  # runlocal's results (docs/results/vlbert.md) were measured with these in both stages: betas 0.9/0.999 and
-  # clipping at 1.0 (the recipe's pretraining takes Table A.1's 0.98 and no clipping).
+  # Betas 0.9/0.999 and clipping at 1.0 in both stages, the setting of docs/results/vlbert.md's runlocal figures
+  # (the recipe's pretraining takes Table A.1's 0.98 and no clipping).
   c.optim.update(b2=0.999, grad_clip_norm=1.0)
   # A frozen base's head: 1e-3 for VisualBERT; 1e-2 for ViLBERT, whose pooled output (a product of two ReLUs) is
-  # smaller, chosen on probe_val (frozen-base VQA, 3 seeds): 63.20 +- 0.47 (none) and 63.86 +- 0.27 (captions)
-  # against 61.05 +- 1.15 and 61.45 +- 0.30 with 1e-3 (docs/results/vlbert.md).
+  # smaller, chosen on probe_val (frozen-base VQA; docs/results/vlbert.md).
   head_lr = 1e-2 if arg.arch == "vilbert" else 1e-3
   c.optim.lr_groups = (("^task_head", head_lr), (".*", 0.0)) if arg.frozen else ((".*", 1e-4),)
   c.checkpoint.every_steps = 200
