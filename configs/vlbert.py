@@ -75,8 +75,11 @@ from ml_collections import ConfigDict
 from vlrep import runs
 from vlrep.config_utils import OWN_DATA_VAL_PERCENT, parse_arg, use_own_data
 
-if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # configs/common.py, wherever this file is loaded from
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# Config files are loaded by path from any working directory, and configs/ is no package: it goes on sys.path so
+# that `common` (configs/common.py) imports.
+_CONFIGS = os.path.dirname(os.path.abspath(__file__))
+if _CONFIGS not in sys.path:
+  sys.path.insert(0, _CONFIGS)
 import common  # noqa: E402
 
 ARCHS = ("visual_bert", "vilbert")

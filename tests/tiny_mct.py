@@ -3,6 +3,8 @@
 import os
 import sys
 
+from vlrep.evaluators import tagging
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs"))
 
 import mct  # noqa: E402
@@ -37,8 +39,6 @@ def get_config(arg=None):
     return c
   c.evals.retrieval.update(config_name="tiny", data_dir=data_dir)
   c.evals.vsepp.update(config_name="tiny", data_dir=data_dir)
-  from vlrep.evaluators import tagging
-
   c.evals.tagging = dict(tagging.COCO_PROTOCOL, **tagging.RUNLOCAL)
   c.evals.tagging.update(config_name="tiny", data_dir=data_dir, batch_size=8, train_limit=24, test_limit=16)
   c.evals.tagging.update(hidden=16, epochs=2, train_batch_size=8)

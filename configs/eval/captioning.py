@@ -8,37 +8,24 @@ Arguments: decoding=greedy|beam|nucleus, beam_size, limit (first N images), runl
 CIDEr-D and BLEU are computed in Python; METEOR (and SPICE) too when Java and pycocoevalcap are installed.
 """
 
+import os
+import sys
+
 from ml_collections import ConfigDict
 
 from vlrep.config_utils import parse_arg
 
+# Config files are loaded by path from any working directory, and configs/ is no package: it goes on sys.path so
+# that `common` (configs/common.py) imports.
+_CONFIGS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _CONFIGS not in sys.path:
+  sys.path.insert(0, _CONFIGS)
+import common  # noqa: E402
+
 
 def get_config(arg=None):
   arg = parse_arg(arg, runlocal=False, decoding="beam", beam_size=5, limit=0)
-  cap = dict(
-    type="captioning",
-    dataset="coco_captions2017",
-    data_dir="",
-    config_name="",
-    split="val",
-    pp="decode|resize(224)|normalize",
-    references="captions",
-    decoding=arg.decoding,
-    beam_size=arg.beam_size,
-    top_p=0.9,
-    max_len=30,
-    batch_size=64,
-    limit=arg.limit,
-    examples=3,
-    seed=0,
-  )
+  cap = common.captioning_eval(decoding=arg.decoding, beam_size=arg.beam_size, limit=arg.limit)
   if arg.runlocal:
-    cap.update(
-      dataset="synthetic_scenes",
-      config_name="default",
-      data_dir="~/.cache/vlrep/tensorflow_datasets",
-      pp="decode|normalize",
-      max_len=39,
-      batch_size=100,
-    )
+    cap.update(common.captioning_local())
   return ConfigDict({"evals": {f"captioning_{arg.decoding}": cap}})

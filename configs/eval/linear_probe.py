@@ -14,9 +14,19 @@ protocol; not with icmlm, whose protocol is pre-extracted features), epochs, run
 each scene's largest object, 10 classes).
 """
 
+import os
+import sys
+
 from ml_collections import ConfigDict
 
 from vlrep.config_utils import parse_arg
+
+# Config files are loaded by path from any working directory, and configs/ is no package: it goes on sys.path so
+# that `common` (configs/common.py) imports.
+_CONFIGS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _CONFIGS not in sys.path:
+  sys.path.insert(0, _CONFIGS)
+import common  # noqa: E402
 
 NUM_CLASSES = {"imagenet2012": 1000, "i_naturalist2018": 8142, "i_naturalist2017": 5089, "places365_small": 365}
 
@@ -83,9 +93,7 @@ def get_config(arg=None):
     raise ValueError(f"Unknown variant {arg.variant!r}; expected 'virtex', 'mct' or 'icmlm'.")
   if arg.runlocal:
     probe.update(
-      dataset="synthetic_scenes",
-      config_name="default",
-      data_dir="~/.cache/vlrep/tensorflow_datasets",
+      common.synthetic_scenes(),
       train_split="train",
       test_split="val",
       num_classes=10,

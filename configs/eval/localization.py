@@ -9,26 +9,22 @@ sizes of the run it is given when they differ), split, limit (first N images; 0 
 Ground truth: the visible instances of the class each object word names (oracle_word_masks without traces).
 """
 
+import os
+import sys
+
 from ml_collections import ConfigDict
 
 from vlrep.config_utils import parse_arg
+
+# Config files are loaded by path from any working directory, and configs/ is no package: it goes on sys.path so
+# that `common` (configs/common.py) imports.
+_CONFIGS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _CONFIGS not in sys.path:
+  sys.path.insert(0, _CONFIGS)
+import common  # noqa: E402
 
 
 def get_config(arg=None):
   arg = parse_arg(arg, sizes="4+8", split="val", limit=500)
   sizes = tuple(int(s) for s in str(arg.sizes).split("+"))
-  loc = dict(
-    type="localization",
-    dataset="synthetic_scenes",
-    config_name="default",
-    data_dir="~/.cache/vlrep/tensorflow_datasets",
-    split=arg.split,
-    pp=(
-      f"decode|normalize|trace_words(64, sizes={sizes})|oracle_word_masks(sizes={sizes}, match_traces=False)"
-      f"|tokenize_words(60, sizes={sizes}, random_window=False)"
-    ),
-    grid_sizes=sizes,
-    batch_size=100,
-    limit=arg.limit,
-  )
-  return ConfigDict({"evals": {"localization": loc}})
+  return ConfigDict({"evals": {"localization": common.localization_eval(sizes, arg.split, arg.limit)}})

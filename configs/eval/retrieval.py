@@ -9,37 +9,29 @@ backbone: VirTex, LocTex, ICMLM, MCT); protocol=towers: the run's own image and 
 (MCT only); protocol=both. runlocal: synthetic_scenes (vsepp on 2000 training images, 500 test images).
 """
 
+import os
+import sys
+
 from ml_collections import ConfigDict
 
+from vlrep import eval_protocols
 from vlrep.config_utils import parse_arg
+
+# Config files are loaded by path from any working directory, and configs/ is no package: it goes on sys.path so
+# that `common` (configs/common.py) imports.
+_CONFIGS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _CONFIGS not in sys.path:
+  sys.path.insert(0, _CONFIGS)
+import common  # noqa: E402
 
 
 def get_config(arg=None):
-  from vlrep.evaluators import vsepp
-
   arg = parse_arg(arg, runlocal=False, protocol="vsepp")
   if arg.protocol not in ("vsepp", "towers", "both"):
     raise ValueError(f"Unknown protocol={arg.protocol!r}; expected 'vsepp', 'towers' or 'both'.")
   evals = {}
   if arg.protocol in ("vsepp", "both"):
-    evals["vsepp"] = dict(vsepp.COCO_PROTOCOL, **(vsepp.RUNLOCAL if arg.runlocal else {}))
+    evals["vsepp"] = dict(eval_protocols.VSEPP_COCO, **(eval_protocols.VSEPP_RUNLOCAL if arg.runlocal else {}))
   if arg.protocol in ("towers", "both"):
-    towers = dict(
-      type="retrieval",
-      dataset="coco_captions2017",
-      data_dir="",
-      config_name="",
-      split="val",
-      pp="decode|resize_small(256)|central_crop(224)|normalize",
-      captions_key="captions",
-      num_captions=5,
-      max_len=40,
-      batch_size=250,
-      limit=5000,
-      fold_size=1000,
-    )
-    if arg.runlocal:
-      local = {k: vsepp.RUNLOCAL[k] for k in ("dataset", "config_name", "data_dir", "pp", "batch_size", "fold_size")}
-      towers.update(local, limit=vsepp.RUNLOCAL["test_limit"])
-    evals["retrieval"] = towers
+    evals["retrieval"] = dict(common.retrieval_eval(), **(common.retrieval_local() if arg.runlocal else {}))
   return ConfigDict({"evals": evals})
