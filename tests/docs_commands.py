@@ -1,7 +1,7 @@
 """The `python -m vlrep...` commands the documentation shows, collected from the files themselves: README.md,
 docs/**/*.md, configs/** (the configs' docstrings and READMEs), launch/*.sh and the module docstrings of vlrep/
-(the tools' usage lines). tests/test_docs_commands.py runs each one in its smallest real form, from the table
-there, so a command is covered the day it is documented.
+(the usage lines of the tools and benchmarks). tests/test_docs_commands.py runs each one in its smallest real
+form, from the table there, so a command is covered the day it is documented.
 """
 
 from __future__ import annotations
