@@ -93,6 +93,10 @@ LAYERS = {
   "vlrep.data": 1,  # datasets, ops and tokenizers (token ids and BERT folders come from models)
   "vlrep.evaluators": 2,
   "vlrep.methods": 2,
+  "vlrep.tools": 3,  # user tools: build runs with vlrep.run_setup, never import a command-line module or bench
+  "vlrep.bench": 4,  # vlrep's own benchmarks and harnesses
+  "vlrep.main": 5,  # the command-line modules: nothing below imports them
+  "vlrep.evaluate": 5,
 }
 
 

@@ -385,7 +385,7 @@ def update_best(summary: dict, best_metric: str | None, eval_metrics: dict, step
 def process_report(state: dict, train_input: TrainInput, split: str, examples_trained: int) -> dict[str, float]:
   """The end of a run on this process, logged by every process: its parameters' fingerprint (with replicated
   parameters, equal fingerprints show the hosts stayed in step), the records it read of the training split and
-  its peak resident memory (`split`: "builder/split (N examples)", as vlrep.tools.scale_test reads it). Returns
+  its peak resident memory (`split`: "builder/split (N examples)", as vlrep.bench.scale_test reads it). Returns
   the summary's `input/` entries."""
   host = jax.process_index()
   logging.info("Parameter fingerprint (process %d): %s", host, params_fingerprint(state["params"]))
