@@ -24,12 +24,7 @@ from absl import app, flags
 from vlrep.data import pipeline
 from vlrep.data.builders import common
 
-flags.DEFINE_string(
-  "dataset",
-  None,
-  "coco_captions2017 | voc2007 | localized_narratives | synthetic_scenes | vqa2 | vizwiz | snli_ve | mm_imdb | "
-  "conceptual_captions | image_text",
-)
+flags.DEFINE_string("dataset", None, " | ".join(sorted(pipeline.builder_classes())))
 flags.DEFINE_string("manual_dir", None, "Folder with the local copy (see the builder's docstring for its layout).")
 flags.DEFINE_string("data_dir", "~/tensorflow_datasets", "TFDS data_dir to write to.")
 flags.DEFINE_string(

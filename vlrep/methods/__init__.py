@@ -67,7 +67,8 @@ def _defines(path: str, name: str) -> bool:
   for node in tree.body:
     if isinstance(node, ast.ClassDef) and node.name == name:
       return True
-    if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+    if any(isinstance(t, ast.Name) and t.id == name for t in targets):
       return True
   return False
 
