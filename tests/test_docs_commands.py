@@ -100,7 +100,7 @@ class Covered:
 
 
 D = "{data_dir}"  # the tiny synthetic_scenes data (VLREP_TEST_DATA_DIR)
-TINY_EVAL = lambda name: (f"--config.evals.{name}.data_dir={D}", f"--config.evals.{name}.config_name=tiny")  # noqa: E731
+TINY_EVAL = lambda name: (f"--config.evals.{name}.data_dir={D}", f"--config.evals.{name}.config_name=tiny")
 # A dataset not prepared, or a run to start from that is not there (init_from, extractor=).
 NOT_PREPARED = r"is not prepared in .*Prepare it|No run directory|has no checkpoint .*Train with vlrep.main first"
 NO_MANUAL_DIR = r"--manual_dir=.* is not a folder or is empty"

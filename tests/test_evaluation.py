@@ -104,7 +104,7 @@ def _official_virtex_svm_map(train_x, train_y, test_x, test_y, costs=voc07_svm.D
 
   aps = []
   for c in range(train_y.shape[1]):
-    rows = train_y[:, c] != 0 if drop_difficult else slice(None)  # drop_difficult: 1.x's protocol, for contrast
+    rows = train_y[:, c] != 0 if drop_difficult else slice(None)  # drop_difficult: another protocol, for contrast
     y = np.where(train_y[rows, c] > 0, 1, -1)
     best_ap, best_clf = 0.0, None
     for cost in costs:
@@ -125,7 +125,7 @@ def _official_virtex_svm_map(train_x, train_y, test_x, test_y, costs=voc07_svm.D
 def test_probe_is_the_official_virtex_protocol():
   x, y = _multilabel(3, signal=1.5)
   # Difficult images that look like positives: as negatives in training (official) they change the SVMs, so
-  # leaving them out of training (1.x's protocol) gives another mAP.
+  # leaving them out of training gives another mAP, so the test tells the two protocols apart.
   x[:, :4] += 1.5 * (y == 0)
   official = _official_virtex_svm_map(x[:250], y[:250], x[250:], y[250:])
   assert abs(official - _official_virtex_svm_map(x[:250], y[:250], x[250:], y[250:], drop_difficult=True)) > 0.05
@@ -189,7 +189,7 @@ def test_linear_probe_learns_separable_classes_and_not_noise():
 
   def fit(x, y):
     order = np.concatenate([rng.permutation(500) for _ in range(21)])
-    batches = lambda i: (x[order[i * 50 : (i + 1) * 50]], y[order[i * 50 : (i + 1) * 50]], np.ones(50, np.float32))  # noqa: E731
+    batches = lambda i: (x[order[i * 50 : (i + 1) * 50]], y[order[i * 50 : (i + 1) * 50]], np.ones(50, np.float32))
     w, b = linear_probe.train_linear(batches, 16, 5, 200, cfg, 10.0)
     return linear_probe.topk_accuracy(x[500:] @ w + b, y[500:], 1)
 

@@ -117,7 +117,7 @@ def test_resnet50_w2x_is_wide_resnet50_2_and_exports_to_its_layout(tmp_path):
 def _detectron2_r50_expected() -> dict[str, tuple]:
   """Detectron2's ResNet-50 (BottleneckBlock, stride_in_1x1=False as for torchvision weights) keys and shapes."""
   expected = {"stem.conv1.weight": (64, 3, 7, 7)}
-  norm = lambda prefix, c: {f"{prefix}.norm.{n}": (c,) for n in ("weight", "bias", "running_mean", "running_var")}  # noqa: E731
+  norm = lambda prefix, c: {f"{prefix}.norm.{n}": (c,) for n in ("weight", "bias", "running_mean", "running_var")}
   expected.update(norm("stem.conv1", 64))
   cin = 64
   for stage, (blocks, width) in enumerate(zip((3, 4, 6, 3), (64, 128, 256, 512), strict=True)):

@@ -24,7 +24,7 @@ def test_the_fault_harness_survives_every_kind_of_fault(tmp_path):
   overrides = ["total_steps=24", "checkpoint.every_steps=4", "evals={}"]
   phases = ("startup", "data", "init", "train", "checkpoint")
   config = os.path.join(ROOT, "tests", "tiny_virtex.py")
-  # One fault of each kind (CI time: every restart is a new process, ~15 s of startup on 2 cores); the 30-fault run
+  # One fault of each kind (CI time: every restart is a new process, paying JAX's startup again); the 30-fault run
   # of docs/reliability.md repeats each kind in every phase.
   result = faults.harness(config, str(tmp_path), kills=4, overrides=overrides, phases=phases)
   injected = [f for f in result["faults"] if f["injected"]]

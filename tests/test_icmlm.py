@@ -423,7 +423,7 @@ def test_visual_attention_metric_is_the_masked_tokens_share_on_the_image(minilm)
 def test_lambda_defaults_follow_the_recipe():
   from configs import icmlm
 
-  weight = lambda arg: icmlm.get_config(arg).method.tp_weight  # noqa: E731
+  weight = lambda arg: icmlm.get_config(arg).method.tp_weight
   assert weight("variant=tfm") == 0.1  # the paper's ResNet-50 lambda
   assert weight("variant=att_fc,backbone=vgg16") == 1.0  # the paper's VGG16 lambda
   assert weight("runlocal,variant=tfm") == weight("runlocal,variant=att_fc") == 1.0  # docs/results/icmlm.md

@@ -318,7 +318,7 @@ def test_eq3_normalises_the_whole_caption_map_in_the_recipe():
   cfg.localization_norm = "all"
   with pytest.raises(ValueError, match="localization_norm"):
     methods.build(cfg, 50)
-  del cfg["localization_norm"]  # a run saved before the key existed was trained with "traced"
+  del cfg["localization_norm"]  # a saved config without the key means "traced", what such a run trained with
   assert methods.build(cfg, 50).localization_norm == "traced"
 
 
@@ -529,7 +529,7 @@ def test_ablation_configs_build_and_give_a_finite_loss(arg, tiny_builder):
     assert "oracle_word_masks" in c.data.pp and int(metrics["supervised_examples_4x"]) >= 1
 
 
-def test_loss_weights_follow_the_recipe_and_the_measured_runlocal_rule():
+def test_loss_weights_follow_the_recipe_and_the_runlocal_rule():
   """The recipe keeps the paper's equal weights; runlocal halves L_L and scales the oracle's by 0.33 more."""
   from configs import loctex
 
@@ -548,9 +548,9 @@ def test_loss_weights_follow_the_recipe_and_the_measured_runlocal_rule():
     loctex.get_config("runlocal,loss=l1")
 
 
-def test_recipe_follows_the_paper_and_runlocal_keeps_its_measured_choices():
+def test_recipe_follows_the_paper_and_runlocal_keeps_its_documented_choices():
   """Eq. 3 over the whole map, traces rendered as paths, the VOC07 probe on images resized to 224 x 224 (LocTex
-  sec. 4.1); runlocal keeps the choices its results were measured with."""
+  sec. 4.1); runlocal keeps the choices of docs/results/loctex.md's runs."""
   from configs import loctex as loctex_config
 
   recipe, local = loctex_config.get_config(), loctex_config.get_config("runlocal")

@@ -388,7 +388,7 @@ def test_pretrained_bert_text_tower_loads_into_query_and_momentum_towers():
   import optax
   import tiny_mct
 
-  from vlrep import methods, sharding, train
+  from vlrep import methods, sharding, train_state
   from vlrep.data import tokenizers
   from vlrep.models import bert as bert_lib
   from vlrep.train_step import init_train_state
@@ -403,7 +403,7 @@ def test_pretrained_bert_text_tower_loads_into_query_and_momentum_towers():
   tx = optax.sgd(0.1)
   fresh = init_train_state(method, tx, jax.random.PRNGKey(0), batch)
   state_sh = sharding.state_shardings(sharding.make_mesh(), fresh, "replicate")
-  state = train.load_pretrained_variables(fresh, train.pretrained_variables_of(method), tx, state_sh)
+  state = train_state.load_pretrained_variables(fresh, train_state.pretrained_variables_of(method), tx, state_sh)
 
   bert_config, want, _, _ = bert_lib.load_pretrained("minilm")
   bert_config, want = bert_lib.first_layers(bert_config, want, 1)
@@ -428,8 +428,8 @@ def test_pretrained_bert_text_tower_loads_into_query_and_momentum_towers():
   assert np.isfinite(float(loss)), metrics
   # Pretrained values for a part the model does not have are refused by name.
   with pytest.raises(ValueError, match="momentum/params/no_such_tower"):
-    train.load_pretrained_variables(fresh, {"model_state": {"momentum": {"params": {"no_such_tower": want}}}},
-                                    tx, state_sh)  # fmt: skip
+    train_state.load_pretrained_variables(fresh, {"model_state": {"momentum": {"params": {"no_such_tower": want}}}},
+                                          tx, state_sh)  # fmt: skip
   # A tokenizer that is not BERT's is refused.
   with pytest.raises(ValueError, match="wordpiece"):
     methods.build(config.method, 200)
@@ -441,7 +441,7 @@ def test_pretrained_bert_text_tower_trains_with_dropout_set_by_the_config():
   >= 1 is refused."""
   import tiny_mct
 
-  from vlrep import methods, train
+  from vlrep import methods, train_state
   from vlrep.data import tokenizers
 
   assert tiny_mct.mct.get_config("text=bert").method.bert_dropout == 0.1  # the recipe's rate (runlocal's is 0)
@@ -458,7 +458,7 @@ def test_pretrained_bert_text_tower_trains_with_dropout_set_by_the_config():
 
   method = build(0.1)
   params = method.model.init(jax.random.PRNGKey(0), tokens, False, method=embed)["params"]
-  params["textual"] = train.pretrained_variables_of(method)["params"]["textual"]
+  params["textual"] = train_state.pretrained_variables_of(method)["params"]["textual"]
 
   def text_embeddings(method, train, seed=0):
     rngs = {"dropout": jax.random.PRNGKey(seed)}

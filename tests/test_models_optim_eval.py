@@ -52,7 +52,7 @@ def _dropout_sites(layer, x, memory, mask):
 def test_decoder_layer_drops_out_where_torchs_transformer_decoder_layer_does():
   # torch.nn.TransformerDecoderLayer (the official VirTex head), post-norm: dropout on the self-attention weights and
   # output, on the cross-attention weights and output, on the feed-forward's hidden activations
-  # (linear2(dropout(gelu(linear1(x))))) and on its output: six sites. vlrep's pre-knob layer skipped the fifth.
+  # (linear2(dropout(gelu(linear1(x))))) and on its output: six sites. mlp_dropout=False skips the fifth.
   b, t, n, h, heads, f = 2, 5, 3, 16, 2, 40
   x, memory = jnp.ones((b, t, h)), jnp.ones((b, n, h))
   mask = jnp.tril(jnp.ones((t, t), bool))[None, None]

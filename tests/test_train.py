@@ -86,7 +86,7 @@ def test_peak_rss_is_the_process_own_not_its_launchers():
   )
   out = subprocess.run([sys.executable, "-c", launcher], cwd=ROOT, capture_output=True, text=True, check=True)
   own, inherited = (int(v) for v in out.stdout.split())
-  assert inherited > 1.5e9, out.stdout  # what the old measure said
+  assert inherited > 1.5e9, out.stdout  # ru_maxrss: the launcher's ballast
   assert 1e7 < own < 1.2e9, out.stdout  # vlrep.train and jax imported, nothing of the launcher's ballast
 
 

@@ -9,8 +9,8 @@ against its measured bf16 matrix-product peak).
   python -m vlrep.bench.benchmark --config=configs/virtex.py --profile --output_dir=/tmp/bench
 
 Timing: `--windows` windows of `--steps` steps each (after 3 warm-up steps); images/s is the median window, with
-the fastest and slowest beside it. `--variant=NAME:KEY=VALUE,KEY=VALUE` adds a variant of the config (how
-docs/speed.md measured the speed switches it then removed); every variant is compiled first, then the windows
+the fastest and slowest beside it. `--variant=NAME:KEY=VALUE,KEY=VALUE` adds a variant of the config (an
+A/B of a switch against the baseline, in one run); every variant is compiled first, then the windows
 run round-robin over the baseline and the variants, so slow drifts of the machine fall on all of them alike, and
 each variant's ratio to the baseline is reported. `--profile` traces `--profile_steps` steps of each
 (jax.profiler, Perfetto JSON) into --output_dir and writes a table of device time by kernel class (`profile.md`,

@@ -1,7 +1,7 @@
 """Input pipeline speed: images/s per CPU core for decode + augment, vlrep's tf.data beside a PyTorch
 DataLoader + PIL baseline doing the same work, in one run.
 
-  python -m vlrep.bench.pipeline_benchmark                     # 1 core and all cores, ~2 minutes
+  python -m vlrep.bench.pipeline_benchmark                     # 1 core and all cores; takes minutes
   python -m vlrep.bench.pipeline_benchmark --cores=1,2 --seconds=15 --output=/tmp/pipeline.json
 
 The work per image, as VirTex's training recipe: decode a COCO-sized JPEG (640x480, quality 90), random
@@ -74,7 +74,7 @@ def tfdata_batches(jpegs: list[bytes], threads: int, cache: bool, disk: str | No
     _, lookup = records.SplitReader([disk], "benchmark").host_lookup()
   else:
     table = tf.Variable(np.array(jpegs, dtype=object), trainable=False)
-    lookup = lambda i: tf.gather(table, i)  # noqa: E731
+    lookup = lambda i: tf.gather(table, i)
   if cache:  # the cached pixels by index; the records themselves are not needed
     read, make = (lambda index: tf.zeros_like(index, tf.string)), (lambda index, _: {"image": lookup(index)})
   else:

@@ -5,7 +5,7 @@ bit-identical parameters.
   python -m vlrep.bench.scale_test --workdir=/tmp/vlrep_scale --sizes=20k,200k --steps=300
 
 Each size is `synthetic_scenes/scale<size>` (2k, 20k or 200k 64x64 training scenes), prepared into --data_dir
-on first use with `python -m vlrep.data.prepare` (ArrayRecord; 200k: about 15 minutes and 1.8 GB on 2 cores).
+on first use with `python -m vlrep.data.prepare` (ArrayRecord; 200k takes minutes).
 On each size, --config trains for --steps in two processes forming one JAX runtime over 127.0.0.1, exactly as two
 hosts do (--devices_per_process CPU devices each): once reading its records from disk (the default) and once with
 `data.in_memory=True` (--modes). On the largest size a third pair, reading from disk, is restarted after
@@ -89,7 +89,7 @@ def start_pair(run_dir: str, config: str, overrides, devices_per_process: int, h
 
   `cache`, their compilation cache, is empty when the pair starts or was filled by pairs that have ended, never
   one that other running processes fill: then a process could load an executable that its partner still compiles
-  and wait for it at a collective past Gloo's 30 s (CI failed so once: "Gloo context initialization failed:
+  and wait for it at a collective past Gloo's 30 s, and the pair fails ("Gloo context initialization failed:
   DEADLINE_EXCEEDED"). What the pair itself adds was compiled by one of them, so loading it can only let a process
   that is behind catch up."""
   os.makedirs(run_dir, exist_ok=True)

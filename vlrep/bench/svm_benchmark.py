@@ -77,7 +77,7 @@ def scenes_features(config_path: str, workdir: str | None):
     probe = config.evals.probe
   ev = voc07_svm.Voc07Svm(probe, RunInputs())
   fn = runs.backbone_fn(run)
-  features = lambda batch: fn(batch, ev.feature_key)  # noqa: E731
+  features = lambda batch: fn(batch, ev.feature_key)
   train_x, train_y = ev._features(probe.train_split, features)
   test_x, test_y = ev._features(probe.test_split, features)
   return train_x, train_y, test_x, test_y

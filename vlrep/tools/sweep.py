@@ -188,7 +188,7 @@ def collect_seeds(rows: list[tuple[str, dict, list[str]]], metrics: list[str]) -
 
 
 def markdown(table: list[dict], columns: list[str]) -> str:
-  fmt = lambda v: "—" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)  # noqa: E731
+  fmt = lambda v: "—" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)
   lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
   lines += ["| " + " | ".join(fmt(row.get(c)) for c in columns) + " |" for row in table]
   return "\n".join(lines) + "\n"
