@@ -15,7 +15,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import ConfigDict, config_flags
 
-from vlrep import evaluators, run_setup, runs, train
+from vlrep import evaluators, run_setup, runs
 
 
 def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", names=None) -> dict[str, float]:
@@ -35,7 +35,7 @@ def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", na
   for name, cfg in evals_cfg.items():
     if names and name not in names:
       continue
-    metrics = train._compat_run(evaluators.build(cfg, run_inputs), model)
+    metrics = evaluators.build(cfg, run_inputs).run(model)
     results.update({f"{name}/{k}": v for k, v in metrics.items()})
     results[f"{name}/checkpoint_step"] = run.step
     logging.info("%s: %s", name, ", ".join(f"{k}={v:.2f}" for k, v in metrics.items()))

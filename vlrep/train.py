@@ -354,21 +354,11 @@ def run_evaluators(evals: dict, names: list[str], model: evaluators.Model) -> di
   out = {}
   try:
     for name in names:
-      out.update({f"{name}/{k}": v for k, v in _compat_run(evals[name], model).items()})
+      out.update({f"{name}/{k}": v for k, v in evals[name].run(model).items()})
   except preemption_lib.Interrupted:
     logging.warning("Evaluations interrupted by SIGTERM.")
     return None
   return out
-
-
-def _compat_run(ev, model):  # TEMPORARY until every evaluator takes a Model
-  import inspect
-
-  if "model" in inspect.signature(ev.run).parameters:
-    return ev.run(model)
-  if ev.feature_key:
-    return ev.run(lambda b, k=ev.feature_key: model.features(b, k))
-  return ev.run(None, variables=model.variables)
 
 
 def update_best(summary: dict, best_metric: str | None, eval_metrics: dict, step: int) -> bool:
@@ -427,8 +417,3 @@ def params_fingerprint(params) -> str:
 def _hms(seconds: float) -> str:
   seconds = int(seconds)
   return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
-
-
-# TEMPORARY aliases until tests/test_mct.py and tests/test_vlbert.py read them from vlrep.train_state.
-pretrained_variables_of = train_state.pretrained_variables_of
-load_pretrained_variables = train_state.load_pretrained_variables

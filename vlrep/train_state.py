@@ -16,7 +16,7 @@ import numpy as np
 from absl import logging
 
 from vlrep import checkpoint as ckpt_lib
-from vlrep import runs, sharding
+from vlrep import methods, runs, sharding
 from vlrep.train_step import init_train_state
 
 
@@ -63,12 +63,11 @@ def restore(ckpt: ckpt_lib.Checkpointer, workdir: str, layout: Layout) -> tuple[
 
 
 def pretrained_variables_of(method) -> dict:
-  """A method's pretrained values (its optional `pretrained_variables(pretrained)`), given the runs it names in
-  its optional `pretrained_runs()` ({name: workdir}), each loaded here at its best checkpoint: methods read
-  checkpoints only through the loop."""
-  if not hasattr(method, "pretrained_variables"):
+  """A method's pretrained values (`methods.UsesPretrained`), given the runs it names (`methods.NamesPretrainedRuns`:
+  {name: workdir}), each loaded here at its best checkpoint: methods read checkpoints only through the loop."""
+  if not isinstance(method, methods.UsesPretrained):
     return {}
-  wanted = method.pretrained_runs() if hasattr(method, "pretrained_runs") else {}
+  wanted = method.pretrained_runs() if isinstance(method, methods.NamesPretrainedRuns) else {}
   return method.pretrained_variables({name: runs.load_run(path, "best") for name, path in wanted.items()})
 
 

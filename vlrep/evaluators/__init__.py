@@ -19,13 +19,12 @@ the evaluators' helpers (metrics, solvers, `RunInputs`).
 
 from __future__ import annotations
 
-import ast
 import functools
 import importlib
 import os
-import pkgutil
 from typing import Any, Protocol, runtime_checkable
 
+from vlrep import package_modules
 from vlrep.errors import UserError
 from vlrep.evaluators.run_inputs import Model, RunInputs
 
@@ -42,30 +41,10 @@ class Evaluator(Protocol):
     """{metric: value} of `model`, the same on every host (each reads its shard of the split)."""
 
 
-def _defines(path: str, name: str) -> bool:
-  """Whether the Python file at `path` binds `name` at its top level (a class or an assignment), read, not run."""
-  with open(path, encoding="utf-8") as f:
-    tree = ast.parse(f.read(), path)
-  for node in tree.body:
-    if isinstance(node, ast.ClassDef) and node.name == name:
-      return True
-    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
-    if any(isinstance(t, ast.Name) and t.id == name for t in targets):
-      return True
-  return False
-
-
 @functools.cache
 def available() -> tuple[str, ...]:
   """The evaluator types vlrep has: the modules of this package that define `Evaluator`."""
-  here = os.path.dirname(__file__)
-  return tuple(
-    sorted(
-      m.name
-      for m in pkgutil.iter_modules([here])
-      if not m.ispkg and _defines(os.path.join(here, f"{m.name}.py"), "Evaluator")
-    )
-  )
+  return package_modules.modules_defining(os.path.dirname(__file__), "Evaluator")
 
 
 def _module(evaluator_type: str):

@@ -15,15 +15,15 @@ against these protocols.
 
 from __future__ import annotations
 
-import ast
 import functools
 import importlib
 import os
-import pkgutil
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import ml_collections
+
+from vlrep import package_modules
 
 
 @runtime_checkable
@@ -60,30 +60,10 @@ class NamesPretrainedRuns(Protocol):
     """{name: workdir} of the runs `pretrained_variables` receives."""
 
 
-def _defines(path: str, name: str) -> bool:
-  """Whether the Python file at `path` binds `name` at its top level (a class or an assignment), read, not run."""
-  with open(path, encoding="utf-8") as f:
-    tree = ast.parse(f.read(), path)
-  for node in tree.body:
-    if isinstance(node, ast.ClassDef) and node.name == name:
-      return True
-    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
-    if any(isinstance(t, ast.Name) and t.id == name for t in targets):
-      return True
-  return False
-
-
 @functools.cache
 def available() -> tuple[str, ...]:
   """The methods vlrep has: the modules of this package that define `Method`."""
-  here = os.path.dirname(__file__)
-  return tuple(
-    sorted(
-      m.name
-      for m in pkgutil.iter_modules([here])
-      if not m.ispkg and _defines(os.path.join(here, f"{m.name}.py"), "Method")
-    )
-  )
+  return package_modules.modules_defining(os.path.dirname(__file__), "Method")
 
 
 def _module(name: str):

@@ -1,0 +1,33 @@
+"""Lookup by module convention: which modules of a package define a given name (a method package's `Method`, an
+evaluator package's `Evaluator`), found by reading their source, not importing it, so listing what exists (an
+unknown name's error) costs no imports. A leaf: imports nothing of vlrep."""
+
+from __future__ import annotations
+
+import ast
+import os
+import pkgutil
+
+
+def binds(path: str, name: str) -> bool:
+  """Whether the Python file at `path` binds `name` at its top level (a class or an assignment), read, not run."""
+  with open(path, encoding="utf-8") as f:
+    tree = ast.parse(f.read(), path)
+  for node in tree.body:
+    if isinstance(node, ast.ClassDef) and node.name == name:
+      return True
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+    if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+      return True
+  return False
+
+
+def modules_defining(package_dir: str, name: str) -> tuple[str, ...]:
+  """The sorted names of the modules directly in `package_dir` that bind `name` at their top level."""
+  return tuple(
+    sorted(
+      m.name
+      for m in pkgutil.iter_modules([package_dir])
+      if not m.ispkg and binds(os.path.join(package_dir, f"{m.name}.py"), name)
+    )
+  )
