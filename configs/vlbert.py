@@ -345,8 +345,8 @@ def _runlocal(c, arg, pretrain):
   # No dropout at this budget: the recipe's 0.1 lowers fine-tuned VQA at 200 steps, for both architectures.
   c.method.bert_dropout = 0.0
   # MiniLM was trained with mean pooling and its [CLS] never was: after 2 layers the [CLS] states of different
-  # questions have cosine 1.000, so a head on them sees nothing of the question (VisualBERT's frozen-base VQA sat
-  # at the answer prior, 18.31, at every seed). The mean text state is the sentence representation it learned.
+  # questions have cosine 1.000, so a head on them sees nothing of the question (VisualBERT's frozen-base VQA stays
+  # at the answer prior). The mean text state is the sentence representation it learned.
   c.method.text_pool = "mean"
   # ViLBERT's co-attention joins the last half of the text layers (the recipe's 6 of 12): the last 1 of 2 here,
   # ahead of co-attention before both layers on probe_val (frozen-base VQA; docs/results/vlbert.md).
