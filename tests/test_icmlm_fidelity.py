@@ -88,7 +88,7 @@ def test_a_frozen_backbone_keeps_its_parameters_momentum_and_batchnorm_statistic
   init = train_step.init_train_state(method, tx, key, batch)
   step = jax.jit(train_step.make_train_step(method, tx, schedules, key, optim.frozen_rules(config)))
   state = jax.tree.map(jnp.copy, init)
-  leaves = lambda tree: jax.tree.leaves(tree)  # noqa: E731
+  leaves = lambda tree: jax.tree.leaves(tree)
   for i in range(k):
     state, metrics = step(state, batch)
     assert float(metrics["train/lr_group0_backbone"]) == 0.0

@@ -98,10 +98,8 @@ class Retrieval:
       texts.append(np.asarray(self.embed_texts(model.variables, tokens)).reshape(len(caps), c.num_captions, -1))
       owners.append(np.array([[bool(s.strip()) for s in strings]]).reshape(len(caps), c.num_captions))
     # Every host's shard, in host order, then only real images and non-empty captions.
-    gather = (
-      lambda x: np.asarray(multihost_utils.process_allgather(np.concatenate(x))).reshape(  # noqa: E731
-        (-1,) + np.concatenate(x).shape[1:]
-      )
+    gather = lambda x: np.asarray(multihost_utils.process_allgather(np.concatenate(x))).reshape(
+      (-1,) + np.concatenate(x).shape[1:]
     )
     image_emb, text_emb, has_text, real = gather(images), gather(texts), gather(owners), gather(real_images)
     image_emb, text_emb, has_text = image_emb[real], text_emb[real], has_text[real]

@@ -123,8 +123,8 @@ def fit_and_score(
   all_test_x = np.concatenate([x for _, x, _ in parts])
   if solver == "sklearn":
     # One fit after the other: liblinear's dual solver shuffles coordinates with one process-wide random generator,
-    # reseeded by each fit, so fits run in threads (as this once did) race on it and an unconverged fit (C = 10)
-    # depends on the interleaving (measured: 5 different mAPs in 12 runs of one problem under load).
+    # reseeded by each fit, so fits run in threads race on it and an unconverged fit (C = 10) depends on the
+    # interleaving: the same problem would give different mAPs from run to run.
     results = [
       _one_class_sklearn(c, train_x, train_y, all_test_x, fold_ids, costs, folds, ap) for c in range(train_y.shape[1])
     ]
@@ -237,7 +237,7 @@ def pool_features(x: np.ndarray, pooling: str) -> np.ndarray:
       raise ValueError(f"2x2 pooling needs a spatial feature grid [B, H, W, C]; got shape {x.shape}.")
     _, h, w, _ = x.shape
     # PyTorch's AdaptiveAvgPool2d((2, 2)) cells (what ICMLM used): [floor(i*H/2), ceil((i+1)*H/2)).
-    cell = lambda i, n: slice(i * n // 2, -(-(i + 1) * n // 2))  # noqa: E731
+    cell = lambda i, n: slice(i * n // 2, -(-(i + 1) * n // 2))
     cells = [x[:, cell(i, h), cell(j, w)].mean(axis=(1, 2)) for i in range(2) for j in range(2)]
     return np.concatenate(cells, axis=1)
   raise ValueError(f"Unknown pooling {pooling!r}; expected 'gap' or '2x2'.")

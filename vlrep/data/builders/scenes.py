@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-# Ten shapes that stay distinct at 32 px: 1.x's diamond (a rotated square), hexagon and pentagon (circles at low
-# resolution) were replaced by the crescent, arrow and bar in 2.0.0.
+# Ten shapes that stay distinct at 32 px (no diamond, hexagon or pentagon: at low resolution they read as a square
+# and circles).
 SHAPES = ("circle", "square", "triangle", "star", "cross", "arrow", "crescent", "ring", "bar", "heart")
 COLORS = {
   "red": (220, 40, 40),
@@ -42,21 +42,18 @@ NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six")
 _SHAPE_SYNONYMS = {"square": ("square", "box"), "circle": ("circle", "disc"), "ring": ("ring", "donut")}
 _PLURAL = {"cross": "crosses", "box": "boxes"}
 _MATERIALS = ("wooden", "metal", "plastic", "glass", "paper")
-# Geometry (2.0.0), as fractions of the image side: at 64 px a small shape's radius is 7.7-9.6 px and a large one's
-# 12.8-16.6 px, so each covers several cells of a stride-2 stem's 32x32 grid. 1.x's radii (4.5-6.4 px small) left a
-# small shape about one cell of the ImageNet stem's 16x16 grid, and supervised training on the shape labels did not
-# learn them at the runlocal budget (README, synthetic_scenes).
+# Geometry, as fractions of the image side: at 64 px a small shape's radius is 7.7-9.6 px and a large one's
+# 12.8-16.6 px, so each covers several cells of a stride-2 stem's 32x32 grid; a shape about one cell wide is not
+# learned from its labels at the runlocal budget (README, synthetic_scenes).
 RADIUS = {"small": (0.12, 0.15), "large": (0.2, 0.26)}
 MAX_OBJECTS = 3
-# Main-style background (2.0.0): a two-colour gradient (channel values drawn in `colour`) with pixel noise. 1.x
-# added stripes or blotches; measured on the 2.0.0 shapes (a supervised small-stem ResNet-10, 250 steps of AdamW,
-# probed as ../shared/tools/learnability.py does), they cost 9 probe mAP at this budget (35.4 vs 44.4).
+# Main-style background: a two-colour gradient (channel values drawn in `colour`) with pixel noise, no stripes or
+# blotches: clutter of that kind costs a small supervised model most of what it can learn at this budget
+# (tests/learnability.py measures the learnability that matters).
 BACKGROUND = {"colour": (60, 200), "noise": 4}
-# Probability that a noun phrase names its object's colour (2.1.0; sizes are named with probability 0.5, shapes
-# always). Real captions name objects and only sometimes their attributes; 2.0.0 named every object's colour, which
-# random features already encode, so captioning heads spent their first hundreds of steps on colour and hardly
-# learned shapes (VirTex runlocal, seed 0, probe_val: 26.6 with colour always named, 31.9 at 0.5, 35.1 at 0.25;
-# docs/results/virtex.md).
+# Probability that a noun phrase names its object's colour (sizes are named with probability 0.5, shapes always).
+# Real captions name objects and only sometimes their attributes; colour, which random features already encode,
+# named every time makes captioning heads spend their first hundreds of steps on it and hardly learn shapes.
 COLOUR_MENTION = 0.25
 
 
@@ -139,7 +136,7 @@ def _draw_shape(draw: ImageDraw.ImageDraw, shape, cx, cy, r, angle, fill, outlin
 
 def _background(rng: np.random.Generator, size: int, style: str) -> np.ndarray:
   # Drawn at half the canvas size and upsampled (the canvas is itself downsampled 2x at the end): a quarter of the
-  # work, which was the largest cost of generating a scene.
+  # work of the costliest part of generating a scene.
   half = size // 2
   ramp = np.arange(half, dtype=np.float32) / half
   if style == "main":
@@ -436,7 +433,7 @@ def png(array: np.ndarray) -> bytes:
 
 def make_encoded_record(job) -> dict[str, Any]:
   """make_record with its images already PNG-encoded: the builder's worker processes do the encoding, which the
-  main process (serialising and writing every record) would otherwise do alone (measured: it bounded generation)."""
+  main process (serialising and writing every record) would otherwise do alone, the bottleneck of generation."""
   record = make_record(job)
   record["image"], record["object_map"] = png(record["image"]), png(record["object_map"])
   return record

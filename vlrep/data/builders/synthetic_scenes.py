@@ -9,7 +9,7 @@ Splits (sizes per builder config):
 
 Configs: `default` (64x64, the sizes below), `tiny` (32x32, a few dozen per split: tests) and `scale2k`,
 `scale20k`, `scale200k` (64x64 training scenes in those numbers, tiny other splits: the data-at-scale test,
-`vlrep.tools.scale_test`).
+`vlrep.bench.scale_test`).
 
 Every split is generated from its own seed stream, so a config always yields the same examples.
 """
@@ -62,7 +62,7 @@ def _scale_config(train: int) -> ScenesConfig:
   return ScenesConfig(
     name=f"scale{train // 1000}k",
     description=f"{train:,} 64x64 training scenes and tiny other splits: the data-at-scale test's datasets "
-    "(vlrep.tools.scale_test).",
+    "(vlrep.bench.scale_test).",
     image_size=64,
     splits={**_TINY_SPLITS, "train": train},
   )
