@@ -18,19 +18,11 @@ shapes are present; sigmoid cross-entropy) at the pretraining methods' runlocal 
       --seeds=0,1,2 --root=/tmp/supervised --metrics=probe/map,probe/map_val,probe/map_random_init
 """
 
-import os
-import sys
-
 from ml_collections import ConfigDict
 
-from vlrep.config_utils import parse_arg, sibling_config
+from vlrep.config_utils import config_module, parse_arg, sibling_config
 
-# Config files are loaded by path from any working directory, and configs/ is no package: it goes on sys.path so
-# that `common` (configs/common.py) imports.
-_CONFIGS = os.path.dirname(os.path.abspath(__file__))
-if _CONFIGS not in sys.path:
-  sys.path.insert(0, _CONFIGS)
-import common  # noqa: E402
+common = config_module(__file__, "common.py")  # the blocks every recipe shares
 
 
 def get_config(arg=None):

@@ -47,19 +47,11 @@ Arguments (comma-separated; any key can also be set with --config.KEY=VALUE):
 ICMLM masks only postag concepts; with tags=cluster or label its l_tp uses those tags instead.
 """
 
-import os
-import sys
-
 from ml_collections import ConfigDict
 
-from vlrep.config_utils import OWN_DATA_VAL_PERCENT, parse_arg, use_own_data
+from vlrep.config_utils import OWN_DATA_VAL_PERCENT, config_module, parse_arg, use_own_data
 
-# Config files are loaded by path from any working directory, and configs/ is no package: it goes on sys.path so
-# that `common` (configs/common.py) imports.
-_CONFIGS = os.path.dirname(os.path.abspath(__file__))
-if _CONFIGS not in sys.path:
-  sys.path.insert(0, _CONFIGS)
-import common  # noqa: E402
+common = config_module(__file__, "common.py")  # the blocks every recipe shares
 
 VARIANTS = ("tp", "tfm", "att_fc", "text_only")
 TAGS = ("postag", "cluster", "label")

@@ -23,19 +23,11 @@ Ablations (arguments combine with commas; any key can also be overridden with --
                                         out. The localization evaluator (ground-truth object masks) is off then
 """
 
-import os
-import sys
-
 from ml_collections import ConfigDict
 
-from vlrep.config_utils import OWN_DATA_VAL_PERCENT, parse_arg, use_own_data
+from vlrep.config_utils import OWN_DATA_VAL_PERCENT, config_module, parse_arg, use_own_data
 
-# Config files are loaded by path from any working directory, and configs/ is no package: it goes on sys.path so
-# that `common` (configs/common.py) imports.
-_CONFIGS = os.path.dirname(os.path.abspath(__file__))
-if _CONFIGS not in sys.path:
-  sys.path.insert(0, _CONFIGS)
-import common  # noqa: E402
+common = config_module(__file__, "common.py")  # the blocks every recipe shares
 
 LOSSES = {"both": (1.0, 1.0), "contrastive": (1.0, 0.0), "localization": (0.0, 1.0)}
 CONTRASTIVE_GROUPS = {"per_gpu": 128, "global": 0}

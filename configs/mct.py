@@ -41,21 +41,14 @@ gives the paper's views (give each caption several, e.g. sampled through both pi
 draw the same paraphrase are identical).
 """
 
-import os
 import re
-import sys
 
 from ml_collections import ConfigDict
 
 from vlrep import eval_protocols
-from vlrep.config_utils import OWN_DATA_VAL_PERCENT, parse_arg, use_own_data
+from vlrep.config_utils import OWN_DATA_VAL_PERCENT, config_module, parse_arg, use_own_data
 
-# Config files are loaded by path from any working directory, and configs/ is no package: it goes on sys.path so
-# that `common` (configs/common.py) imports.
-_CONFIGS = os.path.dirname(os.path.abspath(__file__))
-if _CONFIGS not in sys.path:
-  sys.path.insert(0, _CONFIGS)
-import common  # noqa: E402
+common = config_module(__file__, "common.py")  # the blocks every recipe shares
 
 # (lambda_ii, lambda_tag, lambda_cc, lambda_ic, lambda_ci)
 LOSSES = {

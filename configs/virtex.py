@@ -21,19 +21,11 @@ Ablations (arguments combine with commas; any key can also be overridden with --
                                                                   is held out for the captioning evaluator
 """
 
-import os
-import sys
-
 from ml_collections import ConfigDict
 
-from vlrep.config_utils import OWN_DATA_VAL_PERCENT, parse_arg, use_own_data
+from vlrep.config_utils import OWN_DATA_VAL_PERCENT, config_module, parse_arg, use_own_data
 
-# Config files are loaded by path from any working directory, and configs/ is no package: it goes on sys.path so
-# that `common` (configs/common.py) imports.
-_CONFIGS = os.path.dirname(os.path.abspath(__file__))
-if _CONFIGS not in sys.path:
-  sys.path.insert(0, _CONFIGS)
-import common  # noqa: E402
+common = config_module(__file__, "common.py")  # the blocks every recipe shares
 
 # (depth, stem width, bottleneck inner-width multiplier): w2x is Wide ResNet-50-2 (torchvision wide_resnet50_2).
 BACKBONES = {"r50": (50, 64, 1), "r101": (101, 64, 1), "r50w2x": (50, 64, 2)}

@@ -66,21 +66,14 @@ Arguments (comma-separated; any key can also be set with --config.KEY=VALUE):
                        0.04M/0.2M/0.4M CC subsets are P = 1.2/6/12 of CC's 3.3M); runlocal: P% of the 500-image clip
 """
 
-import os
 import re
-import sys
 
 from ml_collections import ConfigDict
 
 from vlrep import runs
-from vlrep.config_utils import OWN_DATA_VAL_PERCENT, parse_arg, use_own_data
+from vlrep.config_utils import OWN_DATA_VAL_PERCENT, config_module, parse_arg, use_own_data
 
-# Config files are loaded by path from any working directory, and configs/ is no package: it goes on sys.path so
-# that `common` (configs/common.py) imports.
-_CONFIGS = os.path.dirname(os.path.abspath(__file__))
-if _CONFIGS not in sys.path:
-  sys.path.insert(0, _CONFIGS)
-import common  # noqa: E402
+common = config_module(__file__, "common.py")  # the blocks every recipe shares
 
 ARCHS = ("visual_bert", "vilbert")
 STAGES = ("pretrain", "finetune")

@@ -18,14 +18,13 @@ def test_a_config_loads_by_path_from_any_working_directory(tmp_path, monkeypatch
   monkeypatch.chdir(tmp_path)
   away = {os.path.realpath(p) for p in (ROOT, CONFIGS, TESTS)}
   monkeypatch.setattr(sys, "path", [p for p in sys.path if os.path.realpath(p or ".") not in away])
-  for cached in ("common", "configs"):  # as a fresh process has them: not imported
-    monkeypatch.delitem(sys.modules, cached, raising=False)
   for name in ("virtex", "eval/voc07_svm"):
     spec = importlib.util.spec_from_file_location(f"test_configs_{name}", os.path.join(CONFIGS, f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.get_config("runlocal").evals, name
-  assert os.path.dirname(os.path.realpath(sys.modules["common"].__file__)) == os.path.realpath(CONFIGS)
+    assert os.path.realpath(module.common.__file__) == os.path.realpath(os.path.join(CONFIGS, "common.py")), name
+  assert "common" not in sys.modules  # found by path, not through sys.path
 
 
 def test_config_files_import_at_the_top():

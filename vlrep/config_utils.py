@@ -8,14 +8,22 @@ import os
 import ml_collections
 
 
-def sibling_config(this_file: str, name: str, arg: str | None = None) -> ml_collections.ConfigDict:
-  """get_config(arg) of the config file `name`.py beside `this_file`: one recipe built on another's (e.g. the
-  supervised reference on virtex.py:runlocal), without configs/ being an importable package."""
-  path = os.path.join(os.path.dirname(os.path.abspath(this_file)), f"{name}.py")
-  spec = importlib.util.spec_from_file_location(f"vlrep_config_{name}", path)
+def config_module(this_file: str, relative_path: str):
+  """The Python file at `relative_path` from `this_file`'s folder, loaded as a module: how a config file reaches
+  another (configs/common.py, a recipe built on another), since configs/ is no package and config files are loaded
+  by path from any working directory."""
+  path = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(this_file)), relative_path))
+  name = os.path.splitext(os.path.relpath(path, os.path.dirname(os.path.dirname(path))))[0]
+  spec = importlib.util.spec_from_file_location("vlrep_config_" + name.replace(os.sep, "_"), path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return module.get_config(arg)
+  return module
+
+
+def sibling_config(this_file: str, name: str, arg: str | None = None) -> ml_collections.ConfigDict:
+  """get_config(arg) of the config file `name`.py beside `this_file`: one recipe built on another's (e.g. the
+  supervised reference on virtex.py:runlocal)."""
+  return config_module(this_file, f"{name}.py").get_config(arg)
 
 
 def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:

@@ -8,19 +8,11 @@ Arguments: decoding=greedy|beam|nucleus, beam_size, limit (first N images), runl
 CIDEr-D and BLEU are computed in Python; METEOR (and SPICE) too when Java and pycocoevalcap are installed.
 """
 
-import os
-import sys
-
 from ml_collections import ConfigDict
 
-from vlrep.config_utils import parse_arg
+from vlrep.config_utils import config_module, parse_arg
 
-# Config files are loaded by path from any working directory, and configs/ is no package: it goes on sys.path so
-# that `common` (configs/common.py) imports.
-_CONFIGS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _CONFIGS not in sys.path:
-  sys.path.insert(0, _CONFIGS)
-import common  # noqa: E402
+common = config_module(__file__, "../common.py")  # the blocks every recipe shares
 
 
 def get_config(arg=None):

@@ -14,19 +14,11 @@ protocol; not with icmlm, whose protocol is pre-extracted features), epochs, run
 each scene's largest object, 10 classes).
 """
 
-import os
-import sys
-
 from ml_collections import ConfigDict
 
-from vlrep.config_utils import parse_arg
+from vlrep.config_utils import config_module, parse_arg
 
-# Config files are loaded by path from any working directory, and configs/ is no package: it goes on sys.path so
-# that `common` (configs/common.py) imports.
-_CONFIGS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _CONFIGS not in sys.path:
-  sys.path.insert(0, _CONFIGS)
-import common  # noqa: E402
+common = config_module(__file__, "../common.py")  # the blocks every recipe shares
 
 NUM_CLASSES = {"imagenet2012": 1000, "i_naturalist2018": 8142, "i_naturalist2017": 5089, "places365_small": 365}
 
