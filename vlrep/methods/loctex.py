@@ -26,35 +26,9 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from vlrep.methods.contrastive import info_nce
 from vlrep.models import special_tokens
 from vlrep.models.loctex import LocTexModel
-
-
-def info_nce(
-  image: jnp.ndarray,
-  text: jnp.ndarray,
-  temperature: float,
-  groups: int = 1,
-  symmetric: bool = False,
-  weights: jnp.ndarray | None = None,
-) -> jnp.ndarray:
-  """Mean InfoNCE of image i against caption i, with the other captions of its group (of `groups` equal,
-  contiguous parts of the batch) as negatives; cosine similarity / temperature. `symmetric` averages in the
-  caption -> image direction. `weights` [B] (0 or 1) drop rows from the mean (they remain negatives)."""
-  b = image.shape[0]
-  if b % groups:
-    raise ValueError(f"Batch {b} does not split into {groups} contrastive groups.")
-  normalize = lambda x: x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
-  img = normalize(image.astype(jnp.float32)).reshape(groups, b // groups, -1)
-  txt = normalize(text.astype(jnp.float32)).reshape(groups, b // groups, -1)
-  logits = jnp.einsum("gid,gjd->gij", img, txt) / temperature
-  diag = jnp.diagonal(logits, axis1=1, axis2=2)
-  per_row = jax.nn.logsumexp(logits, axis=2) - diag
-  if symmetric:
-    per_row = 0.5 * (per_row + jax.nn.logsumexp(logits, axis=1) - diag)
-  w = jnp.ones((b,), jnp.float32) if weights is None else weights.astype(jnp.float32)
-  return jnp.sum(per_row.reshape(b) * w) / jnp.maximum(jnp.sum(w), 1.0)
-
 
 LOCALIZATION_NORMS = ("caption", "traced")
 
