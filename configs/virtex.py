@@ -9,6 +9,9 @@ On the embedded synthetic_scenes dataset, sized for a 2-core CPU (about 4 minute
 
 Ablations (arguments combine with commas; any key can also be overridden with --config.KEY=VALUE):
   task=bicaptioning|captioning|token_classification|masked_lm   pretraining task (Fig. 5a)
+  task=cappa                                                      CapPa (Tschannen et al. 2023): the forward
+                                                                  captioner with parallel prediction on 75% of
+                                                                  each batch (method.cappa_parallel_fraction)
   hidden=512|768|1024|2048  layers=1|2|3|4                        textual head width/depth (Fig. 5c)
   backbone=r50|r101|r50w2x                                        visual backbone (Fig. 5b)
   captions=1|5                                                    captions per image used for training
@@ -70,6 +73,7 @@ def get_config(arg=None):
     mask_prob=0.15,  # masked_lm: share of the tokens predicted; of those, BERT's 80% [MASK] / 10% random / 10% kept
     mask_token_prob=0.8,
     random_token_prob=0.1,
+    **({"cappa_parallel_fraction": 0.75} if arg.task == "cappa" else {}),  # CapPa's share of parallel examples
     dtype="bfloat16",
     # Per-GPU BatchNorm with 32 images per GPU in the paper; 0 = synchronised over the whole batch. The official
     # code builds torchvision's ResNet with zero_init_residual=True: each block's last BN starts at scale 0.
@@ -106,8 +110,8 @@ def get_config(arg=None):
 
   # VOC07 linear SVM on frozen pooled features; the best checkpoint is kept by its score (paper: early stopping).
   c.evals = dict(probe=common.probe_eval())
-  # Captioning metrics of the forward model on val2017 at the end of training (bicaptioning/captioning only).
-  if arg.task in ("bicaptioning", "captioning"):
+  # Captioning metrics of the forward model on val2017 at the end of training (the tasks with a forward captioner).
+  if arg.task in ("bicaptioning", "captioning", "cappa"):
     c.evals.captioning = common.captioning_eval(every_steps=0)
   # The best checkpoint by the probe's cross-validated score on VOC07 trainval. Appendix A.4 instead keeps the best
   # by VOC07 test mAP (its tables' numbers): `--config.best_metric=probe/map --config.select_on_test=True`.

@@ -6,6 +6,14 @@ Tasks (config `method.task`):
   token_classification  bag-of-tokens prediction from pooled features (caption structure ignored).
   masked_lm             one bidirectional transformer predicts 15% of the tokens, masked as BERT (80% [MASK],
                         10% a random token, 10% kept).
+  cappa                 CapPa (Tschannen et al. 2023): the forward captioner, trained on a share of each batch
+                        (`cappa_parallel_fraction`, the paper's 0.75, drawn per example) by parallel prediction:
+                        the decoder's input is [MASK] at every position and its self-attention is not causal, so
+                        every word is predicted from the image and its position alone; the other examples are
+                        teacher-forced under the causal mask. One cross-entropy over every caption token of the
+                        batch. Decoded (and scored) autoregressively, as the paper does.
+
+`caption_log_likelihood` scores given captions under the forward captioner (captioning, bicaptioning, cappa).
 """
 
 from __future__ import annotations
@@ -17,8 +25,28 @@ import ml_collections
 from vlrep.models import special_tokens
 from vlrep.models.virtex import VirTexModel
 
-TASKS = ("bicaptioning", "captioning", "token_classification", "masked_lm")
-_DIRECTIONS = {"bicaptioning": ("forward", "backward"), "captioning": ("forward",), "masked_lm": ("bidirectional",)}
+TASKS = ("bicaptioning", "captioning", "token_classification", "masked_lm", "cappa")
+_DIRECTIONS = {
+  "bicaptioning": ("forward", "backward"),
+  "captioning": ("forward",),
+  "masked_lm": ("bidirectional",),
+  "cappa": ("forward",),
+}
+CAPPA_PARALLEL_FRACTION = 0.75  # the paper's share of parallel-prediction examples
+
+
+def cappa_inputs(tokens, rng, parallel_fraction: float):
+  """CapPa's decoder inputs for captions [B, T+1]: (inputs [B, T], padding [B, T], parallel [B] bool).
+
+  Each example is drawn parallel with probability `parallel_fraction`. A parallel row's input is [MASK] at every
+  position and it has no padding: its self-attention (not causal) sees all T positions, as the paper's decoder
+  sees its whole all-[MASK] input; which of them hold caption words would tell it the caption's length. An
+  autoregressive row is the teacher-forced prefix [SOS] c1..cT with its padding, under the causal mask."""
+  prefix = tokens[:, :-1]
+  parallel = jax.random.bernoulli(rng, parallel_fraction, tokens.shape[:1])
+  inputs = jnp.where(parallel[:, None], jnp.asarray(special_tokens.MASK_ID, prefix.dtype), prefix)
+  padding = (prefix == special_tokens.PAD_ID) & ~parallel[:, None]
+  return inputs, padding, parallel
 
 
 def reverse_captions(tokens: jnp.ndarray) -> jnp.ndarray:
@@ -66,6 +94,9 @@ class VirTex:
   def __init__(self, config: ml_collections.ConfigDict, vocab_size: int):
     if config.task not in TASKS:
       raise ValueError(f"Unknown VirTex task {config.task!r}; known: {TASKS}")
+    self.parallel_fraction = config.get("cappa_parallel_fraction", CAPPA_PARALLEL_FRACTION)
+    if config.task == "cappa" and not 0.0 <= self.parallel_fraction <= 1.0:
+      raise ValueError(f"cappa_parallel_fraction={self.parallel_fraction} is a probability: 0..1.")
     self.config = config
     self.vocab_size = vocab_size
     self.model = VirTexModel(
@@ -102,11 +133,23 @@ class VirTex:
     mask_rng, dropout_rng = jax.random.split(rng)
     tokens = batch["tokens"]
     valid_caption = ~batch["stat_empty"] if "stat_empty" in batch else jnp.ones(tokens.shape[:1], bool)
-    tokens_in, padding, is_masked = self._inputs(tokens, mask_rng)
-    (logits, _), new_state = self.model.apply(
-      variables, batch["image"], tokens_in, padding, train=train, rngs={"dropout": dropout_rng}, mutable=["batch_stats"]
-    )
     task = self.config.task
+    causal, parallel = None, None
+    if task == "cappa":
+      inputs, pad, parallel = cappa_inputs(tokens, mask_rng, self.parallel_fraction)
+      tokens_in, padding, causal = {"forward": inputs}, {"forward": pad}, {"forward": ~parallel}
+    else:
+      tokens_in, padding, is_masked = self._inputs(tokens, mask_rng)
+    (logits, _), new_state = self.model.apply(
+      variables,
+      batch["image"],
+      tokens_in,
+      padding,
+      train=train,
+      causal_by_direction=causal,
+      rngs={"dropout": dropout_rng},
+      mutable=["batch_stats"],
+    )
     metrics = {}
     if task == "token_classification":
       targets = jax.nn.one_hot(tokens, self.vocab_size).max(axis=1).at[:, : special_tokens.NUM_SPECIAL].set(0)
@@ -126,6 +169,13 @@ class VirTex:
         d_loss = _token_cross_entropy(logits[direction], targets, weights)
         metrics[f"{direction}_loss"] = d_loss
         loss = loss + d_loss
+        if parallel is not None:
+          # Each kind's loss over its own rows' tokens; 0 in a batch that drew none of that kind.
+          metrics["parallel_loss"] = _token_cross_entropy(logits[direction], targets, weights * parallel[:, None])
+          metrics["autoregressive_loss"] = _token_cross_entropy(
+            logits[direction], targets, weights * ~parallel[:, None]
+          )
+          metrics["parallel_share"] = jnp.mean(parallel.astype(jnp.float32))
     return loss, metrics, new_state
 
   def features(self, variables, images) -> dict:
@@ -133,9 +183,32 @@ class VirTex:
     grid, aux = self.model.apply(variables, images, False, method=VirTexModel.encode_image)
     return {"pre_logits": aux["pre_logits"], "grid": grid.astype(jnp.float32)}
 
+  def caption_log_likelihood(self, variables, images, tokens) -> jnp.ndarray:
+    """log p(caption | image) [B] float32 of captions [B, T] ([SOS] c1..cn [EOS] [PAD]..): the sum of log
+    p(token | image, prefix) over the tokens after [SOS] up to and including the first [EOS], padding excluded,
+    teacher-forced under the causal mask with inference BatchNorm and no dropout. The forward captioner scores for
+    every captioning task (bicaptioning's backward decoder is not used; CapPa's is its autoregressive mode, the one
+    it decodes with). Jittable."""
+    task = self.config.task
+    if "forward" not in _DIRECTIONS.get(task, ()):
+      raise ValueError(
+        f"VirTex task {task!r} has no caption likelihood: it needs a forward captioner (tasks "
+        f"{', '.join(t for t in TASKS if 'forward' in _DIRECTIONS.get(t, ()))})."
+      )
+    visual = self.model.apply(variables, images, method=VirTexModel.project_visual)
+    logits, _ = self.model.apply(variables, visual, tokens[:, :-1], method=VirTexModel.text_logits)
+    targets = tokens[:, 1:]
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    token_logp = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    is_eos = targets == special_tokens.EOS_ID
+    up_to_eos = (jnp.cumsum(is_eos, axis=1) - is_eos) == 0
+    weights = up_to_eos & (targets != special_tokens.PAD_ID)
+    return jnp.sum(jnp.where(weights, token_logp, 0.0), axis=1)
+
   # -- helpers ------------------------------------------------------------------------------------------
   def _inputs(self, tokens, rng):
-    """(tokens, padding) per direction: teacher-forced prefixes, or masked captions (+ the mask) for masked LM."""
+    """(tokens, padding) per direction: teacher-forced prefixes, or masked captions (+ the mask) for masked LM.
+    CapPa's training inputs are drawn in `loss` (cappa_inputs); its init builds the same model from the prefixes."""
     task = self.config.task
     if task == "token_classification":
       return None, None, None

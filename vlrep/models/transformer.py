@@ -159,6 +159,9 @@ class TransformerTextualHead(nn.Module):
     official_init: initialise as the official head effectively does: weights N(0, init_std) as always, but the
       feed-forward and output biases U(+-1/sqrt(fan_in)) (torch.nn.Linear's default, which the official
       `_init_weights` leaves alone) and the padding token's embedding row zero. Attention biases are zero in both.
+  `causal_by_direction` (optional, {direction: [B] bool}): per example, whether a forward/backward decoder keeps its
+  causal mask (True) or attends to every non-padding position (False: CapPa's parallel prediction); a direction
+  not in it is causal for every example.
   Returns logits[direction] [B, T, V] and aux {'<direction>/cross_attention': [L][B, heads, T, N]}.
   """
 
@@ -178,7 +181,14 @@ class TransformerTextualHead(nn.Module):
   padding_id: int = 0
 
   @nn.compact
-  def __call__(self, visual, tokens_by_direction: dict, padding_by_direction: dict, train: bool = False):
+  def __call__(
+    self,
+    visual,
+    tokens_by_direction: dict,
+    padding_by_direction: dict,
+    train: bool = False,
+    causal_by_direction: dict | None = None,
+  ):
     embedding = WordAndPositionEmbedding(
       self.vocab_size,
       self.hidden,
@@ -201,7 +211,10 @@ class TransformerTextualHead(nn.Module):
       keep = ~padding_by_direction[direction]
       mask = keep[:, None, None, :]
       if direction != "bidirectional":
-        mask = mask & jnp.tril(jnp.ones((t, t), bool))[None, None]
+        causal = jnp.tril(jnp.ones((t, t), bool))[None, None]
+        if causal_by_direction is not None and direction in causal_by_direction:
+          causal = causal | ~causal_by_direction[direction][:, None, None, None]
+        mask = mask & causal
       x = embedding(tokens, train)
       crosses = []
       for layer in range(self.num_layers):

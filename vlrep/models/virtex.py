@@ -88,12 +88,15 @@ class VirTexModel(nn.Module):
     logits, aux = self.textual_head(visual, {direction: tokens}, {direction: tokens == special_tokens.PAD_ID}, False)
     return logits[direction], aux[f"{direction}/cross_attention"]
 
-  def __call__(self, images, tokens_by_direction=None, padding_by_direction=None, train: bool = False):
+  def __call__(
+    self, images, tokens_by_direction=None, padding_by_direction=None, train: bool = False, causal_by_direction=None
+  ):
+    """`causal_by_direction`: per-example causal masks of the textual head (TransformerTextualHead; CapPa's)."""
     grid, aux = self.visual(images, train)
     if self.head == "linear":
       return self.classifier(aux["pre_logits"].astype(self.dtype)).astype(jnp.float32), aux
     b, h, w, c = grid.shape
     visual = self.visual_projection(grid.reshape(b, h * w, c))
-    logits, head_aux = self.textual_head(visual, tokens_by_direction, padding_by_direction, train)
+    logits, head_aux = self.textual_head(visual, tokens_by_direction, padding_by_direction, train, causal_by_direction)
     aux.update(head_aux)
     return logits, aux
