@@ -223,8 +223,10 @@ class _Contrastive:
     self.embed_texts = jax.jit(lambda v, t: method.embed(v, tokens=t)["text"])
 
   def classes(self, variables, tokens: np.ndarray, num_templates: int) -> np.ndarray:
-    n, size = len(tokens), self.batch_size
-    padded = np.concatenate([tokens, np.zeros((-n % size, tokens.shape[1]), tokens.dtype)])  # one shape: one compile
+    n = len(tokens)
+    size = min(self.batch_size, n)
+    # Padded with copies of the last prompt to one shape (one compile); an all-padding row could pool to NaN.
+    padded = np.concatenate([tokens, np.repeat(tokens[-1:], -n % size, 0)])
     emb = np.concatenate(
       [np.asarray(self.embed_texts(variables, padded[i : i + size])) for i in range(0, len(padded), size)]
     )
