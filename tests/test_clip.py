@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT, with_devices
+from conftest import ROOT, run_main, with_devices
 
 from vlrep.methods import contrastive
 
@@ -101,3 +101,32 @@ print(json.dumps({"devices": len(jax.devices()), "direct": float(direct[0]), "ri
   assert out["ring"] == pytest.approx(_np_sigmoid_loss(img, txt, 10.0, -10.0), rel=1e-5)
   assert out["ring"] == pytest.approx(out["direct"], rel=1e-6) and out["grad_diff"] < 1e-6
   assert out["permutes"] and not out["gathers"]
+
+
+# ---------------------------------------------------------------------------------------------------------- #
+# End to end.
+# ---------------------------------------------------------------------------------------------------------- #
+def test_clip_trains_resumes_and_exports_its_backbone(tmp_path):
+  """loss=softmax: the tiny run logs the learned temperature, evaluates (probe, retrieval with its own towers),
+  continues from its checkpoint when started again with more steps, and its backbone exports to torchvision."""
+  from vlrep import export
+
+  run = tmp_path / "run"
+  res = run_main(run, "--config.total_steps=2", config="tests/tiny_clip.py")
+  assert res.returncode == 0, res.stderr[-4000:]
+  assert "logit_scale" in res.stderr and "temperature" in res.stderr
+  again = run_main(run, config="tests/tiny_clip.py")  # total_steps 4: two more
+  assert again.returncode == 0 and "Resumed from step 2" in again.stderr, again.stderr[-4000:]
+  summary = json.loads((run / "summary.json").read_text())
+  assert summary["steps"] == 4
+  for key in ("probe/map", "retrieval/i2t_r1", "retrieval/rsum", "retrieval/i2t_r1_random_init"):
+    assert key in summary and np.isfinite(summary[key]), key
+  info = export.export(str(run), "torchvision", str(tmp_path / "backbone.safetensors"), "latest")
+  assert info["step"] == 4 and info["parameters"] > 0
+
+
+def test_siglip_trains_end_to_end(tmp_path):
+  res = run_main(tmp_path / "run", "--config.evals={}", config="tests/tiny_clip.py:loss=sigmoid")
+  assert res.returncode == 0, res.stderr[-4000:]
+  assert "sigmoid_loss" in res.stderr and "t_prime" not in res.stderr
+  assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 4
