@@ -103,6 +103,31 @@ print(json.dumps({"devices": len(jax.devices()), "direct": float(direct[0]), "ri
   assert out["permutes"] and not out["gathers"]
 
 
+def test_text_tower_reads_the_eos_state_under_a_causal_mask_and_attention_pooling_embeds():
+  """The scratch tower: a state sees only earlier tokens; the caption's embedding is its [EOS] state's, whatever
+  the padding; a word before [EOS] changes it. pool=attention gives the embedding from the grid."""
+  import jax
+  import tiny_clip
+
+  from vlrep import methods
+  from vlrep.models import special_tokens as st
+
+  method = methods.build(tiny_clip.get_config("pool=attention").method, 50)
+  images = np.random.default_rng(0).normal(size=(2, 32, 32, 3)).astype(np.float32)
+  caption = [st.SOS_ID, 7, 8, st.EOS_ID]
+  tokens = np.array([caption + [st.PAD_ID] * 2, [st.SOS_ID, 7, 9, st.EOS_ID, st.PAD_ID, st.PAD_ID]])
+  variables = method.init(jax.random.PRNGKey(0), {"image": images, "tokens": tokens})
+  text = np.asarray(method.embed(variables, tokens=tokens)["text"])
+  longer = np.array([caption + [st.PAD_ID] * 6])
+  np.testing.assert_allclose(np.asarray(method.embed(variables, tokens=longer)["text"])[0], text[0], atol=1e-5)
+  assert np.abs(text[0] - text[1]).max() > 1e-3
+  states = method.model.apply(variables, tokens, method=lambda m, t: m.textual(t))
+  np.testing.assert_allclose(np.asarray(states[0, :2]), np.asarray(states[1, :2]), atol=1e-6)  # causal
+  assert "attention_pool" in variables["params"] and "visual_projection" not in variables["params"]
+  image = np.asarray(method.embed(variables, images=images)["image"])
+  assert image.shape == (2, 16) and np.allclose(np.linalg.norm(image, axis=1), 1.0, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------------------- #
 # End to end.
 # ---------------------------------------------------------------------------------------------------------- #
@@ -112,21 +137,23 @@ def test_clip_trains_resumes_and_exports_its_backbone(tmp_path):
   from vlrep import export
 
   run = tmp_path / "run"
-  res = run_main(run, "--config.total_steps=2", config="tests/tiny_clip.py")
+  res = run_main(run, "--config.total_steps=2", "--config.evals={}", config="tests/tiny_clip.py")
   assert res.returncode == 0, res.stderr[-4000:]
   assert "logit_scale" in res.stderr and "temperature" in res.stderr
-  again = run_main(run, config="tests/tiny_clip.py")  # total_steps 4: two more
+  again = run_main(run, config="tests/tiny_clip.py")  # total_steps 4: two more, then the evaluators
   assert again.returncode == 0 and "Resumed from step 2" in again.stderr, again.stderr[-4000:]
   summary = json.loads((run / "summary.json").read_text())
   assert summary["steps"] == 4
-  for key in ("probe/map", "retrieval/i2t_r1", "retrieval/rsum", "retrieval/i2t_r1_random_init"):
+  for key in ("probe/map", "retrieval/i2t_r1", "retrieval/rsum", "probe/map_random_init"):
     assert key in summary and np.isfinite(summary[key]), key
   info = export.export(str(run), "torchvision", str(tmp_path / "backbone.safetensors"), "latest")
   assert info["step"] == 4 and info["parameters"] > 0
 
 
 def test_siglip_trains_end_to_end(tmp_path):
-  res = run_main(tmp_path / "run", "--config.evals={}", config="tests/tiny_clip.py:loss=sigmoid")
+  res = run_main(
+    tmp_path / "run", "--config.evals={}", "--config.total_steps=2", config="tests/tiny_clip.py:loss=sigmoid"
+  )
   assert res.returncode == 0, res.stderr[-4000:]
   assert "sigmoid_loss" in res.stderr and "t_prime" not in res.stderr
-  assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 4
+  assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 2
