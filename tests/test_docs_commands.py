@@ -304,6 +304,9 @@ COMMANDS: dict[str, object] = {
   "python -m vlrep.evaluate --config=configs/eval/retrieval.py:runlocal --workdir=/tmp/mct_local": Run(
     add=(*TINY_EVAL("vsepp"), "--config.evals.vsepp.fold_size=8"), expect="vsepp/"
   ),
+  "python -m vlrep.evaluate --config=configs/eval/zero_shot.py:runlocal --workdir=/tmp/virtex_local": Run(
+    add=(*TINY_EVAL("zero_shot"), *TINY_EVAL("zero_shot_multi")), expect="zero_shot/top1"
+  ),
   "python -m vlrep.evaluate --config=configs/eval/localization.py --workdir=/tmp/loctex_local": Run(
     add=TINY_EVAL("localization"),
     replace=(("configs/eval/localization.py", "configs/eval/localization.py:sizes=2+4"),),
@@ -321,6 +324,7 @@ COMMANDS: dict[str, object] = {
       "python -m vlrep.evaluate --config=configs/eval/voc07_svm.py:variant=icmlm --workdir=DIR",
       "python -m vlrep.evaluate --config=configs/eval/tagging.py --workdir=DIR",
       "python -m vlrep.evaluate --config=configs/eval/retrieval.py --workdir=DIR",
+      "python -m vlrep.evaluate --config=configs/eval/zero_shot.py --workdir=DIR",
     )
   },
   "python -m vlrep.evaluate --config=configs/eval/retrieval.py:protocol=towers --workdir=DIR": Refuses(

@@ -80,7 +80,7 @@ def selection_rule(evals_config, best_metric: str, select_on_test: bool = False)
     return f"none: best_metric {best_metric!r} names no evaluator of this config; the last checkpoint"
   cfg = evals_config[name]
   if metric in getattr(_module(cfg.type), "TEST_METRICS", ()):
-    split = f"{cfg.get('dataset', '?')} {cfg.get('test_split', '?')}"
+    split = f"{cfg.get('dataset', '?')} {cfg.get('test_split', cfg.get('split', '?'))}"
     if not select_on_test:
       raise UserError(
         f"best_metric {best_metric!r} is the score on {name}'s test split ({split}): choosing the checkpoint by it "
