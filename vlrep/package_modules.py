@@ -1,6 +1,6 @@
 """Lookup by module convention: which modules of a package define a given name (a method package's `Method`, an
-evaluator package's `Evaluator`), found by reading their source, not importing it, so listing what exists (an
-unknown name's error) costs no imports. A leaf: imports nothing of vlrep."""
+evaluator package's `Evaluator`, the methods with an `embed`), found by reading their source, not importing it, so
+listing what exists (an unknown name's error) costs no imports. A leaf: imports nothing of vlrep."""
 
 from __future__ import annotations
 
@@ -22,12 +22,22 @@ def binds(path: str, name: str) -> bool:
   return False
 
 
-def modules_defining(package_dir: str, name: str) -> tuple[str, ...]:
-  """The sorted names of the modules directly in `package_dir` that bind `name` at their top level."""
+def defines_function(path: str, name: str) -> bool:
+  """Whether the Python file at `path` defines a function or method `name` anywhere (e.g. a Method class's
+  optional `embed`), read, not run."""
+  with open(path, encoding="utf-8") as f:
+    tree = ast.parse(f.read(), path)
+  return any(isinstance(n, ast.FunctionDef) and n.name == name for n in ast.walk(tree))
+
+
+def modules_defining(package_dir: str, name: str, anywhere: bool = False) -> tuple[str, ...]:
+  """The sorted names of the modules directly in `package_dir` that bind `name` at their top level (or, with
+  `anywhere`, define a function or method of that name)."""
+  found = defines_function if anywhere else binds
   return tuple(
     sorted(
       m.name
       for m in pkgutil.iter_modules([package_dir])
-      if not m.ispkg and binds(os.path.join(package_dir, f"{m.name}.py"), name)
+      if not m.ispkg and found(os.path.join(package_dir, f"{m.name}.py"), name)
     )
   )

@@ -3,7 +3,7 @@
 Config: dataset, data_dir, config_name, split, pp (must produce 'image'), references ('captions'), decoding
 ('greedy' | 'beam' | 'nucleus'), beam_size, top_p, max_len, batch_size, limit (first N images; 0 = all),
 examples (how many decoded captions to log), every_steps, random_init.
-Needs a model with a forward captioning direction (VirTex 'captioning' or 'bicaptioning').
+Needs a model with a forward captioning direction (VirTex 'captioning', 'bicaptioning' or 'cappa').
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ def captioner_for(method, config):
   directions = getattr(model, "directions", ())
   if model is None or getattr(model, "head", None) != "transformer" or "forward" not in directions:
     raise ValueError(
-      "Captioning needs a model with a forward captioning head (VirTex task 'captioning' or 'bicaptioning'); "
+      "Captioning needs a model with a forward captioning head (VirTex task 'captioning', 'bicaptioning' or "
+      "'cappa'); "
       f"this run's method is {type(method).__name__} with directions {tuple(directions)}."
     )
   max_len = min(config.get("max_len", 30), model.max_len - 1)

@@ -29,7 +29,6 @@ length_normalize, batch_size, prompts_per_call (captioners: prompts scored per j
 
 from __future__ import annotations
 
-import ast
 import os
 import re
 import time
@@ -40,6 +39,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from absl import logging
 
+from vlrep import package_modules
 from vlrep.data import records
 from vlrep.errors import UserError
 from vlrep.evaluators.run_inputs import Model, RunInputs
@@ -181,19 +181,11 @@ def zero_shot_metrics(scores: np.ndarray, labels: np.ndarray) -> dict[str, float
 
 
 # -- the method's text side ----------------------------------------------------------------------------------------
-def _defines(path: str, name: str) -> bool:
-  """Whether a method module's source defines a function `name` (read, not imported)."""
-  with open(path, encoding="utf-8") as f:
-    tree = ast.parse(f.read(), path)
-  return any(isinstance(n, ast.FunctionDef) and n.name == name for n in ast.walk(tree))
-
-
 def methods_with_text_side() -> dict[str, list[str]]:
   """{scoring: [vlrep's method modules that define its function]}, read from vlrep/methods' source."""
   folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "methods")
-  files = sorted(f for f in os.listdir(folder) if f.endswith(".py") and not f.startswith("_"))
   return {
-    scoring: [f[:-3] for f in files if _defines(os.path.join(folder, f), attr)]
+    scoring: list(package_modules.modules_defining(folder, attr, anywhere=True))
     for scoring, attr in _SCORING_ATTR.items()
   }
 

@@ -52,7 +52,7 @@ def image_gain(
   if direction not in ("forward", "backward"):
     raise ValueError(f"direction must be 'forward' or 'backward', not {direction!r}.")
   run = runs.load_run(workdir, checkpoint)
-  if run.config.method.name != "virtex" or run.config.method.task not in ("bicaptioning", "captioning"):
+  if run.config.method.name != "virtex" or run.config.method.task not in ("bicaptioning", "captioning", "cappa"):
     raise ValueError(f"{workdir} is not a VirTex captioning run (method {run.config.method.name}).")
   if direction == "backward" and run.config.method.task != "bicaptioning":
     raise ValueError("--direction=backward needs a bicaptioning run.")
@@ -109,7 +109,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  flags.DEFINE_string("workdir", None, "A VirTex bicaptioning or captioning run's directory.")
+  flags.DEFINE_string("workdir", None, "A VirTex bicaptioning, captioning or cappa run's directory.")
   flags.DEFINE_string("split", "val", "Split whose captions are scored.")
   flags.DEFINE_integer("limit", 300, "First examples of the split (0: all).")
   flags.DEFINE_enum("direction", "forward", ["forward", "backward"], "Which captioning model.")
