@@ -128,6 +128,23 @@ def test_text_tower_reads_the_eos_state_under_a_causal_mask_and_attention_poolin
   assert image.shape == (2, 16) and np.allclose(np.linalg.norm(image, axis=1), 1.0, atol=1e-5)
 
 
+def test_recipe_follows_clip_and_runlocal_compares_with_virtex_runlocal():
+  from configs import clip as clip_config
+  from configs import virtex as virtex_config
+
+  recipe = clip_config.get_config()
+  o = recipe.optim
+  assert (o.name, o.weight_decay, o.b1, o.b2, o.eps, o.lr_groups) == ("adamw", 0.2, 0.9, 0.999, 1e-8, ((".*", 5e-4),))
+  assert recipe.method.loss == "softmax" and clip_config.get_config("loss=sigmoid").method.loss == "sigmoid"
+  assert clip_config.get_config("text=bert,bert=/b").tokenizer.to_dict() == {"kind": "wordpiece", "path": "/b"}
+  local, virtex = clip_config.get_config("runlocal"), virtex_config.get_config("runlocal")
+  assert local.method.backbone == virtex.method.backbone and local.data.pp == virtex.data.pp
+  assert (local.batch_size, local.total_steps) == (virtex.batch_size, virtex.total_steps)
+  for bad in ("loss=l2", "pool=max", "text=gpt"):
+    with pytest.raises(ValueError, match="Unknown"):
+      clip_config.get_config(bad)
+
+
 # ---------------------------------------------------------------------------------------------------------- #
 # End to end.
 # ---------------------------------------------------------------------------------------------------------- #
