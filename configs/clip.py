@@ -1,11 +1,13 @@
 r"""CLIP (Radford et al., 2021) and SigLIP (Zhai et al., ICCV 2023): contrastive image-text pretraining of a ResNet.
 
-Paper recipe: CLIP's ResNet-50 settings where they apply to COCO Captions train2017 (prepared with vlrep.data.prepare
---dataset=coco_captions2017; probe on VOC07); the deviations are tabled in docs/methods/clip.md. Train it with
-vlrep.main as every recipe: --config=configs/clip.py (CLIP) or --config=configs/clip.py:loss=sigmoid (SigLIP).
+Paper recipe: CLIP's ResNet-50 settings where they apply to COCO Captions train2017 (prepared with
+`python -m vlrep.data.prepare --dataset=coco_captions2017`; probe on VOC07); the deviations are tabled in
+docs/methods/clip.md:
+  python -m vlrep.main --config=configs/clip.py --workdir=gs://BUCKET/clip_r50
+  python -m vlrep.main --config=configs/clip.py:loss=sigmoid --workdir=gs://BUCKET/siglip_r50
 
-runlocal: the embedded synthetic_scenes dataset, sized like configs/virtex.py:runlocal (a 2-core CPU, a few
-minutes): --config=configs/clip.py:runlocal.
+On the embedded synthetic_scenes dataset, sized like configs/virtex.py:runlocal (a 2-core CPU, a few minutes):
+  python -m vlrep.main --config=configs/clip.py:runlocal --workdir=/tmp/clip_local
 
 Variants (arguments combine with commas; any key can also be overridden with --config.KEY=VALUE):
   loss=softmax|sigmoid   CLIP's symmetric cross-entropy over the global batch (learned temperature, init 0.07,

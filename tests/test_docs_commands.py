@@ -129,6 +129,7 @@ COMMANDS: dict[str, object] = {
     "python -m vlrep.main --config=configs/virtex.py:runlocal --workdir=/tmp/vlrep_virtex_local"
   ),
   "python -m vlrep.main --config=configs/loctex.py:runlocal --workdir=/tmp/loctex_local": Run(expect="Finished"),
+  "python -m vlrep.main --config=configs/clip.py:runlocal --workdir=/tmp/clip_local": Run(expect="Finished"),
   "python -m vlrep.main --config=configs/mct.py:runlocal --workdir=/tmp/mct_local": Run(expect="Finished"),
   "python -m vlrep.main --config=configs/icmlm.py:runlocal,variant=tp --workdir=/tmp/icmlm_tp": Run(expect="Finished"),
   "python -m vlrep.main --config=configs/icmlm.py:runlocal,variant=att_fc,warmup_frozen=150 "
@@ -197,6 +198,8 @@ COMMANDS: dict[str, object] = {
       "python -m vlrep.main --config=configs/loctex.py --workdir=$W/loctex",
       "python -m vlrep.main --config=configs/loctex.py --workdir=/runs/loctex_r50",
       "python -m vlrep.main --config=configs/loctex.py --workdir=gs://BUCKET/loctex_r50",
+      "python -m vlrep.main --config=configs/clip.py --workdir=gs://BUCKET/clip_r50",
+      "python -m vlrep.main --config=configs/clip.py:loss=sigmoid --workdir=gs://BUCKET/siglip_r50",
       "python -m vlrep.main --config=configs/mct.py:text=scratch --workdir=...",
       "python -m vlrep.main --config=configs/finetune.py --config.init_from=$W/virtex --workdir=$W/ft",
       "python -m vlrep.main --config=configs/finetune.py --config.init_from=/runs/virtex_r50 --workdir=/runs/inat_ft",
@@ -540,6 +543,7 @@ TINY_CONFIGS = (
   "icmlm",
   "finetune",
   "vlbert",
+  "clip",
 )  # tests/tiny_NAME.py = NAME.py:runlocal + tiny
 _PATHS = re.compile(r"gs://BUCKET/|/runs/|/tmp/|/data/|~/tensorflow_datasets|\$W/|\$R/|\$BERT\b|\$V\b")
 _PATH_TO = {
