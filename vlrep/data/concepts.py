@@ -295,7 +295,7 @@ def ensure_concepts(config, builder, tokenizer, bert_path: str = "") -> ConceptS
   if config.size < 1:
     raise ValueError(f"concepts.size must be >= 1; got {config.size}.")
   path = config.path or default_path(config, builder, getattr(tokenizer, "path", ""))
-  if not os.path.exists(path):
+  if records.as_process_0_sees(not os.path.exists(path)):
     if records.jax_process_index() == 0:
       captions = list(records.read_texts(builder, config.corpus_split, config.corpus_key))
       logging.info("Building concept set %s from %d captions.", path, len(captions))

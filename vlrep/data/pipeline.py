@@ -118,8 +118,10 @@ def get_builder(name: str, data_dir: str | None, config_name: str | None = None)
     return _tfds_builder(name, data_dir, config_name, registry)
   cls = registry[name]
   builder = cls(config=config_name, data_dir=data_dir) if config_name else cls(data_dir=data_dir)
-  if not builder.is_prepared():
-    if not getattr(cls, "generated_on_first_use", False):
+  generated = getattr(cls, "generated_on_first_use", False)
+  # A generated dataset: process 0 writes it while the others wait, so they all follow process 0's view.
+  if records.as_process_0_sees(not builder.is_prepared()) if generated else not builder.is_prepared():
+    if not generated:
       raise DatasetNotPrepared(
         f"Dataset {name!r} is not prepared in {data_dir}. Prepare it from your local copy with:\n  "
         f"{prepare_command(name)}"

@@ -26,6 +26,15 @@ def sync_hosts(tag: str) -> None:
     multihost_utils.sync_global_devices(tag)
 
 
+def as_process_0_sees(flag: bool) -> bool:
+  """Process 0's value of `flag` on every process (one broadcast when there are several). For "is this file
+  missing?" before process 0 writes it and the others wait at a sync point: each process looking for itself
+  races with the write, and a process that finds the file already written would skip the sync its peers wait at."""
+  if jax.process_count() == 1:
+    return flag
+  return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
+
+
 def split_name(split: str) -> tuple[str, float]:
   """'train', 'train[:10%]' or 'train[10%:]' -> (name, the fraction of the split it holds)."""
   name, skip, fraction = _split_parts(split)

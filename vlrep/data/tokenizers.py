@@ -208,7 +208,7 @@ def ensure_tokenizer(config, builder) -> Tokenizer:
       raise ValueError(f"tokenizer.special_tokens={special_tokens!r} needs tokenizer.path (the vocabulary file).")
     return Tokenizer(os.path.expanduser(config.path), special_tokens)
   path = config.path or default_path(config, builder)
-  if not os.path.exists(path):
+  if records.as_process_0_sees(not os.path.exists(path)):
     if not config.build_if_missing:
       raise FileNotFoundError(
         f"Tokenizer {path!r} does not exist. Build it with `python -m vlrep.tools.build_vocab --config=CONFIG`, "
