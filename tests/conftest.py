@@ -42,6 +42,8 @@ SLOWEST_FIRST = (
   "test_speed_tools.py",
   "test_export.py",
   "test_loctex.py",
+  "test_clip.py",
+  "test_cappa.py",
   "test_import_visual_bert.py",
   "test_architecture.py",
   "test_train.py",

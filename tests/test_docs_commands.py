@@ -420,13 +420,18 @@ COMMANDS: dict[str, object] = {
   "python -m vlrep.bench.benchmark --config=configs/virtex.py --config.batch_size=256 --steps=20 --windows=3": Run(
     add=TINY_BENCHMARK
   ),
-  "python -m vlrep.bench.benchmark --config=configs/virtex.py --profile --output_dir=/tmp/bench": Run(
-    add=TINY_BENCHMARK
-  ),
+  # Profiles and variants: test_speed_tools.py times variants round robin and profiles them through the same
+  # benchmark function these flags call (a tiny step each; another compile of the recipe here would add nothing).
   # The PyTorch reference mirrors the full ResNet-50 only (too slow to compile here twice).
-  "python -m vlrep.bench.benchmark --config=configs/virtex.py --torch_reference": Covered("tests/test_speed_tools.py"),
-  "python -m vlrep.bench.benchmark --config=configs/virtex.py --variant=f32:method.dtype=float32 "
-  "--variant=fsdp:sharding.params=fsdp": Run(add=TINY_BENCHMARK),
+  **{
+    c: Covered("tests/test_speed_tools.py")
+    for c in (
+      "python -m vlrep.bench.benchmark --config=configs/virtex.py --profile --output_dir=/tmp/bench",
+      "python -m vlrep.bench.benchmark --config=configs/virtex.py --torch_reference",
+      "python -m vlrep.bench.benchmark --config=configs/virtex.py --variant=f32:method.dtype=float32 "
+      "--variant=fsdp:sharding.params=fsdp",
+    )
+  },
   # --- Published checkpoints in and out (docs/interop.md): the files are not here, so each command refuses;
   # tests/test_import_run.py and tests/test_import_visual_bert.py run the same chain on checkpoints they write.
   **{
