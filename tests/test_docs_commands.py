@@ -129,7 +129,8 @@ COMMANDS: dict[str, object] = {
     "python -m vlrep.main --config=configs/virtex.py:runlocal --workdir=/tmp/vlrep_virtex_local"
   ),
   "python -m vlrep.main --config=configs/loctex.py:runlocal --workdir=/tmp/loctex_local": Run(expect="Finished"),
-  "python -m vlrep.main --config=configs/clip.py:runlocal --workdir=/tmp/clip_local": Run(expect="Finished"),
+  # tests/test_clip.py trains tests/tiny_clip.py (this command's smallest form) to the end, resumed, evaluated.
+  "python -m vlrep.main --config=configs/clip.py:runlocal --workdir=/tmp/clip_local": Covered("tests/test_clip.py"),
   "python -m vlrep.main --config=configs/mct.py:runlocal --workdir=/tmp/mct_local": Run(expect="Finished"),
   "python -m vlrep.main --config=configs/icmlm.py:runlocal,variant=tp --workdir=/tmp/icmlm_tp": Run(expect="Finished"),
   "python -m vlrep.main --config=configs/icmlm.py:runlocal,variant=att_fc,warmup_frozen=150 "
