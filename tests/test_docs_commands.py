@@ -484,6 +484,7 @@ COMMANDS: dict[str, object] = {
 # Sweeps and studies: dry runs (each resolves its runs' configs).
 _SWEEPS = """
 python -m vlrep.tools.sweep --config=configs/clip.py:runlocal --vary="loss=softmax" --seeds=0,1,2 --root=/tmp/r/clip --eval_config=configs/eval/zero_shot.py:runlocal --metrics=probe/map,probe/map_random_init,probe/map_val,zero_shot/top1,zero_shot/chance,zero_shot_multi/map,zero_shot_multi/chance
+python -m vlrep.tools.sweep --config=configs/clip.py:runlocal --vary="loss=sigmoid" --seeds=0,1,2 --root=/tmp/r/siglip --eval_config=configs/eval/zero_shot.py:runlocal --metrics=probe/map,probe/map_random_init,probe/map_val,zero_shot/top1,zero_shot/chance,zero_shot_multi/map,zero_shot_multi/chance
 python -m vlrep.tools.sweep --config=configs/finetune.py:runlocal,labels=presence --vary="steps=400" --seeds=0,1,2 --root=/tmp/supervised --metrics=probe/map,probe/map_val,probe/map_random_init
 python -m vlrep.tools.sweep --config=configs/finetune.py:runlocal,labels=presence --vary="steps=550" --seeds=0,1,2 --root=/tmp/r/supervised --metrics=probe/map,probe/map_val,probe/map_random_init
 python -m vlrep.tools.sweep --config=configs/icmlm.py:runlocal --vary="variant=text_only" --seeds=0,1,2 --root=$R/text_only --metrics=masked_tokens/top1,masked_tokens/top5
