@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from vlrep.models import bert as bert_lib
-from vlrep.models import resnet, special_tokens, transformer
+from vlrep.models import resnet, special_tokens
+from vlrep.models.loctex import TextEncoder
 
 POOLS = ("avg", "attention")
 LOSSES = ("softmax", "sigmoid")
@@ -61,33 +62,6 @@ class AttentionPool(nn.Module):
     return out[:, 0].astype(jnp.float32)
 
 
-class TextTransformer(nn.Module):
-  """Causal transformer over caption tokens -> the final states [B, T, hidden]."""
-
-  vocab_size: int
-  hidden: int = 512
-  num_layers: int = 12
-  num_heads: int = 8
-  mlp_dim: int | None = None
-  max_len: int = 77
-  dropout: float = 0.0
-  dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, tokens, train: bool = False):
-    t = tokens.shape[1]
-    causal = jnp.tril(jnp.ones((t, t), bool))[None, None]
-    mask = causal & (tokens != special_tokens.PAD_ID)[:, None, None, :]
-    x = transformer.WordAndPositionEmbedding(
-      self.vocab_size, self.hidden, self.max_len, self.dropout, self.dtype, name="embedding"
-    )(tokens, train)
-    for layer in range(self.num_layers):
-      x, _ = transformer.DecoderLayer(
-        self.num_heads, self.mlp_dim or 4 * self.hidden, self.dropout, False, self.dtype, name=f"layer{layer}"
-      )(x, None, mask, train)
-    return x
-
-
 def last_token_states(states, tokens):
   """The state of each caption's last non-padding token ([EOS]: the only one a causal mask lets see the whole
   caption; a caption the tokenizer cut keeps its last piece)."""
@@ -98,7 +72,7 @@ def last_token_states(states, tokens):
 class CLIPModel(nn.Module):
   vocab_size: int
   backbone: dict
-  text: dict  # TextTransformer fields: hidden, num_layers, num_heads, max_len, dropout (unused with `bert`)
+  text: dict  # loctex.TextEncoder fields: hidden, num_layers, num_heads, max_len, dropout (unused with `bert`)
   bert: bert_lib.BertConfig | None = None  # a pretrained BERT's config: the text tower is that BERT
   embed_dim: int = 1024
   pool: str = "avg"
@@ -118,7 +92,7 @@ class CLIPModel(nn.Module):
     if self.bert is not None:
       self.textual = bert_lib.BertEncoder(self.bert, dtype=self.dtype, name="textual")
     else:
-      self.textual = TextTransformer(self.vocab_size, **self.text, dtype=self.dtype, name="textual")
+      self.textual = TextEncoder(self.vocab_size, **self.text, dtype=self.dtype, causal=True, name="textual")
       self.text_ln = nn.LayerNorm(dtype=self.dtype, param_dtype=jnp.float32, name="text_ln")
     self.text_projection = self._projection("text_projection")
     constant = lambda v: nn.initializers.constant(v)

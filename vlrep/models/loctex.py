@@ -19,7 +19,8 @@ SCALE_TO_STAGE = {1: "stage4", 2: "stage3", 4: "stage2"}
 
 
 class TextEncoder(nn.Module):
-  """Bidirectional post-LN transformer encoder with GELU (VirTex's layers without cross-attention)."""
+  """Post-LN transformer encoder with GELU (VirTex's layers without cross-attention) -> the final states
+  [B, T, hidden]: bidirectional (LocTex), or `causal` (CLIP's text tower, pooled at [EOS])."""
 
   vocab_size: int
   hidden: int = 1024
@@ -29,11 +30,15 @@ class TextEncoder(nn.Module):
   max_len: int = 60
   dropout: float = 0.1
   dtype: Any = jnp.float32
+  causal: bool = False
 
   @nn.compact
   def __call__(self, tokens, train: bool = False):
     keep = tokens != special_tokens.PAD_ID
     mask = keep[:, None, None, :]
+    if self.causal:
+      t = tokens.shape[1]
+      mask = mask & jnp.tril(jnp.ones((t, t), bool))[None, None]
     x = transformer.WordAndPositionEmbedding(
       self.vocab_size, self.hidden, self.max_len, self.dropout, self.dtype, name="embedding"
     )(tokens, train)
