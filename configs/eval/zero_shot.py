@@ -18,6 +18,7 @@ In a training config's `evals`: `c.evals.update(config_module(__file__, "eval/ze
 from ml_collections import ConfigDict
 
 from vlrep.config_utils import config_module, parse_arg
+from vlrep.data.builders import voc2007
 
 common = config_module(__file__, "../common.py")  # the blocks every recipe shares
 
@@ -26,28 +27,8 @@ PHOTO_TEMPLATES = ("a photo of a {}.", "a picture of a {}.", "an image of a {}."
 # synthetic_scenes' captions: "there is a X and a Y.", "a picture of X.", "X and Y in a colorful scene.".
 SCENE_TEMPLATES = ("there is a {}.", "a picture of a {}.", "an image of a {}.", "a {} in a colorful scene.")
 # VOC2007's ClassLabel names are run together ('diningtable'); the prompts read them as words.
-VOC_NAMES = (
-  "aeroplane",
-  "bicycle",
-  "bird",
-  "boat",
-  "bottle",
-  "bus",
-  "car",
-  "cat",
-  "chair",
-  "cow",
-  "dining table",
-  "dog",
-  "horse",
-  "motorbike",
-  "person",
-  "potted plant",
-  "sheep",
-  "sofa",
-  "train",
-  "tv monitor",
-)
+_VOC_WORDS = {"diningtable": "dining table", "pottedplant": "potted plant", "tvmonitor": "tv monitor"}
+VOC_NAMES = tuple(_VOC_WORDS.get(name, name) for name in voc2007.CLASSES)
 EVAL_PP = "decode|resize_small(256)|central_crop(224)|normalize"
 
 
