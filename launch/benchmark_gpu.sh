@@ -10,6 +10,8 @@
 # timed window shares the device. The VirTex process is waited for; the others (references, other methods, XLA
 # flags) are killed and reported if still compiling DEADLINE_S seconds (default 330) after the start, and the rest
 # time without them. Results: OUT_DIR/*.json, profile.md, log.txt; a summary table at the end.
+# Every JAX process may grow to 75% of the card's memory: on one H200 the seven processes of all parts left MCT's
+# step without memory (docs/speed.md), so give `methods` a call of its own when running every part.
 # The speed switches this script once measured were removed (docs/speed.md); `git show aa09bc1:launch/benchmark_gpu.sh`
 # has the parts that measured them.
 # Needs JAX with the accelerator's plugin, flax, optax, ml_collections, sentencepiece and (for the reference)
