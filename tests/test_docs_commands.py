@@ -431,6 +431,8 @@ COMMANDS: dict[str, object] = {
       "python -m vlrep.bench.benchmark --config=configs/virtex.py --torch_reference",
       "python -m vlrep.bench.benchmark --config=configs/virtex.py --variant=f32:method.dtype=float32 "
       "--variant=fsdp:sharding.params=fsdp",
+      # MCT's step with tags and the text tower from scratch: tiny_mct (runlocal's tags and scratch tower) there.
+      "python -m vlrep.bench.benchmark --config=configs/mct.py:text=scratch,tags=True",
     )
   },
   # --- Published checkpoints in and out (docs/interop.md): the files are not here, so each command refuses;
