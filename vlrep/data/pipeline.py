@@ -233,6 +233,7 @@ def stream_dataset(
       pos, tf.stack([tf.constant(seed * 1_000_003 + host_index, tf.int64), epoch]), tf.constant(n - 1, tf.int64)
     )
 
+  @tf.autograph.experimental.do_not_convert  # graph code: AutoGraph skipped, as in registry.parse
   def make_example(i, index, record):
     ex = make_raw_example(index, record)
     # Augmentation seed: the example's position in the global stream.
@@ -385,6 +386,7 @@ def eval_batches(
   preprocess = registry.parse(pp, context)
   tf_fields = _tf_fields(preprocess, fields)
 
+  @tf.autograph.experimental.do_not_convert  # graph code: AutoGraph skipped, as in registry.parse
   def make_example(ser):
     ex = builder.info.features.deserialize_example(ser, decoders=decoders)
     ex["_rng"] = tf.zeros([2], tf.int64)
