@@ -27,9 +27,8 @@ import pytest  # noqa: E402
 # the few long multi-process tests last and leave one worker idle for minutes).
 SLOWEST_FIRST = (
   "test_docs_commands.py",
-  "test_vlbert.py",
-  "test_multihost_faults.py",
   "test_multihost.py",
+  "test_vlbert.py",
   "test_faults.py",
   "test_mct.py",
   "test_own_data.py",

@@ -476,7 +476,7 @@ COMMANDS: dict[str, object] = {
   "--overrides=total_steps=200,checkpoint.every_steps=4,evals.probe.every_steps=20": Covered("tests/test_faults.py"),
   "python -m vlrep.bench.faults --config=tests/tiny_virtex.py --workdir=/tmp/faults2 --kills=22 --seed=0 "
   "--processes=2 --overrides=total_steps=300,checkpoint.every_steps=4,evals.probe.every_steps=20": Covered(
-    "tests/test_multihost_faults.py"
+    "tests/test_multihost.py"
   ),
   "python -m vlrep.bench.scale_test --workdir=/tmp/vlrep_scale --sizes=20k,200k --steps=300": Covered(
     "tests/test_multihost.py"

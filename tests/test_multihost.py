@@ -1,5 +1,8 @@
 """Multi-process training on one machine: two CPU processes form one JAX distributed runtime (coordinator on
-127.0.0.1), exactly as hosts of a pod or cluster do, and the failures a launch can meet end in bounded time."""
+127.0.0.1), exactly as hosts of a pod or cluster do; the failures a launch can meet end in bounded time, and
+preemption and faults across the processes (the fault harness, vlrep.bench.faults; the 22-fault table of
+docs/reliability.md runs the same harness with more faults) lose nothing. One file, so that its two-process
+launches run one after the other on one test worker rather than beside each other."""
 
 import os
 import re
@@ -10,7 +13,7 @@ import time
 import pytest
 from conftest import ROOT, with_devices
 
-from vlrep.bench import scale_test
+from vlrep.bench import faults, scale_test
 
 CONFIG = os.path.join(ROOT, "tests", "tiny_virtex.py")
 OVERRIDES = ["--config=tests/tiny_virtex.py", "--config.evals={}", "--config.checkpoint.every_steps=4"]
@@ -102,3 +105,32 @@ def test_scale_test_refuses_a_kill_with_no_checkpoint_before_it(tmp_path):
     with pytest.raises(ValueError, match="the kill needs a checkpoint"):
       scale_test.scale_test(str(tmp_path), str(tmp_path / "data"), ["2k"], steps, CONFIG, [], checkpoint_every=every)
   assert not (tmp_path / "data").exists() and not (tmp_path / "2k_disk").exists()
+
+
+def test_sigterm_to_one_process_stops_both_after_one_step_and_a_kill_mid_save_loses_nothing(tmp_path):
+  """The fault harness on two processes (one device each), two faults: SIGTERM to process 1 mid-training, then
+  SIGKILL of process 0 right after a checkpoint step's line (its save under way). Both processes stop after the same
+  step, saved once, exit 0 within the deadline; after the kill process 1 stops by itself within the heartbeat
+  timeout; each relaunch resumes from the newest intact checkpoint; the end equals an uninterrupted pair's bit for
+  bit."""
+  plan = [
+    faults.Fault("sigterm", "train", delay=0.2, target="1", at_step=3),
+    faults.Fault("sigkill", "checkpoint", delay=0.05, target="0"),
+  ]
+  # 40 steps: JAX's notice reaches the other process up to ~1 s after the signal, tens of tiny steps.
+  overrides = ["total_steps=40", "checkpoint.every_steps=8", "evals={}"]
+  result = faults.harness(CONFIG, str(tmp_path), kills=2, overrides=overrides, processes=2, plan=plan)
+  table = faults.table(result)
+  assert result["ok"] and result["equal"], table
+  term, kill = result["faults"]
+  assert term["injected"] and term["exit_codes"] == [0, 0], table
+  # The agreed step: both say they stopped after it, it is the one new checkpoint, summary.json says it.
+  assert len(set(term["stopped_at"])) == 1 and term["stopped_at"][0] == term["newest_after"] > 0, term
+  assert term["exit_seconds"] < result["deadline_secs"], term
+  log0, log1 = (tmp_path / "faulty.log").read_text(), (tmp_path / "faulty.1.log").read_text()
+  # Process 0 never got the signal: it heard of it from JAX's preemption service.
+  assert "Preemption notice (SIGTERM to a process at" in log0 and "Preemption notice" in log1
+  assert f"Checkpoint at step {term['stopped_at'][0]} saved after SIGTERM" in log0
+  assert kill["injected"] and kill["exit_codes"][0] == -9 and kill["exit_codes"][1] != 0, table
+  assert kill["exit_seconds"] < result["heartbeat_timeout"] + 30, kill
+  assert kill["resumed_from"] == kill["newest_after"] >= term["newest_after"], kill
