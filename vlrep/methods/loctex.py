@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from vlrep.methods.contrastive import info_nce
+from vlrep.methods.contrastive import info_nce, l2_normalize
 from vlrep.models import special_tokens
 from vlrep.models.loctex import LocTexModel
 
@@ -127,9 +127,9 @@ class LocTex:
     """l2-normalised L_C embeddings of images and/or captions (the retrieval evaluator's towers)."""
     out = {}
     if images is not None:
-      out["image"] = _l2_normalize(self.model.apply(variables, images, method=LocTexModel.embed_images))
+      out["image"] = l2_normalize(self.model.apply(variables, images, method=LocTexModel.embed_images))
     if tokens is not None:
-      out["text"] = _l2_normalize(self.model.apply(variables, tokens, method=LocTexModel.embed_texts))
+      out["text"] = l2_normalize(self.model.apply(variables, tokens, method=LocTexModel.embed_texts))
     return out
 
   def attention(self, variables, images, tokens) -> dict:
@@ -143,10 +143,6 @@ class LocTex:
       r = int(round(logits.shape[2] ** 0.5))
       result[k] = jax.nn.softmax(logits, axis=2).reshape(*logits.shape[:2], r, r)
     return result
-
-
-def _l2_normalize(x, eps: float = 1e-12):
-  return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), eps)
 
 
 Method = LocTex  # what vlrep.methods.build instantiates for name "loctex"
