@@ -104,12 +104,11 @@ def load_tiny_config(arg=None):
   return tiny_virtex.get_config(arg)
 
 
-@pytest.fixture(scope="session")
-def tiny_virtex_run(tmp_path_factory):
-  """One default tiny VirTex run (`run_main` with no overrides: 6 steps, the probe and captioning evaluations),
-  trained once per test session and shared by every xdist worker (under a file lock in the session's shared temp
-  root): tests that only need *a* trained run read it; tests that change a run copy it first. Returns the
-  workdir and the run's console (returncode, stdout, stderr)."""
+def shared_run(tmp_path_factory, config: str):
+  """One default tiny run of `config` (tests/tiny_NAME.py, `run_main` with no overrides: a few steps and the
+  config's evaluations), trained once per test session and shared by every xdist worker (under a file lock in the
+  session's shared temp root): tests that only need *a* trained run read it; tests that change a run (resume it,
+  evaluate into it) copy it first. Returns the workdir and the run's console (returncode, stdout, stderr)."""
   import json
   import types
 
@@ -117,12 +116,31 @@ def tiny_virtex_run(tmp_path_factory):
 
   base = tmp_path_factory.getbasetemp()
   root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-  workdir, console = root / "tiny_virtex_run", root / "tiny_virtex_run.json"
-  with FileLock(str(root / "tiny_virtex_run.lock")):
+  name = os.path.splitext(os.path.basename(config))[0] + "_run"
+  workdir, console = root / name, root / f"{name}.json"
+  with FileLock(str(root / f"{name}.lock")):
     if not console.exists():
-      proc = run_main(workdir)
+      proc = run_main(workdir, config=config)
       console.write_text(json.dumps({"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}))
   return types.SimpleNamespace(workdir=workdir, **json.loads(console.read_text()))
+
+
+@pytest.fixture(scope="session")
+def tiny_virtex_run(tmp_path_factory):
+  """tests/tiny_virtex.py's shared run (6 steps, the probe and captioning evaluations): the quick start's."""
+  return shared_run(tmp_path_factory, "tests/tiny_virtex.py")
+
+
+@pytest.fixture(scope="session")
+def tiny_loctex_run(tmp_path_factory):
+  """tests/tiny_loctex.py's shared run: LocTex runlocal's documented command and its end-to-end test."""
+  return shared_run(tmp_path_factory, "tests/tiny_loctex.py")
+
+
+@pytest.fixture(scope="session")
+def tiny_mct_run(tmp_path_factory):
+  """tests/tiny_mct.py's shared run: MCT runlocal's documented command and its end-to-end test."""
+  return shared_run(tmp_path_factory, "tests/tiny_mct.py")
 
 
 @pytest.fixture(scope="session")
@@ -148,6 +166,12 @@ def run_main(workdir, *overrides, env=None, config="tests/tiny_virtex.py", timeo
   The process is forked from a command server that imported JAX, TensorFlow and the rest once per test worker, so
   a run skips those imports; it is otherwise `python -m vlrep.main` with these arguments, in this
   environment plus `env` (XLA_FLAGS in `env` are added to this process's)."""
+  return run_module("vlrep.main", f"--config={config}", f"--workdir={workdir}", *overrides, env=env, timeout=timeout)
+
+
+def run_module(module, *args, env=None, timeout=600):
+  """`python -m MODULE ARGS` as run_main runs vlrep.main: forked from the worker's command server (modules of tests/
+  are found too); a CompletedProcess."""
   import subprocess
   import tempfile
 
@@ -159,7 +183,7 @@ def run_main(workdir, *overrides, env=None, config="tests/tiny_virtex.py", timeo
   extra = dict(env or {})
   if "XLA_FLAGS" in extra and "XLA_FLAGS" in os.environ:  # added to this process's flags, not replacing them
     extra["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {extra['XLA_FLAGS']}"
-  argv = ["vlrep.main", f"--config={config}", f"--workdir={workdir}", *overrides]
+  argv = [module, *args]
   with tempfile.TemporaryDirectory() as logs:
     out, err = os.path.join(logs, "stdout"), os.path.join(logs, "stderr")
     rc, _, stdout = _runner.run(argv, out, timeout, err=err, env=extra)

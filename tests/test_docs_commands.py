@@ -75,11 +75,13 @@ class Synopsis:
 
 @dataclasses.dataclass(frozen=True)
 class SessionRun:
-  """Run by the session's shared fixture `tiny_virtex_run` (tests/conftest.py: `python -m vlrep.main
-  --config=tests/tiny_virtex.py --workdir=...`, which is what this command becomes): its exit status and output are
-  checked; the run is the one later commands read."""
+  """Run by one of the session's shared runs (tests/conftest.py's `shared_run`: `python -m vlrep.main
+  --config=tests/tiny_NAME.py --workdir=...`, which is what this command becomes; other test files read the same
+  run): its exit status and output are checked; a copy of the run at the command's workdir is the one later
+  commands read."""
 
   expect: str = ""
+  config: str = "tiny_virtex"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,10 +130,14 @@ COMMANDS: dict[str, object] = {
   "python -m vlrep.main --config=configs/virtex.py:runlocal --workdir=/tmp/virtex_local": SameAs(
     "python -m vlrep.main --config=configs/virtex.py:runlocal --workdir=/tmp/vlrep_virtex_local"
   ),
-  "python -m vlrep.main --config=configs/loctex.py:runlocal --workdir=/tmp/loctex_local": Run(expect="Finished"),
+  "python -m vlrep.main --config=configs/loctex.py:runlocal --workdir=/tmp/loctex_local": SessionRun(
+    expect="Finished", config="tiny_loctex"
+  ),
   # tests/test_clip.py trains tests/tiny_clip.py (this command's smallest form) to the end, resumed, evaluated.
   "python -m vlrep.main --config=configs/clip.py:runlocal --workdir=/tmp/clip_local": Covered("tests/test_clip.py"),
-  "python -m vlrep.main --config=configs/mct.py:runlocal --workdir=/tmp/mct_local": Run(expect="Finished"),
+  "python -m vlrep.main --config=configs/mct.py:runlocal --workdir=/tmp/mct_local": SessionRun(
+    expect="Finished", config="tiny_mct"
+  ),
   "python -m vlrep.main --config=configs/icmlm.py:runlocal,variant=tp --workdir=/tmp/icmlm_tp": Run(expect="Finished"),
   "python -m vlrep.main --config=configs/icmlm.py:runlocal,variant=att_fc,warmup_frozen=150 "
   "--config.init_from=/tmp/icmlm_tp --workdir=/tmp/icmlm_attfc": Run(expect="Backbone initialised from"),
@@ -614,8 +620,8 @@ def check(command: str, entry, ctx: dict, runner: Runner, log: str) -> float:
   """Runs one documented command under its entry; an AssertionError says what went wrong, with the output."""
   if isinstance(entry, SessionRun):
     argv = argv_of(command, Run(), ctx)
-    assert argv[:2] == ["vlrep.main", "--config=tests/tiny_virtex.py"] and len(argv) == 3, argv
-    ran = ctx["tiny_virtex_run"]
+    assert argv[:2] == ["vlrep.main", f"--config=tests/{entry.config}.py"] and len(argv) == 3, argv
+    ran = ctx["session_runs"][entry.config]
     assert ran.returncode == 0, ran.stderr[-4000:]
     assert re.search(entry.expect, ran.stdout + ran.stderr), f"the output does not show /{entry.expect}/"
     return 0.0
@@ -690,14 +696,19 @@ def test_a_new_command_in_the_docs_without_an_entry_is_reported(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, tiny_virtex_run, tiny_builder, tiny_tokenizer):
+def world(tmp_path_factory, tiny_virtex_run, tiny_loctex_run, tiny_mct_run, tiny_builder, tiny_tokenizer):
   """The session's temp world the rewritten commands live in, and the command server."""
   from PIL import Image
 
   from vlrep.data import tokenizers
 
   tmp = tmp_path_factory.mktemp("docs_commands")
-  shutil.copytree(tiny_virtex_run.workdir, tmp / "vlrep_virtex_local")  # the quick start's run (it resumes)
+  session_runs = {"tiny_virtex": tiny_virtex_run, "tiny_loctex": tiny_loctex_run, "tiny_mct": tiny_mct_run}
+  # Each SessionRun command's run, copied to its documented workdir (a later command resumes or evaluates into it).
+  for command, entry in COMMANDS.items():
+    if isinstance(entry, SessionRun):
+      workdir = next(w for w in argv_of(command, Run(), {"tmp": str(tmp)}) if w.startswith("--workdir="))
+      shutil.copytree(session_runs[entry.config].workdir, workdir.removeprefix("--workdir="))
   rng = np.random.default_rng(0)
   Image.fromarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8)).save(tmp / "photo.jpg")
   Image.fromarray(rng.integers(0, 255, (40, 40, 3), dtype=np.uint8)).save(tmp / "photo.png")
@@ -724,7 +735,7 @@ def world(tmp_path_factory, tiny_virtex_run, tiny_builder, tiny_tokenizer):
     "own_data": str(own),
     "coco_json": str(tmp / "instances.json"),
     "vocab": tokenizers.default_path(tiny_virtex_run_config().tokenizer, tiny_builder),
-    "tiny_virtex_run": tiny_virtex_run,
+    "session_runs": session_runs,
   }
   (tmp / "home").mkdir()
   (tmp / "logs").mkdir()

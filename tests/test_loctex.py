@@ -3,13 +3,14 @@ Narratives from local files, and an end-to-end run."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import ROOT, run_main, with_devices
+from conftest import ROOT, with_devices
 from PIL import Image
 
 from vlrep.data import pipeline, prepare, records, registry, tokenizers, traces
@@ -442,9 +443,12 @@ def test_localized_narratives_from_local_files(tmp_path, tiny_tokenizer):
 # ---------------------------------------------------------------------------------------------------------- #
 # End to end.
 # ---------------------------------------------------------------------------------------------------------- #
-def test_loctex_main_end_to_end(tmp_path):
-  res = run_main(tmp_path / "run", config="tests/tiny_loctex.py")
+def test_loctex_main_end_to_end(tmp_path, tiny_loctex_run):
+  """The session's tiny LocTex run (tests/conftest.py's shared_run; also runlocal's documented command), copied:
+  the evaluation below writes into its run."""
+  res = tiny_loctex_run
   assert res.returncode == 0, res.stderr[-4000:]
+  shutil.copytree(res.workdir, tmp_path / "run")
   summary = json.loads((tmp_path / "run" / "summary.json").read_text())
   for key in ("probe/map", "localization/pointing_2x", "localization/iou_2x", "localization/chance_2x"):
     assert key in summary and np.isfinite(summary[key]), key

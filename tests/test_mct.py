@@ -4,14 +4,13 @@ captions/tags, retrieval metrics, and an end-to-end run whose resume restores th
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, run_main, with_devices
+from conftest import ROOT, run_main, run_module
 
 from vlrep.data import ops, registry  # noqa: F401  (ops registers the paraphrase ops)
 from vlrep.evaluators import retrieval
@@ -172,46 +171,12 @@ def test_momentum_update_is_exact():
 # ---------------------------------------------------------------------------------------------------------
 # Queues under sharding: 1 and 8 (fake) devices give a plain ring buffer.
 # ---------------------------------------------------------------------------------------------------------
-QUEUE_SCRIPT = r"""
-import json, sys
-import jax, numpy as np
-sys.path.insert(0, "tests")
-from test_mct import _tiny_method_and_batch
-from vlrep import sharding
-config, method, batch = _tiny_method_and_batch()
-mesh = sharding.make_mesh()
-k = config.method.queue_size
-variables = method.init(jax.random.PRNGKey(0), batch)
-state_sh = sharding.state_shardings(mesh, variables, "replicate", rules=((r"(^|/)queues/", ("data",)),))
-variables = jax.device_put(variables, state_sh)
-batch_sh = sharding.batch_sharding(mesh)
-step = jax.jit(lambda v, b, r: {**v, **method.loss(v, b, r, True)[2]}, in_shardings=(state_sh, batch_sh, None),
-               out_shardings=state_sh)
-rng = np.random.default_rng(1)
-tags_ring, valid_ring = np.zeros((k, 20), np.uint8), np.ones((k,), bool)
-ptr = 0
-for t in range(7):  # 7 batches of 8 into 32 slots: wraps around once
-  batch["tags"] = (rng.random((8, 20)) < 0.3).astype(np.uint8)
-  batch["stat_empty"] = rng.random(8) < 0.3
-  variables = step(variables, sharding.global_batch(batch, batch_sh), jax.random.PRNGKey(t))
-  tags_ring[ptr:ptr + 8], valid_ring[ptr:ptr + 8] = batch["tags"], ~batch["stat_empty"]
-  ptr = (ptr + 8) % k
-q = variables["queues"]
-np.testing.assert_array_equal(np.asarray(q["tags"]), tags_ring)
-np.testing.assert_array_equal(np.asarray(q["text_valid"]), valid_ring)
-assert int(q["ptr"]) == ptr == 24
-shard_rows = sorted({s.data.shape[0] for s in q["image_intra"].addressable_shards})
-print(json.dumps({"devices": jax.device_count(), "rows_per_device": shard_rows,
-                  "spec": str(q["image_intra"].sharding.spec),
-                  "image_intra": np.asarray(q["image_intra"]).round(5).tolist()}))
-"""
-
-
 def test_queue_order_and_wraparound_on_1_and_8_devices():
+  """tests/mct_queues.py on 1 and on 8 devices, each in a process of its own (a device count is set at start)."""
   results = []
   for n in (1, 8):
-    env = {**with_devices(n), "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", QUEUE_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True)
+    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", "JAX_PLATFORMS": "cpu"}
+    proc = run_module("mct_queues", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
   one, eight = results
@@ -261,20 +226,21 @@ def _restore(workdir, step):
   )
 
 
-def test_main_end_to_end_and_resume_restores_queues(tmp_path):
-  proc = run_main(tmp_path / "run", config="tests/tiny_mct.py")
+def test_main_end_to_end_and_resume_restores_queues(tmp_path, tiny_mct_run):
+  """The session's tiny MCT run (tests/conftest.py's shared_run; also runlocal's documented command)."""
+  proc, run = tiny_mct_run, tiny_mct_run.workdir
   assert proc.returncode == 0, proc.stderr[-3000:]
-  summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+  summary = json.loads((run / "summary.json").read_text())
   keys = ("probe/map", "retrieval/i2t_r1", "retrieval/t2i_r10", "retrieval/rsum", "retrieval/i2t_r1_random_init")
   keys += ("vsepp/i2t_r1", "vsepp/t2i_r10", "vsepp/train_pairs")
   for key in keys + ("tagging/miou3", "tagging/prior_miou10", "tagging/unseen_tags"):
     assert key in summary, sorted(summary)
   assert "retrieval/chance_r1" in summary and summary["steps"] == 6
-  final = _restore(tmp_path / "run", 6)
+  final = _restore(run, 6)
   queues = final["model_state"]["queues"]
   assert int(queues["ptr"]) == 6 * 8 % 32 and np.asarray(queues["tags"]).any()
   # Resume from step 3 (drop the step-6 checkpoint): the same final queues, momentum and parameters.
-  shutil.copytree(tmp_path / "run", tmp_path / "resumed", ignore=shutil.ignore_patterns("6", "best"))
+  shutil.copytree(run, tmp_path / "resumed", ignore=shutil.ignore_patterns("6", "best"))
   os.remove(tmp_path / "resumed" / "summary.json")
   again = run_main(tmp_path / "resumed", "--config.evals={}", config="tests/tiny_mct.py")
   assert again.returncode == 0 and "Resumed from step 3" in again.stderr, again.stderr[-3000:]
