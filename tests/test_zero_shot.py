@@ -151,11 +151,37 @@ def test_a_captioner_whose_likelihood_favours_the_right_class_scores_100():
   # The scores are the mean over templates of the prompts' log-likelihoods, each / its token count when normalised.
   tokens = prompt_tokens()
   assert zero_shot.prompt_lengths(tokens[:1]).tolist() == [6]  # "a photo of a circle." + [EOS], after [SOS]
-  plain = score(Captioner(), images[:1])
-  normalised = score(Captioner(), images[:1], length_normalize=True)
+  plain = score(Captioner(), images[:1], class_posterior=False)
+  normalised = score(Captioner(), images[:1], length_normalize=True, class_posterior=False)
   ll = np.asarray(Captioner().caption_log_likelihood({}, np.repeat(images[:1], len(tokens), 0), tokens))[None]
   assert plain == pytest.approx(zero_shot.template_mean(ll, 4))
   assert normalised == pytest.approx(zero_shot.template_mean(ll, 4, zero_shot.prompt_lengths(tokens)))
+  # By default each image's scores are its log posterior over the classes: they exponentiate to a distribution.
+  posterior = score(Captioner(), images[:1])
+  assert posterior == pytest.approx(plain - np.log(np.exp(plain).sum()))
+  assert np.exp(posterior).sum() == pytest.approx(1.0)
+
+
+def test_the_class_posterior_cancels_an_images_own_likelihood_scale():
+  """A busy scene (more objects) makes every short prompt less likely: raw log-likelihoods then rank images by how
+  busy they are first, by whether they hold the class only among equally busy ones (multi-label mAP far from 100).
+  The posterior over classes ranks them by the class again (mAP 100); top-1 is the same either way."""
+  rng = np.random.default_rng(3)
+  multi_hot = (rng.random((40, NUM_CLASSES)) < 0.3).astype(np.float32)
+  multi_hot[np.arange(40), rng.integers(0, NUM_CLASSES, 40)] = 1.0  # every image holds a class
+  busy = Captioner(image_fn=lambda x: x)
+  # Each present class adds 5 to its prompt's likelihood; each object present takes 20 from every prompt's.
+  busy.caption_log_likelihood = lambda v, images, tokens: (
+    Captioner().caption_log_likelihood(v, images, tokens) - 20.0 * jnp.sum(images, axis=1)
+  )
+  raw = score(busy, multi_hot, class_posterior=False)
+  posterior = score(busy, multi_hot)
+  raw_map = zero_shot.zero_shot_metrics(raw, multi_hot)
+  assert raw_map["map"] < 60.0, raw_map
+  assert zero_shot.zero_shot_metrics(posterior, multi_hot)["map"] == pytest.approx(100.0)
+  single = multi_hot.argmax(axis=1)
+  assert np.array_equal(raw.argmax(axis=1), posterior.argmax(axis=1))
+  assert zero_shot.zero_shot_metrics(posterior, single)["top1"] == zero_shot.zero_shot_metrics(raw, single)["top1"]
 
 
 def test_a_method_without_a_text_side_is_refused_naming_those_with_one():

@@ -7,7 +7,9 @@ log-likelihood given the image).
 
 Arguments: dataset (voc2007, multi-label: mAP; or any prepared TFDS classification set with 'image' and a 'label'
 ClassLabel, e.g. an ImageFolder-style set: top-1), split (voc2007: test; others: validation), length_normalize
-(captioners: each prompt's log-likelihood divided by its token count), limit (first N images; 0 = all), runlocal
+(captioners: each prompt's log-likelihood divided by its token count), posterior (captioners, default True: each
+image's log posterior over the classes rather than the raw log-likelihoods; chosen on synthetic_scenes' probe_val,
+docs/results/baselines.md), limit (first N images; 0 = all), runlocal
 (synthetic_scenes' probe_test in both label forms: `zero_shot`, the shape of each scene's most visible object, top-1
 with chance 10%; `zero_shot_multi`, every shape present, VOC form, mAP), labels=single|multi|both (runlocal).
 
@@ -33,7 +35,8 @@ EVAL_PP = "decode|resize_small(256)|central_crop(224)|normalize"
 
 
 def zero_shot_eval(**settings) -> dict:
-  """The evaluator's entry: a classification set's 'label', photo templates, no length normalisation."""
+  """The evaluator's entry: a classification set's 'label', photo templates, no length normalisation, a captioner's
+  scores as its class posterior."""
   return dict(
     dict(
       type="zero_shot",
@@ -50,6 +53,7 @@ def zero_shot_eval(**settings) -> dict:
       max_len=24,
       scoring="auto",
       length_normalize=False,
+      class_posterior=True,
       batch_size=256,
       prompts_per_call=64,
       limit=0,
@@ -59,10 +63,12 @@ def zero_shot_eval(**settings) -> dict:
 
 
 def get_config(arg=None):
-  arg = parse_arg(arg, runlocal=False, dataset="voc2007", split="", labels="both", length_normalize=False, limit=0)
+  arg = parse_arg(
+    arg, runlocal=False, dataset="voc2007", split="", labels="both", length_normalize=False, posterior=True, limit=0
+  )
   if arg.labels not in ("single", "multi", "both"):
     raise ValueError(f"Unknown labels={arg.labels!r}; expected 'single', 'multi' or 'both'.")
-  shared = dict(length_normalize=arg.length_normalize, limit=arg.limit)
+  shared = dict(length_normalize=arg.length_normalize, class_posterior=arg.posterior, limit=arg.limit)
   if arg.runlocal:
     # 64 px images as they are; the classes are the 10 shapes.
     local = dict(

@@ -12,7 +12,11 @@ How an image and a class are scored depends on what the method has (`scoring='au
   caption_log_likelihood   captioners (VirTex): the score is the mean over templates of log p(prompt | image), the
                            prompt's tokens after [SOS] up to [EOS] teacher-forced; with `length_normalize`, each
                            log-likelihood is divided by its prompt's token count first (so a class whose name has
-                           more pieces is not penalised for its length).
+                           more pieces is not penalised for its length). With `class_posterior` (the default), the
+                           scores are then each image's log posterior over the classes (a log-softmax over classes,
+                           a uniform prior): an image's own likelihood scale, e.g. a busy scene making every short
+                           prompt less likely, cancels, so one class's scores rank images by that class; top-1 is
+                           unchanged (the same order within each image).
 
 Metrics follow the label field the preprocessing gives (`label_key`): one class id per image (a scalar ClassLabel,
 or synthetic_scenes' `largest_object_label`) gives `top1` (%; a tie at the top shares its credit among the tied
@@ -23,8 +27,8 @@ positive rate, %: a random ranking's expected AP).
 
 Config: dataset, data_dir, config_name, split, pp (must give 'image' and `label_key`), label_key, class_key,
 class_names, templates, articles, max_len (prompt tokens), scoring ('auto' | 'embed' | 'caption'),
-length_normalize, batch_size, prompts_per_call (captioners: prompts scored per jitted call), limit (first N images;
-0 = all), every_steps.
+length_normalize, class_posterior, batch_size, prompts_per_call (captioners: prompts scored per jitted call), limit
+(first N images; 0 = all), every_steps.
 """
 
 from __future__ import annotations
@@ -129,6 +133,13 @@ def template_mean(prompt_scores: np.ndarray, num_templates: int, lengths: np.nda
   return s.reshape(len(s), -1, num_templates).mean(axis=2)
 
 
+def class_posterior(scores: np.ndarray) -> np.ndarray:
+  """[N, C] log-likelihoods -> [N, C] log p(class | image) under a uniform class prior: a log-softmax over classes."""
+  s = np.asarray(scores, np.float64)
+  top = s.max(axis=1, keepdims=True)
+  return s - top - np.log(np.exp(s - top).sum(axis=1, keepdims=True))
+
+
 def prompt_lengths(tokens: np.ndarray) -> np.ndarray:
   """The tokens a caption log-likelihood sums over: those after [SOS], up to and including [EOS]."""
   return (np.asarray(tokens) != special_tokens.PAD_ID).sum(axis=1) - 1
@@ -229,11 +240,13 @@ class _Contrastive:
 
 
 class _Captioner:
-  """Mean over templates of the prompts' log-likelihoods given each image."""
+  """Mean over templates of the prompts' log-likelihoods given each image (as each image's posterior over the
+  classes with `posterior`)."""
 
-  def __init__(self, method, prompts_per_call: int, length_normalize: bool):
+  def __init__(self, method, prompts_per_call: int, length_normalize: bool, posterior: bool):
     self.per_call = prompts_per_call
     self.length_normalize = length_normalize
+    self.posterior = posterior
 
     def grid(v, images, tokens):  # [B, ...], [K, L] -> [B, K]: every image with every prompt
       pairs = lambda t: method.caption_log_likelihood(v, images, jnp.broadcast_to(t, (images.shape[0], t.shape[0])))
@@ -253,7 +266,8 @@ class _Captioner:
     ll = np.concatenate(
       [np.asarray(self.grid(variables, images, padded[i : i + size])) for i in range(0, len(padded), size)], axis=1
     )
-    return template_mean(ll[:, :n], num_templates, lengths)
+    scores = template_mean(ll[:, :n], num_templates, lengths)
+    return class_posterior(scores) if self.posterior else scores
 
 
 def scorer(method, config):
@@ -262,7 +276,12 @@ def scorer(method, config):
   kind = scoring_of(method, config.get("scoring", "auto"))
   if kind == "embed":
     return _Contrastive(method, config.get("batch_size", 256))
-  return _Captioner(method, config.get("prompts_per_call", 64), config.get("length_normalize", False))
+  return _Captioner(
+    method,
+    config.get("prompts_per_call", 64),
+    config.get("length_normalize", False),
+    config.get("class_posterior", True),
+  )
 
 
 # -- the evaluator -------------------------------------------------------------------------------------------------
