@@ -539,10 +539,16 @@ def test_sweep_over_seeds_runs_each_seed_and_tabulates_means(tmp_path, monkeypat
   assert "| tfm | 31.00 ± 1.00 (30.00 / 31.00 / 32.00) |" in table  # sample std
   assert "| att_fc | 20.50 ± 0.71 (20.00 / 21.00 / —) |" in table  # the missing seed is shown and left out of the mean
   assert os.path.getsize(png) > 1000
-  # Finished runs are not started again.
+  # Finished runs are not started again; with an eval config, only those whose summary lacks a requested metric
+  # are evaluated (att_fc's seed 2 has no probe/map), and only evaluated.
   calls.clear()
+  evaluated = []
+  monkeypatch.setattr(sweep, "evaluate_run", lambda eval_config, workdir: evaluated.append(os.path.basename(workdir)))
   sweep.sweep("configs/icmlm.py:runlocal", "variant=tfm att_fc", str(tmp_path), ["probe/map"], seeds=["0", "1", "2"])
-  assert calls == []
+  sweep.sweep("configs/icmlm.py:runlocal", "variant=tfm", str(tmp_path), ["probe/map"], "e.py", seeds=["0", "1"])
+  assert calls == [] and evaluated == []
+  sweep.sweep("configs/icmlm.py:runlocal", "variant=att_fc", str(tmp_path), ["probe/map"], "e.py", seeds=["0", "2"])
+  assert calls == [] and evaluated == ["variantatt_fc_s2"]
   with pytest.raises(ValueError, match="distinct"):
     sweep.sweep("c.py", "a=1", str(tmp_path), ["m"], seeds=["1", "1"])
   with pytest.raises(ValueError, match="integers"):

@@ -17,7 +17,8 @@ r"""Runs a family of configs and collects their metrics into one markdown table 
       --seeds=0,1,2 --overrides="init_from=R/tp/tagspostag{suffix}" --root=R/icmlm
 
 Each variant trains with `python -m vlrep.main` into ROOT/<name> (finished runs are skipped, interrupted ones
-resume), then an optional --eval_config runs `python -m vlrep.evaluate` on it. The table (ROOT/sweep.md) has one
+resume), then an optional --eval_config runs `python -m vlrep.evaluate` on it (on a finished run too when its
+summary lacks one of --metrics: an evaluation added to runs already trained). The table (ROOT/sweep.md) has one
 row per variant and one column per metric from the runs' summary.json; the plot (ROOT/sweep.png) draws each
 metric against the first varied argument. With --seeds, seed 0 trains into ROOT/<name> and seed N into
 ROOT/<name>_sN with `--config.seed=N` (the convention of vlrep.tools.vl_study); in --overrides, `{seed}` becomes
@@ -144,9 +145,14 @@ def run_variant(
   logging.info("Running %s", " ".join(cmd))
   subprocess.run(cmd, check=True)
   if eval_config:
-    subprocess.run(
-      [sys.executable, "-m", "vlrep.evaluate", f"--config={eval_config}", f"--workdir={workdir}"], check=True
-    )
+    evaluate_run(eval_config, workdir)
+
+
+def evaluate_run(eval_config: str, workdir: str) -> None:
+  """`python -m vlrep.evaluate --config=EVAL_CONFIG --workdir=WORKDIR` (it merges its metrics into summary.json)."""
+  cmd = [sys.executable, "-m", "vlrep.evaluate", f"--config={eval_config}", f"--workdir={workdir}"]
+  logging.info("Running %s", " ".join(cmd))
+  subprocess.run(cmd, check=True)
 
 
 def finished(workdir: str) -> bool:
@@ -237,6 +243,8 @@ def sweep(
       workdir = os.path.join(root, name + seed_suffix(seed))
       if dry_run or (not collect_only and not finished(workdir)):
         run_variant(cfg, workdir, seed_overrides(overrides or [], seed), eval_config, dry_run)
+      elif eval_config and not collect_only and any(m not in read_summary(workdir) for m in metrics):
+        evaluate_run(eval_config, workdir)  # trained before, without this evaluation
       workdirs.append(workdir)
     rows.append((name, assignment, workdirs))
   if dry_run:
