@@ -11,7 +11,10 @@ ClassLabel, e.g. an ImageFolder-style set: top-1), split (voc2007: test; others:
 image's log posterior over the classes rather than the raw log-likelihoods; chosen on synthetic_scenes' probe_val,
 docs/results/baselines.md), limit (first N images; 0 = all), runlocal
 (synthetic_scenes' probe_test in both label forms: `zero_shot`, the shape of each scene's most visible object, top-1
-with chance 10%; `zero_shot_multi`, every shape present, VOC form, mAP), labels=single|multi|both (runlocal).
+with chance 10%, its prompts asking for the biggest object; `zero_shot_multi`, every shape present, VOC form, mAP,
+its prompts saying a shape is there), labels=single|multi|both (runlocal), biggest (runlocal, default True: the
+single-label form's prompts name the biggest object, as the captions' "N objects, the biggest one is a X."; False:
+the multi-label form's prompts for both; chosen on probe_val, docs/results/baselines.md).
 
 In a training config's `evals`: `c.evals.update(config_module(__file__, "eval/zero_shot.py").get_config(
 "runlocal").evals)` (with `every_steps`, as any evaluator's entry).
@@ -28,6 +31,11 @@ common = config_module(__file__, "../common.py")  # the blocks every recipe shar
 PHOTO_TEMPLATES = ("a photo of a {}.", "a picture of a {}.", "an image of a {}.", "a photo of the {}.")
 # synthetic_scenes' captions: "there is a X and a Y.", "a picture of X.", "X and Y in a colorful scene.".
 SCENE_TEMPLATES = ("there is a {}.", "a picture of a {}.", "an image of a {}.", "a {} in a colorful scene.")
+# The single-label question (which shape is the most visible?) as the captions ask it: "two objects, the biggest
+# one is a X."
+BIGGEST_TEMPLATES = tuple(
+  f"{n} {'object' if n == 'one' else 'objects'}, the biggest one is a {{}}." for n in ("one", "two", "three")
+)
 # VOC2007's ClassLabel names are run together ('diningtable'); the prompts read them as words.
 _VOC_WORDS = {"diningtable": "dining table", "pottedplant": "potted plant", "tvmonitor": "tv monitor"}
 VOC_NAMES = tuple(_VOC_WORDS.get(name, name) for name in voc2007.CLASSES)
@@ -64,7 +72,15 @@ def zero_shot_eval(**settings) -> dict:
 
 def get_config(arg=None):
   arg = parse_arg(
-    arg, runlocal=False, dataset="voc2007", split="", labels="both", length_normalize=False, posterior=True, limit=0
+    arg,
+    runlocal=False,
+    dataset="voc2007",
+    split="",
+    labels="both",
+    length_normalize=False,
+    posterior=True,
+    biggest=True,
+    limit=0,
   )
   if arg.labels not in ("single", "multi", "both"):
     raise ValueError(f"Unknown labels={arg.labels!r}; expected 'single', 'multi' or 'both'.")
@@ -80,11 +96,15 @@ def get_config(arg=None):
       **shared,
     )
     forms = {
-      "zero_shot": dict(pp="decode|normalize|largest_object_label", label_key="label"),
+      "zero_shot": dict(
+        pp="decode|normalize|largest_object_label",
+        label_key="label",
+        templates=BIGGEST_TEMPLATES if arg.biggest else SCENE_TEMPLATES,
+      ),
       "zero_shot_multi": dict(pp="decode|normalize|voc_labels(10)", label_key="labels"),
     }
     chosen = {"single": ("zero_shot",), "multi": ("zero_shot_multi",), "both": tuple(forms)}[arg.labels]
-    return ConfigDict({"evals": {name: zero_shot_eval(**local, **forms[name]) for name in chosen}})
+    return ConfigDict({"evals": {name: zero_shot_eval(**{**local, **forms[name]}) for name in chosen}})
   if arg.dataset == "voc2007":
     entry = zero_shot_eval(
       dataset="voc2007",
