@@ -492,6 +492,7 @@ COMMANDS: dict[str, object] = {
 # Sweeps and studies: dry runs (each resolves its runs' configs).
 _SWEEPS = """
 python -m vlrep.tools.sweep --config=configs/clip.py:runlocal --vary="loss=softmax" --seeds=0,1,2 --root=/tmp/r/clip --eval_config=configs/eval/zero_shot.py:runlocal --metrics=probe/map,probe/map_random_init,probe/map_val,zero_shot/top1,zero_shot/chance,zero_shot_multi/map,zero_shot_multi/chance
+python -m vlrep.tools.sweep --config=configs/clip.py:runlocal,loss=sigmoid --vary="lr=1e-3 1e-2" --root=/tmp/r/siglip_lr --metrics=probe/map_val,probe/map
 python -m vlrep.tools.sweep --config=configs/clip.py:runlocal --vary="loss=sigmoid" --seeds=0,1,2 --root=/tmp/r/siglip --eval_config=configs/eval/zero_shot.py:runlocal --metrics=probe/map,probe/map_random_init,probe/map_val,zero_shot/top1,zero_shot/chance,zero_shot_multi/map,zero_shot_multi/chance
 python -m vlrep.tools.sweep --config=configs/finetune.py:runlocal,labels=presence --vary="steps=400" --seeds=0,1,2 --root=/tmp/supervised --metrics=probe/map,probe/map_val,probe/map_random_init
 python -m vlrep.tools.sweep --config=configs/finetune.py:runlocal,labels=presence --vary="steps=550" --seeds=0,1,2 --root=/tmp/r/supervised --metrics=probe/map,probe/map_val,probe/map_random_init
