@@ -317,6 +317,21 @@ COMMANDS: dict[str, object] = {
   "python -m vlrep.evaluate --config=configs/eval/zero_shot.py:runlocal --workdir=/tmp/virtex_local": Run(
     add=(*TINY_EVAL("zero_shot"), *TINY_EVAL("zero_shot_multi")), expect="zero_shot/top1"
   ),
+  # docs/results/baselines.md's choices on probe_val: one label form each, on the quick start's (captioner) run.
+  "python -m vlrep.evaluate --config=configs/eval/zero_shot.py:runlocal,split=probe_val,labels=single,b"
+  "iggest=False --workdir=RUN": Run(replace=(("RUN", VIRTEX),), add=TINY_EVAL("zero_shot"), expect="zero_shot/top1"),
+  "python -m vlrep.evaluate --config=configs/eval/zero_shot.py:runlocal,split=probe_val,labels=single --workdir=RUN": SameAs(
+    "python -m vlrep.evaluate --config=configs/eval/zero_shot.py:runlocal,split=probe_val,labels=single,b"
+    "iggest=False --workdir=RUN"
+  ),
+  "python -m vlrep.evaluate --config=configs/eval/zero_shot.py:runlocal,split=probe_val,labels=multi,po"
+  "sterior=False --workdir=RUN": Run(
+    replace=(("RUN", VIRTEX),), add=TINY_EVAL("zero_shot_multi"), expect="zero_shot_multi/map"
+  ),
+  "python -m vlrep.evaluate --config=configs/eval/zero_shot.py:runlocal,split=probe_val,labels=multi --workdir=RUN": SameAs(
+    "python -m vlrep.evaluate --config=configs/eval/zero_shot.py:runlocal,split=probe_val,labels=multi,po"
+    "sterior=False --workdir=RUN"
+  ),
   "python -m vlrep.evaluate --config=configs/eval/localization.py --workdir=/tmp/loctex_local": Run(
     add=TINY_EVAL("localization"),
     replace=(("configs/eval/localization.py", "configs/eval/localization.py:sizes=2+4"),),
@@ -491,6 +506,12 @@ COMMANDS: dict[str, object] = {
 
 # Sweeps and studies: dry runs (each resolves its runs' configs).
 _SWEEPS = """
+python -m vlrep.tools.sweep --config=configs/virtex.py:runlocal --vary="task=bicaptioning" --seeds=0,1,2 --root=/tmp/r/virtex --eval_config=configs/eval/zero_shot.py:runlocal --metrics=probe/map,probe/map_random_init,probe/map_val,zero_shot/top1,zero_shot/chance,zero_shot_multi/map,zero_shot_multi/chance
+python -m vlrep.tools.sweep --config=configs/virtex.py:runlocal --vary="task=cappa" --seeds=0,1,2 --root=/tmp/r/cappa --metrics=probe/map,probe/map_random_init,probe/map_val
+python -m vlrep.tools.sweep --config=configs/clip.py:runlocal --vary="loss=softmax sigmoid" --seeds=0,1,2 --root=/tmp/r/clip_siglip --eval_config=configs/eval/zero_shot.py:runlocal --metrics=probe/map,probe/map_random_init,probe/map_val,zero_shot/top1,zero_shot/chance,zero_shot_multi/map,zero_shot_multi/chance
+python -m vlrep.tools.sweep --config=configs/loctex.py:runlocal --vary="steps=550" --seeds=0,1,2 --root=/tmp/r/loctex550 --eval_config=configs/eval/zero_shot.py:runlocal --metrics=probe/map,probe/map_random_init,probe/map_val,zero_shot/top1,zero_shot/chance,zero_shot_multi/map,zero_shot_multi/chance
+python -m vlrep.tools.sweep --config=configs/mct.py:runlocal --vary="steps=550" --seeds=0,1,2 --root=/tmp/r/mct550 --eval_config=configs/eval/zero_shot.py:runlocal --metrics=probe/map,probe/map_random_init,probe/map_val,zero_shot/top1,zero_shot/chance,zero_shot_multi/map,zero_shot_multi/chance
+python -m vlrep.tools.sweep --config=configs/icmlm.py:runlocal,variant=tfm --vary="steps=550" --seeds=0,1,2 --root=/tmp/r/icmlm550 --metrics=probe/map,probe/map_val,probe/map_random_init
 python -m vlrep.tools.sweep --config=configs/clip.py:runlocal --vary="loss=softmax" --seeds=0,1,2 --root=/tmp/r/clip --eval_config=configs/eval/zero_shot.py:runlocal --metrics=probe/map,probe/map_random_init,probe/map_val,zero_shot/top1,zero_shot/chance,zero_shot_multi/map,zero_shot_multi/chance
 python -m vlrep.tools.sweep --config=configs/clip.py:runlocal,loss=sigmoid --vary="lr=1e-3 1e-2" --root=/tmp/r/siglip_lr --metrics=probe/map_val,probe/map
 python -m vlrep.tools.sweep --config=configs/clip.py:runlocal --vary="loss=sigmoid" --seeds=0,1,2 --root=/tmp/r/siglip --eval_config=configs/eval/zero_shot.py:runlocal --metrics=probe/map,probe/map_random_init,probe/map_val,zero_shot/top1,zero_shot/chance,zero_shot_multi/map,zero_shot_multi/chance
@@ -512,7 +533,7 @@ python -m vlrep.tools.sweep --config=configs/loctex.py:runlocal,oracle=True --va
 python -m vlrep.tools.sweep --config=configs/mct.py:runlocal --vary="loss=full" --seeds=0,1,2 --root=/tmp/r/mct --metrics=probe/map,probe/map_val,probe/map_random_init,retrieval/i2t_r10,retrieval/t2i_r10,retrieval/chance_r10
 python -m vlrep.tools.sweep --config=configs/mct.py:runlocal --vary="loss=moco tags inter full" --seeds=0,1,2 --root=/tmp/mct_sweep --metrics=probe/map,probe/map_val,probe/map_random_init,retrieval/i2t_r1,retrieval/i2t_r10,retrieval/t2i_r1,retrieval/t2i_r10,retrieval/chance_r1,retrieval/chance_r10,vsepp/i2t_r1,vsepp/i2t_r10,vsepp/t2i_r1,vsepp/t2i_r10
 python -m vlrep.tools.sweep --config=configs/mct.py:runlocal --vary="text=scratch bert" --seeds=0,1,2 --root=/tmp/mct_text --metrics=probe/map,probe/map_val,retrieval/i2t_r10,retrieval/t2i_r10
-python -m vlrep.tools.sweep --config=configs/virtex.py:runlocal --vary="task=cappa" --seeds=0,1,2 --root=/tmp/r/cappa --eval_config=configs/eval/zero_shot.py:runlocal --metrics=probe/map,probe/map_random_init,probe/map_val,zero_shot/top1,zero_shot/chance,zero_shot_multi/map,zero_shot_multi/chance
+python -m vlrep.tools.sweep --config=configs/virtex.py:runlocal --vary="task=cappa" --seeds=0,1,2 --root=/tmp/r/cappa --eval_config=configs/eval/zero_shot.py:runlocal,biggest=False,posterior=False --metrics=probe/map,probe/map_random_init,probe/map_val,zero_shot/top1,zero_shot/chance,zero_shot_multi/map,zero_shot_multi/chance
 python -m vlrep.tools.sweep --config=configs/virtex.py:runlocal --vary="fraction=10 100" --root=DIR --collect_only
 python -m vlrep.tools.sweep --config=configs/virtex.py:runlocal --vary="fraction=10 20 50 100" --root=/tmp/sweep_fraction --metrics=probe/map,probe/map_random_init
 python -m vlrep.tools.sweep --config=configs/virtex.py:runlocal --vary="fraction=10 50 100" --root=/tmp/sweep_fraction --metrics=probe/map,probe/map_random_init [--eval_config=configs/eval/NAME.py]
