@@ -169,13 +169,15 @@ def test_the_class_posterior_cancels_an_images_own_likelihood_scale():
   rng = np.random.default_rng(3)
   multi_hot = (rng.random((40, NUM_CLASSES)) < 0.3).astype(np.float32)
   multi_hot[np.arange(40), rng.integers(0, NUM_CLASSES, 40)] = 1.0  # every image holds a class
-  busy = Captioner(image_fn=lambda x: x)
-  # Each present class adds 5 to its prompt's likelihood; each object present takes 20 from every prompt's.
-  busy.caption_log_likelihood = lambda v, images, tokens: (
-    Captioner().caption_log_likelihood(v, images, tokens) - 20.0 * jnp.sum(images, axis=1)
-  )
-  raw = score(busy, multi_hot, class_posterior=False)
-  posterior = score(busy, multi_hot)
+
+  class BusyCaptioner(Captioner):
+    """Each present class adds 5 to its prompt's likelihood; each object present takes 20 from every prompt's."""
+
+    def caption_log_likelihood(self, variables, images, tokens):
+      return super().caption_log_likelihood(variables, images, tokens) - 20.0 * jnp.sum(images, axis=1)
+
+  raw = score(BusyCaptioner(), multi_hot, class_posterior=False)
+  posterior = score(BusyCaptioner(), multi_hot)
   raw_map = zero_shot.zero_shot_metrics(raw, multi_hot)
   assert raw_map["map"] < 60.0, raw_map
   assert zero_shot.zero_shot_metrics(posterior, multi_hot)["map"] == pytest.approx(100.0)
