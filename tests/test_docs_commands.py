@@ -177,6 +177,9 @@ COMMANDS: dict[str, object] = {
   "python -m vlrep.main --config=configs/virtex.py:data=/data/mine_tfds --workdir=/tmp/virtex_mine": Run(
     add=(
       *TINY_RECIPE,
+      # float32: bf16 is emulated on CPUs and compiles slower; the recipe's bf16 step is
+      # test_models_optim_eval's (every task, finite loss and gradients).
+      "--config.method.dtype=float32",
       "--config.tokenizer.path={vocab}",
       "--config.total_steps=2",
       "--config.log_every_steps=1",
