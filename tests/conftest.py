@@ -6,9 +6,8 @@ os.environ.setdefault("VLREP_TEST_DATA_DIR", "/tmp/vlrep_test_data")
 # JAX's persistent compilation cache, shared by the tests and the training subprocesses they start: many tests
 # compile the same tiny models' train and init steps (seconds each on CPU). Only compiles of 0.5 s or more are
 # written: the thousands of single operations that op-by-op code compiles (median 0.04 s, all under 0.25 s for a
-# ResNet-10's init) cost more to compress and write than a hit saves, since a hit still lowers the operation
-# (test_mct.py with a fresh cache: 225 s against 251 s when every compile was written). Set before jax is imported
-# (it reads these at import).
+# ResNet-10's init) cost more to compress and write than a hit saves, since a hit still lowers the operation.
+# Set before jax is imported (it reads these at import).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ["VLREP_TEST_DATA_DIR"], "jax_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
