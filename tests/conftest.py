@@ -159,7 +159,7 @@ def tiny_tokenizer(tiny_builder):
   return tokenizers.ensure_tokenizer(load_tiny_config().tokenizer, tiny_builder)
 
 
-_runner = None  # this process's command server (tests/command_runner.py), started by the first run_main
+_runner = None  # this process's command server (vlrep.bench.forkserver), started by the first run_main
 
 
 def run_main(workdir, *overrides, env=None, config="tests/tiny_virtex.py", timeout=600):
@@ -171,24 +171,31 @@ def run_main(workdir, *overrides, env=None, config="tests/tiny_virtex.py", timeo
   return run_module("vlrep.main", f"--config={config}", f"--workdir={workdir}", *overrides, env=env, timeout=timeout)
 
 
+def command_server():
+  """This test worker's process server (vlrep.bench.forkserver), started on first use."""
+  global _runner
+  if _runner is None:
+    from vlrep.bench import forkserver
+
+    # tests/ on the path of its children (as `python tests/FILE.py` puts it): a module of tests/ runs too.
+    paths = [TESTS, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    _runner = forkserver.Server({**os.environ, "PYTHONPATH": os.pathsep.join(paths)}, cwd=ROOT)
+  return _runner
+
+
 def run_module(module, *args, env=None, timeout=600):
   """`python -m MODULE ARGS` as run_main runs vlrep.main: forked from the worker's command server (modules of tests/
   are found too); a CompletedProcess."""
   import subprocess
   import tempfile
 
-  global _runner
-  if _runner is None:
-    from command_runner import Runner
-
-    _runner = Runner(dict(os.environ))
   extra = dict(env or {})
   if "XLA_FLAGS" in extra and "XLA_FLAGS" in os.environ:  # added to this process's flags, not replacing them
     extra["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {extra['XLA_FLAGS']}"
   argv = [module, *args]
   with tempfile.TemporaryDirectory() as logs:
     out, err = os.path.join(logs, "stdout"), os.path.join(logs, "stderr")
-    rc, _, stdout = _runner.run(argv, out, timeout, err=err, env=extra)
+    rc, _, stdout = command_server().run(argv, out, timeout, err=err, env=extra)
     with open(err, errors="replace") as f:
       stderr = f.read()
   if rc == 124:

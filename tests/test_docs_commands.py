@@ -10,7 +10,7 @@ Every command goes through the same rewrites (REWRITES): the runlocal configs be
 (tests/tiny_NAME.py, which is NAME.py:runlocal with a tiny override list), and every path the docs show (/tmp/...,
 /runs/..., gs://BUCKET/..., /data/..., ~/tensorflow_datasets, $W, $R) moves under this session's temp directory,
 so a run a command trains (e.g. /tmp/loctex_local) is the run a later command reads. The commands run in a
-pre-warmed process forked per command (tests/command_runner.py): the argv is the documented one, run as
+pre-warmed process forked per command (vlrep.bench.forkserver): the argv is the documented one, run as
 `python -m` runs it.
 """
 
@@ -26,8 +26,9 @@ import shutil
 import docs_commands
 import numpy as np
 import pytest
-from command_runner import Runner
 from conftest import ROOT
+
+from vlrep.bench.forkserver import Server
 
 # ---------------------------------------------------------------------------------------------------- #
 # How each documented command runs.
@@ -641,7 +642,7 @@ def argv_of(command: str, entry, ctx: dict) -> list[str]:
   return [fill(w) for w in words[2:] + extra]
 
 
-def check(command: str, entry, ctx: dict, runner: Runner, log: str) -> float:
+def check(command: str, entry, ctx: dict, runner: Server, log: str) -> float:
   """Runs one documented command under its entry; an AssertionError says what went wrong, with the output."""
   if isinstance(entry, SessionRun):
     argv = argv_of(command, Run(), ctx)
@@ -765,7 +766,7 @@ def world(tmp_path_factory, tiny_virtex_run, tiny_loctex_run, tiny_mct_run, tiny
   (tmp / "home").mkdir()
   (tmp / "logs").mkdir()
   # HOME inside the temp world: a command that misses an override cannot write into the user's ~/.cache.
-  runner = Runner({**os.environ, "HOME": str(tmp / "home"), "TF_CPP_MIN_LOG_LEVEL": "2"})
+  runner = Server({**os.environ, "HOME": str(tmp / "home"), "TF_CPP_MIN_LOG_LEVEL": "2"}, cwd=ROOT)
   yield ctx, runner
   runner.close()
 

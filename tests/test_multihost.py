@@ -6,27 +6,21 @@ launches run one after the other on one test worker rather than beside each othe
 
 import os
 import re
-import subprocess
-import sys
 import time
 
 import pytest
 from conftest import ROOT, with_devices
 
-from vlrep.bench import faults, scale_test
+from vlrep.bench import faults, forkserver, scale_test
 
 CONFIG = os.path.join(ROOT, "tests", "tiny_virtex.py")
 OVERRIDES = ["--config=tests/tiny_virtex.py", "--config.evals={}", "--config.checkpoint.every_steps=4"]
 
 
-def _start(workdir, port, process_id, num_processes, *extra, log):
-  cmd = [sys.executable, "-m", "vlrep.main", f"--workdir={workdir}", *OVERRIDES]
+def _start(server, workdir, port, process_id, num_processes, *extra, log):
+  cmd = ["vlrep.main", f"--workdir={workdir}", *OVERRIDES]
   cmd += [f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={num_processes}", f"--process_id={process_id}"]
-  env = {**with_devices(2), "PYTHONUNBUFFERED": "1"}
-  # Nothing compiled is shared with the session's cache: these launches fail before they compile anything, and a
-  # pair that trains needs a cache of its own (see vlrep.bench.scale_test.start_pair).
-  env.pop("JAX_COMPILATION_CACHE_DIR", None)
-  return subprocess.Popen([*cmd, *extra], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+  return server.start([*cmd, *extra], stdout=log, cwd=ROOT)
 
 
 def test_two_processes_train_from_disk_survive_a_dead_host_and_resume_bit_identically(tmp_path):
@@ -73,20 +67,22 @@ def test_bad_launches_fail_fast_with_a_clear_error(tmp_path):
   quick = ["--init_timeout=10", "--config.total_steps=2"]
   started = time.time()
   port_unreachable, port_mismatch, port_missing = scale_test.free_port(), scale_test.free_port(), scale_test.free_port()
-  logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("unreachable", "mismatch0", "mismatch1", "missing")}
-  procs = {
-    # Nobody listens on the coordinator's port.
-    "unreachable": _start(tmp_path / "u", port_unreachable, 1, 2, *quick, log=logs["unreachable"]),
-    # Process 0 was told 2 processes, process 1 was told 3.
-    "mismatch0": _start(tmp_path / "m", port_mismatch, 0, 2, *quick, log=logs["mismatch0"]),
-    "mismatch1": _start(tmp_path / "m", port_mismatch, 1, 3, *quick, log=logs["mismatch1"]),
-    # Three processes expected, one launched.
-    "missing": _start(tmp_path / "x", port_missing, 0, 3, *quick, log=logs["missing"]),
-  }
-  for p in procs.values():
-    p.wait(timeout=240)
-  for f in logs.values():
-    f.close()
+  # Forked from a pre-warmed server (vlrep.bench.forkserver), as the harnesses launch. Nothing compiled is shared
+  # with the session's cache: these launches fail before they compile anything.
+  env = {**with_devices(2), "PYTHONUNBUFFERED": "1"}
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  with forkserver.Server(env, cwd=ROOT) as server:
+    procs = {
+      # Nobody listens on the coordinator's port.
+      "unreachable": _start(server, tmp_path / "u", port_unreachable, 1, 2, *quick, log=tmp_path / "unreachable.log"),
+      # Process 0 was told 2 processes, process 1 was told 3.
+      "mismatch0": _start(server, tmp_path / "m", port_mismatch, 0, 2, *quick, log=tmp_path / "mismatch0.log"),
+      "mismatch1": _start(server, tmp_path / "m", port_mismatch, 1, 3, *quick, log=tmp_path / "mismatch1.log"),
+      # Three processes expected, one launched.
+      "missing": _start(server, tmp_path / "x", port_missing, 0, 3, *quick, log=tmp_path / "missing.log"),
+    }
+    for p in procs.values():
+      p.wait(timeout=240)
   out = {name: (tmp_path / f"{name}.log").read_text() for name in procs}
   assert all(p.returncode != 0 for p in procs.values()), {k: v[-2000:] for k, v in out.items()}
   assert time.time() - started < 240

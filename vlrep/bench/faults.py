@@ -63,7 +63,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from vlrep import runs
-from vlrep.bench import scale_test
+from vlrep.bench import forkserver, scale_test
 
 KINDS = ("sigterm", "sigkill", "corrupt", "disk_full")
 PHASES = ("startup", "data", "init", "train", "checkpoint", "eval")
@@ -135,14 +135,13 @@ def complete_steps(workdir: str) -> list[int]:
 
 
 class _Process:
-  """A `vlrep.main` subprocess whose output is read line by line (a pipe: RLIMIT_FSIZE does not limit it)."""
+  """A `vlrep.main` process (a session of its own) whose output is read line by line (a pipe: RLIMIT_FSIZE does
+  not limit it)."""
 
-  def __init__(self, cmd, log_path, fsize_limit=0, env=None):
+  def __init__(self, server: forkserver.Server, argv, log_path, fsize_limit=0):
     self.lines: list[str] = []
     self.ended_at: float | None = None
-    self.proc = subprocess.Popen(
-      cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env
-    )
+    self.proc = server.start(argv, stdout=forkserver.PIPE)
     if fsize_limit:  # set from outside (no preexec_fn in a threaded parent); the process needs seconds to start
       resource.prlimit(self.proc.pid, resource.RLIMIT_FSIZE, (fsize_limit, fsize_limit))
     self._log = open(log_path, "a")  # noqa: SIM115 -- closed by the reader thread
@@ -294,217 +293,222 @@ def harness(
     raise ValueError(f"--phases must be among {PHASES}, got {list(phases)}.")
   if not os.path.exists(config.partition(":")[0]):
     raise FileNotFoundError(f"No config file {config.partition(':')[0]}.")
-  rng = np.random.default_rng(seed + 1)
-  overrides = [*overrides, "log_every_steps=1"]
-  reference, faulty = os.path.join(workdir, "reference"), os.path.join(workdir, "faulty")
-  for d in (reference, faulty):
-    if os.path.exists(d):
-      shutil.rmtree(d)
-  os.makedirs(workdir, exist_ok=True)
-  log_path = os.path.join(workdir, "faulty.log")
-  for i in range(processes):
-    for path in (log_path, os.path.join(workdir, "reference.log")):
-      open(_log_of(path, i), "w").close()
+  # Every launch is forked from one pre-warmed server (vlrep.bench.forkserver): a fresh interpreter would import
+  # JAX, TensorFlow and the rest again each time. Its environment is what the processes run in.
+  env = scale_test.process_env(devices_per_process) if processes > 1 else None
+  with forkserver.Server(env) as server:
+    rng = np.random.default_rng(seed + 1)
+    overrides = [*overrides, "log_every_steps=1"]
+    reference, faulty = os.path.join(workdir, "reference"), os.path.join(workdir, "faulty")
+    for d in (reference, faulty):
+      if os.path.exists(d):
+        shutil.rmtree(d)
+    os.makedirs(workdir, exist_ok=True)
+    log_path = os.path.join(workdir, "faulty.log")
+    for i in range(processes):
+      for path in (log_path, os.path.join(workdir, "reference.log")):
+        open(_log_of(path, i), "w").close()
 
-  cache = os.path.join(workdir, "jax_cache")
+    cache = os.path.join(workdir, "jax_cache")
 
-  def start(w, log, fsize_limit=0, limited="0") -> _Run:
-    """A launch of the run: one process, or `processes` of one runtime (the full disk on process `limited`)."""
-    cmd = [sys.executable, "-m", "vlrep.main", f"--config={config}", f"--workdir={w}"]
-    cmd += [f"--config.{o}" for o in overrides]
-    if processes == 1:
-      return _Run([_Process(cmd, log, fsize_limit)])
-    # The processes share a compilation cache that only launches before them filled (see scale_test.start_pair).
-    env = scale_test.process_env(devices_per_process)
-    cmd += [f"--coordinator_address=127.0.0.1:{scale_test.free_port()}", f"--num_processes={processes}"]
-    cmd += [f"--heartbeat_timeout={heartbeat_timeout}", f"--compilation_cache={cache}"]
-    return _Run(
-      [
-        _Process([*cmd, f"--process_id={i}"], _log_of(log, i), fsize_limit if str(i) == limited else 0, env)
-        for i in range(processes)
-      ]
-    )
+    def start(w, log, fsize_limit=0, limited="0") -> _Run:
+      """A launch of the run: one process, or `processes` of one runtime (the full disk on process `limited`)."""
+      cmd = ["vlrep.main", f"--config={config}", f"--workdir={w}"]
+      cmd += [f"--config.{o}" for o in overrides]
+      if processes == 1:
+        return _Run([_Process(server, cmd, log, fsize_limit)])
+      # The processes share a compilation cache that only launches before them filled (see scale_test.start_pair).
+      cmd += [f"--coordinator_address=127.0.0.1:{scale_test.free_port()}", f"--num_processes={processes}"]
+      cmd += [f"--heartbeat_timeout={heartbeat_timeout}", f"--compilation_cache={cache}"]
+      return _Run(
+        [
+          _Process(server, [*cmd, f"--process_id={i}"], _log_of(log, i), fsize_limit if str(i) == limited else 0)
+          for i in range(processes)
+        ]
+      )
 
-  t0 = time.time()
-  ref = start(reference, os.path.join(workdir, "reference.log"))
-  if any(ref.finish(attempt_timeout)):
-    raise RuntimeError(f"The reference run failed; see {workdir}/reference.log:\n{ref.text[-3000:]}")
-  reference_seconds = time.time() - t0
-  saved = runs.read_config(reference)
-  total = int(saved.total_steps)
-  every_ckpt = int(saved.checkpoint.every_steps)
-  every_eval = min([int(e.get("every_steps", 0)) or total for e in saved.get("evals", {}).values()] or [0])
-  deadline = float(saved.checkpoint.get("exit_deadline_secs", 20.0))
-  logging.info("Reference: %d steps in %.0f s (checkpoint every %d).", total, reference_seconds, every_ckpt)
+    t0 = time.time()
+    ref = start(reference, os.path.join(workdir, "reference.log"))
+    if any(ref.finish(attempt_timeout)):
+      raise RuntimeError(f"The reference run failed; see {workdir}/reference.log:\n{ref.text[-3000:]}")
+    reference_seconds = time.time() - t0
+    saved = runs.read_config(reference)
+    total = int(saved.total_steps)
+    every_ckpt = int(saved.checkpoint.every_steps)
+    every_eval = min([int(e.get("every_steps", 0)) or total for e in saved.get("evals", {}).values()] or [0])
+    deadline = float(saved.checkpoint.get("exit_deadline_secs", 20.0))
+    logging.info("Reference: %d steps in %.0f s (checkpoint every %d).", total, reference_seconds, every_ckpt)
 
-  faults = list(plan) if plan is not None else schedule(kills, seed, phases, processes)
-  queue = list(faults)
-  expect: list = []  # [(fault, the step the next process that restores must resume from)]
+    faults = list(plan) if plan is not None else schedule(kills, seed, phases, processes)
+    queue = list(faults)
+    expect: list = []  # [(fault, the step the next process that restores must resume from)]
 
-  def check_resume(run: _Run):
-    """Once a launch got as far as restoring: did every process resume from the step the last faults left?"""
-    texts = [t for t in run.texts if _RESUMED.search(t) or "parameters," in t]
-    if not texts:
-      return  # it ended before restoring: the next launch is checked
-    resumed = {int(m.group(1)) if (m := _RESUMED.search(t)) else 0 for t in texts}
-    for fault, want in expect:
-      fault.resumed_from = min(resumed)
-      if resumed != {want}:
-        fault.ok, fault.note = False, fault.note + f" resumed from step(s) {sorted(resumed)}, expected {want};"
-    expect.clear()
+    def check_resume(run: _Run):
+      """Once a launch got as far as restoring: did every process resume from the step the last faults left?"""
+      texts = [t for t in run.texts if _RESUMED.search(t) or "parameters," in t]
+      if not texts:
+        return  # it ended before restoring: the next launch is checked
+      resumed = {int(m.group(1)) if (m := _RESUMED.search(t)) else 0 for t in texts}
+      for fault, want in expect:
+        fault.resumed_from = min(resumed)
+        if resumed != {want}:
+          fault.ok, fault.note = False, fault.note + f" resumed from step(s) {sorted(resumed)}, expected {want};"
+      expect.clear()
 
-  def expect_resume(fault):
-    """A fault whose process did not restore leaves the checkpoints as they were, so an earlier fault still
-    waiting for its check expects the same step, unless this fault changed the newest one (a corruption)."""
-    for earlier, want in expect:
-      if want != fault.newest_after:
-        earlier.note += f" its resume check passed to the next fault (step {fault.newest_after});"
-    expect[:] = [(f, fault.newest_after) for f, _ in expect] + [(fault, fault.newest_after)]
+    def expect_resume(fault):
+      """A fault whose process did not restore leaves the checkpoints as they were, so an earlier fault still
+      waiting for its check expects the same step, unless this fault changed the newest one (a corruption)."""
+      for earlier, want in expect:
+        if want != fault.newest_after:
+          earlier.note += f" its resume check passed to the next fault (step {fault.newest_after});"
+      expect[:] = [(f, fault.newest_after) for f, _ in expect] + [(fault, fault.newest_after)]
 
-  # Checkpoints the harness truncated stay on disk until a restore sets them aside (damaged_<step>); a launch
-  # killed before restoring leaves them there, and the resume is still expected from the newest intact one.
-  corrupted: dict[int, int] = {}  # step -> how many damaged_<step>* directories existed when it was truncated
+    # Checkpoints the harness truncated stay on disk until a restore sets them aside (damaged_<step>); a launch
+    # killed before restoring leaves them there, and the resume is still expected from the newest intact one.
+    corrupted: dict[int, int] = {}  # step -> how many damaged_<step>* directories existed when it was truncated
 
-  def set_aside(step: int) -> int:
-    root = os.path.join(faulty, "checkpoints")
-    return len([d for d in os.listdir(root) if re.fullmatch(rf"damaged_{step}(\.\d+)?", d)])
+    def set_aside(step: int) -> int:
+      root = os.path.join(faulty, "checkpoints")
+      return len([d for d in os.listdir(root) if re.fullmatch(rf"damaged_{step}(\.\d+)?", d)])
 
-  def intact_steps() -> list[int]:
-    for step in [step for step, n in corrupted.items() if set_aside(step) > n]:
-      del corrupted[step]
-    return [step for step in complete_steps(faulty) if step not in corrupted]
+    def intact_steps() -> list[int]:
+      for step in [step for step, n in corrupted.items() if set_aside(step) > n]:
+        del corrupted[step]
+      return [step for step in complete_steps(faulty) if step not in corrupted]
 
-  t0 = time.time()
-  attempt = 0
-  while True:
-    attempt += 1
-    before = intact_steps()
-    newest_before = before[-1] if before else 0
-    resumes_at = expect[-1][1] if expect else newest_before
-    intact = len([step for step in before if step <= resumes_at])
-    armed = ((f, _arming(f, resumes_at, intact, total, every_ckpt, every_eval, rng, processes)) for f in queue)
-    fault, arm = next(((f, a) for f, a in armed if f.kind == "disk_full" or a is not None), (None, None))
-    if fault is None:  # no fault can come any more: the run goes to its end
+    t0 = time.time()
+    attempt = 0
+    while True:
+      attempt += 1
+      before = intact_steps()
+      newest_before = before[-1] if before else 0
+      resumes_at = expect[-1][1] if expect else newest_before
+      intact = len([step for step in before if step <= resumes_at])
+      armed = ((f, _arming(f, resumes_at, intact, total, every_ckpt, every_eval, rng, processes)) for f in queue)
+      fault, arm = next(((f, a) for f, a in armed if f.kind == "disk_full" or a is not None), (None, None))
+      if fault is None:  # no fault can come any more: the run goes to its end
+        p = start(faulty, log_path)
+        codes = p.finish(attempt_timeout)
+        check_resume(p)
+        if any(codes):
+          raise RuntimeError(f"The last launch failed (exit {codes}); see {log_path}:\n{p.text[-3000:]}")
+        break
+      queue.remove(fault)
+      fault.attempt, fault.step_before = attempt, resumes_at
+      if fault.kind == "disk_full":  # the whole process runs on a "full disk": its next save must fail clearly
+        p = start(faulty, log_path, fsize_limit=disk_bytes, limited=fault.target)
+        fault.injected = True
+        fault.exit_codes = p.finish(attempt_timeout)
+        fault.exit_code = fault.exit_codes[int(fault.target)]
+        check_resume(p)
+        after = intact_steps()
+        text = p.texts[int(fault.target)]
+        clear = "CheckpointSaveError" in text and "are untouched" in text
+        kept = bool(after) and after[-1] >= resumes_at if resumes_at else True
+        fault.ok = fault.exit_code != 0 and clear and kept
+        fault.note += (" the save failed with the clear error;" if clear else " no CheckpointSaveError;") + (
+          "" if kept else " a checkpoint was lost;"
+        )
+        fault.newest_after = after[-1] if after else 0
+        expect_resume(fault)
+        continue
       p = start(faulty, log_path)
-      codes = p.finish(attempt_timeout)
-      check_resume(p)
-      if any(codes):
-        raise RuntimeError(f"The last launch failed (exit {codes}); see {log_path}:\n{p.text[-3000:]}")
-      break
-    queue.remove(fault)
-    fault.attempt, fault.step_before = attempt, resumes_at
-    if fault.kind == "disk_full":  # the whole process runs on a "full disk": its next save must fail clearly
-      p = start(faulty, log_path, fsize_limit=disk_bytes, limited=fault.target)
+      if not p.wait_for(arm, attempt_timeout):
+        codes = p.finish(attempt_timeout)
+        check_resume(p)
+        if any(codes):
+          raise RuntimeError(f"A launch ended (exit {codes}) before its fault; see {log_path}:\n{p.text[-3000:]}")
+        queue.insert(0, fault)  # the run finished first: the fault never armed
+        break
+      time.sleep(fault.delay)
       fault.injected = True
+      sent = time.time()
+      targets = [str(i) for i in reversed(range(processes))] if fault.target == "both" else [fault.target]
+      for k, target in enumerate(targets):
+        if k:
+          time.sleep(fault.spread)
+        p.signal(target, signal.SIGTERM if fault.kind == "sigterm" else signal.SIGKILL)
       fault.exit_codes = p.finish(attempt_timeout)
-      fault.exit_code = fault.exit_codes[int(fault.target)]
+      fault.exit_code = fault.exit_codes[int(targets[0])]
       check_resume(p)
       after = intact_steps()
-      text = p.texts[int(fault.target)]
-      clear = "CheckpointSaveError" in text and "are untouched" in text
-      kept = bool(after) and after[-1] >= resumes_at if resumes_at else True
-      fault.ok = fault.exit_code != 0 and clear and kept
-      fault.note += (" the save failed with the clear error;" if clear else " no CheckpointSaveError;") + (
-        "" if kept else " a checkpoint was lost;"
-      )
       fault.newest_after = after[-1] if after else 0
+      fault.ok = fault.newest_after >= resumes_at  # (a corrupted newest one is set aside by the restore: not lost)
+      if not fault.ok:
+        fault.note += f" the newest intact checkpoint went from {resumes_at} to {fault.newest_after};"
+      survivors = [i for i in range(processes) if str(i) not in targets]
+      if fault.kind == "sigterm":
+        fault.exit_seconds = max(p.ended_at()) - sent
+        if fault.exit_seconds > deadline:
+          fault.ok, fault.note = False, fault.note + f" exit took {fault.exit_seconds:.1f} s;"
+        summary = (
+          json.load(open(os.path.join(faulty, "summary.json")))
+          if os.path.exists(os.path.join(faulty, "summary.json"))
+          else {}
+        )
+        if (
+          all(code == 0 for code in fault.exit_codes) and summary.get("steps") == total and not summary.get("preempted")
+        ):
+          # Several processes stop at the step JAX's preemption service agrees on, which its notice reaches up to
+          # about a second after the signal: a run that ends first simply finishes.
+          fault.note += " the run finished before the agreed stop step;"
+          if processes == 1:
+            fault.ok, fault.note = False, fault.note + " (one process stops at its next step);"
+        elif all(code == 0 for code in fault.exit_codes):
+          stopped = [_STOPPED.findall(t) for t in p.texts]
+          fault.stopped_at = [int(m[-1]) if m else None for m in stopped]
+          if len(set(fault.stopped_at)) != 1:  # every process stops after the same step
+            fault.ok, fault.note = False, fault.note + f" processes stopped after steps {fault.stopped_at};"
+          s = summary
+          if not (s.get("preempted") is True and s.get("steps") == fault.newest_after and s.get("seconds", 0) > 0):
+            fault.ok = False
+            fault.note += f" summary.json: preempted={s.get('preempted')}, steps={s.get('steps')};"
+          if f"Preempted (SIGTERM) after {s.get('steps')} steps" not in p.text:  # what the console tells the user
+            fault.ok, fault.note = False, fault.note + " the console does not say it was preempted;"
+        elif fault.exit_code == -signal.SIGTERM and "parameters," not in p.texts[int(targets[0])]:
+          fault.note += " ended by the signal itself (before any handler: nothing to save);"
+          if survivors:
+            _check_survivors(fault, p, survivors, sent, heartbeat_timeout)
+        else:
+          fault.ok, fault.note = False, fault.note + f" exit codes {fault.exit_codes};"
+      elif survivors:  # a process died: the others stop by themselves
+        _check_survivors(fault, p, survivors, sent, heartbeat_timeout)
+      if fault.kind == "corrupt":
+        if len(after) >= 2:
+          corrupted[after[-1]] = set_aside(after[-1])
+          fault.note += f" truncated {_corrupt_newest(faulty)};"
+          fault.newest_after = after[-2]
+        else:
+          fault.ok, fault.note = False, fault.note + " one checkpoint only: nothing corrupted;"
       expect_resume(fault)
-      continue
-    p = start(faulty, log_path)
-    if not p.wait_for(arm, attempt_timeout):
-      codes = p.finish(attempt_timeout)
-      check_resume(p)
-      if any(codes):
-        raise RuntimeError(f"A launch ended (exit {codes}) before its fault; see {log_path}:\n{p.text[-3000:]}")
-      queue.insert(0, fault)  # the run finished first: the fault never armed
-      break
-    time.sleep(fault.delay)
-    fault.injected = True
-    sent = time.time()
-    targets = [str(i) for i in reversed(range(processes))] if fault.target == "both" else [fault.target]
-    for k, target in enumerate(targets):
-      if k:
-        time.sleep(fault.spread)
-      p.signal(target, signal.SIGTERM if fault.kind == "sigterm" else signal.SIGKILL)
-    fault.exit_codes = p.finish(attempt_timeout)
-    fault.exit_code = fault.exit_codes[int(targets[0])]
-    check_resume(p)
-    after = intact_steps()
-    fault.newest_after = after[-1] if after else 0
-    fault.ok = fault.newest_after >= resumes_at  # (a corrupted newest one is set aside by the restore: not lost)
-    if not fault.ok:
-      fault.note += f" the newest intact checkpoint went from {resumes_at} to {fault.newest_after};"
-    survivors = [i for i in range(processes) if str(i) not in targets]
-    if fault.kind == "sigterm":
-      fault.exit_seconds = max(p.ended_at()) - sent
-      if fault.exit_seconds > deadline:
-        fault.ok, fault.note = False, fault.note + f" exit took {fault.exit_seconds:.1f} s;"
-      summary = (
-        json.load(open(os.path.join(faulty, "summary.json")))
-        if os.path.exists(os.path.join(faulty, "summary.json"))
-        else {}
-      )
-      if all(code == 0 for code in fault.exit_codes) and summary.get("steps") == total and not summary.get("preempted"):
-        # Several processes stop at the step JAX's preemption service agrees on, which its notice reaches up to
-        # about a second after the signal: a run that ends first simply finishes.
-        fault.note += " the run finished before the agreed stop step;"
-        if processes == 1:
-          fault.ok, fault.note = False, fault.note + " (one process stops at its next step);"
-      elif all(code == 0 for code in fault.exit_codes):
-        stopped = [_STOPPED.findall(t) for t in p.texts]
-        fault.stopped_at = [int(m[-1]) if m else None for m in stopped]
-        if len(set(fault.stopped_at)) != 1:  # every process stops after the same step
-          fault.ok, fault.note = False, fault.note + f" processes stopped after steps {fault.stopped_at};"
-        s = summary
-        if not (s.get("preempted") is True and s.get("steps") == fault.newest_after and s.get("seconds", 0) > 0):
-          fault.ok = False
-          fault.note += f" summary.json: preempted={s.get('preempted')}, steps={s.get('steps')};"
-        if f"Preempted (SIGTERM) after {s.get('steps')} steps" not in p.text:  # what the console tells the user
-          fault.ok, fault.note = False, fault.note + " the console does not say it was preempted;"
-      elif fault.exit_code == -signal.SIGTERM and "parameters," not in p.texts[int(targets[0])]:
-        fault.note += " ended by the signal itself (before any handler: nothing to save);"
-        if survivors:
-          _check_survivors(fault, p, survivors, sent, heartbeat_timeout)
-      else:
-        fault.ok, fault.note = False, fault.note + f" exit codes {fault.exit_codes};"
-    elif survivors:  # a process died: the others stop by themselves
-      _check_survivors(fault, p, survivors, sent, heartbeat_timeout)
-    if fault.kind == "corrupt":
-      if len(after) >= 2:
-        corrupted[after[-1]] = set_aside(after[-1])
-        fault.note += f" truncated {_corrupt_newest(faulty)};"
-        fault.newest_after = after[-2]
-      else:
-        fault.ok, fault.note = False, fault.note + " one checkpoint only: nothing corrupted;"
-    expect_resume(fault)
-  faulty_seconds = time.time() - t0
-  for fault, _ in expect:
-    fault.ok, fault.note = False, fault.note + " no process resumed after it;"
+    faulty_seconds = time.time() - t0
+    for fault, _ in expect:
+      fault.ok, fault.note = False, fault.note + " no process resumed after it;"
 
-  equal = _equal(_variables(reference, total), _variables(faulty, total))
-  damaged = sorted(p for p in os.listdir(os.path.join(faulty, "checkpoints")) if p.startswith("damaged_"))
-  injected = [f for f in faults if f.injected]
-  result = {
-    "config": config,
-    "overrides": overrides,
-    "steps": total,
-    "processes_per_launch": processes,
-    "devices_per_process": devices_per_process,
-    "heartbeat_timeout": heartbeat_timeout,
-    "launches": attempt,
-    "equal": bool(equal),
-    "damaged_set_aside": damaged,
-    "reference_seconds": reference_seconds,
-    "faulty_seconds": faulty_seconds,
-    "deadline_secs": deadline,
-    "ok": bool(equal) and len(injected) == len(faults) and all(f.ok for f in injected),
-    "faults": [dataclasses.asdict(f) for f in faults],
-  }
-  with open(os.path.join(workdir, "faults.json"), "w") as f:
-    json.dump(result, f, indent=2)
-  with open(os.path.join(workdir, "faults.md"), "w") as f:
-    f.write(table(result))
-  return result
+    equal = _equal(_variables(reference, total), _variables(faulty, total))
+    damaged = sorted(p for p in os.listdir(os.path.join(faulty, "checkpoints")) if p.startswith("damaged_"))
+    injected = [f for f in faults if f.injected]
+    result = {
+      "config": config,
+      "overrides": overrides,
+      "steps": total,
+      "processes_per_launch": processes,
+      "devices_per_process": devices_per_process,
+      "heartbeat_timeout": heartbeat_timeout,
+      "launches": attempt,
+      "equal": bool(equal),
+      "damaged_set_aside": damaged,
+      "reference_seconds": reference_seconds,
+      "faulty_seconds": faulty_seconds,
+      "deadline_secs": deadline,
+      "ok": bool(equal) and len(injected) == len(faults) and all(f.ok for f in injected),
+      "faults": [dataclasses.asdict(f) for f in faults],
+    }
+    with open(os.path.join(workdir, "faults.json"), "w") as f:
+      json.dump(result, f, indent=2)
+    with open(os.path.join(workdir, "faults.md"), "w") as f:
+      f.write(table(result))
+    return result
 
 
 def _check_survivors(fault: Fault, run: _Run, survivors: list[int], sent: float, heartbeat_timeout: float) -> None:

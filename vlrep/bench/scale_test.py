@@ -44,6 +44,8 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
+from vlrep.bench import forkserver
+
 _STEP_LINE = re.compile(r"\] \[(\d+)/(\d+)\] loss [-\d.naninf]+ \| [\d.]+ steps/s, ([\d.]+) images/s")
 _INPUT_LINE = re.compile(
   r"Input \(process (\d+)\): read (\d+) records of (\S+) \((\d+) examples\) for (\d+) training examples; "
@@ -53,17 +55,15 @@ _FINGERPRINT = re.compile(r"Parameter fingerprint \(process (\d+)\): (\w+)")
 _SIZES = {"2k": 2_000, "20k": 20_000, "200k": 200_000}
 
 
-def prepare(size: str, data_dir: str, workdir: str) -> None:
+def prepare(server: forkserver.Server, size: str, data_dir: str, workdir: str) -> None:
   """Generates synthetic_scenes/scale<size> into `data_dir` unless it is there (output: WORKDIR/prepare_<size>.log)."""
   if os.path.isdir(os.path.join(data_dir, "synthetic_scenes", f"scale{size}")):
     return
-  cmd = [sys.executable, "-m", "vlrep.data.prepare", "--dataset=synthetic_scenes", f"--config_name=scale{size}"]
-  cmd.append(f"--data_dir={data_dir}")
+  cmd = ["vlrep.data.prepare", "--dataset=synthetic_scenes", f"--config_name=scale{size}", f"--data_dir={data_dir}"]
   log_path = os.path.join(workdir, f"prepare_{size}.log")
-  logging.info("Preparing: %s (output: %s)", " ".join(cmd), log_path)
+  logging.info("Preparing: python -m %s (output: %s)", " ".join(cmd), log_path)
   t0 = time.time()
-  with open(log_path, "w") as log:
-    code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+  code = server.start(cmd, stdout=log_path).wait()
   if code:
     raise RuntimeError(f"Preparing scale{size} failed (exit {code}):\n{open(log_path).read()[-3000:]}")
   logging.info("Prepared scale%s in %.0f s.", size, time.time() - t0)
@@ -84,8 +84,9 @@ def process_env(devices_per_process: int) -> dict[str, str]:
   return env
 
 
-def start_pair(run_dir: str, config: str, overrides, devices_per_process: int, heartbeat_timeout: int, cache: str):
+def start_pair(server: forkserver.Server, run_dir: str, config: str, overrides, heartbeat_timeout: int, cache: str):
   """Two `vlrep.main` processes of one runtime, training into RUN_DIR/run; logs RUN_DIR/log<i>.txt (appended).
+  They are forked from `server`, started in `process_env`'s environment (its device count).
 
   `cache`, their compilation cache, is empty when the pair starts or was filled by pairs that have ended, never
   one that other running processes fill: then a process could load an executable that its partner still compiles
@@ -94,16 +95,13 @@ def start_pair(run_dir: str, config: str, overrides, devices_per_process: int, h
   that is behind catch up."""
   os.makedirs(run_dir, exist_ok=True)
   port = free_port()
-  env = process_env(devices_per_process)
   procs = []
   for i in range(2):
-    cmd = [sys.executable, "-m", "vlrep.main", f"--config={config}", f"--workdir={run_dir}/run"]
+    cmd = ["vlrep.main", f"--config={config}", f"--workdir={run_dir}/run"]
     cmd += [f"--config.{o}" for o in overrides]
     cmd += [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"]
     cmd += [f"--heartbeat_timeout={heartbeat_timeout}", f"--compilation_cache={cache}"]
-    log = open(os.path.join(run_dir, f"log{i}.txt"), "a")  # noqa: SIM115 -- the child holds it; closed below
-    procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
-    log.close()
+    procs.append(server.start(cmd, stdout=os.path.join(run_dir, f"log{i}.txt"), append=True))
   return procs
 
 
@@ -160,12 +158,12 @@ def measure(texts: list[str]) -> dict:
   return out
 
 
-def kill_and_resume(run_dir, config, overrides, steps, every, devices, heartbeat_timeout, rng, timeout, cache) -> dict:
+def kill_and_resume(server, run_dir, config, overrides, steps, every, heartbeat_timeout, rng, timeout, cache) -> dict:
   """SIGKILLs process 1 at a random step after the first checkpoint, lets process 0 stop on its own, restarts the
   pair with the same command until it finishes; returns the kill step, the step resumed from, and fingerprints."""
   # At most steps - 2: a step to spare, so that the run cannot end before the kill.
   kill_step = max(every + 1, min(int(rng.integers(every + 1, steps)), steps - 2))
-  procs = start_pair(run_dir, config, [*overrides, "log_every_steps=1"], devices, heartbeat_timeout, cache)
+  procs = start_pair(server, run_dir, config, [*overrides, "log_every_steps=1"], heartbeat_timeout, cache)
   deadline = time.time() + timeout
   while time.time() < deadline and procs[0].poll() is None:
     steps_seen = [int(m.group(1)) for m in _STEP_LINE.finditer(logs(run_dir)[0])]
@@ -179,7 +177,7 @@ def kill_and_resume(run_dir, config, overrides, steps, every, devices, heartbeat
   t0 = time.time()
   procs[0].wait(timeout=heartbeat_timeout + 120)
   survivor_seconds = time.time() - t0
-  resumed = start_pair(run_dir, config, overrides, devices, heartbeat_timeout, cache)
+  resumed = start_pair(server, run_dir, config, overrides, heartbeat_timeout, cache)
   texts = wait_pair(resumed, run_dir, timeout)
   found = re.findall(r"Resumed from step (\d+)", texts[0])
   return {
@@ -228,88 +226,98 @@ def scale_test(
   ]
   result = {"sizes": list(sizes), "steps": steps, "config": config, "overrides": base, "runs": {}, "failures": []}
   failures = result["failures"]
-  for size in sizes:
-    prepare(size, data_dir, workdir)
-    for mode in modes:
-      name = f"{size}_{mode}"
-      run_dir = os.path.join(workdir, name)
-      if os.path.isdir(run_dir):
-        raise FileExistsError(f"{run_dir} exists: give the test a fresh --workdir.")
-      opts = [*base, f"data.config_name=scale{size}", f"data.in_memory={mode == 'memory'}"]
-      logging.info("Training %s (%d steps, two processes) in %s", name, steps, run_dir)
-      procs = start_pair(run_dir, config, opts, devices_per_process, heartbeat_timeout, f"{run_dir}/jax_cache")
-      run = measure(wait_pair(procs, run_dir, timeout))
-      result["runs"][name] = run
-      for p in run["processes"]:
-        share = len(range(p["process"], p["split_size"], 2))
-        p["share"] = share
-        logging.info(
-          "%s process %d: read %d of its %d records; peak RSS %.3f GB",
-          name,
-          p["process"],
-          p["records_read"],
-          share,
-          p["peak_rss_gb"],
-        )
-        # Only a run that needs at most half its share can show that it reads no more than it needs.
-        if mode == "disk" and 2 * p["examples_trained"] <= share and p["records_read"] >= share:
-          failures.append(f"{name}: process {p['process']} read {p['records_read']} records, its whole share ({share})")
-      logging.info("%s: %.1f images/s per core (median)", name, run["images_per_sec_per_core"]["median"])
-      if len(set(run["fingerprints"].values())) != 1:
-        failures.append(f"{name}: the processes' parameters differ: {run['fingerprints']}")
-
-  runs_ = result["runs"]
-  if "disk" in modes and "memory" in modes:
+  # Every process (the pairs, the preparation) is forked from one pre-warmed server (vlrep.bench.forkserver), in
+  # a local multi-process launch's environment: a fresh interpreter would import JAX, TensorFlow and the rest again.
+  server = forkserver.Server(process_env(devices_per_process))
+  try:
     for size in sizes:
-      disk, memory = runs_[f"{size}_disk"], runs_[f"{size}_memory"]
-      ratio = disk["images_per_sec_per_core"]["median"] / memory["images_per_sec_per_core"]["median"]
-      result.setdefault("disk_over_memory_images_per_sec", {})[size] = ratio
-      if ratio < 0.9:
-        failures.append(f"{size}: from disk, {ratio:.1%} of the in-memory path's images/s per core (< 90%)")
-    if len(sizes) > 1:
-      small, large = sizes[0], sizes[-1]
-      for mode in ("disk", "memory"):
-        result.setdefault("rss_growth_gb", {})[mode] = [
-          b["peak_rss_gb"] - a["peak_rss_gb"]
-          for a, b in zip(runs_[f"{small}_{mode}"]["processes"], runs_[f"{large}_{mode}"]["processes"], strict=True)
-        ]
-      for i, (d, m) in enumerate(zip(result["rss_growth_gb"]["disk"], result["rss_growth_gb"]["memory"], strict=True)):
-        if d >= 0.1 * m:
-          failures.append(
-            f"process {i}: peak RSS from disk grew {d:.3f} GB from {small} to {large} (in memory: {m:.3f} GB)"
+      prepare(server, size, data_dir, workdir)
+      for mode in modes:
+        name = f"{size}_{mode}"
+        run_dir = os.path.join(workdir, name)
+        if os.path.isdir(run_dir):
+          raise FileExistsError(f"{run_dir} exists: give the test a fresh --workdir.")
+        opts = [*base, f"data.config_name=scale{size}", f"data.in_memory={mode == 'memory'}"]
+        logging.info("Training %s (%d steps, two processes) in %s", name, steps, run_dir)
+        procs = start_pair(server, run_dir, config, opts, heartbeat_timeout, f"{run_dir}/jax_cache")
+        run = measure(wait_pair(procs, run_dir, timeout))
+        result["runs"][name] = run
+        for p in run["processes"]:
+          share = len(range(p["process"], p["split_size"], 2))
+          p["share"] = share
+          logging.info(
+            "%s process %d: read %d of its %d records; peak RSS %.3f GB",
+            name,
+            p["process"],
+            p["records_read"],
+            share,
+            p["peak_rss_gb"],
           )
+          # Only a run that needs at most half its share can show that it reads no more than it needs.
+          if mode == "disk" and 2 * p["examples_trained"] <= share and p["records_read"] >= share:
+            failures.append(
+              f"{name}: process {p['process']} read {p['records_read']} records, its whole share ({share})"
+            )
+        logging.info("%s: %.1f images/s per core (median)", name, run["images_per_sec_per_core"]["median"])
+        if len(set(run["fingerprints"].values())) != 1:
+          failures.append(f"{name}: the processes' parameters differ: {run['fingerprints']}")
 
-  if kill:
-    size = sizes[-1]
-    reference = runs_[f"{size}_disk"]["fingerprints"] if "disk" in modes else None
-    opts = [*base, f"data.config_name=scale{size}", "data.in_memory=False"]
-    rng = np.random.default_rng(seed)
-    logging.info("Killing and resuming a pair on %s", size)
-    run_dir = os.path.join(workdir, f"{size}_killed")
-    # The uninterrupted disk pair's cache (it has ended): the same executables, not compiled again.
-    cache = os.path.join(workdir, f"{size}_disk" if "disk" in modes else f"{size}_killed", "jax_cache")
-    killed = kill_and_resume(
-      run_dir,
-      config,
-      opts,
-      steps,
-      every,
-      devices_per_process,
-      heartbeat_timeout,
-      rng,
-      timeout,
-      cache,
-    )
-    result["kill"] = killed
-    if reference is not None:
-      killed["reference_fingerprints"] = reference
-      killed["bit_identical"] = killed["fingerprints"] == reference
-      if not killed["bit_identical"]:
-        failures.append(
-          f"resumed after a SIGKILL at step {killed['kill_step']}: {killed['fingerprints']} != {reference}"
-        )
-    if not killed["resumed_from"]:
-      failures.append(f"the restarted pair did not resume from a checkpoint: {killed}")
+    runs_ = result["runs"]
+    if "disk" in modes and "memory" in modes:
+      for size in sizes:
+        disk, memory = runs_[f"{size}_disk"], runs_[f"{size}_memory"]
+        ratio = disk["images_per_sec_per_core"]["median"] / memory["images_per_sec_per_core"]["median"]
+        result.setdefault("disk_over_memory_images_per_sec", {})[size] = ratio
+        if ratio < 0.9:
+          failures.append(f"{size}: from disk, {ratio:.1%} of the in-memory path's images/s per core (< 90%)")
+      if len(sizes) > 1:
+        small, large = sizes[0], sizes[-1]
+        for mode in ("disk", "memory"):
+          result.setdefault("rss_growth_gb", {})[mode] = [
+            b["peak_rss_gb"] - a["peak_rss_gb"]
+            for a, b in zip(runs_[f"{small}_{mode}"]["processes"], runs_[f"{large}_{mode}"]["processes"], strict=True)
+          ]
+        for i, (d, m) in enumerate(
+          zip(result["rss_growth_gb"]["disk"], result["rss_growth_gb"]["memory"], strict=True)
+        ):
+          if d >= 0.1 * m:
+            failures.append(
+              f"process {i}: peak RSS from disk grew {d:.3f} GB from {small} to {large} (in memory: {m:.3f} GB)"
+            )
+
+    if kill:
+      size = sizes[-1]
+      reference = runs_[f"{size}_disk"]["fingerprints"] if "disk" in modes else None
+      opts = [*base, f"data.config_name=scale{size}", "data.in_memory=False"]
+      rng = np.random.default_rng(seed)
+      logging.info("Killing and resuming a pair on %s", size)
+      run_dir = os.path.join(workdir, f"{size}_killed")
+      # The uninterrupted disk pair's cache (it has ended): the same executables, not compiled again.
+      cache = os.path.join(workdir, f"{size}_disk" if "disk" in modes else f"{size}_killed", "jax_cache")
+      killed = kill_and_resume(
+        server,
+        run_dir,
+        config,
+        opts,
+        steps,
+        every,
+        heartbeat_timeout,
+        rng,
+        timeout,
+        cache,
+      )
+      result["kill"] = killed
+      if reference is not None:
+        killed["reference_fingerprints"] = reference
+        killed["bit_identical"] = killed["fingerprints"] == reference
+        if not killed["bit_identical"]:
+          failures.append(
+            f"resumed after a SIGKILL at step {killed['kill_step']}: {killed['fingerprints']} != {reference}"
+          )
+      if not killed["resumed_from"]:
+        failures.append(f"the restarted pair did not resume from a checkpoint: {killed}")
+  finally:
+    server.close()
 
   with open(os.path.join(workdir, "scale.json"), "w") as f:
     json.dump(result, f, indent=1)
