@@ -2,12 +2,10 @@
 the temperature clip, the model's towers, and tiny runs end to end (train, resume, export)."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT, run_main, with_devices
+from conftest import run_main, run_module
 
 from vlrep.methods import contrastive
 
@@ -90,9 +88,9 @@ print(json.dumps({"devices": len(jax.devices()), "direct": float(direct[0]), "ri
                   "grad_diff": diff, "permutes": "collective-permute" in hlo, "gathers": "all-gather" in hlo}))
 """
   )
-  res = subprocess.run(
-    [sys.executable, str(script)], cwd=ROOT, env=with_devices(8), capture_output=True, text=True, timeout=300
-  )
+  # A process of its own (8 devices), forked from the worker's server: the script is a module on its path.
+  devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": str(tmp_path)}
+  res = run_module("ring", env=devices, timeout=300)
   assert res.returncode == 0, res.stderr[-3000:]
   out = json.loads(res.stdout.strip().splitlines()[-1])
   assert out["devices"] == 8

@@ -1,15 +1,12 @@
 """Synthetic scenes, preprocessing ops, tokenizer and the resumable input stream."""
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
-from conftest import TESTS
+from conftest import run_module
 
 from vlrep.data import ops, pipeline, records, registry, tokenizers
 from vlrep.data.builders import scenes
@@ -279,25 +276,8 @@ def test_voc_labels_mark_difficult_objects():
 
 
 def test_build_vocab_command(tmp_path):
-  import subprocess
-  import sys
-
-  from conftest import ROOT
-
   path = tmp_path / "vocab.model"
-  proc = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "vlrep.tools.build_vocab",
-      "--config=tests/tiny_virtex.py",
-      f"--config.tokenizer.path={path}",
-    ],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
+  proc = run_module("vlrep.tools.build_vocab", "--config=tests/tiny_virtex.py", f"--config.tokenizer.path={path}")
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert path.exists() and f"{path}:" in proc.stdout
   assert (
@@ -339,10 +319,8 @@ def test_shapes_are_learnable_from_pixels_in_seconds():
   runlocal budget. (The small stem, because the ImageNet stem's 4x downsampling leaves a 64 px shape a few cells
   wide; the stem's shapes are tested in test_models_optim_eval.)"""
   # In a process of its own at XLA's optimization level 1, the level its margins hold at (tests/learnability.py).
-  env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=1"}
-  proc = subprocess.run(
-    [sys.executable, os.path.join(TESTS, "learnability.py")], env=env, capture_output=True, text=True, timeout=600
-  )
+  # Forked from the worker's process server; the flag follows the suite's level 0 and overrides it.
+  proc = run_module("learnability", env={"XLA_FLAGS": "--xla_backend_optimization_level=1"})
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = json.loads(proc.stdout.strip().splitlines()[-1])
   small, chance, old_geometry = out["small"], out["chance"], out["old_geometry"]

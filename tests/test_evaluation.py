@@ -3,7 +3,6 @@
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import threading
 import warnings
@@ -12,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, load_tiny_config, run_main
+from conftest import ROOT, load_tiny_config, run_main, run_module
 from ml_collections import ConfigDict
 from sklearn.svm import LinearSVC
 
@@ -394,21 +393,13 @@ def test_unprepared_tfds_dataset_names_the_build_command(tmp_path):
 
 
 def test_evaluate_cli(tiny_run):
-  proc = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "vlrep.evaluate",
-      "--config=configs/eval/voc07_svm.py:runlocal",
-      f"--workdir={tiny_run}",
-      "--config.evals.voc07_svm.config_name=tiny",
-      f"--config.evals.voc07_svm.data_dir={load_tiny_config().data.data_dir}",
-      "--config.evals.voc07_svm.costs=(0.1,1.0)",
-    ],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=600,
+  proc = run_module(
+    "vlrep.evaluate",
+    "--config=configs/eval/voc07_svm.py:runlocal",
+    f"--workdir={tiny_run}",
+    "--config.evals.voc07_svm.config_name=tiny",
+    f"--config.evals.voc07_svm.data_dir={load_tiny_config().data.data_dir}",
+    "--config.evals.voc07_svm.costs=(0.1,1.0)",
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "voc07_svm/map:" in proc.stdout

@@ -4,13 +4,12 @@ Narratives from local files, and an end-to-end run."""
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import ROOT, with_devices
+from conftest import ROOT, run_module
 from PIL import Image
 
 from vlrep.data import pipeline, prepare, records, registry, tokenizers, traces
@@ -348,8 +347,9 @@ out["devices"] = len(jax.devices())
 print(json.dumps(out))
 """
   )
-  env = with_devices(8)
-  res = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  # A process of its own (8 devices), forked from the worker's server: the script is a module on its path.
+  devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": str(script.parent)}
+  res = run_module(script.stem, env=devices, timeout=300)
   assert res.returncode == 0, res.stderr[-3000:]
   out = json.loads(res.stdout.strip().splitlines()[-1])
   rng = np.random.default_rng(0)

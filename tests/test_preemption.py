@@ -4,26 +4,24 @@ test_faults.)"""
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, command_server
 
 
 def _sigterm_when_logged(workdir, line, *overrides):
-  """Starts a tiny VirTex run, sends SIGTERM once its log shows `line`; -> (returncode, log, seconds to exit)."""
-  cmd = [sys.executable, "-m", "vlrep.main", "--config=tests/tiny_virtex.py", f"--workdir={workdir}", *overrides]
+  """Starts a tiny VirTex run (forked from the worker's process server), sends SIGTERM once its log shows `line`;
+  -> (returncode, log, seconds to exit)."""
+  argv = ["vlrep.main", "--config=tests/tiny_virtex.py", f"--workdir={workdir}", *overrides]
   log_path = str(workdir) + ".log"
-  with open(log_path, "w") as log:
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.time() + 300
-    while line not in open(log_path).read() and proc.poll() is None and time.time() < deadline:
-      time.sleep(0.02)
-    proc.send_signal(signal.SIGTERM)
-    sent = time.time()
-    proc.wait(timeout=120)
+  proc = command_server().start(argv, stdout=log_path, cwd=ROOT)
+  deadline = time.time() + 300
+  while line not in open(log_path).read() and proc.poll() is None and time.time() < deadline:
+    time.sleep(0.02)
+  proc.send_signal(signal.SIGTERM)
+  sent = time.time()
+  proc.wait(timeout=120)
   return proc.returncode, open(log_path).read(), time.time() - sent
 
 

@@ -11,9 +11,9 @@ session of its own (so `os.killpg(child.pid, ...)` reaches what it started) are 
 child; `Process` has the parts of Popen's interface they use.
 
 Protocol (JSON lines): stdin {"id", "argv": [module, arg...], "stdout": path, "stderr": path or absent (then into
-stdout's), "append": bool, "env": {name: value} set in the child before it runs (PYTHONPATH's entries also go on
-sys.path, as an interpreter's startup puts them), "cwd"} -> stdout {"id", "pid"} once forked, {"id", "rc"} once
-it ended.
+stdout's), both created by the client, "env": {name: value} set in the child before it runs (PYTHONPATH's entries
+also go on sys.path, as an interpreter's startup puts them), "cwd"} -> stdout {"id", "pid"} once forked, {"id",
+"rc"} once it ended.
 """
 
 from __future__ import annotations
@@ -57,10 +57,10 @@ def _child(request: dict) -> None:
   if request.get("cwd"):
     os.chdir(request["cwd"])
   os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # never the server's requests
-  mode = os.O_WRONLY | (os.O_APPEND if request.get("append") else os.O_TRUNC)
-  out = os.open(request["stdout"], mode | (0 if _is_fifo(request["stdout"]) else os.O_CREAT), 0o644)
+  # The client created (or truncated) the files before the request: they exist once `start` returns, as with Popen.
+  out = os.open(request["stdout"], os.O_WRONLY | (0 if _is_fifo(request["stdout"]) else os.O_APPEND))
   os.dup2(out, 1)
-  os.dup2(os.open(request["stderr"], mode | os.O_CREAT, 0o644) if request.get("stderr") else out, 2)
+  os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_APPEND) if request.get("stderr") else out, 2)
   sys.argv = list(request["argv"])
   code = 0
   try:
@@ -74,9 +74,10 @@ def _child(request: dict) -> None:
   except BaseException:  # noqa: BLE001 -- what `python -m` would print, then its exit status
     traceback.print_exc()
     code = 1
-  sys.stdout.flush()
-  sys.stderr.flush()
-  os._exit(code)
+  # Out of the server's loop through the interpreter's own exit, as `python -m` ends: non-daemon threads joined,
+  # then the atexit handlers (jax.distributed's shutdown among them: without it the other processes of a run lose
+  # the coordination service mid-shutdown and abort).
+  sys.exit(code)
 
 
 def _is_fifo(path: str) -> bool:
@@ -205,7 +206,10 @@ class Server:
       os.mkfifo(stdout)
     elif stdout is None:
       stdout = os.devnull
-    request = {"id": rid, "argv": list(argv), "stdout": os.fspath(stdout), "append": append, "env": env or {}}
+    files = [] if pipe or stdout == os.devnull else [stdout]
+    for path in [*files, *([stderr] if stderr is not None else [])]:  # they exist once `start` returns, as with Popen
+      open(path, "a" if append else "w").close()
+    request = {"id": rid, "argv": list(argv), "stdout": os.fspath(stdout), "env": env or {}}
     if stderr is not None:
       request["stderr"] = os.fspath(stderr)
     if cwd is not None:
