@@ -26,7 +26,6 @@ import runpy
 import selectors
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
@@ -59,7 +58,7 @@ def _child(request: dict) -> None:
     os.chdir(request["cwd"])
   os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # never the server's requests
   # The client created (or truncated) the files before the request: they exist once `start` returns, as with Popen.
-  out = os.open(request["stdout"], os.O_WRONLY | (0 if _is_fifo(request["stdout"]) else os.O_APPEND))
+  out = os.open(request["stdout"], os.O_WRONLY | os.O_APPEND)  # a FIFO (PIPE) ignores O_APPEND
   os.dup2(out, 1)
   os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_APPEND) if request.get("stderr") else out, 2)
   sys.argv = list(request["argv"])
@@ -83,10 +82,6 @@ def _child(request: dict) -> None:
   sys.stdout.flush()
   sys.stderr.flush()
   os._exit(code)
-
-
-def _is_fifo(path: str) -> bool:
-  return os.path.exists(path) and stat.S_ISFIFO(os.stat(path).st_mode)
 
 
 def serve() -> None:
@@ -150,9 +145,6 @@ class Process:
 
   def kill(self) -> None:
     self.send_signal(signal.SIGKILL)
-
-  def terminate(self) -> None:
-    self.send_signal(signal.SIGTERM)
 
 
 class Server:
