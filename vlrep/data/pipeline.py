@@ -178,13 +178,13 @@ def _select(example: dict, fields: Sequence[str]) -> dict:
   return out
 
 
-def decoded_image_cache(records: list[bytes], parse_fn, size: int, key: str = "image"):
+def decoded_image_cache(serialized: list[bytes], parse_fn, size: int, key: str = "image"):
   """Decodes every record's image once, resized so that its shorter side is `size` (aspect kept), into one flat
   uint8 buffer: returns (buffer, offsets, shapes). Training then crops from memory instead of decoding JPEGs
   each epoch. Memory is about 3 * size^2 * aspect bytes per image (COCO train2017 at 256: ~31 GB over all
   hosts, each host holding its own shard)."""
   resize = registry.parse(f"decode(key={key!r})|resize_small({size}, key={key!r})").example_fn
-  ds = tf.data.Dataset.from_tensor_slices(np.array(records, dtype=object))
+  ds = tf.data.Dataset.from_tensor_slices(np.array(serialized, dtype=object)).with_options(records.pipeline_options())
   ds = ds.map(lambda r: resize({key: parse_fn(r)[key]})[key], num_parallel_calls=tf.data.AUTOTUNE)
   images = list(ds.as_numpy_iterator())
   shapes = np.array([im.shape for im in images], np.int64)
@@ -240,16 +240,14 @@ def stream_dataset(
     ex["_rng"] = tf.stack([tf.constant(seed, tf.int64), i * host_count + host_index])
     return example_fn(ex)
 
-  parallel = {"num_parallel_calls": tf.data.AUTOTUNE, "deterministic": True}
+  threads = threads or max(2, os.cpu_count() or 2)
+  parallel = {"num_parallel_calls": threads, "deterministic": True}  # every thread of its pool (no autotuning)
   ds = tf.data.Dataset.range(start_step * local_batch, _STREAM_END)
   ds = ds.map(lambda i: (i, position(i)), **parallel).batch(read_chunk)
   ds = ds.map(lambda i, index: (i, index, read_records(index)), **parallel).unbatch()
   ds = ds.map(make_example, **parallel)
   ds = ds.batch(local_batch, drop_remainder=True).prefetch(prefetch)
-  options = tf.data.Options()
-  options.deterministic = True
-  options.threading.private_threadpool_size = threads or max(2, os.cpu_count() or 2)
-  return ds.with_options(options)
+  return ds.with_options(records.pipeline_options(threads))
 
 
 class TrainStream:

@@ -89,6 +89,21 @@ def first_examples(builder, split: str, limit: int = 0) -> str:
 READ_CHUNK = 32
 
 
+def pipeline_options(threads: int | None = None) -> tf.data.Options:
+  """tf.data options for every vlrep pipeline: deterministic order, and autotuning off. With autotuning on, an
+  iterator runs a model thread that sleeps between optimisations for a period that doubles up to 60 s, and deleting
+  the iterator waits for that sleep to end (seen under gdb: ~IteratorResource waiting on Model::OptimizeLoop's timed
+  wait): a training stream closed after a minute of compiling stalled its run by up to ~35 s. Without it, a map with
+  AUTOTUNE parallelism runs min(16, thread pool) calls at once; `threads` > 0 gives the pipeline its own pool of
+  that many threads."""
+  options = tf.data.Options()
+  options.deterministic = True
+  options.autotune.enabled = False
+  if threads:
+    options.threading.private_threadpool_size = threads
+  return options
+
+
 def split_size(builder, split: str) -> int:
   """How many records `split` (a name, 'name[:N%]': its first N%, or 'name[N%:]': the rest) holds."""
   return split_range(builder, split)[2]
@@ -184,11 +199,12 @@ def serialized_records(builder, split: str, host_index: int = 0, host_count: int
     raise ValueError(f"{builder.name}/{split} has {total} examples, too few for {host_count} hosts.")
   if is_array_record(builder):
     count, lookup = split_reader(builder, split).host_lookup(host_index, host_count)
-    ds = tf.data.Dataset.range(count).batch(READ_CHUNK)
+    ds = tf.data.Dataset.range(count).batch(READ_CHUNK).with_options(pipeline_options())
     return ds.map(lookup, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
   name, start, _ = split_range(builder, split)
   files = [os.fspath(p) for p in builder.info.splits[name].filepaths]
-  return tf.data.TFRecordDataset(files).skip(start).take(total).shard(host_count, host_index)
+  ds = tf.data.TFRecordDataset(files).with_options(pipeline_options())
+  return ds.skip(start).take(total).shard(host_count, host_index)
 
 
 def examples(builder, split: str, decode_images: bool = False) -> tf.data.Dataset:
