@@ -171,6 +171,20 @@ def test_decoded_image_cache_gives_the_same_batches_and_resizes(tiny_builder):
     )
 
 
+def test_pipelines_run_without_autotuning(tiny_builder):
+  """Deleting an autotuned tf.data iterator waits out its tuning thread's sleep (a period that doubles up to a
+  minute): a run's last step stalled for up to ~35 s when it closed its training stream. Every pipeline vlrep builds
+  turns autotuning off; the training stream maps on every thread of its own pool."""
+  ds = pipeline.stream_dataset(
+    4, lambda i: tf.strings.as_string(i), lambda i, r: {"x": r}, lambda ex: ex, 2, 0, threads=3
+  )
+  assert (ds.options().autotune.enabled, ds.options().threading.private_threadpool_size) == (False, 3)
+  assert ds.options().deterministic
+  assert next(ds.as_numpy_iterator())["x"].shape == (2,)
+  for split in ("train", "val"):
+    assert records.examples(tiny_builder, split).options().autotune.enabled is False
+
+
 def test_device_prefetch_keeps_order_surfaces_errors_and_closes():
   import jax
 
