@@ -19,7 +19,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # under the same flags. The one compute-bound test (learnability) runs in a process of its own at level 1, the
 # level its margins hold at.
 # XLA's CPU fusion emitters off as well: its older emitters compile the tests' programs in about half the time (the
-# tiny MCT run's compiles: 21 s with, 10 s without) and compute the same values. The flag is passed only where
+# tiny MCT run's compiles: 21 s with, 10 s without), equal up to float rounding. The flag is passed only where
 # this jaxlib knows it: an unknown flag in XLA_FLAGS aborts the process.
 _FLAGS = ["--xla_backend_optimization_level=0"]
 
