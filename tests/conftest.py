@@ -18,9 +18,9 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # than its slower code costs them. Both sides of every equality test (1 vs 8 devices, resumed vs uninterrupted) run
 # under the same flags. The one compute-bound test (learnability) runs in a process of its own at level 1, the
 # level its margins hold at.
-# XLA's CPU fusion emitters off as well: its older emitters compile the tests' programs in about half the time (the
-# tiny MCT run's compiles: 21 s with, 10 s without), equal up to float rounding. The flag is passed only where
-# this jaxlib knows it: an unknown flag in XLA_FLAGS aborts the process.
+# XLA's CPU fusion emitters off as well: its older emitters compile the tests' small programs in about half the
+# time, with values equal up to float rounding. The flag is passed only where this jaxlib knows it: an unknown
+# flag in XLA_FLAGS aborts the process.
 _FLAGS = ["--xla_backend_optimization_level=0"]
 
 

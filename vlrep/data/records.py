@@ -92,10 +92,9 @@ READ_CHUNK = 32
 def pipeline_options(threads: int | None = None) -> tf.data.Options:
   """tf.data options for every vlrep pipeline: deterministic order, and autotuning off. With autotuning on, an
   iterator runs a model thread that sleeps between optimisations for a period that doubles up to 60 s, and deleting
-  the iterator waits for that sleep to end (seen under gdb: ~IteratorResource waiting on Model::OptimizeLoop's timed
-  wait): a training stream closed after a minute of compiling stalled its run by up to ~35 s. Without it, a map with
-  AUTOTUNE parallelism runs min(16, thread pool) calls at once; `threads` > 0 gives the pipeline its own pool of
-  that many threads."""
+  the iterator waits for that sleep to end, so closing a long-lived stream can stall its run for tens of seconds.
+  Without it, a map with AUTOTUNE parallelism runs min(16, thread pool) calls at once; `threads` > 0 gives the
+  pipeline its own pool of that many threads."""
   options = tf.data.Options()
   options.deterministic = True
   options.autotune.enabled = False
