@@ -431,9 +431,9 @@ COMMANDS: dict[str, object] = {
   **{
     c: Covered("tests/test_speed_tools.py")  # the same four kinds at more cores: a process each
     for c in (
-      "python -m vlrep.bench.pipeline_benchmark --cores=1,2",
-      "python -m vlrep.bench.pipeline_benchmark --cores=1,2 --seconds=15",
       "python -m vlrep.bench.pipeline_benchmark --cores=1,2 --seconds=15 --output=/tmp/pipeline.json",
+      "python -m vlrep.bench.pipeline_benchmark --cores=1,2 --seconds=15 --kinds=tfdata,tfdata_cache,torch",
+      "python -m vlrep.bench.pipeline_benchmark --cores=1,2 --seconds=15 --kinds=tfdata,tfdata_disk",
     )
   },
   "python -m vlrep.bench.torch_reference --batch_size=256 --steps=30 --compile_mode=max-autotune": Refuses(
