@@ -83,7 +83,11 @@ def pytest_collection_modifyitems(items):
 
 def pytest_sessionstart(session):
   """Generates the tiny dataset once, under a file lock: with pytest-xdist (`-n 2`) the workers start together
-  and would otherwise race to write the same TFDS directory."""
+  and would otherwise race to write the same TFDS directory. xdist's controller process leaves it to the workers:
+  it runs no test, and the workers start only after its session start (importing TensorFlow alone takes it
+  seconds)."""
+  if session.config.getoption("dist", "no") != "no" and not os.environ.get("PYTEST_XDIST_WORKER"):
+    return
   from filelock import FileLock
 
   data_dir = os.environ["VLREP_TEST_DATA_DIR"]
