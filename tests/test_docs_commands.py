@@ -429,7 +429,7 @@ COMMANDS: dict[str, object] = {
     add=("--cores=1", "--kinds=tfdata_cache", "--seconds=0.5", "--num_images=16"), expect="images/s"
   ),
   **{
-    c: Covered("tests/test_speed_tools.py")  # the same four kinds at more cores: a process each
+    c: Covered("tests/test_speed_tools.py")  # the same kinds at more cores: a process each
     for c in (
       "python -m vlrep.bench.pipeline_benchmark --cores=1,2 --seconds=15 --output=/tmp/pipeline.json",
       "python -m vlrep.bench.pipeline_benchmark --cores=1,2 --seconds=15 --kinds=tfdata,tfdata_cache,torch",
