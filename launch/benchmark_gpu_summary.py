@@ -14,6 +14,11 @@ def fmt_rate(r):
   return f"{r['images_per_second']:7.0f} ({r['images_per_second_min']:.0f}-{r['images_per_second_max']:.0f})"
 
 
+def official_file(name, d):
+  print(f"\n## {name}: {d['code']} {d['config_file']} on {d['device']} ({d['framework']}, AMP {d['amp']})")
+  print(f"official step {fmt_rate(d)} img/s  loss {d['final_loss']:.3f}  warm-up {d['warmup_seconds']:.0f} s")
+
+
 def step_file(name, d):
   mfu = f"{100 * d['mfu']:.1f}%" if d.get("mfu") else "-"
   turn = d.get("turn", {})
@@ -44,8 +49,8 @@ def main(out):
     name = os.path.basename(path)[:-5]
     with open(path) as f:
       d = json.load(f)
-    step_file(name, d)
-  expected = {"virtex", "loctex", "mct", "xla_no_triton_gemm", "xla_no_command_buffer"}
+    (official_file if "code" in d else step_file)(name, d)
+  expected = {"virtex", "official_virtex", "loctex", "mct", "xla_conv_fusion"}
   missing = sorted(expected - {os.path.basename(p)[:-5] for p in glob.glob(os.path.join(out, "*.json"))})
   if missing:
     print(f"\nno results (not run, failed or killed; see log.txt): {', '.join(missing)}")

@@ -242,3 +242,19 @@ def test_a_method_of_your_own_trains_end_to_end_without_touching_vlrep(tmp_path)
   summary = json.loads((tmp_path / "run" / "summary.json").read_text())
   assert summary["steps"] == 6 and np.isfinite(summary["train/loss"]) and 0 < summary["probe/map"] <= 100
   assert os.listdir(tmp_path / "run" / "checkpoints")  # checkpointed like any method
+
+
+def test_methods_and_evaluators_are_listed_from_many_threads_at_once():
+  """`vlrep.bench.benchmark --compile_threads` builds variants in threads, and each build lists the method modules
+  by parsing their source; CPython 3.11's parser failed when threads did that at once ("AST constructor recursion
+  depth mismatch"), losing variants of a paid accelerator call."""
+  import concurrent.futures
+
+  from vlrep import methods, package_modules
+
+  package = os.path.dirname(methods.__file__)
+  expected = package_modules.modules_defining(package, "Method")
+  assert "virtex" in expected
+  with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    listed = list(pool.map(lambda _: package_modules.modules_defining(package, "Method"), range(64)))
+  assert all(found == expected for found in listed)

@@ -194,16 +194,22 @@ def test_profile_table_sums_kernel_time_by_class_and_finds_idle_gaps():
     {"ph": "X", "pid": 1, "tid": 7, "name": "sm90_xmma_fprop_implicit_gemm", "ts": 0.0, "dur": 10.0},
     {"ph": "X", "pid": 1, "tid": 8, "name": "nvjet_hsh_gemm", "ts": 5.0, "dur": 10.0},  # overlaps: another stream
     {"ph": "X", "pid": 1, "tid": 7, "name": "loop_add_fusion", "ts": 20.0, "dur": 5.0},
+    {"ph": "X", "pid": 1, "tid": 7, "name": "loop_add_fusion", "ts": 25.0, "dur": 0.0},  # the same kernel again
     {"ph": "X", "pid": 2, "tid": 9, "name": "PjitFunction(step)", "ts": 0.0, "dur": 100.0},  # host: not a kernel
   ]
   events = benchmark.device_kernel_events({"traceEvents": meta + kernels})
-  assert len(events) == 3
+  assert len(events) == 4
   table = benchmark.profile_table(events, steps=1)
   assert table["classes"]["convolution fprop"]["ms_per_step"] == pytest.approx(0.010)
   assert table["classes"]["GEMM"]["share"] == pytest.approx(0.4)
   assert table["busy_ms_per_step"] == pytest.approx(0.020)  # the union of [0, 15] and [20, 25]
   assert table["idle_ms_per_step"] == pytest.approx(0.005) and table["span_ms_per_step"] == pytest.approx(0.025)
   assert "| idle gaps | 0.01 |" in benchmark.profile_markdown({"a": table})
+  # Kernels by name, the most time first, calls of one name summed.
+  top = [(k["name"], k["class"], k["ms_per_step"], k["calls_per_step"]) for k in table["top_kernels"]]
+  assert top[0][:2] == ("sm90_xmma_fprop_implicit_gemm", "convolution fprop") and top[1][0] == "nvjet_hsh_gemm"
+  assert top[2] == ("loop_add_fusion", "elementwise", pytest.approx(0.005), 2)
+  assert "| `loop_add_fusion` | elementwise | 0.005 | 2 |" in benchmark.profile_markdown({"a": table})
 
 
 def test_overrides_and_variants_are_checked():

@@ -7,12 +7,23 @@ from __future__ import annotations
 import ast
 import os
 import pkgutil
+import threading
+
+# CPython 3.11 can fail `ast.parse` run from several threads at once ("SystemError: AST constructor recursion depth
+# mismatch", seen when vlrep.bench.benchmark --compile_threads built variants together): one parse at a time.
+_PARSE_LOCK = threading.Lock()
+
+
+def _parse(path: str) -> ast.Module:
+  with open(path, encoding="utf-8") as f:
+    source = f.read()
+  with _PARSE_LOCK:
+    return ast.parse(source, path)
 
 
 def binds(path: str, name: str) -> bool:
   """Whether the Python file at `path` binds `name` at its top level (a class or an assignment), read, not run."""
-  with open(path, encoding="utf-8") as f:
-    tree = ast.parse(f.read(), path)
+  tree = _parse(path)
   for node in tree.body:
     if isinstance(node, ast.ClassDef) and node.name == name:
       return True
@@ -25,8 +36,7 @@ def binds(path: str, name: str) -> bool:
 def defines_function(path: str, name: str) -> bool:
   """Whether the Python file at `path` defines a function or method `name` anywhere (e.g. a Method class's
   optional `embed`), read, not run."""
-  with open(path, encoding="utf-8") as f:
-    tree = ast.parse(f.read(), path)
+  tree = _parse(path)
   return any(isinstance(n, ast.FunctionDef) and n.name == name for n in ast.walk(tree))
 
 

@@ -492,6 +492,9 @@ KERNEL_CLASSES = (
 )
 
 
+TOP_KERNELS = 40  # kernels listed by name in the profile, the most time first
+
+
 def kernel_class(name: str) -> str:
   for cls, pattern in KERNEL_CLASSES:
     if re.search(pattern, name, re.IGNORECASE):
@@ -526,11 +529,12 @@ def profile_table(events: list[dict], steps: int) -> dict:
   least one ran. {'classes': {class: {'ms_per_step', 'share', 'kernels_per_step'}}, 'busy_ms_per_step',
   'idle_ms_per_step', 'span_ms_per_step'}; shares are of the summed kernel time."""
   per_class = collections.defaultdict(lambda: [0.0, 0])
+  per_kernel = collections.defaultdict(lambda: [0.0, 0])
   intervals = []
   for e in events:
-    cls = per_class[kernel_class(e["name"])]
-    cls[0] += float(e["dur"])
-    cls[1] += 1
+    for table, key in ((per_class, kernel_class(e["name"])), (per_kernel, e["name"])):
+      table[key][0] += float(e["dur"])
+      table[key][1] += 1
     intervals.append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
   busy, end = 0.0, -float("inf")
   for start, stop in sorted(intervals):
@@ -545,6 +549,17 @@ def profile_table(events: list[dict], steps: int) -> dict:
       name: {"ms_per_step": v[0] * us_to_ms, "share": v[0] / total, "kernels_per_step": v[1] / max(steps, 1)}
       for name, v in sorted(per_class.items(), key=lambda kv: -kv[1][0])
     },
+    # The kernels that take the most time (XLA names its fusions after their kind and root operation): where
+    # inside a class the time goes.
+    "top_kernels": [
+      {
+        "name": name,
+        "class": kernel_class(name),
+        "ms_per_step": v[0] * us_to_ms,
+        "calls_per_step": v[1] / max(steps, 1),
+      }
+      for name, v in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
+    ],
     "busy_ms_per_step": busy * us_to_ms,
     "idle_ms_per_step": (span - busy) * us_to_ms,
     "span_ms_per_step": span * us_to_ms,
@@ -580,6 +595,11 @@ def profile_markdown(profiles: dict) -> str:
     lines.append(f"| {c} | " + " | ".join(cells) + " |")
   for key, label in (("idle_ms_per_step", "idle gaps"), ("span_ms_per_step", "span of the kernels")):
     lines.append(f"| {label} | " + " | ".join(f"{profiles[n][key]:.2f}" for n in names) + " |")
+  for n in names:
+    lines += ["", f"{n}: the {TOP_KERNELS} kernels that take the most time", ""]
+    lines += ["| kernel | class | ms/step | calls/step |", "| --- | --- | --- | --- |"]
+    for k in profiles[n].get("top_kernels", []):
+      lines.append(f"| `{k['name'][:90]}` | {k['class']} | {k['ms_per_step']:.3f} | {k['calls_per_step']:g} |")
   return "\n".join(lines) + "\n"
 
 
