@@ -83,9 +83,6 @@ def get_config(arg=None):
       bn_group_size=32,
       zero_init_last_bn=True,
       **({"inner_multiplier": inner} if inner > 1 else {}),
-      # The same BatchNorm maths computed another way (vlrep/models/resnet.py), A/B-timed on accelerators.
-      bn_reduce_columns=0,
-      bn_fold_affine=False,
     ),
   )
 

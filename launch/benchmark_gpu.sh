@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
 # Train-step throughput on one accelerator (docs/speed.md): the VirTex step (R-50, L1 H2048, batch 256, bf16) with
 # the device time by kernel class, the fair PyTorch reference (same optimizer and BatchNorm groups; torch.compile
-# default and max-autotune) beside it, the official kdexd/virtex step, BatchNorm's levers, XLA's GPU flags, and the
-# LocTex and MCT steps.
+# default and max-autotune) beside it, the official kdexd/virtex step, an XLA GPU flag, and the LocTex and MCT
+# steps.
 #   launch/benchmark_gpu.sh OUT_DIR [PARTS] [STEPS] [WINDOWS] [DEADLINE_S]
 # PARTS (comma-separated, default virtex,torch,official,methods,xla): virtex (the plain step, profiled), torch (the
 # references, beside virtex), official (kdexd/virtex's own step, vlrep.bench.official_virtex: needs a checkout in
-# $VIRTEX_SRC, default ./.virtex_src, and fvcore, yacs, iopath, loguru importable), levers (BatchNorm computed
-# other ways, as variants of the virtex process: a wide view for its reductions, the affine folded; profiled),
-# methods (LocTex and MCT), xla (a flag setting). All parts start at once, one process each (torch: two more),
+# $VIRTEX_SRC, default ./.virtex_src, and fvcore, yacs, iopath, loguru importable), methods (LocTex and MCT), xla
+# (a flag setting). All parts start at once, one process each (torch: two more),
 # and share the device through vlrep.bench.device_turns: they compile together (XLA's autotuning,
 # torch.compile and Triton take far longer than the timing), and time one at a time once all are ready, so no
 # timed window shares the device. The VirTex process is waited for; the others (references, other methods, XLA
@@ -17,7 +16,7 @@
 # Every JAX process may grow to 75% of the card's memory: on one H200 the seven processes of all parts left MCT's
 # step without memory (docs/speed.md), so give `methods` a call of its own when running every part.
 # The speed switches this script once measured were removed (docs/speed.md); `git show aa09bc1:launch/benchmark_gpu.sh`
-# has the parts that measured them.
+# has the parts that measured them, `git show 8557da6:launch/benchmark_gpu.sh` the BatchNorm levers part (`levers`).
 # Needs JAX with the accelerator's plugin, flax, optax, ml_collections, sentencepiece and (for the reference)
 # PyTorch; TensorFlow is not needed.
 set -uo pipefail
@@ -29,11 +28,10 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTH
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$OUT/device.txt" || true
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
 for P in ${PARTS//,/ }; do
-  case $P in virtex|torch|official|levers|methods|xla) ;;
-    *) echo "unknown part '$P' (known: virtex, torch, official, levers, methods, xla)" >&2; exit 2 ;; esac
+  case $P in virtex|torch|official|methods|xla) ;;
+    *) echo "unknown part '$P' (known: virtex, torch, official, methods, xla)" >&2; exit 2 ;; esac
 done
 has torch && PARTS="$PARTS,virtex"  # the references are started by the VirTex process
-has levers && PARTS="$PARTS,virtex"  # the levers are variants of the VirTex process
 VIRTEX_SRC=${VIRTEX_SRC:-$ROOT/.virtex_src}
 if has official && [[ ! -f $VIRTEX_SRC/virtex/factories.py ]]; then
   echo "part 'official' needs a checkout of kdexd/virtex in \$VIRTEX_SRC ($VIRTEX_SRC)" >&2; exit 2
@@ -45,21 +43,15 @@ declare -A CMDS
 PARTIES=0
 if has virtex; then  # the plain step, its profile, and the references beside it
   T=""; has torch && T="--torch_reference --torch_modes=default,max-autotune" && PARTIES=$((PARTIES + 2))
-  L=""
-  if has levers; then  # the same BatchNorm maths computed other ways (vlrep/models/resnet.py: GroupedBatchNorm)
-    B=method.backbone
-    L="--variant=bn_reduce512:$B.bn_reduce_columns=512 --variant=bn_reduce2048:$B.bn_reduce_columns=2048"
-    L="$L --variant=bn_fold:$B.bn_fold_affine=True --variant=bn_fold_reduce2048:$B.bn_fold_affine=True,$B.bn_reduce_columns=2048"
-    L="$L --compile_threads=5 --offload_states"
-  fi
-  CMDS[virtex]="$VIRTEX --profile --output_dir=/tmp/vlrep_gpu_profile $T $L"
+  CMDS[virtex]="$VIRTEX --profile --output_dir=/tmp/vlrep_gpu_profile $T"
 fi
 if has methods; then  # LocTex and MCT (MCT's tag variant with a text encoder from scratch: no BERT folder needed)
   CMDS[loctex]="--config=configs/loctex.py --config.batch_size=256 --gemm_size=0 --turn_optional"
   CMDS[mct]="--config=configs/mct.py:text=scratch,tags=True --config.batch_size=256 --gemm_size=0 --turn_optional"
 fi
 # XLA's GPU flags are read when the backend starts: one process per setting (default: virtex's). Measured and
-# tied earlier (docs/speed.md): --xla_gpu_enable_triton_gemm=false, --xla_gpu_enable_command_buffer=.
+# tied or lost (docs/speed.md): --xla_gpu_enable_triton_gemm=false, --xla_gpu_enable_command_buffer=, and the one
+# below (kept to be re-measured as XLA changes).
 declare -A XLA_SETTINGS=(
   [xla_conv_fusion]="--xla_gpu_experimental_enable_conv_fusion=true"  # elementwise work fused into cuDNN convolutions
 )

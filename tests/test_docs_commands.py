@@ -439,6 +439,18 @@ COMMANDS: dict[str, object] = {
   "python -m vlrep.bench.torch_reference --batch_size=256 --steps=30 --compile_mode=max-autotune": Refuses(
     r"GPU|CUDA|torchvision"
   ),
+  # The official kdexd/virtex step needs a checkout of its code (not in this repository, not on the package index).
+  "python -m vlrep.bench.official_virtex --virtex_src=/tmp/virtex --batch_size=256 --steps=20 --windows=3": Refuses(
+    r"is not a checkout of kdexd/virtex"
+  ),
+  **{
+    c: SameAs("python -m vlrep.bench.official_virtex --virtex_src=/tmp/virtex --batch_size=256 --steps=20 --windows=3")
+    for c in (
+      "python -m vlrep.bench.official_virtex --virtex_src=DIR",
+      'python -m vlrep.bench.official_virtex --virtex_src="$VIRTEX_SRC" --batch_size=256 --steps="$STEPS" '
+      '--windows="$WINDOWS" --output="$OUT/official_virtex.json" $TURN >/tmp/vlrep_gpu_official.log 2>',
+    )
+  },
   # The speed benchmark: the paper recipe's step, shrunk (TINY_BENCHMARK).
   "python -m vlrep.bench.benchmark --config=configs/virtex.py:runlocal --steps=10": Run(
     add=("--steps=1", "--windows=1", "--gemm_size=0")

@@ -122,35 +122,38 @@ def test_grouped_batchnorm_uses_per_group_statistics():
   np.testing.assert_allclose(y_all.ravel(), (np.array([-1, 1, 9, 11]) - 5) / np.sqrt(26), atol=1e-4)
 
 
-@pytest.mark.parametrize(
-  "options", [{"reduce_columns": 64}, {"fold_affine": True}, {"reduce_columns": 128, "fold_affine": True}]
-)
-def test_batchnorm_speed_forms_compute_the_plain_maths(options):
-  """The BatchNorm levers (a wide view for the reductions; the affine folded into one multiply-add) give the plain
-  form's output, running statistics and gradients (input and parameters), group by group."""
+def test_batchnorm_multiply_add_form_computes_the_plain_maths():
+  """Training BatchNorm is applied as `x * a + b` (per-channel a = scale / std, b = bias - mean * a; 4% faster on an
+  H200): its output, running statistics and gradients (input, scale and bias) equal the plain
+  `(x - mean) / std * scale + bias` with per-group statistics, written out here."""
   groups_differ = jnp.arange(8.0)[:, None, None, None] // 4 * 5.0  # the second group of 4 is offset by 5
   x = jax.random.normal(jax.random.PRNGKey(0), (8, 6, 6, 16)) * 3 + 1.5 + groups_differ
   residual = jax.random.normal(jax.random.PRNGKey(1), x.shape)
   weights = jnp.cos(jnp.arange(x.size, dtype=jnp.float32)).reshape(x.shape)
-  k = resnet.reduce_view_factor(4 * 36, 16, options.get("reduce_columns", 0))
-  assert k == options.get("reduce_columns", 16) // 16  # the wide view is really taken
+  bn = resnet.GroupedBatchNorm(group_size=4, momentum=0.5)
+  variables = bn.init(jax.random.PRNGKey(2), x, True)
+  params = jax.tree.map(lambda a: a + jax.random.uniform(jax.random.PRNGKey(3), a.shape), variables["params"])
 
-  def run(**kw):
-    bn = resnet.GroupedBatchNorm(group_size=4, **kw)
-    variables = bn.init(jax.random.PRNGKey(2), x, True)
-    params = jax.tree.map(lambda a: a + jax.random.uniform(jax.random.PRNGKey(3), a.shape), variables["params"])
+  def plain(params, x):
+    xg = x.reshape(2, 4, 6, 6, 16)
+    mean, var = xg.mean((1, 2, 3), keepdims=True), xg.var((1, 2, 3), keepdims=True)
+    y = ((xg - mean) / jnp.sqrt(var + 1e-5)).reshape(x.shape) * params["scale"] + params["bias"]
+    stats = {"mean": 0.5 * mean.mean(0).ravel(), "var": 0.5 + 0.5 * var.mean(0).ravel() * 144 / 143}
+    return jax.nn.relu(y + residual), stats
 
-    def loss(params, x):
-      y, updates = bn.apply(
-        {"params": params, "batch_stats": variables["batch_stats"]}, x, True, residual, True, mutable=["batch_stats"]
-      )
-      return (y * weights).sum(), (y, updates)
+  def module(params, x):
+    y, updates = bn.apply(
+      {"params": params, "batch_stats": variables["batch_stats"]}, x, True, residual, True, mutable=["batch_stats"]
+    )
+    return y, updates["batch_stats"]
 
-    (_, aux), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
-    return aux, grads
-
-  plain, lever = run(), run(**options)
-  for a, b in zip(jax.tree.leaves(lever), jax.tree.leaves(plain), strict=True):
+  (y, stats), (y_ref, stats_ref) = module(params, x), plain(params, x)
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  for key in ("mean", "var"):
+    np.testing.assert_allclose(stats[key], stats_ref[key], rtol=1e-5)
+  grads = jax.grad(lambda p, x: (module(p, x)[0] * weights).sum(), argnums=(0, 1))(params, x)
+  grads_ref = jax.grad(lambda p, x: (plain(p, x)[0] * weights).sum(), argnums=(0, 1))(params, x)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref), strict=True):
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5 * float(jnp.abs(b).max()))
 
 
