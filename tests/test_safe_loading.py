@@ -408,3 +408,51 @@ def test_docs_state_what_the_unpickler_allows():
   paragraph = doc[doc.index("**Loading is safe.**") :].split("\n\n")[0]
   for name in ("_rebuild_tensor_v2", "collections.OrderedDict", "numpy", "UnsafeFile", ".safetensors"):
     assert name in paragraph, name
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# What legitimate checkpoints hold still loads.
+# ------------------------------------------------------------------------------------------------------------------
+class _WarmupLR(torch.optim.lr_scheduler.LambdaLR):
+  """A scheduler whose multiplier is a bound method, as VirTex's LinearWarmupCosineWithDecayLR."""
+
+  def __init__(self, optimizer, warmup: int):
+    self.warmup = warmup
+    super().__init__(optimizer, self._multiplier)
+
+  def _multiplier(self, step):
+    return min(1.0, (step + 1) / self.warmup)
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_training_checkpoints_with_optimizer_scheduler_and_scaler_state_load(tmp_path, legacy):
+  torch.manual_seed(0)
+  model = TorchResNet(18, 8)
+  sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+  adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
+  scheduler = _WarmupLR(sgd, warmup=10)
+  sum(y.sum() for y in model(torch.randn(2, 3, 32, 32))).backward()
+  sgd.step(), adamw.step(), scheduler.step()
+  tagged = torch.ones(2)
+  tagged.note = "a tensor with a Python attribute"  # pickled through torch._tensor._rebuild_from_type_v2
+  ckpt = {  # VirTex's CheckpointManager layout, plus what other trainers keep
+    "model": model.state_dict(),
+    "optimizer": sgd.state_dict(),
+    "adamw": adamw.state_dict(),
+    "scheduler": scheduler.state_dict(),
+    "scaler": torch.amp.GradScaler("cpu").state_dict(),
+    "iteration": 1,
+    "extra": {"size": torch.Size([2, 3]), "tagged": tagged, "param": torch.nn.Parameter(torch.zeros(3))},
+  }
+  path = tmp_path / "ckpt.pth"
+  torch.save(ckpt, path, _use_new_zipfile_serialization=not legacy)
+  got = torch_files.load_checkpoint(str(path))
+  sd = torch_files.load_state_dict(str(path))
+  assert sd.keys() == ckpt["model"].keys()
+  for k, v in ckpt["model"].items():
+    np.testing.assert_array_equal(sd[k], v.numpy(), err_msg=k)
+  momentum = got["optimizer"]["state"][0]["momentum_buffer"]
+  np.testing.assert_array_equal(momentum, sgd.state_dict()["state"][0]["momentum_buffer"].numpy())
+  assert got["optimizer"]["param_groups"][0]["nesterov"] is True
+  assert int(got["adamw"]["state"][0]["step"]) == 1 and got["scheduler"]["last_epoch"] == 1
+  assert got["extra"]["size"] == (2, 3) and list(got["extra"]["tagged"]) == [1, 1]
