@@ -482,18 +482,27 @@ def test_convert_mmf_dumps_and_refuse_code_in_their_pickles(tmp_path):
   np.save(src / "42_info.npy", info, allow_pickle=True)
   np.save(src / "43.npy", np.ones((3, 8), np.float32))  # no info file
 
-  class Evil:
-    def __reduce__(self):
-      return (os.system, ("echo pwned",))
-
+  # An info file without boxes: a counted skip.
   np.save(src / "44.npy", np.ones((1, 8), np.float32))
-  np.save(src / "44_info.npy", np.array(Evil(), dtype=object), allow_pickle=True)
+  np.save(src / "44_info.npy", {"num_boxes": 1, "image_width": 20, "image_height": 40}, allow_pickle=True)
   counts = region_files.convert_mmf(str(src), str(dst))
   assert counts == {"converted": 1, "skipped_no_info": 1, "skipped_bad": 1}
   with np.load(dst / "42.npz") as z:
     assert z["features"].shape == (2, 8) and z["boxes"].shape == (2, 4)  # num_boxes = 2
     np.testing.assert_array_equal(z["labels"], [0, 1])  # argmax of cls_prob
     assert float(z["image_height"]) == 40
+
+  # One whose pickle would run code stops the conversion, naming the file and the global; nothing runs (every kind
+  # of payload: tests/test_safe_loading.py).
+  class Evil:
+    def __reduce__(self):
+      return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+  np.save(src / "45.npy", np.ones((1, 8), np.float32))
+  np.save(src / "45_info.npy", np.array(Evil(), dtype=object), allow_pickle=True)
+  with pytest.raises(ValueError, match=r"45_info\.npy asks for posix\.system"):
+    region_files.convert_mmf(str(src), str(dst))
+  assert not (tmp_path / "pwned").exists()
 
 
 def test_visual_bert_entailment_from_region_files_end_to_end(tmp_path):

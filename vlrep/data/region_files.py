@@ -7,8 +7,9 @@ vlrep's format (one file per image, written by `python -m vlrep.tools.convert_re
                        labels        int32 [N]  optional: each region's detected class (argmax of cls_prob)
                        cls_prob      float32 [N, C]  optional: the detector's class distribution
 MMF's dumps (`<name>.npy` features + `<name>_info.npy`, a pickled dict with bbox, num_boxes, image_width,
-image_height, objects, cls_prob) convert with `--format=mmf`. Their info files are read with an unpickler that
-only rebuilds numpy arrays and plain containers, never arbitrary code.
+image_height, objects, cls_prob) convert with `--format=mmf`. Their info files are read with vlrep's restricted
+unpickler (vlrep.torch_files): numpy arrays and plain containers only; an info file that asks for anything else
+(a payload) stops the conversion with an error naming it, and nothing in it runs.
 
 The `region_features(DIR, max_regions, class_probs=False)` host op looks features up by `image_id`: `regions`
 [R, D], `boxes` [R, 4] normalised (ymin, xmin, ymax, xmax, TFDS order), `box_mask`, `region_labels` (-1
@@ -19,38 +20,18 @@ no regions (box_mask all False), is counted in `stat_no_features`, and trains on
 
 from __future__ import annotations
 
-import io
 import os
-import pickle
 
 import numpy as np
 
+from vlrep import torch_files
 from vlrep.data import registry
-
-_SAFE_GLOBALS = {
-  ("numpy.core.multiarray", "_reconstruct"),
-  ("numpy._core.multiarray", "_reconstruct"),
-  ("numpy.core.multiarray", "scalar"),
-  ("numpy._core.multiarray", "scalar"),
-  ("numpy", "ndarray"),
-  ("numpy", "dtype"),
-  ("builtins", "dict"),
-  ("builtins", "list"),
-  ("builtins", "tuple"),
-  ("collections", "OrderedDict"),
-}
-
-
-class _ArrayUnpickler(pickle.Unpickler):
-  def find_class(self, module, name):
-    if (module, name) in _SAFE_GLOBALS:
-      return super().find_class(module, name)
-    raise pickle.UnpicklingError(f"Refusing to load {module}.{name}: only numpy arrays and containers are allowed.")
 
 
 def load_pickled_npy(path: str):
-  """The object stored in an .npy file written with allow_pickle (MMF's `_info.npy` dicts), unpickled with only
-  numpy's array constructors allowed."""
+  """The object stored in an .npy file written with allow_pickle (MMF's `_info.npy` dicts), through vlrep's
+  restricted unpickler (`vlrep.torch_files.load_pickle`: numpy arrays and plain containers; any other global is an
+  `UnsafeFile` error naming the file and the global, and nothing in the file runs)."""
   with open(path, "rb") as f:
     version = np.lib.format.read_magic(f)
     if version == (1, 0):
@@ -60,7 +41,7 @@ def load_pickled_npy(path: str):
     if not dtype.hasobject:
       f.seek(0)
       return np.load(f)
-    obj = _ArrayUnpickler(io.BytesIO(f.read())).load()
+    obj = torch_files.load_pickle(f, path)
   # np.save of a dict stores a 0-d object array.
   return obj.item() if isinstance(obj, np.ndarray) and obj.shape == () else obj
 
@@ -95,6 +76,8 @@ def convert_mmf(src: str, dst: str) -> dict[str, int]:
     try:
       feats = np.load(os.path.join(src, fname))
       info = load_pickled_npy(info_path)
+      if not isinstance(info, dict):
+        raise ValueError(f"{info_path} holds a {type(info).__name__}, not MMF's info dict.")
       n = int(info.get("num_boxes", len(feats)))
       cls_prob = info.get("cls_prob")
       labels = info.get("objects")
@@ -110,7 +93,9 @@ def convert_mmf(src: str, dst: str) -> dict[str, int]:
         None if cls_prob is None else np.asarray(cls_prob)[:n],
       )
       counts["converted"] += 1
-    except (KeyError, ValueError, pickle.UnpicklingError) as e:
+    except torch_files.UnsafeFile:
+      raise  # a payload, not a damaged record: the dump is not to be trusted
+    except (KeyError, ValueError) as e:
       counts["skipped_bad"] += 1
       print(f"skipped {name}: {e}")
   return counts

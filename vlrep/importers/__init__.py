@@ -15,7 +15,8 @@ A format module provides:
       vocabulary whose size differs from the embedding) before anything is written.
 
 Safe loading only: safetensors, or torch.save files through `vlrep.torch_files` (`load_checkpoint` and
-`load_state_dict` below; a restricted unpickler: tensors, ordered dicts and plain containers; no code runs).
+`load_state_dict` below; a restricted unpickler: tensors, ordered dicts and plain containers; any other object the
+file asks for is an error naming the file and the global, and no code runs).
 """
 
 from __future__ import annotations
@@ -96,8 +97,8 @@ def no_format_error(path: str, keys: set[str], fmt: str, score: float, missing, 
 # ------------------------------------------------------------------------------------------------------------------
 def load_checkpoint(path: str) -> Any:
   """A .safetensors file as {name: array}; any other file (.pth/.pt/.bin: torch.save, zip or legacy format) through
-  `vlrep.torch_files.load_checkpoint`: plain Python containers and numpy arrays, any other object an inert
-  placeholder (nothing is imported or run)."""
+  `vlrep.torch_files.load_checkpoint`: plain Python containers and numpy arrays; a file that asks for any other
+  object is a `torch_files.UnsafeFile` error naming the file and the global (nothing in it is imported or run)."""
   if not path.endswith(".safetensors"):
     return torch_files.load_checkpoint(path)
   if not os.path.exists(path):

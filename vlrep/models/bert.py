@@ -14,7 +14,8 @@ checkpoints fine-tuned for sentence embeddings (MiniLM here) do not carry it, an
 
 `pytorch_model.bin` (torch.save's zip or legacy format) is read without executing its pickle, by
 `vlrep.torch_files.load_state_dict`: tensors are rebuilt from the raw storages, nothing in the file is imported or
-run, and an entry that is not a tensor is an error naming its key.
+run, a file that asks for any other object (a global outside the restricted unpickler's table) is an error naming
+the file and the global, and an entry that is not a tensor is an error naming its key.
 """
 
 from __future__ import annotations
