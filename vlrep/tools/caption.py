@@ -62,7 +62,7 @@ def caption_files(
   if missing:
     raise FileNotFoundError(f"No such image file(s): {missing}")
   run = runs.load_run(workdir, checkpoint)
-  _, inputs = run_setup.build(run.config)
+  inputs = run_setup.build_inputs(run.config)
   size = size or training_size(run.config)
   images = np.stack([visualize.load_image(p, size) for p in paths])
   cfg = {"decoding": decoding_method, "max_len": max_len, **decode_kwargs}
