@@ -170,9 +170,12 @@ def main():
     if k == BEAM_SIZES[0]:
       first_steps = [inputs[0] for inputs in step_inputs[:3]]  # image 0's first beam
   np.savez_compressed(os.path.join(args.out, "captured.npz"), **captured)
-  commit = args.commit or subprocess.run(
-    ["git", "-C", args.virtex_src, "rev-parse", "HEAD"], capture_output=True, text=True, check=False
-  ).stdout.strip()
+  commit = (
+    args.commit
+    or subprocess.run(
+      ["git", "-C", args.virtex_src, "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+  )
   meta = {
     "source": "github.com/kdexd/virtex" + (f" at {commit}" if commit else ""),
     "settings": s,
