@@ -100,7 +100,8 @@ def _argv(command: str, extra: tuple, tmp) -> list[str]:
     for name in ("resnet50-0676ba61.pth", "bicaptioning_R_50_L1_H2048.pth", "coco_10k.model", "photo.jpg"):
       w = re.sub(rf"(^|=){re.escape(name)}$", rf"\g<1>{tmp}/{name}", w)
     w = w.replace("--out=bicaptioning.pth", f"--out={tmp}/bicaptioning.pth")
-    w = w.replace("--checkpoint=FILE", f"--checkpoint={tmp}/bicaptioning.pth").replace("--workdir=RUN", f"--workdir={tmp}/runs/auto")
+    w = w.replace("--checkpoint=FILE", f"--checkpoint={tmp}/resnet50-0676ba61.pth")
+    w = w.replace("--workdir=RUN", f"--workdir={tmp}/runs/auto")
     w = w.replace("configs/finetune.py", "tests/tiny_finetune.py")
     out.append(w)
   config_arg = [e for e in extra if e.startswith((":", ","))]

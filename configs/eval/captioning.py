@@ -2,7 +2,7 @@ r"""Captioning metrics of a VirTex checkpoint's forward model on a validation sp
 
   python -m vlrep.evaluate --config=configs/eval/captioning.py --workdir=DIR            # COCO val2017, beam 5
   python -m vlrep.evaluate --config=configs/eval/captioning.py:decoding=nucleus --workdir=DIR
-  python -m vlrep.evaluate --config=configs/eval/captioning.py:official --workdir=RUN   # a zoo checkpoint's numbers
+  python -m vlrep.evaluate --config=configs/eval/captioning.py:official --workdir=/runs/virtex_zoo  # published
   python -m vlrep.evaluate --config=configs/eval/captioning.py:runlocal --workdir=/tmp/virtex_local
 
 Arguments: decoding=greedy|beam|nucleus|virtex_official, beam_size, limit (first N images), runlocal

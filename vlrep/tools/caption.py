@@ -8,7 +8,9 @@ Images are resized (shorter side) and centre-cropped to the size the run trained
 antialiasing as OpenCV's INTER_LINEAR, centre crop 224). --decoding=virtex_official is the official evaluation's
 beam search (vlrep.decoding.virtex_official); both together caption a zoo checkpoint as its published results did:
 
-  python -m vlrep.tools.caption --workdir=RUN --decoding=virtex_official --preprocess=virtex_official photo.jpg
+  python -m vlrep.tools.caption --workdir=/runs/virtex_zoo --decoding=virtex_official \
+      --preprocess=virtex_official photo.jpg
+
 With --attention_dir, DIR/<image name>/NN_<word>.png shows the decoder's cross-attention over the final
 feature grid for each predicted token, averaged over heads and upsampled bicubically (VirTex figure 6).
 """
