@@ -488,6 +488,9 @@ COMMANDS: dict[str, object] = {
       "python -m vlrep.evaluate --config=configs/eval/voc07_svm.py --workdir=/runs/in1k_r50",
       "python -m vlrep.evaluate --config=configs/eval/captioning.py --workdir=/runs/virtex_zoo",
       "python -m vlrep.tools.caption --workdir=/runs/virtex_zoo photo.jpg",
+      "python -m vlrep.tools.caption --workdir=/runs/virtex_zoo --decoding=virtex_official "
+      "--preprocess=virtex_official photo.jpg",
+      "python -m vlrep.evaluate --config=configs/eval/captioning.py:official --workdir=/runs/virtex_zoo",
       "python -m vlrep.tools.caption --workdir=/runs/virtex_zoo_h2048 photo.jpg",
       "python -m vlrep.main --config=configs/finetune.py --config.init_from=/runs/virtex_zoo --workdir=/runs/inat_ft",
       "python -m vlrep.main --config=configs/finetune.py --config.init_from=/runs/in1k_r50 --workdir=/runs/inat_ft",

@@ -14,7 +14,9 @@ import jax.numpy as jnp
 from vlrep.data import tokenizers
 
 SOS, EOS, PAD = tokenizers.SOS_ID, tokenizers.EOS_ID, tokenizers.PAD_ID
-METHODS = ("greedy", "beam", "nucleus")
+METHODS = ("greedy", "beam", "nucleus", "virtex_official")
+# The official VirTex beam search's "blocked" log-probability of a beam's last token (a constant, not -inf).
+OFFICIAL_REPEAT_LOGP = -10000.0
 
 
 def _init(batch: int, max_len: int) -> jax.Array:
@@ -91,6 +93,52 @@ def beam_search(logits_fn, batch: int, max_len: int, beam_size: int = 5, length_
   return pick(tokens)[:, 1:], pick(scores)
 
 
+def virtex_official(logits_fn, batch: int, max_len: int, beam_size: int = 5, per_node_beam_size: int = 2):
+  """kdexd/virtex's evaluation decoding (`AutoRegressiveBeamSearch` driven by `CaptioningModel.decoding_step`), as
+  it behaves, so an imported zoo checkpoint's captions and metrics are the published ones:
+
+  - step 1 feeds the head [SOS] alone; every later step feeds the tokens predicted so far *without* [SOS] (the
+    first predicted word sits at position 0) and reads the logits at the last of them;
+  - every token may be predicted, special ones included (<unk>, [SOS], [MASK]);
+  - a beam's last token gets log-probability -10000 (no immediate repeat), then a beam that ended with [EOS]
+    can only continue with [EOS] at no cost;
+  - each beam proposes its `per_node_beam_size` best continuations (2 officially) and the best `beam_size` of them
+    survive, by summed log-probability without length normalisation; the result is the best beam.
+  The head sees at most `max_len - 1` tokens (the official MAX_DECODING_STEPS = the caption length).
+  `logits_fn` must not mask any key but the future ones (the official decoding step passes the full length).
+  Returns (tokens [B, max_len] with [PAD] after the first [EOS], log-probability [B]).
+  """
+  k, p = beam_size, per_node_beam_size
+  width = max(1, max_len - 1)  # the longest input the head sees
+  start = jnp.full((batch, width), PAD, jnp.int32).at[:, 0].set(SOS)
+  logp0 = jax.nn.log_softmax(logits_fn(start)[:, 0].astype(jnp.float32), -1)
+  vocab = logp0.shape[-1]
+  scores, first = jax.lax.top_k(logp0, k)  # [B, k]
+  preds = jnp.full((batch, k, max_len), PAD, jnp.int32).at[:, :, 0].set(first.astype(jnp.int32))
+  words = jnp.arange(vocab)
+
+  def body(t, carry):  # predicts token t (0-based) from tokens 0..t-1
+    preds, scores = carry
+    last = preds[:, :, t - 1]
+    logits = logits_fn(preds[:, :, :width].reshape(batch * k, width))[:, t - 1]
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1).reshape(batch, k, vocab)
+    logp = jnp.where(words == last[..., None], OFFICIAL_REPEAT_LOGP, logp)
+    only_eos = jnp.where(words == EOS, 0.0, -jnp.inf)
+    logp = jnp.where((last == EOS)[..., None], only_eos, logp)
+    top_logp, top_word = jax.lax.top_k(logp, p)  # [B, k, p]
+    cand = (top_logp + scores[..., None]).reshape(batch, k * p)
+    scores, idx = jax.lax.top_k(cand, k)
+    word = jnp.take_along_axis(top_word.reshape(batch, k * p), idx, axis=1).astype(jnp.int32)
+    preds = jnp.take_along_axis(preds, (idx // p)[..., None], axis=1).at[:, :, t].set(word)
+    return preds, scores
+
+  preds, scores = jax.lax.fori_loop(1, max_len, body, (preds, scores))
+  # The official search stops once every beam has ended and repeats [EOS] meanwhile; vlrep pads after [EOS].
+  best = preds[:, 0]
+  after_eos = (jnp.cumsum(best == EOS, axis=1) - (best == EOS)) > 0
+  return jnp.where(after_eos, PAD, best), scores[:, 0]
+
+
 def decode(logits_fn, batch: int, max_len: int, method: str = "beam", rng=None, **kwargs) -> jax.Array:
   if method == "greedy":
     return greedy(logits_fn, batch, max_len)
@@ -98,6 +146,8 @@ def decode(logits_fn, batch: int, max_len: int, method: str = "beam", rng=None, 
     return beam_search(logits_fn, batch, max_len, **kwargs)[0]
   if method == "nucleus":
     return nucleus(logits_fn, batch, max_len, rng if rng is not None else jax.random.PRNGKey(0), **kwargs)
+  if method == "virtex_official":
+    return virtex_official(logits_fn, batch, max_len, **kwargs)[0]
   raise ValueError(f"Unknown decoding method {method!r}; expected one of {METHODS}.")
 
 
@@ -109,18 +159,28 @@ def make_captioner(model, max_len: int, method: str = "beam", **kwargs):
   decoded caption, so it is exactly what produced each word.
   """
 
+  official = method == "virtex_official"
+
   @jax.jit
   def caption(variables, images, rng):
     visual = model.apply(variables, images, method=type(model).project_visual)
     b = images.shape[0]
 
-    def logits_fn(tokens):
+    def text_logits(tokens):
       v = jnp.repeat(visual, tokens.shape[0] // b, axis=0)
-      return model.apply(variables, v, tokens, method=type(model).text_logits)[0]
+      # The official decoding step masks no key (causal attention alone), so an <unk> it predicted is attended.
+      padding = jnp.zeros(tokens.shape, bool) if official else None
+      return model.apply(variables, v, tokens, "forward", padding, method=type(model).text_logits)
 
-    tokens = decode(logits_fn, b, max_len, method, rng=rng, **kwargs)
-    prefix = jnp.concatenate([jnp.full((b, 1), SOS, jnp.int32), tokens[:, :-1]], axis=1)
-    _, cross = model.apply(variables, visual, prefix, method=type(model).text_logits)
-    return tokens, jnp.mean(cross[-1].astype(jnp.float32), axis=1)
+    tokens = decode(lambda t: text_logits(t)[0], b, max_len, method, rng=rng, **kwargs)
+    if official:
+      # What produced each word: word 1 came from [SOS] alone, word j > 1 from words 1..j-1 (no [SOS]).
+      _, first = text_logits(jnp.full((b, 1), SOS, jnp.int32))
+      _, rest = text_logits(tokens[:, : max(1, max_len - 1)])
+      cross = jnp.concatenate([first[-1], rest[-1]], axis=2)[:, :, :max_len]
+    else:
+      prefix = jnp.concatenate([jnp.full((b, 1), SOS, jnp.int32), tokens[:, :-1]], axis=1)
+      cross = text_logits(prefix)[1][-1]
+    return tokens, jnp.mean(cross.astype(jnp.float32), axis=1)
 
   return caption

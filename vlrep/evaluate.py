@@ -27,7 +27,7 @@ def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", na
   if unknown:
     raise ValueError(f"Unknown evaluations {unknown}; this config defines {sorted(evals_cfg)}.")
   if any(evaluators.needs_method(cfg) for cfg in evals_cfg.values()):
-    _, run_inputs = run_setup.build(run.config)  # the method and tokenizer, rebuilt as training built them
+    run_inputs = run_setup.build_inputs(run.config)  # the method and tokenizer, rebuilt as training built them
   else:
     run_inputs = evaluators.RunInputs(host=jax.process_index(), num_hosts=jax.process_count())
   model = evaluators.Model(jax.device_put(run.variables), backbone_features(run))

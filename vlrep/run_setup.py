@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import ml_collections
 
@@ -21,10 +23,32 @@ def build(config: ml_collections.ConfigDict, for_training: bool = False):
   builder = pipeline.get_builder(data.name, data.data_dir, data.get("config_name"))
   if for_training:
     pipeline.check_required_fields(builder, data.split, data.get("requires", {}), config.method.name)
+  return builder, _run_inputs(config, builder)
+
+
+def build_inputs(config: ml_collections.ConfigDict):
+  """`RunInputs` of a trained or imported run, for commands that only apply it (vlrep.evaluate, the caption tool):
+  the training data's builder is opened only when building them needs it (a vocabulary built from or stored next
+  to the training data, a concept set, a method's `setup`), so an imported run with its own vocabulary needs no
+  training dataset prepared."""
+  data = config.data
+  builder = None
+  if _needs_training_data(config):
+    builder = pipeline.get_builder(data.name, data.data_dir, data.get("config_name"))
+  return _run_inputs(config, builder)
+
+
+def _needs_training_data(config) -> bool:
+  tok = config.get("tokenizer")
+  own_bpe = tok and tok.get("kind", "bpe") == "bpe" and tok.get("special_tokens", "vlrep") == "vlrep"
+  vocab_missing = own_bpe and not (tok.get("path") and os.path.exists(os.path.expanduser(tok.path)))
+  return bool(vocab_missing or config.get("concepts") or methods.has_setup(config.method.name))
+
+
+def _run_inputs(config, builder):
   tokenizer = tokenizers.ensure_tokenizer(config.tokenizer, builder) if config.get("tokenizer") else None
   needs = {**concepts.run_concepts(config, builder, tokenizer), **methods.setup(config, builder, tokenizer)}
   method = methods.build(config.method, tokenizer.vocab_size if tokenizer else 0, **needs)
-  inputs = evaluators.RunInputs(
+  return evaluators.RunInputs(
     tokenizer=tokenizer, method=method, needs=needs, host=jax.process_index(), num_hosts=jax.process_count()
   )
-  return builder, inputs

@@ -10,21 +10,55 @@ from PIL import Image
 from vlrep.data.ops import IMAGENET_MEAN, IMAGENET_STD
 
 
-def load_image(path: str, size: int) -> np.ndarray:
-  """An image file -> uint8 [size, size, 3]: shorter side resized to `size`, centre crop (the eval protocol)."""
+def _read_rgb(path: str) -> np.ndarray:
   try:
     with Image.open(path) as img:
-      img = img.convert("RGB")
+      return np.asarray(img.convert("RGB"), np.uint8)
   except FileNotFoundError:
     raise
   except Exception as e:  # PIL raises several types for non-images and truncated files
     raise ValueError(f"{path} is not a readable image file ({type(e).__name__}: {e}).") from e
+
+
+def load_image(path: str, size: int) -> np.ndarray:
+  """An image file -> uint8 [size, size, 3]: shorter side resized to `size`, centre crop (the eval protocol)."""
+  img = Image.fromarray(_read_rgb(path))
   w, h = img.size
   scale = size / min(w, h)
   img = img.resize((max(size, round(w * scale)), max(size, round(h * scale))), Image.BICUBIC)
   w, h = img.size
   left, top = (w - size) // 2, (h - size) // 2
   return np.asarray(img.crop((left, top, left + size, top + size)), np.uint8)
+
+
+def load_image_official(path: str, resize: int = 256, crop: int = 224) -> np.ndarray:
+  """An image file -> uint8 [crop, crop, 3] as kdexd/virtex's evaluation transform makes it (albumentations'
+  SmallestMaxSize(resize): OpenCV INTER_LINEAR, i.e. bilinear at half-pixel centres without antialiasing, rounded
+  to uint8; then CenterCrop(crop))."""
+  img = _read_rgb(path)
+  h, w = img.shape[:2]
+  scale = resize / min(h, w)
+  img = resize_bilinear(img, int(h * scale), int(w * scale))  # albumentations truncates the new size
+  h, w = img.shape[:2]
+  top, left = (h - crop) // 2, (w - crop) // 2
+  return img[top : top + crop, left : left + crop]
+
+
+def resize_bilinear(img: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
+  """uint8 [H, W, C] -> [out_h, out_w, C]: OpenCV's INTER_LINEAR (source coordinate (i + 0.5) * in / out - 0.5,
+  clamped at the borders, no antialiasing), rounded to uint8."""
+
+  def taps(n_out, n_in):
+    x = np.clip((np.arange(n_out) + 0.5) * (n_in / n_out) - 0.5, 0, n_in - 1)
+    lo = np.floor(x).astype(np.int64)
+    return lo, np.minimum(lo + 1, n_in - 1), (x - lo).astype(np.float32)
+
+  y0, y1, fy = taps(out_h, img.shape[0])
+  x0, x1, fx = taps(out_w, img.shape[1])
+  f = img.astype(np.float32)
+  rows = f[y0] * (1 - fy)[:, None, None] + f[y1] * fy[:, None, None]
+  out = rows[:, x0] * (1 - fx)[None, :, None] + rows[:, x1] * fx[None, :, None]
+  return np.clip(np.round(out), 0, 255).astype(np.uint8)
 
 
 def normalize(images: np.ndarray) -> np.ndarray:

@@ -79,16 +79,23 @@ def get_resize(size: int, key: str = "image"):
 
 
 @register
-def get_resize_small(size: int, key: str = "image"):
-  """Resizes so that the shorter side is `size`, keeping the aspect ratio."""
+def get_resize_small(size: int, key: str = "image", official: bool = False):
+  """Resizes so that the shorter side is `size`, keeping the aspect ratio (bilinear, antialiased). `official`:
+  as kdexd/virtex's evaluation (albumentations' SmallestMaxSize): the new size truncated, OpenCV's INTER_LINEAR
+  (bilinear without antialiasing), rounded to uint8."""
 
   def op(ex):
     ex = dict(ex)
     img = ex[key]
     h, w = tf.cast(tf.shape(img)[0], tf.float32), tf.cast(tf.shape(img)[1], tf.float32)
     scale = size / tf.minimum(h, w)
-    new = tf.cast(tf.round(tf.stack([h * scale, w * scale])), tf.int32)
-    ex[key] = tf.cast(tf.clip_by_value(tf.image.resize(img, new, antialias=True), 0, 255), tf.uint8)
+    if official:
+      new = tf.cast(tf.floor(tf.stack([h * scale, w * scale])), tf.int32)
+      resized = tf.round(tf.image.resize(img, new, "bilinear", antialias=False))
+    else:
+      new = tf.cast(tf.round(tf.stack([h * scale, w * scale])), tf.int32)
+      resized = tf.image.resize(img, new, antialias=True)
+    ex[key] = tf.cast(tf.clip_by_value(resized, 0, 255), tf.uint8)
     _crop_companions(ex, [0, 0], tf.shape(img)[:2], tf.shape(img)[:2], new)
     return ex
 

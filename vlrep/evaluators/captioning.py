@@ -1,7 +1,8 @@
 """Captioning evaluation: decode captions for a split with the forward model, score them with COCO metrics.
 
 Config: dataset, data_dir, config_name, split, pp (must produce 'image'), references ('captions'), decoding
-('greedy' | 'beam' | 'nucleus'), beam_size, top_p, max_len, batch_size, limit (first N images; 0 = all),
+('greedy' | 'beam' | 'nucleus' | 'virtex_official': kdexd/virtex's evaluation beam search, vlrep.decoding),
+beam_size, per_node_beam_size (virtex_official), top_p, max_len, batch_size, limit (first N images; 0 = all),
 examples (how many decoded captions to log), every_steps, random_init.
 Needs a model with a forward captioning direction (VirTex 'captioning', 'bicaptioning' or 'cappa').
 """
@@ -30,13 +31,19 @@ def captioner_for(method, config):
       "'cappa'); "
       f"this run's method is {type(method).__name__} with directions {tuple(directions)}."
     )
-  max_len = min(config.get("max_len", 30), model.max_len - 1)
+  method_name = config.get("decoding", "beam")
+  # vlrep's decoders feed [SOS] and the words (max_len + 1 positions); the official one drops [SOS] after the first
+  # step, so it decodes as many tokens as the head has positions (the official MAX_DECODING_STEPS).
+  max_len = min(config.get("max_len", 30), model.max_len - (method_name != "virtex_official"))
   kwargs = {}
-  if config.get("decoding", "beam") == "beam":
+  if method_name == "beam":
     kwargs["beam_size"] = config.get("beam_size", 5)
+  elif method_name == "virtex_official":
+    kwargs["beam_size"] = config.get("beam_size", 5)
+    kwargs["per_node_beam_size"] = config.get("per_node_beam_size", 2)
   elif config.get("decoding") == "nucleus":
     kwargs["top_p"] = config.get("top_p", 0.9)
-  return decoding.make_captioner(model, max_len, config.get("decoding", "beam"), **kwargs)
+  return decoding.make_captioner(model, max_len, method_name, **kwargs)
 
 
 class Captioning:

@@ -193,6 +193,7 @@ def _config(base: ConfigDict | None, task: str, sizes: dict, arch: dict, heads: 
     decoder_ln_eps=OFFICIAL_LN_EPS,
     mlp_dropout=True,
     official_init=True,
+    official_padding=True,
     backbone=tv.backbone_section(method.get("backbone"), arch),
   )
   method.setdefault("dropout", 0.1)

@@ -83,6 +83,11 @@ def setup(config: ml_collections.ConfigDict, builder, tokenizer) -> dict:
   return module.setup(config, builder, tokenizer) if hasattr(module, "setup") else {}
 
 
+def has_setup(name: str) -> bool:
+  """Whether the method's module reads its data before it is built (`setup`)."""
+  return hasattr(_module(name), "setup")
+
+
 def build(config: ml_collections.ConfigDict, vocab_size: int, **needs) -> Method:
   """The method named by `config.name`: the `Method` class of the module vlrep.methods.<name> (or of the module
   at that dotted path), given what `setup` returned."""

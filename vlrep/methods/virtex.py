@@ -119,6 +119,8 @@ class VirTex:
       # without them rebuilds the model it trained).
       mlp_dropout=config.get("mlp_dropout", False),
       official_init=config.get("official_init", False),
+      # An official vocabulary's <unk> (= its padding id) as the official head treats it (imported VirTex runs).
+      official_padding=config.get("official_padding", False),
     )
 
   # -- contract -----------------------------------------------------------------------------------------

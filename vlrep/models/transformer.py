@@ -122,6 +122,9 @@ class WordAndPositionEmbedding(nn.Module):
   dtype: Any = jnp.float32
   init_std: float = INIT_STD
   zero_row: int | None = None  # a row (the padding token) that starts at zero, as torch's padding_idx
+  # The official VirTex embedding multiplies its output by (token != padding id): an official vocabulary's <unk>
+  # (its padding id) inside a caption enters the decoder as a zero vector.
+  zero_padding_id: int | None = None
 
   def setup(self):
     init = nn.initializers.normal(self.init_std)
@@ -139,8 +142,10 @@ class WordAndPositionEmbedding(nn.Module):
     if tokens.shape[1] > self.max_len:
       raise ValueError(f"Sequence length {tokens.shape[1]} exceeds the embedding's max_len {self.max_len}.")
     pos = jnp.arange(tokens.shape[1])[None]
-    x = self.ln(self.words(tokens) + self.positions(pos))
-    return self.drop(x, deterministic=not train)
+    x = self.drop(self.ln(self.words(tokens) + self.positions(pos)), deterministic=not train)
+    if self.zero_padding_id is not None:
+      x = x * (tokens != self.zero_padding_id)[..., None].astype(x.dtype)
+    return x
 
   def attend(self, x):
     return self.words.attend(x)
@@ -179,6 +184,7 @@ class TransformerTextualHead(nn.Module):
   mlp_dropout: bool = False
   official_init: bool = False
   padding_id: int = 0
+  zero_padding_embedding: bool = False  # the official embedding's zeroed padding-id positions (see above)
 
   @nn.compact
   def __call__(
@@ -197,6 +203,7 @@ class TransformerTextualHead(nn.Module):
       self.dtype,
       self.init_std,
       zero_row=self.padding_id if self.official_init else None,
+      zero_padding_id=self.padding_id if self.zero_padding_embedding else None,
       name="embedding",
     )
     bias_init = torch_bias_init(self.hidden) if self.official_init else nn.initializers.zeros

@@ -22,6 +22,11 @@ class VirTexModel(nn.Module):
   (the official `_init_weights`), otherwise LeCun-normal weights and a zero bias. The defaults build vlrep's own
   head, so a saved config without these keys rebuilds the model it trained; configs/virtex.py sets the official
   values.
+  `official_padding` treats the padding id as the official head does, for an official vocabulary whose `<unk>` is
+  its padding id (0): padding is what follows a caption's last non-padding token (the official code masks by
+  caption length) and the padding id's embedding is zero (the official embedding zeroes it), so an `<unk>` inside
+  a caption is a zero-embedding position that later positions attend to, not a masked key. Imported VirTex runs set
+  it; with vlrep's vocabulary, whose captions hold no padding id, it changes nothing.
   """
 
   vocab_size: int
@@ -39,6 +44,7 @@ class VirTexModel(nn.Module):
   decoder_ln_eps: float = 1e-8
   mlp_dropout: bool = False
   official_init: bool = False
+  official_padding: bool = False
 
   def setup(self):
     self.visual = resnet.from_config(self.backbone, dtype=self.dtype, name="backbone")
@@ -69,6 +75,7 @@ class VirTexModel(nn.Module):
         mlp_dropout=self.mlp_dropout,
         official_init=self.official_init,
         padding_id=special_tokens.PAD_ID,
+        zero_padding_embedding=self.official_padding,
         name="textual_head",
       )
     else:
@@ -83,10 +90,21 @@ class VirTexModel(nn.Module):
     b, h, w, c = grid.shape
     return self.visual_projection(grid.reshape(b, h * w, c))
 
-  def text_logits(self, visual, tokens, direction: str = "forward"):
-    """Logits [B, T, V] and cross-attention ([L][B, heads, T, N]) of one direction given projected features."""
-    logits, aux = self.textual_head(visual, {direction: tokens}, {direction: tokens == special_tokens.PAD_ID}, False)
+  def text_logits(self, visual, tokens, direction: str = "forward", padding=None):
+    """Logits [B, T, V] and cross-attention ([L][B, heads, T, N]) of one direction given projected features.
+    `padding` [B, T] (True: a masked key) defaults to the padding-id positions."""
+    padding = self._padding(tokens, tokens == special_tokens.PAD_ID if padding is None else padding)
+    logits, aux = self.textual_head(visual, {direction: tokens}, {direction: padding}, False)
     return logits[direction], aux[f"{direction}/cross_attention"]
+
+  def _padding(self, tokens, padding):
+    """The key padding the head uses: with `official_padding`, only positions after the last non-padding token
+    (the official caption-length mask) among the given ones."""
+    if not self.official_padding:
+      return padding
+    idx = jnp.arange(tokens.shape[1])[None]
+    length = jnp.max(jnp.where(tokens != special_tokens.PAD_ID, idx + 1, 0), axis=1, keepdims=True)
+    return padding & (idx >= length)
 
   def __call__(
     self, images, tokens_by_direction=None, padding_by_direction=None, train: bool = False, causal_by_direction=None
@@ -97,6 +115,8 @@ class VirTexModel(nn.Module):
       return self.classifier(aux["pre_logits"].astype(self.dtype)).astype(jnp.float32), aux
     b, h, w, c = grid.shape
     visual = self.visual_projection(grid.reshape(b, h * w, c))
+    if padding_by_direction is not None:
+      padding_by_direction = {d: self._padding(tokens_by_direction[d], p) for d, p in padding_by_direction.items()}
     logits, head_aux = self.textual_head(visual, tokens_by_direction, padding_by_direction, train, causal_by_direction)
     aux.update(head_aux)
     return logits, aux

@@ -3,7 +3,14 @@ r"""Captions image files with a checkpoint's forward model; optionally saves per
   python -m vlrep.tools.caption --workdir=/tmp/virtex_local photo1.jpg photo2.png
   python -m vlrep.tools.caption --workdir=DIR --decoding=nucleus --attention_dir=/tmp/att photo.jpg
 
-Images are resized (shorter side) and centre-cropped to the size the run trained on (--size to override).
+Images are resized (shorter side) and centre-cropped to the size the run trained on (--size to override), bicubic;
+--preprocess=virtex_official is the official VirTex evaluation's instead (shorter side 256, bilinear without
+antialiasing as OpenCV's INTER_LINEAR, centre crop 224). --decoding=virtex_official is the official evaluation's
+beam search (vlrep.decoding.virtex_official); both together caption a zoo checkpoint as its published results did:
+
+  python -m vlrep.tools.caption --workdir=/runs/virtex_zoo --decoding=virtex_official \
+      --preprocess=virtex_official photo.jpg
+
 With --attention_dir, DIR/<image name>/NN_<word>.png shows the decoder's cross-attention over the final
 feature grid for each predicted token, averaged over heads and upsampled bicubically (VirTex figure 6).
 """
@@ -17,7 +24,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import ConfigDict
 
-from vlrep import run_setup, runs, visualize
+from vlrep import decoding, run_setup, runs, visualize
 from vlrep.data import pipeline, registry  # noqa: F401 (pipeline registers the ops)
 from vlrep.data.tokenizers import EOS_ID
 from vlrep.evaluators.captioning import captioner_for
@@ -26,14 +33,31 @@ from vlrep.evaluators.captioning import captioner_for
 def define_flags():
   flags.DEFINE_string("workdir", None, "The training run's directory.")
   flags.DEFINE_string("checkpoint", "best", "'best', 'latest' or a step number.")
-  flags.DEFINE_enum("decoding", "beam", ["greedy", "beam", "nucleus"], "Decoding method.")
-  flags.DEFINE_integer("beam_size", 5, "Beams for --decoding=beam.")
+  flags.DEFINE_enum("decoding", "beam", list(decoding.METHODS), "Decoding method.")
+  flags.DEFINE_integer("beam_size", 5, "Beams for --decoding=beam and virtex_official.")
+  flags.DEFINE_enum(
+    "preprocess", "crop", list(PREPROCESS), "crop: shorter side to --size, centre crop; virtex_official: 256, 224."
+  )
   flags.DEFINE_float("top_p", 0.9, "Probability mass kept by --decoding=nucleus.")
-  flags.DEFINE_integer("max_len", 30, "Most tokens per caption.")
+  flags.DEFINE_integer("max_len", 30, "Most tokens per caption (at most the head's positions).")
   flags.DEFINE_integer("size", 0, "Input size (0: the training crop size of the run's config).")
   flags.DEFINE_integer("seed", 0, "Sampling seed for nucleus decoding.")
   flags.DEFINE_string("attention_dir", None, "Write per-token attention overlays (PNG) here.")
   flags.DEFINE_string("json_out", None, "Also write {image: caption} as JSON here.")
+
+
+PREPROCESS = ("crop", "virtex_official")
+OFFICIAL_RESIZE, OFFICIAL_CROP = 256, 224  # kdexd/virtex's DEFAULT_IMAGE_TRANSFORM (its evaluation's)
+
+
+def load_images(paths: list[str], preprocess: str, size: int) -> np.ndarray:
+  """uint8 [N, S, S, 3]: `crop` resizes the shorter side to `size` (bicubic) and centre-crops it; `virtex_official`
+  resizes the shorter side to 256 (bilinear, no antialiasing) and centre-crops 224, as the official evaluation."""
+  if preprocess == "crop":
+    return np.stack([visualize.load_image(p, size) for p in paths])
+  if preprocess == "virtex_official":
+    return np.stack([visualize.load_image_official(p, OFFICIAL_RESIZE, OFFICIAL_CROP) for p in paths])
+  raise ValueError(f"Unknown preprocess {preprocess!r}; expected one of {PREPROCESS}.")
 
 
 def training_size(config) -> int:
@@ -51,6 +75,7 @@ def caption_files(
   max_len: int = 30,
   seed: int = 0,
   attention_dir: str | None = None,
+  preprocess: str = "crop",
   **decode_kwargs,
 ) -> dict[str, dict]:
   """{path: {'caption', 'tokens', 'attention_pngs'}} for each image file."""
@@ -62,9 +87,10 @@ def caption_files(
   if missing:
     raise FileNotFoundError(f"No such image file(s): {missing}")
   run = runs.load_run(workdir, checkpoint)
-  _, inputs = run_setup.build(run.config)
+  inputs = run_setup.build_inputs(run.config)
   size = size or training_size(run.config)
-  images = np.stack([visualize.load_image(p, size) for p in paths])
+  images = load_images(paths, preprocess, size)
+  size = images.shape[1]
   cfg = {"decoding": decoding_method, "max_len": max_len, **decode_kwargs}
   caption = captioner_for(inputs.method, ConfigDict(cfg))
   tokens, attention = caption(jax.device_put(run.variables), visualize.normalize(images), jax.random.PRNGKey(seed))
@@ -87,9 +113,10 @@ def caption_files(
 def main(argv):
   paths = argv[1:]
   f = flags.FLAGS
-  kwargs = {"beam_size": f.beam_size} if f.decoding == "beam" else {"top_p": f.top_p} if f.decoding == "nucleus" else {}
+  kwargs = {"beam_size": f.beam_size} if f.decoding in ("beam", "virtex_official") else {}
+  kwargs.update({"top_p": f.top_p} if f.decoding == "nucleus" else {})
   results = caption_files(
-    f.workdir, paths, f.checkpoint, f.decoding, f.size, f.max_len, f.seed, f.attention_dir, **kwargs
+    f.workdir, paths, f.checkpoint, f.decoding, f.size, f.max_len, f.seed, f.attention_dir, f.preprocess, **kwargs
   )
   for path, entry in results.items():
     print(f"{path}: {entry['caption']}")
