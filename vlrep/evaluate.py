@@ -16,6 +16,7 @@ from absl import app, flags, logging
 from ml_collections import ConfigDict, config_flags
 
 from vlrep import evaluators, run_setup, runs
+from vlrep.errors import exit_2_on_user_error
 
 
 def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", names=None) -> dict[str, float]:
@@ -72,4 +73,4 @@ if __name__ == "__main__":
   define_flags()
   config_flags.DEFINE_config_file("config", None, "Eval config: configs/eval/NAME.py[:ARG].", lock_config=True)
   flags.mark_flags_as_required(["config", "workdir"])
-  app.run(main)
+  app.run(exit_2_on_user_error(main))

@@ -47,6 +47,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from vlrep import runs
+from vlrep.errors import exit_2_on_user_error
 from vlrep.importers import torchvision as tv_importer
 from vlrep.importers import virtex as virtex_format
 from vlrep.importers import visual_bert as visual_bert_format
@@ -202,4 +203,4 @@ def main(argv):
 if __name__ == "__main__":
   define_flags()
   flags.mark_flags_as_required(["workdir", "out"])
-  app.run(main)
+  app.run(exit_2_on_user_error(main))

@@ -27,6 +27,7 @@ from ml_collections import ConfigDict
 from vlrep import decoding, run_setup, runs, visualize
 from vlrep.data import pipeline, registry  # noqa: F401 (pipeline registers the ops)
 from vlrep.data.tokenizers import EOS_ID
+from vlrep.errors import exit_2_on_user_error
 from vlrep.evaluators.captioning import captioner_for
 
 
@@ -130,4 +131,4 @@ def main(argv):
 if __name__ == "__main__":
   define_flags()
   flags.mark_flags_as_required(["workdir"])
-  app.run(main)
+  app.run(exit_2_on_user_error(main))

@@ -12,6 +12,7 @@ from __future__ import annotations
 from absl import app, flags
 
 from vlrep.data import region_files
+from vlrep.errors import exit_2_on_user_error
 
 
 def main(argv):
@@ -30,4 +31,4 @@ if __name__ == "__main__":
   flags.DEFINE_string("src", None, "Directory of the source dumps.")
   flags.DEFINE_string("dst", None, "Directory for <image_id>.npz files.")
   flags.mark_flags_as_required(["src", "dst"])
-  app.run(main)
+  app.run(exit_2_on_user_error(main))
