@@ -304,13 +304,11 @@ def test_the_virtex_references_resnet_is_torchvisions():
 # ------------------------------------------------------------------------------------------------------------------
 # (b) VirTex: logits, loss and greedy captions of the imported model against the official-layout reference.
 # ------------------------------------------------------------------------------------------------------------------
-def test_virtex_import_computes_what_the_official_model_computes(zoo):
-  run = runs.load_run(zoo["workdir"])
+def _compare_with_official(run, zoo) -> dict:
+  """The run (as loaded, its method built from its config as vlrep.evaluate builds it) and the official-layout
+  reference on three captions and images: logits of both directions and the loss, with their relative
+  differences ('rel_forward', 'rel_backward', 'rel_loss') and what the callers check further."""
   c = run.config
-  assert (c.method.task, c.method.hidden, c.method.num_layers, c.method.max_len) == ("bicaptioning", 128, 2, 16)
-  assert c.method.decoder_ln_eps == 1e-5 and c.method.backbone.depth == 50 and c.method.backbone.width == 8
-  assert c.tokenizer.special_tokens == "virtex" and c.tokenizer.path.startswith(zoo["workdir"])
-  assert "tokenize(16)" in c.data.pp
   tok = tokenizers.Tokenizer(c.tokenizer.path, "virtex")
   method = methods.build(c.method, tok.vocab_size)
   ref, sp = zoo["ref"], zoo["sp"]
@@ -332,11 +330,37 @@ def test_virtex_import_computes_what_the_official_model_computes(zoo):
   bw = np.asarray(logits["backward"])[..., keep][real.numpy()]
   fw_t = logits_t[:, :-1][..., order[keep]][real].numpy()
   bw_t = back_t[:, :-1][..., order[keep]][real].numpy()
+  loss, _, _ = method.loss(run.variables, {"image": images, "tokens": ours}, jax.random.PRNGKey(0), False)
+  return dict(
+    tok=tok,
+    method=method,
+    images=images,
+    inputs=inputs,
+    padding=padding,
+    logits=logits,
+    fw_t=fw_t,
+    keep=keep,
+    real=real,
+    rel_forward=_rel(fw, fw_t),
+    rel_backward=_rel(bw, bw_t),
+    rel_loss=abs(float(loss) - float(loss_t)) / float(loss_t),
+  )
+
+
+def test_virtex_import_computes_what_the_official_model_computes(zoo):
+  run = runs.load_run(zoo["workdir"])
+  c = run.config
+  assert (c.method.task, c.method.hidden, c.method.num_layers, c.method.max_len) == ("bicaptioning", 128, 2, 16)
+  assert c.method.decoder_ln_eps == 1e-5 and c.method.backbone.depth == 50 and c.method.backbone.width == 8
+  assert c.tokenizer.special_tokens == "virtex" and c.tokenizer.path.startswith(zoo["workdir"])
+  assert "tokenize(16)" in c.data.pp
+  compared = _compare_with_official(run, zoo)
+  tok, method, images, logits = compared["tok"], compared["method"], compared["images"], compared["logits"]
+  inputs, padding, fw_t, keep, real = (compared[k] for k in ("inputs", "padding", "fw_t", "keep", "real"))
+  ref, sp = zoo["ref"], zoo["sp"]
   # vlrep's extra [UNK] column: probability exactly 0.
   assert np.all(np.exp(np.asarray(logits["forward"])[..., 1] - np.asarray(logits["forward"]).max(-1)) == 0)
-  loss, metrics, _ = method.loss(run.variables, {"image": images, "tokens": ours}, jax.random.PRNGKey(0), False)
-  rel_f, rel_b = _rel(fw, fw_t), _rel(bw, bw_t)
-  rel_loss = abs(float(loss) - float(loss_t)) / float(loss_t)
+  rel_f, rel_b, rel_loss = compared["rel_forward"], compared["rel_backward"], compared["rel_loss"]
   print(f"VirTex head vs official layout: logits forward {rel_f:.2e}, backward {rel_b:.2e}, loss {rel_loss:.2e} rel")
   assert rel_f <= 1e-5 and rel_b <= 1e-5 and rel_loss <= 1e-5
   # Greedy captions: the official decoder's greedy search and vlrep's, token for token up to [EOS].
@@ -380,6 +404,19 @@ def test_virtex_key_bias_cancels_and_tied_copies_are_checked(zoo, tmp_path):
       "virtex", str(tmp_path / "untied.pth"), str(tmp_path / "r"), vocab=zoo["vocab"], config=TINY_VIRTEX
     )
   assert not (tmp_path / "r").exists()
+
+
+def test_virtex_imported_as_documented_computes_what_the_official_model_computes(zoo, tmp_path):
+  """The documented import (no --config: configs/virtex.py, whose recipe trains in bfloat16), exactly as imported
+  and loaded: float32 compute, the official model's logits and loss to float32 rounding."""
+  import_run.import_run("virtex", str(zoo["ckpt"]), str(tmp_path / "run"), vocab=zoo["vocab"])
+  run = runs.load_run(str(tmp_path / "run"))
+  assert run.config.method.dtype == "float32" and run.meta["import"]["dtype"] == "float32"
+  assert import_run.load_config("configs/virtex.py").method.dtype == "bfloat16"
+  compared = _compare_with_official(run, zoo)
+  figures = {k: compared[k] for k in ("rel_forward", "rel_backward", "rel_loss")}
+  print(f"VirTex imported with its default config vs official layout: {figures}")
+  assert all(v <= 1e-5 for v in figures.values()), figures
 
 
 # ------------------------------------------------------------------------------------------------------------------
