@@ -1,13 +1,13 @@
 r"""A run's backbone features of image files: pooled ([N, C]) and grid ([N, h, w, C], rows, columns, channels).
 
-  python -m vlrep.tools.features --workdir=RUN photo1.jpg photo2.png --out=features.safetensors
-  python -m vlrep.tools.features --workdir=RUN photos/*.jpg --out=pooled.npy             # the pooled features alone
-  python -m vlrep.tools.features --workdir=RUN photo.jpg --resize=256 --size=224 --out=f.safetensors
+  python -m vlrep.tools.features --workdir=RUN IMAGES... --out=FILE
+  python -m vlrep.tools.features --workdir=/tmp/vlrep_virtex_local photo1.jpg photo2.png --out=/tmp/features.safetensors
+  python -m vlrep.tools.features --workdir=/runs/in1k_r50 photo.jpg --resize=256 --size=224 --out=/tmp/pooled.npy
 
 or from Python, the same in one call:
 
   from vlrep.tools import features
-  out = features.extract("/runs/in1k_r50", ["photo1.jpg", "photo2.png"])   # {'pooled', 'grid', 'paths', ...}
+  out = features.extract("/runs/in1k_r50", ["photo1.jpg", "photo2.png"])  # {'pooled', 'grid', 'paths', ...}
 
 Any vlrep run with a visual backbone: a trained one or an imported one (vlrep.import_run). The backbone is the one
 every transfer evaluation uses (`vlrep.runs.load_run` + `runs.backbone_fn`: BatchNorm in inference mode, float32);
