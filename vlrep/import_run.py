@@ -20,8 +20,8 @@ dropped and why), plus summary.json. Everything is checked before anything is wr
 replaced only with --overwrite.
 
 An imported run computes in float32 (`method.dtype`), as its source's code does, whatever the base config says (the
-recipes' bfloat16 is a training speed choice: it moves a VisualBERT's outputs by ~1e-2 relative); `--dtype=bfloat16`
-asks for bfloat16 compute instead (parameters stay float32 either way).
+recipes' bfloat16 is a training speed choice: it moves a VisualBERT's outputs by up to 2.5e-2 relative);
+`--dtype=bfloat16` asks for bfloat16 compute instead (parameters stay float32 either way).
 """
 
 from __future__ import annotations

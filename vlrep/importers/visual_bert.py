@@ -12,7 +12,7 @@ features of `visual_embedding_dim` dims read from region files (`method.visual.m
 box input. BERT's architecture is written into the config (`method.bert_config`), so the run needs no BERT
 weights folder: `method.bert_path` (and the tokenizer) only name the folder of the WordPiece `vocab.txt`. It computes
 in float32 (`method.dtype`), as the checkpoint's own code does: configs/vlbert.py's bfloat16 moves its outputs by
-~1e-2 relative (`vlrep.import_run --dtype` chooses otherwise).
+up to 2.5e-2 relative (`vlrep.import_run --dtype` chooses otherwise).
 
 The key map is data (`visual_bert_rules`: vlrep.importers `rule`s, read by `KeyMap` both ways), one table for the
 three layouts (`LAYOUTS`, told apart by their names: Hugging Face's, MMF's and the authors' original code's), which
