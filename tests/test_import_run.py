@@ -20,7 +20,7 @@ import pytest
 import tiny_finetune
 import torch
 import torchvision
-from conftest import ROOT
+from conftest import ROOT, run_module
 from ml_collections import ConfigDict
 from torch import nn
 from torchvision.models.feature_extraction import create_feature_extractor
@@ -552,6 +552,22 @@ def test_imported_backbone_initialises_a_finetuning_run(tmp_path):
   _finetune_one_step(str(tmp_path / "in1k"), tmp_path / "ft")  # ResNet-50, ImageNet stem: adopted from the run
   ft = runs.load_run(str(tmp_path / "ft"), "latest")
   assert np.array_equal(ft.params["backbone"]["conv1"]["kernel"], sd["conv1.weight"].numpy().transpose(2, 3, 1, 0))
+
+
+def test_the_command_computes_in_float32_unless_asked(tmp_path):
+  """`python -m vlrep.import_run`: float32 by default, `--dtype=bfloat16` when asked (said on the console and in
+  the run's note); a dtype it does not offer is refused before anything is written."""
+  torch.manual_seed(5)
+  torch.save(_randomize(TorchResNet(18, 8)).state_dict(), tmp_path / "r18w8.pth")
+  for dtype in ("float32", "bfloat16"):
+    args = ["--format=torchvision", f"--checkpoint={tmp_path / 'r18w8.pth'}", f"--workdir={tmp_path / dtype}"]
+    proc = run_module("vlrep.import_run", *args, *([f"--dtype={dtype}"] if dtype != "float32" else []))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"it computes in {dtype}." in proc.stdout
+    run = runs.load_run(str(tmp_path / dtype))
+    assert run.config.method.dtype == dtype and run.meta["import"]["dtype"].startswith(dtype)
+  proc = run_module("vlrep.import_run", *args[:2], f"--workdir={tmp_path / 'f16'}", "--dtype=float16")
+  assert proc.returncode != 0 and "one of <float32|bfloat16>" in proc.stderr and not (tmp_path / "f16").exists()
 
 
 # ------------------------------------------------------------------------------------------------------------------
