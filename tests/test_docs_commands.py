@@ -391,6 +391,16 @@ COMMANDS: dict[str, object] = {
   "python -m vlrep.tools.caption --workdir=RUN --attention_dir=DIR IMAGE...": SameAs(
     "python -m vlrep.tools.caption --workdir=DIR --decoding=nucleus --attention_dir=/tmp/att photo.jpg"
   ),
+  # vlrep.tools.features (docs/interop.md) on the quick start's run; tests/test_features.py checks its values against
+  # torchvision's own preprocessing and model (an imported ResNet) and against a trained run's backbone.
+  "python -m vlrep.tools.features --workdir=RUN IMAGES... --out=FILE": Synopsis(),
+  "python -m vlrep.tools.features --workdir=/tmp/vlrep_virtex_local photo1.jpg photo2.png "
+  "--out=/tmp/features.safetensors": Run(
+    replace=(("photo1.jpg", "{image}"), ("photo2.png", "{image_png}")), expect=r"Preprocessing: shorter side resized"
+  ),
+  "python -m vlrep.tools.features --workdir=/runs/in1k_r50 photo.jpg --resize=256 --size=224 --out=/tmp/pooled.npy": Run(
+    replace=(("{tmp}/runs/in1k_r50", VIRTEX), (" photo.jpg", " {image}")), expect=r"1 images, pooled \[1, \d+\]"
+  ),
   "python -m vlrep.tools.generate_captions --workdir=/tmp/virtex_local --dataset=synthetic_scenes "
   "--split=ood_train --output=/tmp/ood_generated.json": Run(add=(f"--data_dir={D}", "--config_name=tiny")),
   "python -m vlrep.tools.generate_captions --workdir=/tmp/vlrep_virtex_local --output=/tmp/vl/ood_generated.json": SameAs(

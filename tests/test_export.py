@@ -1,4 +1,5 @@
-"""Export of a checkpoint's backbone to torchvision and Detectron2 names, checked against a PyTorch ResNet."""
+"""Export of a checkpoint's backbone to torchvision and Detectron2 names, checked against torchvision.models'
+ResNets themselves (the exported file loaded into them with strict=True, their forward compared)."""
 
 import os
 import pickle
@@ -8,13 +9,14 @@ import jax
 import numpy as np
 import pytest
 import torch
+import torchvision
 from conftest import ROOT
 from ml_collections import ConfigDict
+from torchvision.models.feature_extraction import create_feature_extractor
 
 from vlrep import checkpoint as ckpt_lib
 from vlrep import export, runs
 from vlrep.models import resnet
-from vlrep.models.torch_resnet import ResNet as TorchResNet
 
 
 def _write_run(workdir, depth=50, width=64, with_backbone=True, seed=0, stem="imagenet", inner_multiplier=1):
@@ -48,13 +50,16 @@ def _jax_features(net, variables, images):
   return np.asarray(grid), np.asarray(aux["pre_logits"])
 
 
-def _torch_features(state_dict, images, depth, width, inner_multiplier=1):
-  model = TorchResNet(depth, width, inner_multiplier).eval()
-  missing = model.load_state_dict({k: torch.as_tensor(np.array(v)) for k, v in state_dict.items()}, strict=True)
-  assert not missing.missing_keys and not missing.unexpected_keys
+def _torch_features(state_dict, images, build=torchvision.models.resnet50):
+  """(grid NHWC, pooled) of torchvision's model `build` holding the exported state dict: every key of the model but
+  its ImageNet classifier (`fc`, which a backbone export has not) loaded, nothing unexpected."""
+  model = build().eval()
+  result = model.load_state_dict({k: torch.as_tensor(np.array(v)) for k, v in state_dict.items()}, strict=False)
+  assert result.missing_keys == ["fc.weight", "fc.bias"] and not result.unexpected_keys
+  extractor = create_feature_extractor(model, {"layer4": "grid", "flatten": "pooled"})
   with torch.no_grad():
-    grid, pooled = model(torch.from_numpy(np.transpose(images, (0, 3, 1, 2)).copy()))
-  return np.transpose(grid.numpy(), (0, 2, 3, 1)), pooled.numpy()
+    out = extractor(torch.from_numpy(np.transpose(images, (0, 3, 1, 2)).copy()))
+  return np.transpose(out["grid"].numpy(), (0, 2, 3, 1)), out["pooled"].numpy()
 
 
 def _rel(a, b):
@@ -75,13 +80,13 @@ def test_torchvision_export_computes_the_same_features(tmp_path, suffix):
     sd = {k: v.numpy() for k, v in torch.load(out).items()}
   images = np.random.default_rng(1).normal(size=(2, 64, 64, 3)).astype(np.float32)
   grid_j, pooled_j = _jax_features(net, variables, images)
-  grid_t, pooled_t = _torch_features(sd, images, 50, 64)
+  grid_t, pooled_t = _torch_features(sd, images)
   assert grid_j.shape == grid_t.shape == (2, 2, 2, 2048)
   assert _rel(grid_t, grid_j) < 1e-4 and _rel(pooled_t, pooled_j) < 1e-4
   # The comparison can fail: a wrong transpose or a swapped BatchNorm statistic is far off.
   bad = dict(sd)
   bad["layer1.0.bn1.running_mean"] = bad["layer1.0.bn1.running_mean"] + 1.0
-  assert _rel(_torch_features(bad, images, 50, 64)[1], pooled_j) > 1e-3
+  assert _rel(_torch_features(bad, images)[1], pooled_j) > 1e-3
 
 
 def test_resnet50_w2x_is_wide_resnet50_2_and_exports_to_its_layout(tmp_path):
@@ -110,7 +115,7 @@ def test_resnet50_w2x_is_wide_resnet50_2_and_exports_to_its_layout(tmp_path):
   assert sd["layer4.2.conv2.weight"].shape == (1024, 1024, 3, 3) and sd["layer4.2.bn3.weight"].shape == (2048,)
   images = np.random.default_rng(1).normal(size=(2, 64, 64, 3)).astype(np.float32)
   grid_j, pooled_j = _jax_features(net, variables, images)
-  grid_t, pooled_t = _torch_features(sd, images, 50, 64, inner_multiplier=2)  # strict=True load
+  grid_t, pooled_t = _torch_features(sd, images, torchvision.models.wide_resnet50_2)
   assert pooled_j.shape == (2, 2048) and _rel(grid_t, grid_j) < 1e-4 and _rel(pooled_t, pooled_j) < 1e-4
 
 

@@ -1,9 +1,13 @@
 """vlrep.import_run: published checkpoints as vlrep runs, checked against independent torch references.
 
-The references are built here from torch.nn alone (torchvision is not installed): a torchvision-layout ResNet
-(vlrep/models/torch_resnet.py) and the official VirTex model's layout (kdexd/virtex: `CaptioningModel` over a
+The references: `torchvision.models` ResNets themselves (random weights and BatchNorm statistics, saved as
+torchvision's state dicts), and the official VirTex model's layout (kdexd/virtex: `CaptioningModel` over a
 `TransformerDecoderTextualHead` of torch.nn.TransformerDecoderLayer, its embedding with LayerNorm eps 1e-8 and
-learned positions, the output layer tied to the word embedding), written as the model zoo writes checkpoints.
+learned positions, the output layer tied to the word embedding), written as the model zoo writes checkpoints. The
+VirTex reference's visual backbone is torchvision's ResNet-50 at width 8 (vlrep/models/torch_resnet.py: torchvision
+builds width 64 only, 30x the compute and 60x the file size of these tests' models), a copy checked here against
+`torchvision.models.resnet50` itself. Every run is used as imported (no override of its config) and loaded as users
+load runs (`vlrep.runs.load_run`).
 """
 
 import copy
@@ -15,9 +19,11 @@ import numpy as np
 import pytest
 import tiny_finetune
 import torch
-from conftest import ROOT
+import torchvision
+from conftest import ROOT, run_module
 from ml_collections import ConfigDict
 from torch import nn
+from torchvision.models.feature_extraction import create_feature_extractor
 
 from vlrep import export, import_run, methods, runs, train
 from vlrep.data import tokenizers
@@ -82,6 +88,8 @@ class OfficialHead(nn.Module):
 
 
 class OfficialVisual(nn.Module):
+  """TorchvisionVisualBackbone (torchvision's ResNet-50 under `cnn`, no fc), at `width`: its layer4 grid."""
+
   def __init__(self, width):
     super().__init__()
     self.cnn = TorchResNet(50, width)
@@ -205,56 +213,104 @@ def _images(n=2, size=64, seed=1):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# (a) torchvision: a torch-made ResNet-50 in torchvision's names, imported, against the torch forward.
+# (a) torchvision: torchvision.models' ResNets, imported as saved, against their own forward.
 # ------------------------------------------------------------------------------------------------------------------
-def test_torchvision_resnet50_imports_and_computes_the_torch_features(tmp_path):
+def _torchvision_outputs(model, images):
+  """(grid NHWC, pooled, logits) of a torchvision ResNet on NHWC images: its layer4 and flatten nodes and its
+  output, through torchvision's own feature extraction."""
+  extractor = create_feature_extractor(model, {"layer4": "grid", "flatten": "pooled", "fc": "logits"})
+  with torch.no_grad():
+    out = extractor(torch.from_numpy(images.transpose(0, 3, 1, 2).copy()))
+  return out["grid"].numpy().transpose(0, 2, 3, 1), out["pooled"].numpy(), out["logits"].numpy()
+
+
+def test_torchvision_resnet50_imports_and_computes_torchvisions_features(tmp_path):
   torch.manual_seed(0)
-  ref = _randomize(TorchResNet(50, 64))
-  sd = ref.state_dict()
-  sd["fc.weight"], sd["fc.bias"] = torch.randn(1000, 2048), torch.randn(1000)  # torchvision's ImageNet head
+  ref = _randomize(torchvision.models.resnet50())
   from safetensors.torch import save_file
 
-  save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "resnet50.safetensors"))
+  save_file(ref.state_dict(), str(tmp_path / "resnet50.safetensors"))  # every tensor, the ImageNet fc included
   imported = import_run.import_run("auto", str(tmp_path / "resnet50.safetensors"), str(tmp_path / "run"))
   assert imported.note["format"] == "torchvision"
   assert imported.note["architecture"] == {"depth": 50, "width": 64, "inner_multiplier": 1}
   assert sorted(imported.note["dropped"]) == ["fc.bias", "fc.weight"]
-  assert imported.config.method.name == "classifier" and imported.config.method.backbone.depth == 50
-  run = runs.load_run(str(tmp_path / "run"))
+  run = runs.load_run(str(tmp_path / "run"))  # as imported: nothing in its config overridden
+  assert run.config.method.name == "classifier" and run.config.method.backbone.depth == 50
+  # float32 is the importer's doing: the format's default config (fine-tuning) trains in bfloat16.
+  assert run.config.method.dtype == "float32" and run.meta["import"]["dtype"] == "float32"
+  assert import_run.load_config("configs/finetune.py").method.dtype == "bfloat16"
   net, variables = runs.backbone_of(run)
   assert sum(x.size for x in jax.tree.leaves(variables["params"])) == 23_508_032  # torchvision's R50 without fc
   images = _images(2, 32)
-  grid, aux = net.apply(variables, images, False)
-  with torch.no_grad():
-    grid_t, pooled_t = ref(torch.from_numpy(images.transpose(0, 3, 1, 2).copy()))
-  rel_grid = _rel(grid, grid_t.numpy().transpose(0, 2, 3, 1))
-  rel_pooled = _rel(aux["pre_logits"], pooled_t.numpy())
-  print(f"torchvision ResNet-50 (32 px) vs torch: grid {rel_grid:.2e}, pooled {rel_pooled:.2e} relative")
-  # float32 convolutions summed in other orders (53 layers): 1e-5 relative is rounding, a wrong map is O(1).
-  assert rel_grid < 1e-5 and rel_pooled < 1e-5
+  grid_t, pooled_t, logits_t = _torchvision_outputs(ref, images)
+  # The evaluate path (runs.backbone_fn: what vlrep.evaluate and vlrep.tools.features call) ...
+  features = runs.backbone_fn(run)
+  grid, _ = features({"image": images}, "grid")
+  pooled, _ = features({"image": images}, "pre_logits")
+  # ... and the run's own method (its backbone in the run's method.dtype), with torchvision's fc in the first 1000
+  # of its head's classes (the default config's head is iNaturalist's): torchvision's logits.
+  method = methods.build(run.config.method, 0)
+  kernel = np.zeros((2048, run.config.method.num_classes), np.float32)
+  kernel[:, :1000] = ref.fc.weight.detach().numpy().T
+  bias = np.zeros(run.config.method.num_classes, np.float32)
+  bias[:1000] = ref.fc.bias.detach().numpy()
+  head = {"kernel": kernel, "bias": bias}
+  logits, _ = method.model.apply({"params": {**run.params, "classifier": head}, **run.model_state}, images, False)
+  logits = np.asarray(logits)[:, :1000]
+  figures = {
+    "grid": _rel(grid, grid_t),
+    "pooled": _rel(pooled, pooled_t),
+    "logits (the run's method)": _rel(logits, logits_t),
+  }
+  print(
+    "torchvision ResNet-50 (32 px), imported, vs torchvision: " + ", ".join(f"{k} {v:.2e}" for k, v in figures.items())
+  )
+  # float32 convolutions summed in other orders (53 layers): 1e-5 relative is rounding, a wrong map is O(1) and
+  # bfloat16 compute ~1e-2.
+  assert all(v < 1e-5 for v in figures.values()), figures
 
 
-def test_torchvision_depths_and_widths_are_read_from_the_shapes(tmp_path):
+def test_torchvision_depths_and_widths_are_read_from_the_shapes():
   from vlrep.importers import torchvision as tv
 
-  for depth, inner in ((101, 1), (50, 2), (18, 1), (152, 1)):
-    sd = {k: v.numpy() for k, v in TorchResNet(depth, 8, inner).state_dict().items()}
-    assert tv.architecture(sd) == {"depth": depth, "width": 8, "inner_multiplier": inner}
-  wide = {k: v.numpy() for k, v in TorchResNet(50, 64, 2).state_dict().items()}
-  assert tv.architecture(wide) == {"depth": 50, "width": 64, "inner_multiplier": 2}  # wide_resnet50_2
-  assert wide["layer1.0.conv1.weight"].shape == (128, 64, 1, 1)
+  models = {
+    (18, 1): torchvision.models.resnet18,
+    (101, 1): torchvision.models.resnet101,
+    (152, 1): torchvision.models.resnet152,
+    (50, 2): torchvision.models.wide_resnet50_2,
+  }
+  for (depth, inner), build in models.items():
+    with torch.device("meta"):  # shapes only: no weights allocated
+      sd = build().state_dict()
+    assert tv.architecture(sd) == {"depth": depth, "width": 64, "inner_multiplier": inner}, build.__name__
+  assert tuple(sd["layer1.0.conv1.weight"].shape) == (128, 64, 1, 1)  # wide_resnet50_2's doubled inner width
+
+
+def test_the_virtex_references_resnet_is_torchvisions():
+  """vlrep/models/torch_resnet.py (the VirTex reference's backbone, at width 8 there) at width 64 is
+  torchvision.models.resnet50: the same names and shapes (strict load both ways) and the same grid and pooled
+  features."""
+  torch.manual_seed(4)
+  ref = _randomize(torchvision.models.resnet50())
+  copy = TorchResNet(50, 64).eval()
+  copy.load_state_dict({k: v for k, v in ref.state_dict().items() if not k.startswith("fc.")}, strict=True)
+  images = _images(2, 32)
+  grid_t, pooled_t, _ = _torchvision_outputs(ref, images)
+  with torch.no_grad():
+    grid, pooled = copy(torch.from_numpy(images.transpose(0, 3, 1, 2).copy()))
+  rel_grid, rel_pooled = _rel(grid.numpy().transpose(0, 2, 3, 1), grid_t), _rel(pooled.numpy(), pooled_t)
+  print(f"vlrep/models/torch_resnet.py vs torchvision.models.resnet50: grid {rel_grid:.2e}, pooled {rel_pooled:.2e}")
+  assert rel_grid < 1e-6 and rel_pooled < 1e-6
 
 
 # ------------------------------------------------------------------------------------------------------------------
 # (b) VirTex: logits, loss and greedy captions of the imported model against the official-layout reference.
 # ------------------------------------------------------------------------------------------------------------------
-def test_virtex_import_computes_what_the_official_model_computes(zoo):
-  run = runs.load_run(zoo["workdir"])
+def _compare_with_official(run, zoo) -> dict:
+  """The run (as loaded, its method built from its config as vlrep.evaluate builds it) and the official-layout
+  reference on three captions and images: logits of both directions and the loss, with their relative
+  differences ('rel_forward', 'rel_backward', 'rel_loss') and what the callers check further."""
   c = run.config
-  assert (c.method.task, c.method.hidden, c.method.num_layers, c.method.max_len) == ("bicaptioning", 128, 2, 16)
-  assert c.method.decoder_ln_eps == 1e-5 and c.method.backbone.depth == 50 and c.method.backbone.width == 8
-  assert c.tokenizer.special_tokens == "virtex" and c.tokenizer.path.startswith(zoo["workdir"])
-  assert "tokenize(16)" in c.data.pp
   tok = tokenizers.Tokenizer(c.tokenizer.path, "virtex")
   method = methods.build(c.method, tok.vocab_size)
   ref, sp = zoo["ref"], zoo["sp"]
@@ -276,11 +332,37 @@ def test_virtex_import_computes_what_the_official_model_computes(zoo):
   bw = np.asarray(logits["backward"])[..., keep][real.numpy()]
   fw_t = logits_t[:, :-1][..., order[keep]][real].numpy()
   bw_t = back_t[:, :-1][..., order[keep]][real].numpy()
+  loss, _, _ = method.loss(run.variables, {"image": images, "tokens": ours}, jax.random.PRNGKey(0), False)
+  return dict(
+    tok=tok,
+    method=method,
+    images=images,
+    inputs=inputs,
+    padding=padding,
+    logits=logits,
+    fw_t=fw_t,
+    keep=keep,
+    real=real,
+    rel_forward=_rel(fw, fw_t),
+    rel_backward=_rel(bw, bw_t),
+    rel_loss=abs(float(loss) - float(loss_t)) / float(loss_t),
+  )
+
+
+def test_virtex_import_computes_what_the_official_model_computes(zoo):
+  run = runs.load_run(zoo["workdir"])
+  c = run.config
+  assert (c.method.task, c.method.hidden, c.method.num_layers, c.method.max_len) == ("bicaptioning", 128, 2, 16)
+  assert c.method.decoder_ln_eps == 1e-5 and c.method.backbone.depth == 50 and c.method.backbone.width == 8
+  assert c.tokenizer.special_tokens == "virtex" and c.tokenizer.path.startswith(zoo["workdir"])
+  assert "tokenize(16)" in c.data.pp
+  compared = _compare_with_official(run, zoo)
+  tok, method, images, logits = compared["tok"], compared["method"], compared["images"], compared["logits"]
+  inputs, padding, fw_t, keep, real = (compared[k] for k in ("inputs", "padding", "fw_t", "keep", "real"))
+  ref, sp = zoo["ref"], zoo["sp"]
   # vlrep's extra [UNK] column: probability exactly 0.
   assert np.all(np.exp(np.asarray(logits["forward"])[..., 1] - np.asarray(logits["forward"]).max(-1)) == 0)
-  loss, metrics, _ = method.loss(run.variables, {"image": images, "tokens": ours}, jax.random.PRNGKey(0), False)
-  rel_f, rel_b = _rel(fw, fw_t), _rel(bw, bw_t)
-  rel_loss = abs(float(loss) - float(loss_t)) / float(loss_t)
+  rel_f, rel_b, rel_loss = compared["rel_forward"], compared["rel_backward"], compared["rel_loss"]
   print(f"VirTex head vs official layout: logits forward {rel_f:.2e}, backward {rel_b:.2e}, loss {rel_loss:.2e} rel")
   assert rel_f <= 1e-5 and rel_b <= 1e-5 and rel_loss <= 1e-5
   # Greedy captions: the official decoder's greedy search and vlrep's, token for token up to [EOS].
@@ -326,6 +408,19 @@ def test_virtex_key_bias_cancels_and_tied_copies_are_checked(zoo, tmp_path):
   assert not (tmp_path / "r").exists()
 
 
+def test_virtex_imported_as_documented_computes_what_the_official_model_computes(zoo, tmp_path):
+  """The documented import (no --config: configs/virtex.py, whose recipe trains in bfloat16), exactly as imported
+  and loaded: float32 compute, the official model's logits and loss to float32 rounding."""
+  import_run.import_run("virtex", str(zoo["ckpt"]), str(tmp_path / "run"), vocab=zoo["vocab"])
+  run = runs.load_run(str(tmp_path / "run"))
+  assert run.config.method.dtype == "float32" and run.meta["import"]["dtype"] == "float32"
+  assert import_run.load_config("configs/virtex.py").method.dtype == "bfloat16"
+  compared = _compare_with_official(run, zoo)
+  figures = {k: compared[k] for k in ("rel_forward", "rel_backward", "rel_loss")}
+  print(f"VirTex imported with its default config vs official layout: {figures}")
+  assert all(v <= 1e-5 for v in figures.values()), figures
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # (c) import -> export: the identity, tensor for tensor.
 # ------------------------------------------------------------------------------------------------------------------
@@ -339,11 +434,14 @@ def _assert_same(a: dict, b: dict, skip=()):
 
 def test_torchvision_round_trip_is_bit_exact(tmp_path):
   torch.manual_seed(1)
-  sd = _randomize(TorchResNet(50, 8)).state_dict()
+  sd = _randomize(torchvision.models.resnet50()).state_dict()
   torch.save(sd, tmp_path / "r50.pth", _use_new_zipfile_serialization=False)  # the legacy format reads too
   import_run.import_run("torchvision", str(tmp_path / "r50.pth"), str(tmp_path / "run"))
   export.export(str(tmp_path / "run"), "torchvision", str(tmp_path / "out.pth"))
-  _assert_same(torch.load(tmp_path / "out.pth"), sd)
+  out = torch.load(tmp_path / "out.pth")
+  _assert_same(out, {k: v for k, v in sd.items() if not k.startswith("fc.")})  # the ImageNet head: dropped
+  model = torchvision.models.resnet50()
+  assert model.load_state_dict(out, strict=False).missing_keys == ["fc.weight", "fc.bias"]
 
 
 @pytest.mark.parametrize("task", ["bicaptioning", "captioning", "masked_lm", "token_classification"])
@@ -444,6 +542,8 @@ def test_imported_virtex_run_evaluates_captions_and_exports(zoo, tmp_path):
 
 def test_imported_backbone_initialises_a_finetuning_run(tmp_path):
   torch.manual_seed(3)
+  # The copy at width 8 (test_the_virtex_references_resnet_is_torchvisions): this test is about the wiring (init_from
+  # adopts the architecture, the weights arrive), which needs no width-64 compute.
   sd = _randomize(TorchResNet(50, 8)).state_dict()
   torch.save(sd, tmp_path / "r50w8.pth")
   import_run.import_run("torchvision", str(tmp_path / "r50w8.pth"), str(tmp_path / "in1k"))
@@ -454,6 +554,22 @@ def test_imported_backbone_initialises_a_finetuning_run(tmp_path):
   _finetune_one_step(str(tmp_path / "in1k"), tmp_path / "ft")  # ResNet-50, ImageNet stem: adopted from the run
   ft = runs.load_run(str(tmp_path / "ft"), "latest")
   assert np.array_equal(ft.params["backbone"]["conv1"]["kernel"], sd["conv1.weight"].numpy().transpose(2, 3, 1, 0))
+
+
+def test_the_command_computes_in_float32_unless_asked(tmp_path):
+  """`python -m vlrep.import_run`: float32 by default, `--dtype=bfloat16` when asked (said on the console and in
+  the run's note); a dtype it does not offer is refused before anything is written."""
+  torch.manual_seed(5)
+  torch.save(_randomize(TorchResNet(18, 8)).state_dict(), tmp_path / "r18w8.pth")
+  for dtype in ("float32", "bfloat16"):
+    args = ["--format=torchvision", f"--checkpoint={tmp_path / 'r18w8.pth'}", f"--workdir={tmp_path / dtype}"]
+    proc = run_module("vlrep.import_run", *args, *([f"--dtype={dtype}"] if dtype != "float32" else []))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"it computes in {dtype}." in proc.stdout
+    run = runs.load_run(str(tmp_path / dtype))
+    assert run.config.method.dtype == dtype and run.meta["import"]["dtype"].startswith(dtype)
+  proc = run_module("vlrep.import_run", *args[:2], f"--workdir={tmp_path / 'f16'}", "--dtype=float16")
+  assert proc.returncode != 0 and "one of <float32|bfloat16>" in proc.stderr and not (tmp_path / "f16").exists()
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """The `visual_bert` import format against transformers' VisualBERT (an independent implementation): a tiny random
-`VisualBertForPreTraining` saved with `save_pretrained`, imported, and run by vlrep on the same inputs; MMF's layout
+`VisualBertForPreTraining` saved with `save_pretrained`, imported as a user imports it (`vlrep.import_run` with no
+options), loaded as users load runs (`vlrep.runs.load_run`, the method built from the run's config as
+`vlrep.evaluate` builds it, nothing overridden) and run by vlrep on the same inputs; MMF's layout
 (and torch's zip and legacy files) imports to the same parameters; bad inputs are clear errors; the imported run
 starts a downstream run through `method.pretrained_run`; export (`vlrep.export --format=visual_bert`) writes the
 folder back bit for bit, writes a vlrep-trained VisualBERT that transformers loads and computes as vlrep does, and
@@ -26,7 +28,7 @@ from safetensors.numpy import load_file
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from vlrep import import_run, runs  # noqa: E402
+from vlrep import import_run, methods, runs  # noqa: E402
 from vlrep.importers import visual_bert  # noqa: E402
 from vlrep.methods import vlbert  # noqa: E402
 from vlrep.models import vl_bert  # noqa: E402
@@ -87,6 +89,15 @@ def imported(hf_folder):
   return visual_bert.read(hf_folder)
 
 
+@pytest.fixture(scope="module")
+def imported_dir(hf_folder, tmp_path_factory):
+  """The folder imported as the command imports it (`python -m vlrep.import_run --format=visual_bert
+  --checkpoint=FOLDER --workdir=RUN`: the format's default config, no options)."""
+  workdir = str(tmp_path_factory.mktemp("imported") / "run")
+  import_run.import_run("visual_bert", hf_folder, workdir)
+  return workdir
+
+
 def _inputs(seed=0, b=3, t=9, n=5):
   rng = np.random.default_rng(seed)
   tokens = rng.integers(5, len(WORDS), size=(b, t))
@@ -105,9 +116,11 @@ def _inputs(seed=0, b=3, t=9, n=5):
 
 
 def _method(config, **method):
+  """The run's method as `vlrep.evaluate` builds it (vlrep.methods.build of the config's method section), with
+  `method` changed and nothing else: the run's own compute dtype."""
   c = copy.deepcopy(config)
-  c.method.update(dtype="float32", **method)
-  return vlbert.VLBert(c.method, len(WORDS))
+  c.method.update(**method)
+  return methods.build(c.method, len(WORDS))
 
 
 def _vlrep_outputs(run, tokens, types, regions, region_mask):
@@ -163,22 +176,44 @@ def _assert_equal_to_reference(got, want, what):
 # ---------------------------------------------------------------------------------------------------------
 # Equivalence with transformers.
 # ---------------------------------------------------------------------------------------------------------
-def test_imported_visual_bert_computes_what_transformers_computes(hf_model, imported):
+def test_imported_visual_bert_computes_what_transformers_computes(hf_model, imported_dir):
+  run = runs.load_run(imported_dir)  # exactly as imported: no override of its config
   tokens, types, regions, region_mask = _inputs()
-  got = _vlrep_outputs(imported, tokens, types, regions, region_mask)
+  got = _vlrep_outputs(run, tokens, types, regions, region_mask)
   want = _reference_outputs(hf_model, tokens, types, regions, region_mask, visual_type=1)
   figures = _assert_equal_to_reference(got, want, "Hugging Face folder")
   assert max(figures.values()) > 0  # two implementations, not one
+  # float32 is the importer's doing: the format's default config (the VisualBERT recipe) trains in bfloat16.
+  assert run.config.method.dtype == "float32" and run.meta["import"]["dtype"] == "float32"
+  assert import_run.load_config(visual_bert.DEFAULT_CONFIG).method.dtype == "bfloat16"
   # The check has teeth: vlrep's own region embeddings (box embedding, own LayerNorm, a segment vector) or the
   # other visual token type are not VisualBERT.
   other = _reference_outputs(hf_model, tokens, types, regions, region_mask, visual_type=0)
   assert _relative(got["sequence"], other["sequence"]) > 1e-2
-  c = imported.config
+  c = run.config
   assert (c.method.region_boxes, c.method.region_norm, c.method.region_type_embedding) == (False, "shared", "tables")
   assert c.method.region_type_id == 1 and c.method.visual.mode == "file" and c.method.visual.dim == 16
   assert c.method.task == "pretrain" and c.method.arch == "visual_bert" and c.method.alignment_weight == 1.0
-  assert dict(c.method.bert_config)["num_attention_heads"] == 4 and imported.model_state == {}
-  assert "cls.predictions.decoder.weight" not in imported.note["dropped"]  # not stored: tied
+  assert dict(c.method.bert_config)["num_attention_heads"] == 4 and run.model_state == {}
+  assert "cls.predictions.decoder.weight" not in run.meta["import"]["dropped"]  # not stored: tied
+
+
+def test_bfloat16_compute_only_when_asked(hf_model, hf_folder, tmp_path):
+  """--dtype=bfloat16 gives a run that computes in bfloat16 (said in its note), off transformers by far more than
+  float32 rounding (what the default would be without the importer's float32); another dtype is refused before
+  anything is written."""
+  import_run.import_run("visual_bert", hf_folder, str(tmp_path / "bf16"), dtype="bfloat16")
+  run = runs.load_run(str(tmp_path / "bf16"))
+  assert run.config.method.dtype == "bfloat16" and run.meta["import"]["dtype"].startswith("bfloat16 (--dtype")
+  inputs = _inputs()
+  got = _vlrep_outputs(run, *inputs)
+  want = _reference_outputs(hf_model, *inputs, visual_type=1)
+  figures = {k: _relative(got[k], want[k]) for k in got}
+  print(f"--dtype=bfloat16: max relative difference vlrep vs transformers: {figures}")
+  assert min(figures.values()) > 100 * TOLERANCE
+  with pytest.raises(ValueError, match="--dtype='float16': an imported run computes in one of float32, bfloat16"):
+    import_run.import_run("visual_bert", hf_folder, str(tmp_path / "f16"), dtype="float16")
+  assert not (tmp_path / "f16").exists()
 
 
 def test_region_embeddings_are_visual_berts_only_with_all_three_knobs(imported):

@@ -10,7 +10,9 @@ regions' token type (`region_type_id`: 1 for Hugging Face folders, the authors' 
 default; 0 for MMF checkpoints, whose VisualBERT feeds `visual_embeddings_type = zeros`). Regions are detector
 features of `visual_embedding_dim` dims read from region files (`method.visual.mode='file'`); VisualBERT has no
 box input. BERT's architecture is written into the config (`method.bert_config`), so the run needs no BERT
-weights folder: `method.bert_path` (and the tokenizer) only name the folder of the WordPiece `vocab.txt`.
+weights folder: `method.bert_path` (and the tokenizer) only name the folder of the WordPiece `vocab.txt`. It computes
+in float32 (`method.dtype`), as the checkpoint's own code does: configs/vlbert.py's bfloat16 moves its outputs by
+up to 2.5e-2 relative (`vlrep.import_run --dtype` chooses otherwise).
 
 The key map is data (`visual_bert_rules`: vlrep.importers `rule`s, read by `KeyMap` both ways), one table for the
 three layouts (`LAYOUTS`, told apart by their names: Hugging Face's, MMF's and the authors' original code's), which
@@ -392,6 +394,7 @@ def _run_config(base, bert: dict, type_id: int, alignment: bool, vocab_folder: s
     region_type_embedding="tables",
     region_type_id=type_id,
     alignment_weight=1.0 if alignment else 0.0,
+    dtype="float32",  # as the checkpoint's code computes; the base config's bfloat16 is a training speed choice
   )
   c.method.visual.update(mode="file", dim=bert["visual_embedding_dim"])
   c.tokenizer.update(kind="wordpiece", path=vocab_folder)
