@@ -261,17 +261,25 @@ def test_the_reported_files_are_refused_by_the_import_command(tmp_path, resnet18
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="vlrep.import_run does not yet turn a vlrep.errors.UserError into exit status 2 without a traceback "
-  "(as vlrep.main does); import_run.py's owner adds it, then this mark goes",
-)
 def test_the_import_command_exits_2_without_a_traceback(tmp_path):
   marker = tmp_path / "pwned"
   path = tmp_path / "bare.pth"
   path.write_bytes(_payloads(marker)["GLOBAL os.system"][0])
   proc = _cli_import("torchvision", path, tmp_path / "run")
   assert not marker.exists() and f"{path} (its first pickle, the magic number) asks for posix.system" in proc.stderr
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_region_conversion_command_exits_2_on_a_payload_info_file(tmp_path):
+  marker = tmp_path / "pwned"
+  src = tmp_path / "mmf"
+  src.mkdir()
+  np.save(src / "1.npy", np.zeros((2, 2048), np.float32))
+  with open(src / "1_info.npy", "wb") as f:  # an object-array .npy header, then the payload as its pickle
+    np.lib.format.write_array_header_1_0(f, {"descr": "|O", "fortran_order": False, "shape": ()})
+    f.write(_payloads(marker)["GLOBAL os.system"][0])
+  proc = run_module("vlrep.tools.convert_regions", "--format=mmf", f"--src={src}", f"--dst={tmp_path / 'out'}")
+  assert not marker.exists() and "asks for posix.system" in proc.stderr, proc.stderr[-2000:]
   assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 

@@ -35,6 +35,7 @@ from absl import app, flags, logging
 from ml_collections import ConfigDict
 
 from vlrep import importers
+from vlrep.errors import exit_2_on_user_error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The compute dtypes an imported run's `method.dtype` may take; the first is the default (the sources' own).
@@ -218,4 +219,4 @@ def main(argv):
 if __name__ == "__main__":
   define_flags()
   flags.mark_flags_as_required(["checkpoint", "workdir"])
-  app.run(main)
+  app.run(exit_2_on_user_error(main))
