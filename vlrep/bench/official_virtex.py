@@ -31,6 +31,7 @@ import types
 import torch
 
 from vlrep.bench import device_turns
+from vlrep.bench.torch_reference import time_windows
 
 DEFAULT_CONFIG = "configs/width_ablations/bicaptioning_R_50_L1_H2048.yaml"
 
@@ -123,21 +124,7 @@ def benchmark(
       torch.cuda.synchronize()
     return loss
 
-  t0 = time.time()
-  run(3)
-  warmup_s = time.time() - t0
-  seconds = []
-  if turns is not None and device.type == "cuda":
-    # Processes sharing the device wait for their turns holding only what they use: the cached blocks go back
-    # now and are taken again by the untimed step at the start of this one's turn.
-    torch.cuda.empty_cache()
-  with device_turns.turn(turns) as turn:
-    if turns is not None:
-      run(1)
-    for _ in range(windows):
-      t0 = time.perf_counter()
-      loss = run(steps)
-      seconds.append((time.perf_counter() - t0) / steps)
+  warmup_s, seconds, turn, loss = time_windows(run, steps, windows, turns)
   step_s = statistics.median(seconds)
   commit = os.path.join(virtex_src, "COMMIT")
   return {

@@ -182,6 +182,28 @@ def make_step(model, opt, grad_clip_norm: float, device_type: str):
   return step
 
 
+def time_windows(run, steps: int, windows: int, turns: device_turns.Turns | None):
+  """Times `run(n)` (n steps, synchronised at the end; returns the last loss): 3 warm-up steps, then, in this
+  process's turn on the device, `windows` windows of `steps` steps. (warm-up seconds, seconds per step of each
+  window, the turn's record, the last loss)."""
+  t0 = time.time()
+  run(3)
+  warmup_s = time.time() - t0
+  if turns is not None and torch.cuda.is_available():
+    # Processes sharing the device wait for their turns holding only what they use: the cached blocks go back
+    # now and are taken again by an untimed step at the start of this one's turn.
+    torch.cuda.empty_cache()
+  seconds = []
+  with device_turns.turn(turns) as turn:  # with other benchmark processes: timed alone on the device
+    if turns is not None:
+      run(1)
+    for _ in range(windows):
+      t0 = time.perf_counter()
+      loss = run(steps)
+      seconds.append((time.perf_counter() - t0) / steps)
+  return warmup_s, seconds, turn, loss
+
+
 def benchmark(
   batch_size: int,
   image_size: int,
@@ -228,21 +250,7 @@ def benchmark(
     torch.cuda.synchronize()
     return loss
 
-  t0 = time.time()
-  run(3)
-  warmup_s = time.time() - t0
-  seconds = []
-  if turns is not None and device.type == "cuda":
-    # Processes sharing the device wait for their turns holding only what they use: the cached blocks go back
-    # now and are taken again by the untimed step at the start of this one's turn.
-    torch.cuda.empty_cache()
-  with device_turns.turn(turns) as turn:  # with other benchmark processes: timed alone on the device
-    if turns is not None:
-      run(1)
-    for _ in range(windows):
-      t0 = time.perf_counter()
-      loss = run(steps)
-      seconds.append((time.perf_counter() - t0) / steps)
+  warmup_s, seconds, turn, loss = time_windows(run, steps, windows, turns)
   step_s = statistics.median(seconds)
   return {
     "framework": f"torch {torch.__version__}",
