@@ -37,6 +37,10 @@ def _write_csv(root, text: str, encoding: str = "utf-8") -> None:
     f.write(text)
 
 
+def _jsonl(*rows) -> str:
+  return "".join(json.dumps(r) + "\n" for r in rows)
+
+
 def _captions(data_dir) -> dict[str, list[str]]:
   builder = pipeline.get_builder("image_text", str(data_dir))
   return {
@@ -61,8 +65,13 @@ def test_a_csv_with_a_bom_or_another_delimiter_is_read(tmp_path, text, encoding)
   assert _captions(tmp_path / "tfds") == {image: [caption] for image, caption in CAPTIONS}
 
 
-def _jsonl(*rows) -> str:
-  return "".join(json.dumps(r) + "\n" for r in rows)
+def test_a_jsonl_with_a_bom_is_read(tmp_path):
+  _write_images(tmp_path / "mine")
+  text = _jsonl(*({"image": image, "caption": caption} for image, caption in CAPTIONS))
+  (tmp_path / "mine" / "captions.jsonl").write_text(text, encoding="utf-8-sig")
+  report = prepare.prepare("image_text", str(tmp_path / "mine"), str(tmp_path / "tfds"))
+  assert report["splits"] == {"train": 3} and report["skipped"] == {}, report
+  assert _captions(tmp_path / "tfds") == {image: [caption] for image, caption in CAPTIONS}
 
 
 # (case, files written into manual_dir (None: no folder at all), the message expected)
