@@ -98,8 +98,8 @@ WHOLE_FILE_CASES = {
     {"captions.jsonl": "photos/wide.jpg a wide view\n"},
     r"no row with both an image and a caption field \(0 JSON objects read; keys found: none\)",
   ),
-  "empty_folder": ({}, r"--manual_dir='.*mine' is empty\. Expected layout:"),
-  "missing_folder": (None, r"--manual_dir='.*mine' does not exist or is not a folder\. Expected layout:"),
+  "empty_folder": ({}, r"--manual_dir='.*mine' is not a folder or is empty \(the folder is empty\)\. Expected layout:"),
+  "missing_folder": (None, r"--manual_dir='.*mine' is not a folder or is empty \(no such folder\)\. Expected layout:"),
   "neither_layout": ({"notes.txt": "my photos"}, r"holds neither webdataset shards \(\*\.tar\) nor captions\.jsonl"),
 }
 

@@ -77,9 +77,13 @@ def prepare(
       f"--manual_dir is not given: the folder with your copy of {dataset}. Expected layout:\n{cls.__doc__}"
     )
   if not generated and not os.path.isdir(manual_dir):
-    raise NoManualDir(f"--manual_dir={manual_dir!r} does not exist or is not a folder. Expected layout:\n{cls.__doc__}")
+    raise NoManualDir(
+      f"--manual_dir={manual_dir!r} is not a folder or is empty (no such folder). Expected layout:\n{cls.__doc__}"
+    )
   if not generated and not os.listdir(manual_dir):
-    raise NoManualDir(f"--manual_dir={manual_dir!r} is empty. Expected layout:\n{cls.__doc__}")
+    raise NoManualDir(
+      f"--manual_dir={manual_dir!r} is not a folder or is empty (the folder is empty). Expected layout:\n{cls.__doc__}"
+    )
   # image_text: the whole source is checked before TFDS writes anything, and fingerprinted.
   source = image_text.check_source(manual_dir) if dataset == image_text.NAME else None
   data_dir = os.path.expanduser(data_dir)
