@@ -164,6 +164,13 @@ def test_a_changed_source_is_rebuilt_an_unchanged_one_reused(tmp_path):
   with open(os.path.join(data_dir, "image_text_prepare_report.json")) as f:
     assert json.load(f)["source"] == fixed["source"]
 
+  # A change that cannot be prepared (every image path wrong): the error, and the dataset prepared before is kept.
+  (root / "captions.csv").write_text("image,caption\nwide.jpg,a wide valley at dusk\n")
+  with pytest.raises(UserError, match=r"no usable example: .*\{'missing image file': 1\}"):
+    prepare.prepare("image_text", str(root), data_dir)
+  assert _captions(data_dir) == {"photos/wide.jpg": ["a wide valley at dusk"], "photos/tall.jpg": ["a tower"]}
+  (root / "captions.csv").write_text("image,caption\nphotos/wide.jpg,a wide valley at dusk\nphotos/tall.jpg,a tower\n")
+
   # The same index, an image replaced by another photo: rebuilt from the new image.
   Image.new("RGB", (20, 10), "white").save(root / "photos" / "wide.jpg")
   replaced = prepare.prepare("image_text", str(root), data_dir)

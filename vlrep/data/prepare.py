@@ -58,6 +58,23 @@ def _is_prepared(builder) -> bool:
   return os.path.exists(os.path.join(builder.data_dir, "dataset_info.json"))
 
 
+def _set_aside(version_dir: str) -> str:
+  """Moves a prepared version out of TFDS's sight (beside its dataset folder); returns where it now is."""
+  aside = os.path.join(os.path.dirname(version_dir), f".{os.path.basename(version_dir)}.previous")
+  if os.path.exists(aside):  # left by a run that was killed mid-rebuild: the version folder is the newer copy
+    shutil.rmtree(aside)
+  os.rename(version_dir, aside)
+  return aside
+
+
+def _restore(aside: str, version_dir: str) -> None:
+  """Puts a version set aside back after a rebuild that failed (its partial output removed)."""
+  if os.path.exists(version_dir):
+    shutil.rmtree(version_dir)
+  os.rename(aside, version_dir)
+  logging.warning("The rebuild failed: the dataset prepared before is kept in %s", version_dir)
+
+
 def prepare(
   dataset: str,
   manual_dir: str | None,
@@ -92,19 +109,30 @@ def prepare(
   source_action = "prepared"
   if source is not None and _is_prepared(builder):
     changes = image_text.source_changes(builder.info.metadata.get("source"), source)
+  previous = None  # the prepared version set aside while it is rebuilt
+  if source is not None and _is_prepared(builder):
+    changes = image_text.source_changes(builder.info.metadata.get("source"), source)
     if changes:
       # The prepared copy is derived data, made again from the source the user just changed: rebuilding is what
-      # re-running prepare asks for (docs/bad_inputs.md). Only this dataset version's folder is replaced.
+      # re-running prepare asks for (docs/bad_inputs.md). The old version is kept aside until the new one is
+      # complete, so a rebuild that fails leaves it in place.
       source_action = "rebuilt: " + "; ".join(changes)
       logging.warning("%s in %s: %s", dataset, builder.data_dir, source_action)
-      shutil.rmtree(builder.data_dir)
+      previous = _set_aside(builder.data_dir)
       builder = cls(data_dir=data_dir, file_format=file_format, **kwargs)
     else:
       source_action = f"reused: the source in {manual_dir} is unchanged since {builder.data_dir} was prepared"
   if source is not None and not _is_prepared(builder):
     builder.info.metadata["source"] = source
   common.SKIPPED.clear()
-  builder.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
+  try:
+    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
+  except BaseException:
+    if previous:
+      _restore(previous, builder.data_dir)
+    raise
+  if previous:
+    shutil.rmtree(previous)
   report = {
     "dataset": dataset,
     "data_dir": builder.data_dir,
