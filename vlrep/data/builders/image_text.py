@@ -5,7 +5,12 @@
       with the optional fields below);
   (b) a folder of images with MANUAL_DIR/captions.jsonl, one {"image": "relative/path.jpg", "caption": "...",
       "tags": [...]} per line (with the optional fields below), or MANUAL_DIR/captions.csv with the header
-      image,caption[,tags] (tags separated by '|'; CSV carries no optional field).
+      image,caption[,tags] (tags separated by '|'; CSV carries no optional field; the delimiter ',', ';' or tab;
+      a UTF-8 byte-order mark before either index is dropped).
+
+An index that cannot give a single row (a CSV header without image and caption or with an unknown field, no row,
+no JSON object with an image and a caption) is a SourceError naming what was found and what was expected,
+raised by check_source before anything is prepared; so is a source of which no example survives.
 
 Prepared with `python -m vlrep.data.prepare --dataset=image_text --manual_dir=MANUAL_DIR`; one split, 'train'
 (take a validation set with 'train[:N%]' elsewhere or keep one in another folder). Rows naming the same image are
