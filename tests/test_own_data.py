@@ -191,6 +191,7 @@ def own_data(tmp_path_factory):
   report = prepare.prepare("image_text", str(root / "mine"), str(root / "tfds"))
   assert report["splits"] == {"train": 12} and not report["skipped"], report
   assert report["fields"]["narration"] == 12 and report["fields"]["tags"] == 12, report["fields"]
+  assert report["trace_mismatch"] == 0  # every narration's timed words spell its caption
   return root / "tfds"
 
 

@@ -5,7 +5,12 @@
       with the optional fields below);
   (b) a folder of images with MANUAL_DIR/captions.jsonl, one {"image": "relative/path.jpg", "caption": "...",
       "tags": [...]} per line (with the optional fields below), or MANUAL_DIR/captions.csv with the header
-      image,caption[,tags] (tags separated by '|'; CSV carries no optional field).
+      image,caption[,tags] (tags separated by '|'; CSV carries no optional field; the delimiter ',', ';' or tab;
+      a UTF-8 byte-order mark before either index is dropped).
+
+An index that cannot give a single row (a CSV header without image and caption or with an unknown field, no row,
+no JSON object with an image and a caption) is a SourceError naming what was found and what was expected,
+raised by check_source before anything is prepared; so is a source of which no example survives.
 
 Prepared with `python -m vlrep.data.prepare --dataset=image_text --manual_dir=MANUAL_DIR`; one split, 'train'
 (take a validation set with 'train[:N%]' elsewhere or keep one in another folder). Rows naming the same image are
@@ -70,6 +75,7 @@ from __future__ import annotations
 import collections
 import csv
 import glob
+import hashlib
 import io
 import json
 import math
@@ -83,6 +89,7 @@ from PIL import Image
 
 from vlrep.data.builders import common
 from vlrep.data.builders import localized_narratives as ln
+from vlrep.errors import UserError
 
 NAME = "image_text"
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
@@ -92,6 +99,22 @@ TRACE_TOLERANCE = 0.02
 BOX_TOLERANCE = 1.0
 # The fields whose examples the prepare report counts (`fields`): an example carries one when it is non-empty.
 COUNTED_FIELDS = ("captions", "tags", "narration", "timed_caption", "traces", "boxes", "box_labels")
+INDEX_FILES = ("captions.jsonl", "captions.csv")  # in order of preference
+# captions.csv: its header's fields (matched without surrounding spaces, case-insensitively), the delimiters tried
+# (spreadsheet programs write ';' in many locales, and tab-separated files are common) and the byte-order mark that
+# spreadsheet programs put before the header.
+CSV_REQUIRED, CSV_OPTIONAL = ("image", "caption"), ("tags",)
+CSV_DELIMITERS = (",", ";", "\t")
+BOM = "\ufeff"
+
+
+class SourceError(UserError):
+  """A whole-file problem of manual_dir (an index without a usable header or row, nothing usable at all): no row
+  could be read, so nothing is prepared; the message names what was found and what was expected."""
+
+
+class NoSource(SourceError, FileNotFoundError):
+  """manual_dir holds neither shards nor an index."""
 
 
 class ImageText(tfds.core.GeneratorBasedBuilder):
@@ -137,26 +160,133 @@ class ImageText(tfds.core.GeneratorBasedBuilder):
 
   def _generate_examples(self, root: str):
     counts = dict.fromkeys(COUNTED_FIELDS, 0)
-    for image_id, example in enumerate(read_manual_dir(root)):
+    mismatched = 0  # narrations whose timed words do not spell their caption
+    n = 0
+    for n, example in enumerate(read_manual_dir(root), 1):
       for field in COUNTED_FIELDS:
         value = example[field]
         counts[field] += bool(any(value) if field == "box_labels" else len(value))
-      yield example["key"], {**example, "image": io.BytesIO(example["image"]), "image_id": image_id}
+      if example["narration"] and not words_spell_caption(example["timed_caption"], example["narration"]):
+        mismatched += 1
+        logging.warning("%s: %s: %s", NAME, example["key"], TRACE_MISMATCH)
+      yield example["key"], {**example, "image": io.BytesIO(example["image"]), "image_id": n - 1}
+    if not n:
+      # Raised before TFDS finalizes the split (which would assert "No examples were yielded").
+      skipped = {reason: k for (name, reason), k in common.SKIPPED.items() if name == NAME}
+      raise SourceError(f"{root}: no usable example: every row, image or shard member was skipped: {skipped}")
     self.info.metadata["fields"] = counts
+    self.info.metadata["trace_mismatch"] = mismatched
+
+
+TRACE_MISMATCH = (
+  "narration whose timed words do not spell its caption (kept: LocTex gives its words no trace, "
+  "data/trace_mismatch_count)"
+)
+
+
+def _squash(text: str) -> str:
+  """Letters and digits only, ASCII lower-cased: the form in which LocTex's trace_words compares utterances and
+  caption (tf.strings.lower lower-cases ASCII only)."""
+  return "".join(c.lower() if c.isascii() else c for c in text if c.isalnum())
+
+
+def words_spell_caption(timed_caption: list[dict], caption: str) -> bool:
+  """Whether the timed words spell the caption as LocTex's trace_words requires (else it uses the caption's words
+  with empty masks and counts `data/trace_mismatch_count`)."""
+  utterances = [w["utterance"] for w in timed_caption]
+  return bool(utterances) and _squash("".join(utterances)) == _squash(caption)
+
+
+def _source_files(root: str) -> tuple[list[str], str | None]:
+  """(the shards, []) or ([], the index file's name) that read_manual_dir reads; NoSource if neither."""
+  shards = sorted(glob.glob(os.path.join(root, "*.tar")))
+  if shards:
+    return shards, None
+  for name in INDEX_FILES:
+    if os.path.exists(os.path.join(root, name)):
+      return [], name
+  raise NoSource(
+    f"{root} holds neither webdataset shards (*.tar) nor captions.jsonl / captions.csv. Expected layout:\n{__doc__}"
+  )
 
 
 def read_manual_dir(root: str):
   """One dict per usable image of `root`, in key order: key, image (JPEG bytes), captions, tags, narration,
   timed_caption, traces, boxes, box_labels; skips counted in common."""
-  shards = sorted(glob.glob(os.path.join(root, "*.tar")))
+  shards, index = _source_files(root)
   if shards:
     return _from_shards(shards)
-  for name, read in (("captions.jsonl", _jsonl_rows), ("captions.csv", _csv_rows)):
-    if os.path.exists(os.path.join(root, name)):
-      return _from_index(root, read(os.path.join(root, name)))
-  raise FileNotFoundError(
-    f"{root} holds neither webdataset shards (*.tar) nor captions.jsonl / captions.csv. Expected layout:\n{__doc__}"
-  )
+  read = _jsonl_rows if index == "captions.jsonl" else _csv_rows
+  return _from_index(root, read(os.path.join(root, index)))
+
+
+def _sha256(path: str) -> str:
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      digest.update(block)
+  return digest.hexdigest()
+
+
+def _stat_line(root: str, relative: str) -> str:
+  try:
+    st = os.stat(os.path.join(root, relative))
+  except OSError:
+    return f"{relative}\tmissing"
+  return f"{relative}\t{st.st_size}\t{st.st_mtime_ns}"
+
+
+def check_source(root: str) -> dict:
+  """Checks `root` as a whole before anything is prepared and returns its fingerprint, which decides whether a
+  dataset prepared from it is still current: {"index": {name: SHA-256 of the file} (the index read, or each
+  shard's size and mtime), "files": the images the index names, "files_sha256": SHA-256 of their names, sizes and
+  modification times}. Raises SourceError (no traceback from the CLI) when the index cannot give a single row: an
+  empty file, a CSV header without image and caption (or with unknown fields), no JSON object with both."""
+  shards, index = _source_files(root)
+  if shards:
+    lines = [_stat_line(root, os.path.relpath(s, root)) for s in shards]
+    return {"index": {}, "files": len(lines), "files_sha256": hashlib.sha256("\n".join(lines).encode()).hexdigest()}
+  path = os.path.join(root, index)
+  rows = _csv_rows(path, quiet=True) if index == "captions.csv" else _jsonl_rows(path, quiet=True)
+  images, keys, n_rows = set(), collections.Counter(), 0
+  for row, _ in rows:
+    n_rows += 1
+    keys.update(list(row))  # the keys, not their values
+    if isinstance(row.get("image"), str) and row["image"] and ("caption" in row or "captions" in row):
+      images.add(row["image"])
+  if not images:
+    if index == "captions.csv":
+      raise SourceError(
+        f"{path}: no row with an image path: {n_rows} rows below the header; expected rows image,caption[,tags]"
+      )
+    found = ", ".join(f"{k!r} ({n} rows)" for k, n in keys.most_common(12)) or "none"
+    raise SourceError(
+      f"{path}: no row with both an image and a caption field ({n_rows} JSON objects read; keys found: {found}); "
+      'expected one JSON object per line, {"image": "relative/path.jpg", "caption": "..."} (or "captions": '
+      '[...]), with optional "tags", "timed_caption", "traces", "boxes", "labels"'
+    )
+  lines = [_stat_line(root, image) for image in sorted(images)]
+  return {
+    "index": {index: _sha256(path)},
+    "files": len(lines),
+    "files_sha256": hashlib.sha256("\n".join(lines).encode()).hexdigest(),
+  }
+
+
+def source_changes(old: dict | None, new: dict) -> list[str]:
+  """What differs between two fingerprints of check_source, in words ([] when the source is unchanged)."""
+  if not old:
+    return ["the prepared dataset carries no fingerprint of its source (prepared by an older vlrep)"]
+  changes = [
+    f"{name} changed"
+    for name in sorted(set(old["index"]) | set(new["index"]))
+    if old["index"].get(name) != new["index"].get(name)
+  ]
+  if old["files_sha256"] != new["files_sha256"]:
+    changes.append(
+      f"image files or shards changed (names, sizes or modification times; {old['files']} -> {new['files']})"
+    )
+  return changes
 
 
 def _count(reason: str, n: int, what: str) -> None:
@@ -383,38 +513,71 @@ def _from_shards(shards: list[str]):
         yield example
 
 
-def _jsonl_rows(path: str):
+def _skip(reason: str, what: str, quiet: bool) -> None:
+  if not quiet:  # check_source reads the index once before preparing: its skips are counted when preparing
+    common.skip(NAME, reason, what)
+
+
+def _jsonl_rows(path: str, quiet: bool = False):
   with open(path, "rb") as f:
     for number, raw in enumerate(f, 1):
       what = f"{os.path.basename(path)} line {number}"
       try:
         line = raw.decode("utf-8").strip()
       except UnicodeDecodeError:
-        common.skip(NAME, "line not UTF-8", what)
+        _skip("line not UTF-8", what, quiet)
         continue
+      if number == 1:
+        line = line.removeprefix(BOM).strip()
       if not line:
         continue
       try:
         row = json.loads(line)
       except json.JSONDecodeError:
-        common.skip(NAME, "line not JSON", what)
+        _skip("line not JSON", what, quiet)
         continue
       yield row if isinstance(row, dict) else {}, what
 
 
-def _csv_rows(path: str):
+def _csv_header(path: str, line: str) -> tuple[str, list[str]]:
+  """(delimiter, field names) of captions.csv's header line (BOM stripped): the first of CSV_DELIMITERS that splits
+  it into known fields including image and caption; SourceError naming the header found otherwise."""
+  expected = f"a header {','.join(CSV_REQUIRED)}[,{','.join(CSV_OPTIONAL)}] (delimiter ',', ';' or tab)"
+  if not line.strip():
+    raise SourceError(f"{path}: no header (the file is empty or starts with an empty line); expected {expected}")
+  for delimiter in CSV_DELIMITERS:
+    fields = [f.strip().lower() for f in next(csv.reader([line], delimiter=delimiter))]
+    if set(CSV_REQUIRED) <= set(fields):
+      unknown = [f for f in fields if f not in CSV_REQUIRED + CSV_OPTIONAL]
+      if unknown or len(set(fields)) < len(fields):
+        raise SourceError(
+          f"{path}: header {line.strip()!r} has unknown or repeated fields {unknown or fields}; expected {expected} "
+          "(a CSV carries no other field: use captions.jsonl for narrations and boxes)"
+        )
+      return delimiter, fields
+  raise SourceError(f"{path}: header {line.strip()!r} has no image and caption fields; expected {expected}")
+
+
+def _csv_rows(path: str, quiet: bool = False):
   with open(path, "rb") as f:
     lines = f.read().split(b"\n")
   decoded = []
   for number, raw in enumerate(lines, 1):
     try:
-      decoded.append((number, raw.decode("utf-8")))
+      text = raw.decode("utf-8")
     except UnicodeDecodeError:
-      common.skip(NAME, "line not UTF-8", f"{os.path.basename(path)} line {number}")
-  reader = csv.DictReader(text for _, text in decoded if text.strip())
-  numbers = [n for n, text in decoded if text.strip()][1:]
-  for number, row in zip(numbers, reader, strict=False):
-    yield dict(row), f"{os.path.basename(path)} line {number}"
+      _skip("line not UTF-8", f"{os.path.basename(path)} line {number}", quiet)
+      continue
+    decoded.append((number, text.removeprefix(BOM) if number == 1 else text))
+  decoded = [(n, text) for n, text in decoded if text.strip()]
+  if not decoded or decoded[0][0] != 1:  # the header line missing, empty or not UTF-8
+    raise SourceError(
+      f"{path}: no header on line 1; expected a header {','.join(CSV_REQUIRED)}[,{','.join(CSV_OPTIONAL)}]"
+    )
+  delimiter, fields = _csv_header(path, decoded[0][1])
+  reader = csv.DictReader((text for _, text in decoded[1:]), fieldnames=fields, delimiter=delimiter)
+  for (number, _), row in zip(decoded[1:], reader, strict=False):
+    yield {k: v for k, v in row.items() if k is not None}, f"{os.path.basename(path)} line {number}"
 
 
 def _from_index(root: str, rows):
