@@ -1,0 +1,367 @@
+r"""The papers' detection transfer through Detectron2: a run's backbone fine-tuned in Faster / Mask R-CNN with the
+configs of configs/detectron2/, as kdexd/virtex's scripts/eval_detectron2.py does it.
+
+  python -m vlrep.tools.detectron2_transfer --workdir=RUN --config-file=configs/detectron2/FILE.yaml [KEY VALUE ...]
+  python -m vlrep.tools.detectron2_transfer --workdir=/runs/virtex_r50 \
+      --config-file=configs/detectron2/voc_faster_rcnn_R_50_C4_24k.yaml --num-gpus=8
+  python -m vlrep.tools.detectron2_transfer --workdir=/runs/loctex_r50 \
+      --config-file=configs/detectron2/coco_mask_rcnn_R_50_FPN_2x.yaml \
+      --dataset=mine_train=coco:/data/mine/train.json:/data/mine/images \
+      --dataset=mine_val=coco:/data/mine/val.json:/data/mine/images --train=mine_train --test=mine_val \
+      SOLVER.MAX_ITER 2000 SOLVER.STEPS "(1500,)"
+
+What it does, in order:
+1. The run's backbone (its best checkpoint, --checkpoint) is written in Detectron2's layout by `vlrep.export` in a
+   process of its own on the CPU (JAX never touches the accelerator Detectron2 trains on), to OUTPUT_DIR/backbone.pkl.
+   `--weights=random` fine-tunes a randomly initialised backbone of the run's architecture instead (the baseline).
+2. The config: the YAML, then the KEY VALUE pairs, then what follows from the run and the machine: the ResNet's
+   depth and widths from the run (the YAMLs say ResNet-50), MODEL.DEVICE (cuda when there is one), OUTPUT_DIR
+   (default RUN/detectron2/<YAML name>), and SyncBN read as BN when the job is one process (the same statistics;
+   PyTorch's SyncBatchNorm needs a process group). PreciseBN's pass is capped at SOLVER.MAX_ITER iterations, so a
+   short run is not dominated by 200 batches of statistics (the papers' schedules are unchanged).
+3. vlrep's input convention is checked, not assumed: the exported weights expect RGB, ImageNet mean/std on 0-255 and
+   the stride on each bottleneck's 3x3 (INPUT.FORMAT RGB, MODEL.PIXEL_MEAN/STD, MODEL.RESNETS.STRIDE_IN_1X1 False,
+   as configs/detectron2/Base-*-vlrep.yaml set them). A config built on Detectron2's stock base files (BGR, Caffe
+   means, stride in 1x1) would give silently wrong features: it is refused, naming the keys and their values.
+4. LocTex's ROI head (`Res5ROIHeadsExtraNorm`, configs/detectron2/loctex_extra_bn.py) is registered, so the LocTex
+   configs build as they are.
+5. Datasets: Detectron2's own names (coco_2017_train, voc_2007_trainval, lvis_v1_val, ...; their files under
+   $DETECTRON2_DATASETS, default ./datasets) or any set registered on the command line with
+   --dataset=NAME=coco:JSON:IMAGE_DIR, NAME=lvis:JSON:IMAGE_DIR or NAME=voc:VOC_DIR:SPLIT:YEAR; --train / --test
+   (comma-separated names) replace DATASETS.TRAIN / TEST. The evaluator follows the dataset (COCO, LVIS, VOC).
+6. Training resumes from OUTPUT_DIR's last Detectron2 checkpoint when there is one (rerun the same command after an
+   interruption); the final evaluation's metrics go into RUN/summary.json as `detectron2/<YAML name>/<dataset>/
+   <task>/<metric>` (e.g. .../bbox/AP, .../segm/AP50) and into OUTPUT_DIR/metrics.json.
+
+Detectron2 is not on the package index. Build it from its source (CPU or CUDA; minutes):
+  git clone https://github.com/facebookresearch/detectron2 && cd detectron2
+  pip install --no-build-isolation -e .          # FORCE_CUDA=0 on a machine without CUDA
+Without it the command exits with status 2 and says so. Every bad input (a run whose backbone Detectron2's ResNet
+cannot hold, a dataset that is not registered, a wrong input convention) is an error with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+
+from vlrep import runs
+from vlrep.errors import UserError
+
+try:  # optional: Detectron2 is built from its source (INSTALL below); without it the command exits 2 saying so
+  import torch
+  from detectron2.config import get_cfg
+  from detectron2.data import DatasetCatalog, MetadataCatalog
+  from detectron2.data.datasets import register_coco_instances, register_lvis_instances
+  from detectron2.data.datasets.pascal_voc import register_pascal_voc
+  from detectron2.engine import DefaultTrainer, default_setup, launch
+  from detectron2.evaluation import COCOEvaluator, LVISEvaluator, PascalVOCDetectionEvaluator
+  from detectron2.utils import comm
+except ImportError as e:
+  DETECTRON2_MISSING: ImportError | None = e
+else:
+  DETECTRON2_MISSING = None
+
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
+LOCTEX_HEAD_FILE = os.path.join(CONFIGS_DIR, "detectron2", "loctex_extra_bn.py")
+INSTALL = (
+  "Detectron2 is not installed (it is not on the package index). Build it from its source, e.g.\n"
+  "  git clone https://github.com/facebookresearch/detectron2 && cd detectron2\n"
+  "  pip install --no-build-isolation -e .    # FORCE_CUDA=0 on a machine without CUDA\n"
+  "(it needs torch; `pip install -e '.[detection]'` in vlrep installs the torch and torchvision pair it runs with)."
+)
+# What the exported weights expect (vlrep.export writes torchvision-convention weights): KEY -> value.
+INPUT_CONVENTION = {
+  "INPUT.FORMAT": "RGB",
+  "MODEL.PIXEL_MEAN": [123.675, 116.280, 103.530],
+  "MODEL.PIXEL_STD": [58.395, 57.120, 57.375],
+  "MODEL.RESNETS.STRIDE_IN_1X1": False,
+}
+# Detectron2's ResNet: BasicBlocks for 18/34 (res2 width fixed at 64), bottlenecks for 50/101/152.
+DETECTRON2_DEPTHS = (18, 34, 50, 101, 152)
+NORM_KEYS = ("MODEL.RESNETS.NORM", "MODEL.FPN.NORM", "MODEL.ROI_BOX_HEAD.NORM", "MODEL.ROI_MASK_HEAD.NORM")
+DATASET_KINDS = {"coco": 2, "lvis": 2, "voc": 3}  # kind -> number of ':'-separated fields after it
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+  p = argparse.ArgumentParser(
+    prog="python -m vlrep.tools.detectron2_transfer",
+    description="Fine-tune and evaluate a vlrep run's backbone with Detectron2 (the papers' detection transfer).",
+    epilog="Trailing KEY VALUE pairs override the YAML, as Detectron2's tools/train_net.py reads them.",
+  )
+  p.add_argument("--workdir", required=True, help="The vlrep run whose backbone is transferred.")
+  p.add_argument("--config-file", "--config_file", dest="config_file", required=True, help="A Detectron2 YAML.")
+  p.add_argument("--checkpoint", default="best", help="best, latest or a step (vlrep.export's --checkpoint).")
+  p.add_argument("--weights", choices=("run", "random"), default="run", help="random: the random-init baseline.")
+  p.add_argument("--output-dir", "--output_dir", dest="output_dir", default="", help="Default RUN/detectron2/NAME.")
+  p.add_argument("--dataset", action="append", default=[], help="NAME=coco:JSON:IMAGES | lvis:.. | voc:DIR:SPLIT:YEAR")
+  p.add_argument("--train", default="", help="Comma-separated dataset names for DATASETS.TRAIN.")
+  p.add_argument("--test", default="", help="Comma-separated dataset names for DATASETS.TEST.")
+  p.add_argument("--num-gpus", "--num_gpus", dest="num_gpus", type=int, default=1, help="GPUs on this machine.")
+  p.add_argument("--num-workers", "--num_workers", dest="num_workers", type=int, default=-1, help="Data workers.")
+  p.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE pairs")
+  args = p.parse_args(argv)
+  if len(args.opts) % 2:
+    raise UserError(f"The config overrides come in KEY VALUE pairs; got an odd number: {args.opts}.")
+  return args
+
+
+def require_detectron2() -> None:
+  """A UserError that says how to install Detectron2 when it (or torch) did not import."""
+  if DETECTRON2_MISSING is not None:
+    raise UserError(f"{INSTALL}\n(import failed: {DETECTRON2_MISSING})")
+
+
+def parse_dataset(spec: str) -> tuple[str, str, list[str]]:
+  """'NAME=KIND:A:B[:C]' -> (NAME, KIND, [A, B, C]); paths are checked to exist."""
+  name, sep, rest = spec.partition("=")
+  kind, _, fields = rest.partition(":")
+  parts = fields.split(":") if fields else []
+  if not sep or not name or kind not in DATASET_KINDS or len(parts) != DATASET_KINDS[kind]:
+    raise UserError(
+      f"--dataset={spec!r}: expected NAME=coco:JSON:IMAGE_DIR, NAME=lvis:JSON:IMAGE_DIR or NAME=voc:VOC_DIR:SPLIT:YEAR."
+    )
+  paths = parts[:2] if kind != "voc" else parts[:1]
+  for path in paths:
+    if not os.path.exists(os.path.expanduser(path)):
+      raise UserError(f"--dataset={spec!r}: {path} does not exist.")
+  return name, kind, [os.path.expanduser(p) if i < len(paths) else p for i, p in enumerate(parts)]
+
+
+def backbone_settings(run_config) -> dict:
+  """The run's backbone as Detectron2 MODEL.RESNETS keys, or a UserError for one Detectron2's ResNet cannot hold."""
+  method = run_config.get("method", {})
+  if method.get("backbone", {}).get("arch", "resnet") != "resnet":
+    raise UserError("Detectron2 transfer needs a ResNet backbone; this run's is not one (e.g. VGG16).")
+  arch = runs.backbone_architecture(method.get("backbone", {}))
+  depth, width, inner = int(arch["depth"]), int(arch["width"]), int(arch["inner_multiplier"])
+  if arch["stem"] != "imagenet":
+    raise UserError(
+      f"The run's backbone has stem={arch['stem']!r} (3x3, no max-pool); Detectron2's ResNet builds only the ImageNet "
+      "stem (7x7 stride 2 and a max-pool). Train with method.backbone.stem='imagenet' (every paper recipe does), or "
+      "use vlrep's own detection evaluator (configs/eval/detection.py), which converts any stem."
+    )
+  if depth not in DETECTRON2_DEPTHS:
+    raise UserError(f"The run's ResNet has depth {depth}; Detectron2's ResNet builds depths {DETECTRON2_DEPTHS}.")
+  if depth in (18, 34) and width != 64:
+    raise UserError(f"Detectron2's ResNet-{depth} has 64 channels in res2; the run's has width {width}.")
+  bottleneck = 4 if depth >= 50 else 1
+  return {
+    "MODEL.RESNETS.DEPTH": depth,
+    "MODEL.RESNETS.STEM_OUT_CHANNELS": width,
+    "MODEL.RESNETS.RES2_OUT_CHANNELS": width * bottleneck,
+    "MODEL.RESNETS.WIDTH_PER_GROUP": width * inner,
+  }
+
+
+def _get(cfg, key: str):
+  node = cfg
+  for part in key.split("."):
+    node = node[part]
+  return node
+
+
+def _set(cfg, key: str, value) -> None:
+  *path, last = key.split(".")
+  node = cfg
+  for part in path:
+    node = node[part]
+  node[last] = value
+
+
+def check_input_convention(cfg) -> None:
+  """Refuses a config whose input convention differs from the exported weights' (silently wrong features)."""
+  wrong = []
+  for key, want in INPUT_CONVENTION.items():
+    got = _get(cfg, key)
+    same = [round(float(v), 3) for v in got] == want if isinstance(want, list) else got == want
+    if not same:
+      wrong.append(f"{key} is {got!r}; vlrep's weights need {want!r}")
+  if wrong:
+    fix = " ".join(f"{k} {json.dumps(v) if isinstance(v, list) else v}" for k, v in INPUT_CONVENTION.items())
+    raise UserError(
+      "The config's input convention does not match vlrep's exported weights (torchvision's: RGB, ImageNet mean/std "
+      "on 0-255, the stride on each bottleneck's 3x3); the features would be silently wrong:\n  "
+      + "\n  ".join(wrong)
+      + f"\nBase the config on configs/detectron2/Base-*-vlrep.yaml, or append: {fix}"
+    )
+
+
+def build_config(args, run_config, world_size: int, cuda: bool):
+  """The Detectron2 config: YAML, overrides, then what follows from the run and this machine."""
+
+  cfg = get_cfg()
+  cfg.merge_from_file(args.config_file)
+  cfg.merge_from_list(list(args.opts))
+  for key, value in backbone_settings(run_config).items():
+    _set(cfg, key, value)
+  if args.train:
+    cfg.DATASETS.TRAIN = tuple(args.train.split(","))
+  if args.test:
+    cfg.DATASETS.TEST = tuple(args.test.split(","))
+  cfg.MODEL.DEVICE = "cuda" if cuda else "cpu"
+  cfg.OUTPUT_DIR = output_dir(args)
+  if args.num_workers >= 0:
+    cfg.DATALOADER.NUM_WORKERS = args.num_workers
+  if world_size == 1:  # one process: SyncBN's statistics are BN's, and torch's SyncBatchNorm needs a process group
+    for key in NORM_KEYS:
+      if _get(cfg, key) == "SyncBN":
+        _set(cfg, key, "BN")
+  cfg.TEST.PRECISE_BN.NUM_ITER = min(cfg.TEST.PRECISE_BN.NUM_ITER, cfg.SOLVER.MAX_ITER)
+  check_input_convention(cfg)
+  return cfg
+
+
+def output_dir(args) -> str:
+  name = os.path.splitext(os.path.basename(args.config_file))[0]
+  return os.path.abspath(os.path.expanduser(args.output_dir or os.path.join(args.workdir, "detectron2", name)))
+
+
+def export_backbone(workdir: str, checkpoint: str, out: str) -> None:
+  """`vlrep.export --format=detectron2` in a process of its own, on the CPU: JAX leaves the accelerator to torch."""
+  cmd = [
+    sys.executable,
+    "-m",
+    "vlrep.export",
+    f"--workdir={workdir}",
+    "--format=detectron2",
+    f"--out={out}",
+    f"--checkpoint={checkpoint}",
+  ]
+  print(f"Exporting the backbone: {' '.join(cmd)}", flush=True)
+  done = subprocess.run(cmd, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True)
+  if done.returncode:
+    tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
+    raise UserError(f"Exporting {workdir}'s backbone failed (exit {done.returncode}):\n{tail}")
+
+
+def register(datasets: list[str]) -> None:
+  """The LocTex ROI head and the command line's datasets, in Detectron2's registries."""
+
+  if "loctex_extra_bn" not in sys.modules:  # loaded once per process, by its own name (it registers a class)
+    spec = importlib.util.spec_from_file_location("loctex_extra_bn", LOCTEX_HEAD_FILE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["loctex_extra_bn"] = module
+    spec.loader.exec_module(module)
+  for spec_text in datasets:
+    name, kind, fields = parse_dataset(spec_text)
+    if name in DatasetCatalog.list():
+      raise UserError(f"--dataset={spec_text!r}: {name!r} is already a registered dataset; give it another name.")
+    if kind == "coco":
+      register_coco_instances(name, {}, fields[0], fields[1])
+    elif kind == "lvis":
+      register_lvis_instances(name, {}, fields[0], fields[1])
+    else:
+      register_pascal_voc(name, fields[0], fields[1], int(fields[2]))
+
+
+def check_datasets(cfg) -> None:
+
+  known = set(DatasetCatalog.list())
+  for name in (*cfg.DATASETS.TRAIN, *cfg.DATASETS.TEST):
+    if name not in known:
+      raise UserError(
+        f"Dataset {name!r} (DATASETS.TRAIN/TEST) is not registered. Register it with --dataset={name}=coco:JSON:IMAGES "
+        "(or lvis:..., voc:DIR:SPLIT:YEAR), or use one of Detectron2's names with its files under $DETECTRON2_DATASETS."
+      )
+  for name in cfg.DATASETS.TEST:
+    kind = MetadataCatalog.get(name).get("evaluator_type", None)
+    if kind not in ("coco", "lvis", "pascal_voc"):
+      raise UserError(f"Dataset {name!r} has evaluator_type {kind!r}; this tool evaluates coco, lvis and pascal_voc.")
+
+
+def build_evaluator(cfg, dataset_name: str):
+  """The evaluator the dataset's kind needs (as kdexd/virtex's DownstreamTrainer.build_evaluator)."""
+
+  kind = MetadataCatalog.get(dataset_name).evaluator_type
+  folder = os.path.join(cfg.OUTPUT_DIR, "inference", dataset_name)
+  if kind == "pascal_voc":
+    return PascalVOCDetectionEvaluator(dataset_name)
+  if kind == "lvis":
+    return LVISEvaluator(dataset_name, cfg, True, folder)
+  return COCOEvaluator(dataset_name, output_dir=folder)
+
+
+def summary_values(name: str, results: dict) -> dict:
+  """Detectron2's {dataset: {task: {metric: value}}} (one test dataset: {task: {metric: value}}) as flat summary
+  keys; NaN (COCO's AP of a size or class the test set has no instance of) is left out."""
+  out = {}
+
+  def walk(prefix, node):
+    for key, value in node.items():
+      if isinstance(value, dict):
+        walk(f"{prefix}/{key}", value)
+      elif isinstance(value, (int, float)) and math.isfinite(value):  # NaN: no object of that size/class
+        out[f"{prefix}/{key}"] = float(value)
+
+  walk(f"detectron2/{name}", results)
+  return out
+
+
+def train_and_evaluate(args) -> dict:
+  """One process's part of the job (Detectron2's `launch` runs it once per GPU)."""
+
+  run_config = runs.read_config(args.workdir)
+  register(args.dataset)
+  cfg = build_config(args, run_config, comm.get_world_size(), torch.cuda.is_available())
+  check_datasets(cfg)
+  os.makedirs(cfg.OUTPUT_DIR, exist_ok=True)
+  resuming = os.path.exists(os.path.join(cfg.OUTPUT_DIR, "last_checkpoint"))
+  weights = os.path.join(cfg.OUTPUT_DIR, "backbone.pkl")
+  if args.weights == "run" and not resuming and comm.is_main_process():
+    export_backbone(args.workdir, args.checkpoint, weights)
+  comm.synchronize()
+  cfg.MODEL.WEIGHTS = weights if args.weights == "run" else ""
+  cfg.freeze()
+  default_setup(cfg, argparse.Namespace(config_file=args.config_file, eval_only=False))
+
+  trainer_type = type("TransferTrainer", (DefaultTrainer,), {"build_evaluator": staticmethod(build_evaluator)})
+  trainer = trainer_type(cfg)
+  trainer.resume_or_load(resume=True)
+  print(
+    f"{'Resuming at iteration ' + str(trainer.start_iter) if resuming else 'Fine-tuning'} "
+    f"({args.weights} weights) to {cfg.SOLVER.MAX_ITER} iterations; output in {cfg.OUTPUT_DIR}",
+    flush=True,
+  )
+  results = trainer.train()
+  if not results:  # EVAL_PERIOD 0 runs no evaluation hook: evaluate the final model once
+    results = DefaultTrainer.test(cfg, trainer.model, [build_evaluator(cfg, n) for n in cfg.DATASETS.TEST])
+  if comm.is_main_process():
+    name = os.path.splitext(os.path.basename(args.config_file))[0]
+    values = summary_values(name if args.weights == "run" else f"{name}_random", dict(results))
+    with open(os.path.join(cfg.OUTPUT_DIR, "metrics.json"), "w") as f:
+      json.dump(values, f, indent=2, sort_keys=True)
+    runs.write_summary(args.workdir, values)
+    for key, value in values.items():
+      print(f"{key} = {value:.2f}", flush=True)
+  return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  try:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if not os.path.isdir(os.path.expanduser(args.workdir)):
+      raise UserError(f"--workdir={args.workdir}: no such run directory.")
+    if not os.path.isfile(args.config_file):
+      raise UserError(f"--config-file={args.config_file}: no such file.")
+    require_detectron2()
+    for spec in args.dataset:
+      parse_dataset(spec)
+    if args.num_gpus > 1:
+      launch(train_and_evaluate, args.num_gpus, dist_url="auto", args=(args,))
+    else:
+      train_and_evaluate(args)
+  except UserError as e:
+    print(f"ERROR: {e}", file=sys.stderr, flush=True)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
