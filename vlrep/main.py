@@ -5,7 +5,9 @@ jax.distributed.initialize(), which reads the cluster's environment; or give --c
 --num_processes and --process_id explicitly. Failures are bounded in time: a runtime that does not form within
 --init_timeout seconds (a wrong process count or coordinator address, an unreachable coordinator) is a clear
 error, and when a process dies the others stop within about --heartbeat_timeout seconds. Rerunning the same
-command on all hosts resumes from the last checkpoint.
+command on all hosts resumes from the last checkpoint; a resume with other training data, tokenizer or method than
+the run was trained with is refused unless --allow_changed_data. A duration set with --config (total_steps,
+total_epochs or total_examples; optim.warmup_*) replaces the config file's, in whatever unit that gave it.
 """
 
 from __future__ import annotations
