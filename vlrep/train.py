@@ -107,12 +107,12 @@ def _train(
   # ---------------------------------------------------------------------------------------------------- #
   t_start = time.time()
   run_setup.check_datasets_prepared(config)
-  if has_checkpoints(workdir):
+  if has_checkpoints(workdir) and not allow_changed_data:
     try:
-      saved_config = runs.read_config(workdir)
+      saved_config = runs.read_config(workdir, checkpoint="latest")  # what the resume continues
     except RuntimeError:  # no readable metadata: the restore below names the damaged checkpoints
       saved_config = None
-    if saved_config is not None and not allow_changed_data:
+    if saved_config is not None:
       run_setup.check_resumed_inputs(saved_config, config, workdir)
 
   # ---------------------------------------------------------------------------------------------------- #
