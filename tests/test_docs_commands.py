@@ -193,10 +193,11 @@ COMMANDS: dict[str, object] = {
     c: Covered("tests/test_own_data.py")
     for c in (
       "python -m vlrep.main --config=configs/loctex.py:data=/data/mine_tfds --workdir=/tmp/loctex_mine",
-      "python -m vlrep.main --config=configs/mct.py:data=/data/mine_tfds,tags=True --workdir=/tmp/mct_mine",
-      "python -m vlrep.main --config=configs/icmlm.py:data=/data/mine_tfds,variant=tp --workdir=/tmp/icmlm_tp_mine",
+      "python -m vlrep.main --config=configs/mct.py:data=/data/mine_tfds,tags=True,bert=$BERT --workdir=/tmp/mct_mine",
+      "python -m vlrep.main --config=configs/icmlm.py:data=/data/mine_tfds,variant=tp,bert=$BERT "
+      "--workdir=/tmp/icmlm_tp_mine",
       "python -m vlrep.main --config=configs/vlbert.py:data=/data/mine_tfds,arch=visual_bert,stage=pretrain,"
-      "extractor=RUN --workdir=/tmp/vb_mine",
+      "extractor=RUN,bert=$BERT --workdir=/tmp/vb_mine",
     )
   },
   # --- The paper recipes: real datasets, so each refuses at once. ----------------------------------- #

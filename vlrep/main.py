@@ -5,7 +5,9 @@ jax.distributed.initialize(), which reads the cluster's environment; or give --c
 --num_processes and --process_id explicitly. Failures are bounded in time: a runtime that does not form within
 --init_timeout seconds (a wrong process count or coordinator address, an unreachable coordinator) is a clear
 error, and when a process dies the others stop within about --heartbeat_timeout seconds. Rerunning the same
-command on all hosts resumes from the last checkpoint.
+command on all hosts resumes from the last checkpoint; a resume with other training data, tokenizer or method than
+the run was trained with is refused unless --allow_changed_data. A duration set with --config (total_steps,
+total_epochs or total_examples; optim.warmup_*) replaces the config file's, in whatever unit that gave it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ flags.DEFINE_string(
   "after a preemption, loads its compiled steps instead of compiling them again.",
 )
 flags.DEFINE_integer("heartbeat_timeout", 100, "Seconds without a heartbeat after which a process counts as dead.")
+flags.DEFINE_bool(
+  "allow_changed_data",
+  False,
+  "Resume the run in --workdir although its dataset (name, config, data_dir, split), tokenizer or method differ "
+  "from those it was trained with (without it, such a resume is refused, naming both).",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 FLAGS = flags.FLAGS
@@ -91,12 +99,17 @@ def main(argv):
     jax.local_device_count(),
     jax.device_count(),
   )
+  cleared = train.apply_duration_overrides(FLAGS.config, config_flags.get_override_values(FLAGS["config"]))
+  if cleared:
+    logging.info("The command line's duration replaces the recipe's: %s set to 0.", ", ".join(cleared))
   try:
-    summary = train.run(FLAGS.config, FLAGS.workdir, on_preempted=_exit_preempted)
+    summary = train.run(
+      FLAGS.config, FLAGS.workdir, on_preempted=_exit_preempted, allow_changed_data=FLAGS.allow_changed_data
+    )
   except UserError as e:
     # Something the user fixes (data not prepared, a field the data lacks, a bad config value): the message
-    # says what and how; a traceback would bury it.
-    print(f"ERROR: {e}", file=sys.stderr, flush=True)
+    # says what and how; a traceback would bury it. Its notes say what the run saved before stopping.
+    print("\n".join([f"ERROR: {e}", *getattr(e, "__notes__", [])]), file=sys.stderr, flush=True)
     sys.exit(2)
   except Exception as e:
     # A non-finite loss is global, so every process raises it at the same step and can leave normally.

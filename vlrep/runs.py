@@ -68,13 +68,14 @@ def load_run(workdir: str, checkpoint: str = "best") -> Run:
   raise RuntimeError(f"No checkpoint of {workdir} restores:\n  " + "\n  ".join(failures))
 
 
-def read_config(workdir: str, resuming: bool = False) -> ConfigDict:
-  """The training config a run saved with its newest checkpoint (best or latest), read without restoring any
-  weights: cheap enough for a config file to resolve what it inherits from another run. Removed speed switches
-  are dropped (`resuming`: one that changed the optimizer state is an error; removed_switches)."""
+def read_config(workdir: str, resuming: bool = False, checkpoint: str = "best") -> ConfigDict:
+  """The training config a run saved with its newest checkpoint (best or latest; `checkpoint='latest'`: the
+  periodic ones only, what a resumed run continues), read without restoring any weights: cheap enough for a config
+  file to resolve what it inherits from another run. Removed speed switches are dropped (`resuming`: one that
+  changed the optimizer state is an error; removed_switches)."""
   workdir, dirs = _run_dirs(workdir)
   failures = []
-  for directory, step in _candidates(workdir, dirs, "best"):
+  for directory, step in _candidates(workdir, dirs, checkpoint):
     try:
       meta = _restore_meta(directory, step)
     except Exception as e:  # noqa: BLE001 -- a damaged checkpoint's metadata: the next candidate

