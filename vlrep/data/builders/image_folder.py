@@ -205,7 +205,7 @@ def _from_split_folders(root: str, folders: list[str], quiet: bool) -> list[tupl
   if "train" not in splits:
     raise SourceError(
       f"{root}: split folders {', '.join(folders)} but no train/; expected train/<class>/*.jpg (with optional "
-      f"val/<class>/... and test/<class>/...), or a folder per class with no split folders.\n{__doc__}"
+      f"val/<class>/... and test/<class>/...), or a folder per class with no split folders. Expected layout:\n{__doc__}"
     )
   given = [(path, label, split) for split, f in splits.items() for path, label in _class_folders(root, f, quiet)]
   # A held-out split without its folder is taken out of train/ as if no split were given; the images
@@ -289,7 +289,7 @@ def read_listing(root: str, quiet: bool = True) -> list[tuple[str, str, str]]:
       images = sum(_is_image(n) for n in os.listdir(root))
       raise SourceError(
         f"{root} holds no class folder and no {INDEX_FILE} (found {images} image files and no folder at its "
-        f"top); expected a folder per class, MANUAL_DIR/<class>/*.jpg, or {INDEX_FILE}.\n{__doc__}"
+        f"top); expected a folder per class, MANUAL_DIR/<class>/*.jpg, or {INDEX_FILE}. Expected layout:\n{__doc__}"
       )
     if split_folders and len(split_folders) < len(folders):
       others = [f for f in folders if f not in split_folders]
