@@ -200,20 +200,17 @@ COMMANDS: dict[str, object] = {
       "extractor=RUN --workdir=/tmp/vb_mine",
     )
   },
-  # Your own classes (docs/own_classes.md): a folder per class of real photos (tests/labelled_photos.py) prepared,
-  # then each evaluator on it with the quick start's run, at its 32 px.
+  # Your own classes (docs/own_classes.md): a folder per class of real photos (tests/labelled_photos.py) prepared;
+  # each evaluator on such a folder, through vlrep.evaluate on the quick start's run at its 32 px, with its metrics
+  # checked in summary.json, in tests/test_own_labelled.py.
   "python -m vlrep.data.prepare --dataset=image_folder --manual_dir=/data/labelled --data_dir=/data/labelled_tfds": Run(
     replace=(("{tmp}/data/labelled ", "{labelled} "),), expect="image_folder"
   ),
   **{
-    f"python -m vlrep.evaluate --config=configs/eval/{name}.py:data=/data/labelled_tfds --workdir=RUN": Run(
-      replace=(("RUN", VIRTEX), ("labelled_tfds", "labelled_tfds,size=32")), expect=f"{metric}:"
+    f"python -m vlrep.evaluate --config=configs/eval/{name}.py:data=/data/labelled_tfds --workdir=RUN": Covered(
+      "tests/test_own_labelled.py"
     )
-    for name, metric in (
-      ("linear_probe", "linear_probe_virtex/top1"),
-      ("voc07_svm", "voc07_svm/map"),
-      ("zero_shot", "zero_shot/top1"),
-    )
+    for name in ("linear_probe", "voc07_svm", "zero_shot")
   },
   # --- The paper recipes: real datasets, so each refuses at once. ----------------------------------- #
   **{

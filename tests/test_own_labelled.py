@@ -22,7 +22,7 @@ from PIL import Image
 from vlrep.config_utils import config_module
 from vlrep.data import pipeline, prepare, records
 from vlrep.data.builders import image_folder
-from vlrep.errors import UserError
+from vlrep.errors import DatasetNotPrepared, UserError
 from vlrep.evaluators import linear_probe, voc07_svm, zero_shot
 from vlrep.evaluators.run_inputs import Model, RunInputs
 
@@ -291,3 +291,22 @@ def test_split_folders_are_kept_and_a_missing_val_is_taken_from_train(tmp_path):
   with pytest.raises(UserError, match="mixes split folders"):
     _folders(root, {"birds": 3})
     image_folder.read_listing(str(root))
+
+
+def test_a_split_whose_images_all_fail_to_decode_stops_naming_the_split(tmp_path):
+  root = tmp_path / "mine"
+  _folders(root, {"train/cats": 3, "train/dogs": 3, "test/cats": 1, "test/dogs": 1})
+  (root / "val" / "cats").mkdir(parents=True)
+  (root / "val" / "cats" / "0.jpg").write_bytes(b"saved as text, not a JPEG")
+  with pytest.raises(UserError, match=r"no usable image in split 'val' \(1 listed\); skipped: \{'undecodable image"):
+    prepare.prepare("image_folder", str(root), str(tmp_path / "tfds"))
+
+
+def test_eval_configs_on_classes_not_prepared_name_the_prepare_command(tmp_path):
+  cfg = eval_config("voc07_svm", str(tmp_path)).evals.voc07_svm
+  with pytest.raises(DatasetNotPrepared, match="--dataset=image_folder"):
+    voc07_svm.Evaluator(cfg, RunInputs())
+  module = config_module(os.path.join(ROOT, "configs", "eval", "x"), "linear_probe.py")
+  with pytest.raises(ValueError, match="use variant=virtex or variant=icmlm, mode=features"):
+    module.get_config(f"data={tmp_path},variant=mct")
+  assert module.get_config(f"data={tmp_path},variant=icmlm").evals.linear_probe_icmlm.trials == 25
