@@ -7,7 +7,8 @@ classification, in one of three layouts:
       (`validation/` is read as val); only train/ is required;
   (c) an index:            MANUAL_DIR/labels.csv with the header image,label[,split]: image paths relative to
       MANUAL_DIR, any label text, the split (train, val or test; empty: assigned as below); the delimiter ',', ';'
-      or tab, a UTF-8 byte-order mark before the header dropped.
+      or tab, a UTF-8 byte-order mark before the header dropped. When labels.csv is there, it is the index: folders
+      beside it are read only through it.
 
 Prepared with `python -m vlrep.data.prepare --dataset=image_folder --manual_dir=MANUAL_DIR --data_dir=DATA_DIR`
 into three splits: train (what the probes train on), val (what hyperparameters are chosen on) and test (only
