@@ -213,6 +213,10 @@ WHOLE_FILE_CASES = {
     lambda r: _folders(r, {"val/cats": 3, "test/dogs": 3}),
     r"split folders test, val but no train/; expected train/<class>/\*.jpg",
   ),
+  "split_named_twice": (
+    lambda r: _folders(r, {"train/cats": 3, "val/cats": 1, "validation/dogs": 1}),
+    r"split folders train, val, validation name a split twice; expected one folder per split",
+  ),
   "csv_without_label": (
     lambda r: _csv(r, "file,class\na.jpg,x\n"),
     r"labels.csv: header 'file,class' has no image and label fields; expected a header image,label\[,split\]",

@@ -27,8 +27,9 @@ class folder, images at the top of MANUAL_DIR (outside any class folder), class 
 class is left out), labels.csv rows without an image or a label, with an unknown split, or naming an image a
 second time. Whole-file problems stop before anything is written (a SourceError, exit status 2, naming what was
 found and what was expected): no class folder and no labels.csv, split folders mixed with other folders, split
-folders without train/, fewer than 2 classes with images, a labels.csv without image and label fields, with an
-unknown field, or without a row.
+folders without train/ or naming a split twice (val/ and validation/), fewer than 2 classes with images, no image
+for val or test (every class under 3 images), a labels.csv without image and label fields, with an unknown field,
+or without a row.
 """
 
 from __future__ import annotations
@@ -203,6 +204,8 @@ def _with_held_out(given: list[tuple[str, str, str]], unassigned: list[tuple[str
 
 def _from_split_folders(root: str, folders: list[str], quiet: bool) -> list[tuple[str, str, str]]:
   splits = {SPLIT_NAMES[f.lower()]: f for f in folders}
+  if len(splits) < len(folders):  # e.g. val/ beside validation/
+    raise SourceError(f"{root}: split folders {', '.join(folders)} name a split twice; expected one folder per split")
   if "train" not in splits:
     raise SourceError(
       f"{root}: split folders {', '.join(folders)} but no train/; expected train/<class>/*.jpg (with optional "
