@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from conftest import run_module
 from PIL import Image
+from test_zero_shot import NUM_CLASSES, Towers, looked_up
 
 from vlrep.config_utils import config_module
 from vlrep.data import pipeline, prepare, records
@@ -25,6 +26,7 @@ from vlrep.data.builders import image_folder
 from vlrep.errors import DatasetNotPrepared, UserError
 from vlrep.evaluators import linear_probe, voc07_svm, zero_shot
 from vlrep.evaluators.run_inputs import Model, RunInputs
+from vlrep.models.special_tokens import EOS_ID, NUM_SPECIAL, PAD_ID, SOS_ID
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLASSES = sorted(labelled_photos.CLASSES)  # the empty class folder is left out
@@ -314,3 +316,40 @@ def test_eval_configs_on_classes_not_prepared_name_the_prepare_command(tmp_path)
   with pytest.raises(ValueError, match="use variant=virtex or variant=icmlm, mode=features"):
     module.get_config(f"data={tmp_path},variant=mct")
   assert module.get_config(f"data={tmp_path},variant=icmlm").evals.linear_probe_icmlm.trials == 25
+
+
+class PhraseTokenizer:
+  """One id per class name a prompt holds as written (` tabby cat.`: a name with an underscore matches nothing):
+  NUM_SPECIAL + its index among `names`."""
+
+  def __init__(self, names):
+    self.names = list(names)
+
+  def encode(self, text, max_len):
+    ids = [SOS_ID, *(NUM_SPECIAL + i for i, n in enumerate(self.names) if f" {n}." in text), EOS_ID]
+    out = np.full((max_len,), PAD_ID, np.int32)
+    out[: len(ids)] = ids
+    return out, False
+
+
+def test_zero_shot_prompts_name_the_class_folders_with_spaces_in_label_order(labelled):
+  """Towers that point each image at its class's prompt (toy, test_zero_shot.Towers) score 100 only if the prompts
+  name the folders with spaces for underscores and class id k is the k-th sorted folder."""
+  _, data, _ = labelled
+  cfg = eval_config("zero_shot", data).evals.zero_shot
+  run = RunInputs()
+  builder = pipeline.get_builder("image_folder", data)
+  sums, labels = known_images(run, cfg, builder)
+  spaced = [c.replace("_", " ") for c in CLASSES]
+  towers = Towers(looked_up(sums, np.eye(NUM_CLASSES)[labels]))  # test_zero_shot's 10-d class space
+  evaluator = zero_shot.Evaluator(cfg, RunInputs(tokenizer=PhraseTokenizer(spaced), method=towers))
+  assert evaluator.class_names == spaced
+  assert evaluator.run(Model(variables={}, features=None)) == {"top1": 100.0, "chance": 100 / len(CLASSES)}
+  # Looking for the folder names as written, those with an underscore are no prompt's: their test images tie over
+  # all 6 classes (1/6 credit each), the others stay right.
+  blind = zero_shot.Evaluator(cfg, RunInputs(tokenizer=PhraseTokenizer(CLASSES), method=towers))
+  test_labels = [int(e["label"].numpy()) for e in records.examples(builder, "test", decode_images=False)]
+  credit = [1 / len(CLASSES) if "_" in CLASSES[k] else 1.0 for k in test_labels]
+  assert 0 < sum(c < 1 for c in credit) < len(credit)
+  expected = 100 * np.mean(credit)
+  assert blind.run(Model(variables={}, features=None))["top1"] == pytest.approx(expected)
