@@ -24,6 +24,7 @@ import shlex
 import shutil
 
 import docs_commands
+import labelled_photos
 import numpy as np
 import pytest
 from conftest import ROOT
@@ -200,6 +201,18 @@ COMMANDS: dict[str, object] = {
       "extractor=RUN,bert=$BERT --workdir=/tmp/vb_mine",
     )
   },
+  # Your own classes (docs/own_classes.md): a folder per class of real photos (tests/labelled_photos.py) prepared;
+  # each evaluator on such a folder, through vlrep.evaluate on the quick start's run at its 32 px, with its metrics
+  # checked in summary.json, in tests/test_own_labelled.py.
+  "python -m vlrep.data.prepare --dataset=image_folder --manual_dir=/data/labelled --data_dir=/data/labelled_tfds": Run(
+    replace=(("{tmp}/data/labelled ", "{labelled} "),), expect="image_folder"
+  ),
+  **{
+    f"python -m vlrep.evaluate --config=configs/eval/{name}.py:data=/data/labelled_tfds --workdir=RUN": Covered(
+      "tests/test_own_labelled.py"
+    )
+    for name in ("linear_probe", "voc07_svm", "zero_shot")
+  },
   # --- The paper recipes: real datasets, so each refuses at once. ----------------------------------- #
   **{
     c: Refuses(NOT_PREPARED)
@@ -272,6 +285,8 @@ COMMANDS: dict[str, object] = {
       "python -m vlrep.data.prepare --dataset=coco_captions2017 --manual_dir=MANUAL_DIR",
       "python -m vlrep.data.prepare --dataset=coco_captions2017 --manual_dir=PATH",
       "python -m vlrep.data.prepare --dataset=image_text --manual_dir=/data/mine (your own: webdataset shards, or",
+      "python -m vlrep.data.prepare --dataset=image_folder --manual_dir=/data/labelled (your own labelled images: a",
+      "python -m vlrep.data.prepare --dataset=image_folder --manual_dir=MANUAL_DIR --data_dir=DATA_DIR",
       "python -m vlrep.data.prepare --dataset=image_text --manual_dir=MANUAL_DIR",
       "python -m vlrep.data.prepare --dataset=localized_narratives --manual_dir=/data/coco "
       "[--config_name=coco_openimages]",
@@ -771,6 +786,7 @@ def world(tmp_path_factory, tiny_virtex_run, tiny_loctex_run, tiny_mct_run, tiny
     Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(own / "images" / f"{i}.jpg")
     rows.append(json.dumps({"image": f"images/{i}.jpg", "caption": f"a red circle and {i % 3 + 1} blue squares"}))
   (own / "captions.jsonl").write_text("\n".join(rows) + "\n")
+  labelled_photos.write_labelled_folder(str(tmp / "labelled"))  # your own classes (docs/own_classes.md)
   coco = {
     "images": [{"id": i, "file_name": f"{i}.jpg", "width": 10, "height": 10} for i in range(20)],
     "annotations": [
@@ -785,6 +801,7 @@ def world(tmp_path_factory, tiny_virtex_run, tiny_loctex_run, tiny_mct_run, tiny
     "image": str(tmp / "photo.jpg"),
     "image_png": str(tmp / "photo.png"),
     "own_data": str(own),
+    "labelled": str(tmp / "labelled"),
     "coco_json": str(tmp / "instances.json"),
     "vocab": tokenizers.default_path(tiny_virtex_run_config().tokenizer, tiny_builder),
     "session_runs": session_runs,

@@ -5,18 +5,24 @@ variants).
   python -m vlrep.evaluate --config=configs/eval/linear_probe.py:dataset=i_naturalist2018 --workdir=DIR
   python -m vlrep.evaluate --config=configs/eval/linear_probe.py:variant=mct --workdir=DIR
   python -m vlrep.evaluate --config=configs/eval/linear_probe.py:runlocal --workdir=/tmp/virtex_local
+  python -m vlrep.evaluate --config=configs/eval/linear_probe.py:data=/data/labelled_tfds --workdir=RUN
 
 (`:variant=icmlm` is ICMLM's appendix F.2 protocol: logistic regression on pre-extracted features, 25-trial search.)
 
 Arguments: dataset (a prepared TFDS dataset with 'image' and 'label'), num_classes, variant=virtex|mct|icmlm,
 mode=features (fast path: features extracted once) | images (augmented images every step, the paper's
 protocol; not with icmlm, whose protocol is pre-extracted features), epochs, runlocal (synthetic_scenes: class of
-each scene's largest object, 10 classes).
+each scene's largest object, 10 classes), data=DIR (your own classes, prepared into DIR with `vlrep.data.prepare
+--dataset=image_folder`, docs/own_classes.md: the classifier trains on its train split, the learning rate (and
+icmlm's weight decay) is chosen on its val split over `trials` draws, top-1 / top-5 reported on its test split;
+images resized to `size` px (default 224) as the evaluation's resize_small + centre crop; variant virtex or
+icmlm), size, trials (data=DIR: the search's draws; default 16, icmlm 25).
 """
 
 from ml_collections import ConfigDict
 
 from vlrep.config_utils import config_module, parse_arg
+from vlrep.data.builders import image_folder
 
 common = config_module(__file__, "../common.py")  # the blocks every recipe shares
 
@@ -25,7 +31,16 @@ NUM_CLASSES = {"imagenet2012": 1000, "i_naturalist2018": 8142, "i_naturalist2017
 
 def get_config(arg=None):
   arg = parse_arg(
-    arg, runlocal=False, dataset="imagenet2012", num_classes=0, variant="virtex", mode="features", epochs=0
+    arg,
+    runlocal=False,
+    dataset="imagenet2012",
+    num_classes=0,
+    variant="virtex",
+    mode="features",
+    epochs=0,
+    data="",
+    size=224,
+    trials=0,
   )
   probe = dict(
     type="linear_probe",
@@ -96,10 +111,48 @@ def get_config(arg=None):
     )
     if arg.variant == "icmlm":
       probe["holdout_fraction"] = 0.1  # 10% of synthetic_scenes' train split scores the trials
+  if arg.data:
+    probe.update(own_classes(arg, probe))
   if arg.variant == "mct":
     # The milestones sit at the same fractions of the schedule when the epochs change (runlocal, epochs=).
     probe["milestones"] = tuple(round(m * probe["epochs"] / 60) for m in (30, 40, 50))
     probe["pp_train"] = probe["pp_eval"]
-  if not probe["num_classes"]:
+  if not probe["num_classes"] and not arg.data:  # your own classes are counted from the prepared dataset
     raise ValueError(f"Set num_classes=N for dataset {arg.dataset!r}.")
   return ConfigDict({"evals": {f"linear_probe_{arg.variant}": probe}})
+
+
+# data=DIR, variant virtex: the learning rates the search draws from (log-uniform, around VirTex's 0.3), and how
+# many (variant icmlm keeps its 25 draws of LR and weight decay).
+OWN_LR_RANGE = (0.01, 10.0)
+OWN_TRIALS = 16
+
+
+def own_classes(arg, probe: dict) -> dict:
+  """The probe's settings on your own image_folder classes prepared in arg.data: train on train, the LR (icmlm: and
+  weight decay) chosen on val by the search (all trials trained at once on pre-extracted features), test reported;
+  the number of classes read from the dataset."""
+  if arg.runlocal:
+    raise ValueError("data=DIR evaluates on your own classes; runlocal on synthetic_scenes: give one of them.")
+  if arg.variant == "mct" or arg.mode != "features":
+    raise ValueError(
+      "data=DIR chooses the learning rate on the val split by a search on pre-extracted features: use "
+      "variant=virtex or variant=icmlm, mode=features."
+    )
+  pp = image_folder.eval_pp(arg.size)
+  own = dict(
+    image_folder.eval_settings(arg.data, arg.size),
+    train_split="train",
+    val_split="val",
+    test_split="test",
+    label_key="label",
+    num_classes=0,
+    pp_eval=pp,
+    pp_train=pp,  # (unused: the features are extracted once)
+    pp_features="",
+    trials=arg.trials or probe.get("trials") or OWN_TRIALS,
+  )
+  del own["pp"]
+  if arg.variant == "virtex":
+    own.update(lr_range=OWN_LR_RANGE, weight_decay_range=(0.0, 0.0))
+  return own

@@ -4,6 +4,7 @@ log-likelihood given the image).
 
   python -m vlrep.evaluate --config=configs/eval/zero_shot.py:runlocal --workdir=/tmp/virtex_local
   python -m vlrep.evaluate --config=configs/eval/zero_shot.py --workdir=DIR                        # VOC2007 test
+  python -m vlrep.evaluate --config=configs/eval/zero_shot.py:data=/data/labelled_tfds --workdir=RUN
 
 Arguments: dataset (voc2007, multi-label: mAP; or any prepared TFDS classification set with 'image' and a 'label'
 ClassLabel, e.g. an ImageFolder-style set: top-1), split (voc2007: test; others: validation), length_normalize
@@ -14,7 +15,10 @@ docs/results/baselines.md), limit (first N images; 0 = all), runlocal
 with chance 10%, its prompts asking for the biggest object; `zero_shot_multi`, every shape present, VOC form, mAP,
 its prompts saying a shape is there), labels=single|multi|both (runlocal), biggest (runlocal, default True: the
 single-label form's prompts name the biggest object, as the captions' "N objects, the biggest one is a X."; False:
-the multi-label form's prompts for both; chosen on probe_val, docs/results/baselines.md).
+the multi-label form's prompts for both; chosen on probe_val, docs/results/baselines.md), data=DIR (your own
+classes, prepared into DIR with `vlrep.data.prepare --dataset=image_folder`, docs/own_classes.md: the prompts name
+the class folders, underscores as spaces; top-1 on the test split, or split=val; images resized to `size` px,
+default 224, as resize_small + centre crop).
 
 In a training config's `evals`: `c.evals.update(config_module(__file__, "eval/zero_shot.py").get_config(
 "runlocal").evals)` (with `every_steps`, as any evaluator's entry).
@@ -23,7 +27,7 @@ In a training config's `evals`: `c.evals.update(config_module(__file__, "eval/ze
 from ml_collections import ConfigDict
 
 from vlrep.config_utils import config_module, parse_arg
-from vlrep.data.builders import voc2007
+from vlrep.data.builders import image_folder, voc2007
 
 common = config_module(__file__, "../common.py")  # the blocks every recipe shares
 
@@ -81,10 +85,14 @@ def get_config(arg=None):
     posterior=True,
     biggest=True,
     limit=0,
+    data="",
+    size=224,
   )
   if arg.labels not in ("single", "multi", "both"):
     raise ValueError(f"Unknown labels={arg.labels!r}; expected 'single', 'multi' or 'both'.")
   shared = dict(length_normalize=arg.length_normalize, class_posterior=arg.posterior, limit=arg.limit)
+  if arg.runlocal and arg.data:
+    raise ValueError("data=DIR evaluates on your own classes; runlocal on synthetic_scenes: give one of them.")
   if arg.runlocal:
     # 64 px images as they are; the classes are the 10 shapes.
     local = dict(
@@ -105,7 +113,11 @@ def get_config(arg=None):
     }
     chosen = {"single": ("zero_shot",), "multi": ("zero_shot_multi",), "both": tuple(forms)}[arg.labels]
     return ConfigDict({"evals": {name: zero_shot_eval(**{**local, **forms[name]}) for name in chosen}})
-  if arg.dataset == "voc2007":
+  if arg.data:
+    entry = zero_shot_eval(
+      **image_folder.eval_settings(arg.data, arg.size), split=arg.split or "test", label_key="label", **shared
+    )
+  elif arg.dataset == "voc2007":
     entry = zero_shot_eval(
       dataset="voc2007",
       split=arg.split or "test",

@@ -7,6 +7,8 @@
                                                                               conceptual_captions)
   python -m vlrep.data.prepare --dataset=image_text --manual_dir=/data/mine     (your own: webdataset shards, or
                                                                               images + captions.jsonl / .csv)
+  python -m vlrep.data.prepare --dataset=image_folder --manual_dir=/data/labelled   (your own labelled images: a
+                                                                              folder per class, or labels.csv)
 
 Skipped inputs (undecodable or missing images, empty captions, ...) are counted, printed, and saved to
 DATA_DIR/<dataset>_prepare_report.json. For image_text the report's `fields` also says how many prepared examples
@@ -15,9 +17,10 @@ carry each field ({"captions": n, "tags": n, "narration": n, "timed_caption": n,
 whose timed words do not spell their caption (LocTex trains on their caption without traces).
 
 image_text is checked as a whole before anything is written (a missing or empty manual_dir, an index without a
-usable header or row: exit status 2, naming what was found and what was expected), and fingerprinted: a dataset
-already in DATA_DIR is reused only if its source is unchanged (the index file's SHA-256, the names, sizes and
-modification times of its images or shards); otherwise it is rebuilt, and the report's `source` says which and why.
+usable header or row, fewer than 2 classes: exit status 2, naming what was found and what was expected), and
+fingerprinted: a dataset already in DATA_DIR is reused only if its source is unchanged (the index file's SHA-256,
+the names, sizes and modification times of its images or shards); otherwise it is rebuilt, and the report's
+`source` says which and why.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import shutil
 from absl import app, flags, logging
 
 from vlrep.data import pipeline
-from vlrep.data.builders import common, image_text
+from vlrep.data.builders import common, image_folder, image_text
 from vlrep.errors import UserError, exit_2_on_user_error
 
 flags.DEFINE_string("dataset", None, " | ".join(sorted(pipeline.builder_classes())))
@@ -48,6 +51,10 @@ flags.DEFINE_enum(
   "training holds each host's share in memory).",
 )
 FLAGS = flags.FLAGS
+
+# Your own data: checked as a whole before TFDS writes anything, and fingerprinted (image_text.source_changes
+# compares two fingerprints): {dataset: check_source(manual_dir) -> fingerprint}.
+SOURCE_CHECKS = {image_text.NAME: image_text.check_source, image_folder.NAME: image_folder.check_source}
 
 
 class NoManualDir(UserError, FileNotFoundError):
@@ -101,14 +108,11 @@ def prepare(
     raise NoManualDir(
       f"--manual_dir={manual_dir!r} is not a folder or is empty (the folder is empty). Expected layout:\n{cls.__doc__}"
     )
-  # image_text: the whole source is checked before TFDS writes anything, and fingerprinted.
-  source = image_text.check_source(manual_dir) if dataset == image_text.NAME else None
+  source = SOURCE_CHECKS[dataset](manual_dir) if dataset in SOURCE_CHECKS else None
   data_dir = os.path.expanduser(data_dir)
   kwargs = {"config": config_name} if config_name else {}
   builder = cls(data_dir=data_dir, file_format=file_format, **kwargs)
   source_action = "prepared"
-  if source is not None and _is_prepared(builder):
-    changes = image_text.source_changes(builder.info.metadata.get("source"), source)
   previous = None  # the prepared version set aside while it is rebuilt
   if source is not None and _is_prepared(builder):
     changes = image_text.source_changes(builder.info.metadata.get("source"), source)
@@ -145,6 +149,9 @@ def prepare(
   fields = (builder.info.metadata or {}).get("fields")
   if fields is not None:
     report["fields"] = {name: int(n) for name, n in fields.items()}
+  classes = (builder.info.metadata or {}).get("classes")
+  if classes is not None:
+    report["classes"] = {name: {split: int(n) for split, n in splits.items()} for name, splits in classes.items()}
   if "trace_mismatch" in (builder.info.metadata or {}):
     report["trace_mismatch"] = int(builder.info.metadata["trace_mismatch"])
   if source is not None:

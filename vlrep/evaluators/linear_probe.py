@@ -19,6 +19,7 @@ momentum, weight_decay, init_std, seed, every_steps, random_init; the search (fe
 and `weight_decay` as given), lr_range (log-uniform), weight_decay_range (uniform), val_split (the split the trials
 are scored on) or holdout_fraction (else that fraction of the training features, held out of training). The
 search adds `top1_val` (the chosen trial's held-out top-1), `lr` and `weight_decay` (the chosen values).
+num_classes 0: the dataset's ClassLabel at `label_key` says how many (your own image_folder classes).
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import tensorflow_datasets as tfds
 from absl import logging
 
 from vlrep.data import pipeline, records
+from vlrep.errors import UserError
 from vlrep.evaluators.run_inputs import Model, RunInputs
 
 
@@ -142,6 +145,19 @@ def topk_accuracy(logits: np.ndarray, labels: np.ndarray, k: int) -> float:
   return float(np.mean(np.any(top == labels[:, None], axis=1)) * 100)
 
 
+def dataset_num_classes(builder, label_key: str) -> int:
+  """The number of classes of the dataset's ClassLabel at `label_key` (a top-level feature); a UserError naming
+  the dataset's features when there is none."""
+  features = builder.info.features
+  feature = features[label_key] if label_key in features.keys() else None
+  if not isinstance(feature, tfds.features.ClassLabel) or not feature.num_classes:
+    raise UserError(
+      f"{builder.name} has no ClassLabel {label_key!r} to count its classes (features: {sorted(features.keys())}); "
+      "set num_classes in the evaluator's config."
+    )
+  return feature.num_classes
+
+
 def extract_labeled(
   run: RunInputs, builder, split, pp, label_key, batch_size, features_fn
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -166,6 +182,7 @@ class LinearProbe:
     self.builder = run.builder(config)
     self.run_inputs = run
     self.label_key = config.get("label_key", "label")
+    self.num_classes = config.get("num_classes") or dataset_num_classes(self.builder, self.label_key)
     if config.get("mode", "features") not in ("features", "images"):
       raise ValueError(f"Unknown linear-probe mode {config.mode!r}; expected 'features' or 'images'.")
     if config.get("trials", 0) and config.get("mode", "features") != "features":
@@ -183,7 +200,7 @@ class LinearProbe:
     features_fn = model.extractor(self.feature_key)
     t0 = time.time()
     test_x, test_y = self._extract(c.test_split, c.pp_eval, features_fn)
-    num_classes = c.num_classes
+    num_classes = self.num_classes
     if test_y.max() >= num_classes or test_y.min() < 0:
       raise ValueError(f"Labels outside [0, {num_classes}) in {c.dataset}/{c.test_split}: set num_classes.")
     name, fraction = records.split_name(c.train_split)
@@ -250,7 +267,7 @@ class LinearProbe:
         raise ValueError(f"holdout_fraction {fraction} leaves none of the {len(train_x)} training images to train on.")
       val_x, val_y = train_x[held[:n_val]], train_y[held[:n_val]]
       train_idx = np.sort(held[n_val:])  # indices, not a copy of the features (ImageNet's are ~10 GB)
-    num_classes = c.num_classes
+    num_classes = self.num_classes
     steps_per_epoch = len(train_idx) / c.batch_size
     total_steps = max(1, int(round(c.epochs * steps_per_epoch)))
     order = np.concatenate([rng.permutation(train_idx) for _ in range(int(np.ceil(c.epochs)) + 1)])

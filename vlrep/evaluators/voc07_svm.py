@@ -8,6 +8,9 @@ chosen by 3-fold cross-validated average precision on trainval (`cross_val_score
 scoring='average_precision')`: unshuffled stratified folds, the first of equal costs), refit on all of trainval;
 test AP is scikit-learn's `average_precision_score` over the test images, leaving out those whose only instances are
 difficult; mAP over classes. `ap='11point'` scores with the VOC2007 devkit's 11-point interpolated AP instead.
+
+On a single-label dataset (`label_key` a class id per image, e.g. your own image_folder classes) each class's
+SVM is one class against the rest: the class's images are its positives, every other image a negative.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from sklearn.model_selection import StratifiedKFold
 from sklearn.svm import LinearSVC
 
 from vlrep import preemption
-from vlrep.evaluators import linear_svm
+from vlrep.evaluators import linear_probe, linear_svm
 from vlrep.evaluators.run_inputs import Model, RunInputs
 
 DEFAULT_COSTS = (0.01, 0.1, 1.0, 10.0)
@@ -228,6 +231,14 @@ def _all_classes_jax(
   return results
 
 
+def one_vs_rest(class_ids: np.ndarray, num_classes: int) -> np.ndarray:
+  """[N] class ids -> [N, num_classes] targets in the protocol's form: 1 for the image's class, -1 for the rest."""
+  class_ids = np.asarray(class_ids, np.int64)
+  if len(class_ids) and (class_ids.min() < 0 or class_ids.max() >= num_classes):
+    raise ValueError(f"Class ids outside [0, {num_classes}) for the SVM probe.")
+  return np.where(np.eye(num_classes, dtype=bool)[class_ids], 1, -1).astype(np.int32)
+
+
 def pool_features(x: np.ndarray, pooling: str) -> np.ndarray:
   """'gap': features as given ([B, D]); '2x2': a [B, H, W, C] grid average-pooled to 2x2 and flattened (ICMLM)."""
   if pooling == "gap":
@@ -252,11 +263,12 @@ TEST_METRICS = ("map",)
 class Voc07Svm:
   """Evaluator: extracts features of two splits with the current backbone and runs the SVM protocol.
 
-  Config: dataset, data_dir, config_name, train_split, test_split, pp (must produce 'image' and 'labels'),
-  batch_size (global), feature ('pre_logits'; 'grid' with pooling '2x2' for ICMLM's variant), pooling
-  ('gap' | '2x2'), l2_normalize, costs, folds, solver ('jax' | 'sklearn'), ap ('sklearn' | '11point'), val_split
-  (optional: a split scored by the same SVMs as 'map_val', on which hyperparameters are chosen; test_split is only
-  reported), every_steps, random_init.
+  Config: dataset, data_dir, config_name, train_split, test_split, pp (must produce 'image' and `label_key`),
+  label_key ('labels', VOC's {1, 0, -1} per class; or a class id per image: one class against the rest, the
+  classes counted by the dataset's ClassLabel at label_key unless num_classes is set), batch_size (global), feature
+  ('pre_logits'; 'grid' with pooling '2x2' for ICMLM's variant), pooling ('gap' | '2x2'), l2_normalize, costs,
+  folds, solver ('jax' | 'sklearn'), ap ('sklearn' | '11point'), val_split (optional: a split scored by the same
+  SVMs as 'map_val', on which hyperparameters are chosen; test_split is only reported), every_steps, random_init.
   """
 
   def __init__(self, config, run: RunInputs):
@@ -264,6 +276,7 @@ class Voc07Svm:
     self.feature_key = config.get("feature", "pre_logits")
     self.builder = run.builder(config)
     self.run_inputs = run
+    self.label_key = config.get("label_key", "labels")
     import jax
 
     if config.batch_size % jax.device_count():
@@ -273,12 +286,12 @@ class Voc07Svm:
     """(features [N, D], labels [N, classes]) of a split, through features_fn(local batch) -> (global features
     np[B, ...], global batch np dict)."""
     feats, labels = [], []
-    batches = self.run_inputs.batches(self.builder, split, self.config.pp, ("image", "labels"), self.config.batch_size)
-    for local in batches:
+    fields = ("image", self.label_key)
+    for local in self.run_inputs.batches(self.builder, split, self.config.pp, fields, self.config.batch_size):
       f, batch = features_fn(local)
       m = batch["_mask"].astype(bool)
       feats.append(pool_features(f[m], self.config.get("pooling", "gap")))
-      labels.append(batch["labels"][m])
+      labels.append(batch[self.label_key][m])
     if not feats:
       raise ValueError(f"Split {split!r} of {self.config.dataset} yielded no images for the SVM probe.")
     x = np.concatenate(feats).astype(np.float64)
@@ -286,7 +299,11 @@ class Voc07Svm:
       raise FloatingPointError(f"The backbone gave non-finite features on {split!r}; the checkpoint is broken.")
     if self.config.get("l2_normalize", True):
       x /= np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
-    return x, np.concatenate(labels)
+    y = np.concatenate(labels)
+    if y.ndim == 1:  # a class id per image
+      num_classes = self.config.get("num_classes") or linear_probe.dataset_num_classes(self.builder, self.label_key)
+      y = one_vs_rest(y, num_classes)
+    return x, y
 
   def run(self, model: Model) -> dict[str, float]:
     features_fn = model.extractor(self.feature_key)
