@@ -23,7 +23,7 @@ from PIL import Image, ImageDraw
 from vlrep.errors import UserError
 from vlrep.tools import detectron2_transfer as d2t
 
-HAVE_DETECTRON2 = d2t.DETECTRON2_MISSING is None
+HAVE_DETECTRON2 = d2t.detectron2_missing() is None
 CONFIG_DIR = os.path.join(ROOT, "configs", "detectron2")
 YAMLS = sorted(f for f in os.listdir(CONFIG_DIR) if f.endswith(".yaml") and not f.startswith("Base-"))
 
@@ -211,3 +211,22 @@ def test_a_tiny_resnet50_run_fine_tunes_and_its_metrics_reach_the_summary(tmp_pa
   # Rerunning resumes at the end (no export, no training) and evaluates again.
   again = _driver(args)
   assert again.returncode == 0 and "Resuming at iteration" in again.stdout + again.stderr
+
+
+def test_rle_masks_of_a_command_line_set_are_detected(tmp_path):
+  images = tmp_path / "images"
+  images.mkdir()
+  for name, segmentation in (("poly", [[0, 0, 4, 0, 4, 4]]), ("rle", {"size": [8, 8], "counts": "0`0"})):
+    (tmp_path / f"{name}.json").write_text(json.dumps({"annotations": [{"segmentation": segmentation}]}))
+  specs = [f"p=coco:{tmp_path / 'poly.json'}:{images}", f"r=coco:{tmp_path / 'rle.json'}:{images}"]
+  assert not d2t.uses_rle_masks(specs, ("p",))
+  assert d2t.uses_rle_masks(specs, ("p", "r"))
+  assert not d2t.uses_rle_masks(specs, ("coco_2017_train",))  # Detectron2's own sets: polygons, left as they are
+
+
+def test_the_random_init_baseline_has_its_own_output_folder_and_keys(tmp_path):
+  run = d2t.parse_args([f"--workdir={tmp_path}", "--config-file=configs/detectron2/voc.yaml"])
+  random = d2t.parse_args([f"--workdir={tmp_path}", "--config-file=configs/detectron2/voc.yaml", "--weights=random"])
+  assert d2t.output_dir(run) == str(tmp_path / "detectron2" / "voc")
+  assert d2t.output_dir(random) == str(tmp_path / "detectron2" / "voc_random")  # never resumes the run's training
+  assert d2t.result_name(random) == "voc_random"

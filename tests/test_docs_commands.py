@@ -417,6 +417,18 @@ COMMANDS: dict[str, object] = {
   "python -m vlrep.tools.features --workdir=/runs/in1k_r50 photo.jpg --resize=256 --size=224 --out=/tmp/pooled.npy": Run(
     replace=(("{tmp}/runs/in1k_r50", VIRTEX), (" photo.jpg", " {image}")), expect=r"1 images, pooled \[1, \d+\]"
   ),
+  # vlrep.tools.detectron2_transfer (docs/detectron2.md): Detectron2 is not on the package index, so CI has none;
+  # tests/test_detectron2_transfer.py checks its refusal, and where Detectron2 is built, runs it end to end.
+  "python -m vlrep.tools.detectron2_transfer --workdir=RUN --config-file=configs/detectron2/FILE.yaml": Synopsis(),
+  "python -m vlrep.tools.detectron2_transfer --workdir=RUN --config-file=configs/detectron2/FILE.yaml "
+  "[KEY VALUE ...]": Synopsis(),
+  "python -m vlrep.tools.detectron2_transfer --workdir=/runs/virtex_r50 "
+  "--config-file=configs/detectron2/voc_faster_rcnn_R_50_C4_24k.yaml --num-gpus=8": Refuses(r"no such run directory"),
+  "python -m vlrep.tools.detectron2_transfer --workdir=/runs/loctex_r50 "
+  "--config-file=configs/detectron2/coco_mask_rcnn_R_50_FPN_2x.yaml "
+  "--dataset=mine_train=coco:/data/mine/train.json:/data/mine/images "
+  "--dataset=mine_val=coco:/data/mine/val.json:/data/mine/images --train=mine_train --test=mine_val "
+  'SOLVER.MAX_ITER 2000 SOLVER.STEPS "(1500,)"': Refuses(r"no such run directory"),
   "python -m vlrep.tools.generate_captions --workdir=/tmp/virtex_local --dataset=synthetic_scenes "
   "--split=ood_train --output=/tmp/ood_generated.json": Run(add=(f"--data_dir={D}", "--config_name=tiny")),
   "python -m vlrep.tools.generate_captions --workdir=/tmp/vlrep_virtex_local --output=/tmp/vl/ood_generated.json": SameAs(

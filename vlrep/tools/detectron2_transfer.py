@@ -16,9 +16,10 @@ What it does, in order:
    `--weights=random` fine-tunes a randomly initialised backbone of the run's architecture instead (the baseline).
 2. The config: the YAML, then the KEY VALUE pairs, then what follows from the run and the machine: the ResNet's
    depth and widths from the run (the YAMLs say ResNet-50), MODEL.DEVICE (cuda when there is one), OUTPUT_DIR
-   (default RUN/detectron2/<YAML name>), and SyncBN read as BN when the job is one process (the same statistics;
-   PyTorch's SyncBatchNorm needs a process group). PreciseBN's pass is capped at SOLVER.MAX_ITER iterations, so a
-   short run is not dominated by 200 batches of statistics (the papers' schedules are unchanged).
+   (default RUN/detectron2/<YAML name>, `_random` added for --weights=random), and SyncBN read as BN when the job
+   is one process (the same statistics; PyTorch's SyncBatchNorm needs a process group). PreciseBN's pass is capped
+   at SOLVER.MAX_ITER iterations, so a short run is not dominated by 200 batches of statistics (the papers'
+   schedules are unchanged).
 3. vlrep's input convention is checked, not assumed: the exported weights expect RGB, ImageNet mean/std on 0-255 and
    the stride on each bottleneck's 3x3 (INPUT.FORMAT RGB, MODEL.PIXEL_MEAN/STD, MODEL.RESNETS.STRIDE_IN_1X1 False,
    as configs/detectron2/Base-*-vlrep.yaml set them). A config built on Detectron2's stock base files (BGR, Caffe
@@ -29,9 +30,10 @@ What it does, in order:
    $DETECTRON2_DATASETS, default ./datasets) or any set registered on the command line with
    --dataset=NAME=coco:JSON:IMAGE_DIR, NAME=lvis:JSON:IMAGE_DIR or NAME=voc:VOC_DIR:SPLIT:YEAR; --train / --test
    (comma-separated names) replace DATASETS.TRAIN / TEST. The evaluator follows the dataset (COCO, LVIS, VOC).
+   Masks stored as RLE in a command-line set (vlrep.data.instances writes RLE) switch INPUT.MASK_FORMAT to bitmask.
 6. Training resumes from OUTPUT_DIR's last Detectron2 checkpoint when there is one (rerun the same command after an
    interruption); the final evaluation's metrics go into RUN/summary.json as `detectron2/<YAML name>/<dataset>/
-   <task>/<metric>` (e.g. .../bbox/AP, .../segm/AP50) and into OUTPUT_DIR/metrics.json.
+   <task>/<metric>` (e.g. .../bbox/AP, .../segm/AP50) and into OUTPUT_DIR/transfer_results.json.
 
 Detectron2 is not on the package index. Build it from its source (CPU or CUDA; minutes):
   git clone https://github.com/facebookresearch/detectron2 && cd detectron2
@@ -54,19 +56,8 @@ from collections.abc import Sequence
 from vlrep import runs
 from vlrep.errors import UserError
 
-try:  # optional: Detectron2 is built from its source (INSTALL below); without it the command exits 2 saying so
-  import torch
-  from detectron2.config import get_cfg
-  from detectron2.data import DatasetCatalog, MetadataCatalog
-  from detectron2.data.datasets import register_coco_instances, register_lvis_instances
-  from detectron2.data.datasets.pascal_voc import register_pascal_voc
-  from detectron2.engine import DefaultTrainer, default_setup, launch
-  from detectron2.evaluation import COCOEvaluator, LVISEvaluator, PascalVOCDetectionEvaluator
-  from detectron2.utils import comm
-except ImportError as e:
-  DETECTRON2_MISSING: ImportError | None = e
-else:
-  DETECTRON2_MISSING = None
+# Detectron2 (built from its source, INSTALL below) and torch are imported inside the functions that use them: an
+# optional dependency, so --help and the early refusals (a missing run, no Detectron2) work without importing it.
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 LOCTEX_HEAD_FILE = os.path.join(CONFIGS_DIR, "detectron2", "loctex_extra_bn.py")
@@ -112,10 +103,20 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   return args
 
 
+def detectron2_missing() -> ImportError | None:
+  """Why Detectron2 (or torch under it) does not import here; None when it does."""
+  try:
+    import detectron2.engine  # noqa: F401
+  except ImportError as e:
+    return e
+  return None
+
+
 def require_detectron2() -> None:
-  """A UserError that says how to install Detectron2 when it (or torch) did not import."""
-  if DETECTRON2_MISSING is not None:
-    raise UserError(f"{INSTALL}\n(import failed: {DETECTRON2_MISSING})")
+  """A UserError that says how to install Detectron2 when it (or torch) does not import."""
+  missing = detectron2_missing()
+  if missing is not None:
+    raise UserError(f"{INSTALL}\n(import failed: {missing})")
 
 
 def parse_dataset(spec: str) -> tuple[str, str, list[str]]:
@@ -195,6 +196,7 @@ def check_input_convention(cfg) -> None:
 
 def build_config(args, run_config, world_size: int, cuda: bool):
   """The Detectron2 config: YAML, overrides, then what follows from the run and this machine."""
+  from detectron2.config import get_cfg
 
   cfg = get_cfg()
   cfg.merge_from_file(args.config_file)
@@ -218,8 +220,14 @@ def build_config(args, run_config, world_size: int, cuda: bool):
   return cfg
 
 
-def output_dir(args) -> str:
+def result_name(args) -> str:
+  """The YAML's name, `_random` added for the random-init baseline: its output folder and summary key prefix."""
   name = os.path.splitext(os.path.basename(args.config_file))[0]
+  return name if args.weights == "run" else f"{name}_random"
+
+
+def output_dir(args) -> str:
+  name = result_name(args)
   return os.path.abspath(os.path.expanduser(args.output_dir or os.path.join(args.workdir, "detectron2", name)))
 
 
@@ -243,6 +251,9 @@ def export_backbone(workdir: str, checkpoint: str, out: str) -> None:
 
 def register(datasets: list[str]) -> None:
   """The LocTex ROI head and the command line's datasets, in Detectron2's registries."""
+  from detectron2.data import DatasetCatalog
+  from detectron2.data.datasets import register_coco_instances, register_lvis_instances
+  from detectron2.data.datasets.pascal_voc import register_pascal_voc
 
   if "loctex_extra_bn" not in sys.modules:  # loaded once per process, by its own name (it registers a class)
     spec = importlib.util.spec_from_file_location("loctex_extra_bn", LOCTEX_HEAD_FILE)
@@ -261,7 +272,22 @@ def register(datasets: list[str]) -> None:
       register_pascal_voc(name, fields[0], fields[1], int(fields[2]))
 
 
+def uses_rle_masks(datasets: list[str], names) -> bool:
+  """Whether any of `names`, registered on the command line from a COCO/LVIS file, stores masks as RLE (dicts, as
+  vlrep.data.instances writes them) rather than polygons, Detectron2's default INPUT.MASK_FORMAT."""
+  for spec in datasets:
+    name, kind, fields = parse_dataset(spec)
+    if name not in names or kind == "voc":
+      continue
+    with open(fields[0]) as f:
+      annotations = json.load(f).get("annotations", [])
+    if any(isinstance(a.get("segmentation"), dict) for a in annotations):
+      return True
+  return False
+
+
 def check_datasets(cfg) -> None:
+  from detectron2.data import DatasetCatalog, MetadataCatalog
 
   known = set(DatasetCatalog.list())
   for name in (*cfg.DATASETS.TRAIN, *cfg.DATASETS.TEST):
@@ -278,6 +304,8 @@ def check_datasets(cfg) -> None:
 
 def build_evaluator(cfg, dataset_name: str):
   """The evaluator the dataset's kind needs (as kdexd/virtex's DownstreamTrainer.build_evaluator)."""
+  from detectron2.data import MetadataCatalog
+  from detectron2.evaluation import COCOEvaluator, LVISEvaluator, PascalVOCDetectionEvaluator
 
   kind = MetadataCatalog.get(dataset_name).evaluator_type
   folder = os.path.join(cfg.OUTPUT_DIR, "inference", dataset_name)
@@ -306,11 +334,17 @@ def summary_values(name: str, results: dict) -> dict:
 
 def train_and_evaluate(args) -> dict:
   """One process's part of the job (Detectron2's `launch` runs it once per GPU)."""
+  import torch
+  from detectron2.engine import DefaultTrainer, default_setup
+  from detectron2.utils import comm
 
   run_config = runs.read_config(args.workdir)
   register(args.dataset)
   cfg = build_config(args, run_config, comm.get_world_size(), torch.cuda.is_available())
   check_datasets(cfg)
+  if cfg.MODEL.MASK_ON and cfg.INPUT.MASK_FORMAT == "polygon" and uses_rle_masks(args.dataset, cfg.DATASETS.TRAIN):
+    print("The training set's masks are RLE: INPUT.MASK_FORMAT bitmask (polygon reads only polygons).", flush=True)
+    cfg.INPUT.MASK_FORMAT = "bitmask"
   os.makedirs(cfg.OUTPUT_DIR, exist_ok=True)
   resuming = os.path.exists(os.path.join(cfg.OUTPUT_DIR, "last_checkpoint"))
   weights = os.path.join(cfg.OUTPUT_DIR, "backbone.pkl")
@@ -333,9 +367,8 @@ def train_and_evaluate(args) -> dict:
   if not results:  # EVAL_PERIOD 0 runs no evaluation hook: evaluate the final model once
     results = DefaultTrainer.test(cfg, trainer.model, [build_evaluator(cfg, n) for n in cfg.DATASETS.TEST])
   if comm.is_main_process():
-    name = os.path.splitext(os.path.basename(args.config_file))[0]
-    values = summary_values(name if args.weights == "run" else f"{name}_random", dict(results))
-    with open(os.path.join(cfg.OUTPUT_DIR, "metrics.json"), "w") as f:
+    values = summary_values(result_name(args), dict(results))
+    with open(os.path.join(cfg.OUTPUT_DIR, "transfer_results.json"), "w") as f:
       json.dump(values, f, indent=2, sort_keys=True)
     runs.write_summary(args.workdir, values)
     for key, value in values.items():
@@ -351,6 +384,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not os.path.isfile(args.config_file):
       raise UserError(f"--config-file={args.config_file}: no such file.")
     require_detectron2()
+    from detectron2.engine import launch
+
     for spec in args.dataset:
       parse_dataset(spec)
     if args.num_gpus > 1:
