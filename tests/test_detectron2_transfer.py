@@ -206,6 +206,9 @@ def test_a_tiny_resnet50_run_fine_tunes_and_its_metrics_reach_the_summary(tmp_pa
   summary = json.loads((run / "summary.json").read_text())
   key = "detectron2/coco_mask_rcnn_R_50_FPN_2x/bbox/AP"
   assert key in summary and np.isfinite(summary[key]), sorted(summary)
+  assert not [k for k in summary if "/AP-" in k]  # per-class APs only in transfer_results.json
+  results = json.loads((run / "detectron2" / "coco_mask_rcnn_R_50_FPN_2x" / "transfer_results.json").read_text())
+  assert "detectron2/coco_mask_rcnn_R_50_FPN_2x/bbox/AP-red" in results
   out = run / "detectron2" / "coco_mask_rcnn_R_50_FPN_2x"
   assert (out / "backbone.pkl").exists() and (out / "model_final.pth").exists()
   # Rerunning resumes at the end (no export, no training) and evaluates again.

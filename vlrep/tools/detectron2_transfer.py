@@ -33,7 +33,8 @@ What it does, in order:
    Masks stored as RLE in a command-line set (vlrep.data.instances writes RLE) switch INPUT.MASK_FORMAT to bitmask.
 6. Training resumes from OUTPUT_DIR's last Detectron2 checkpoint when there is one (rerun the same command after an
    interruption); the final evaluation's metrics go into RUN/summary.json as `detectron2/<YAML name>/<dataset>/
-   <task>/<metric>` (e.g. .../bbox/AP, .../segm/AP50) and into OUTPUT_DIR/transfer_results.json.
+   <task>/<metric>` (e.g. .../bbox/AP, .../segm/AP50) and, with the per-class APs, into
+   OUTPUT_DIR/transfer_results.json.
 
 Detectron2 is not on the package index. Build it from its source (CPU or CUDA; minutes):
   git clone https://github.com/facebookresearch/detectron2 && cd detectron2
@@ -370,7 +371,8 @@ def train_and_evaluate(args) -> dict:
     values = summary_values(result_name(args), dict(results))
     with open(os.path.join(cfg.OUTPUT_DIR, "transfer_results.json"), "w") as f:
       json.dump(values, f, indent=2, sort_keys=True)
-    runs.write_summary(args.workdir, values)
+    # The per-class APs (AP-<class>: 80 for COCO, 1,203 for LVIS) stay in transfer_results.json.
+    runs.write_summary(args.workdir, {k: v for k, v in values.items() if "/AP-" not in k})
     for key, value in values.items():
       print(f"{key} = {value:.2f}", flush=True)
   return results
