@@ -364,8 +364,11 @@ def train_and_evaluate(args) -> dict:
     f"({args.weights} weights) to {cfg.SOLVER.MAX_ITER} iterations; output in {cfg.OUTPUT_DIR}",
     flush=True,
   )
-  results = trainer.train()
-  if not results:  # EVAL_PERIOD 0 runs no evaluation hook: evaluate the final model once
+  trainer.train()
+  # Detectron2's evaluation hook evaluates the final model after training (whatever TEST.EVAL_PERIOD) and keeps the
+  # results on the trainer; train() returns them only when TEST.EXPECTED_RESULTS is set.
+  results = getattr(trainer, "_last_eval_results", None)
+  if not results:
     results = DefaultTrainer.test(cfg, trainer.model, [build_evaluator(cfg, n) for n in cfg.DATASETS.TEST])
   if comm.is_main_process():
     values = summary_values(result_name(args), dict(results))
