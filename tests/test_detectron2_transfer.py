@@ -211,6 +211,7 @@ def test_a_tiny_resnet50_run_fine_tunes_and_its_metrics_reach_the_summary(tmp_pa
   assert "detectron2/coco_mask_rcnn_R_50_FPN_2x/bbox/AP-red" in results
   out = run / "detectron2" / "coco_mask_rcnn_R_50_FPN_2x"
   assert (out / "backbone.pkl").exists() and (out / "model_final.pth").exists()
+  assert (out / "log.txt").read_text().count("Total inference time") == 1  # the final model evaluated once
   # Rerunning resumes at the end (no export, no training) and evaluates again.
   again = _driver(args)
   assert again.returncode == 0 and "Resuming at iteration" in again.stdout + again.stderr
