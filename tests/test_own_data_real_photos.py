@@ -184,7 +184,7 @@ def test_mct_runs_on_real_photos_with_its_vsepp_evaluation(tmp_path, photos):
   arg = f"tags=True,data={data_dir},val={VAL}"
   config = tiny_mct.get_config(arg)
   config.evals.vsepp = load_config("mct", f"runlocal,{arg}").evals.vsepp
-  config.evals.vsepp.update(batch_size=8, embed_dim=16, word_dim=8, epochs=2, lr_update_epochs=1, random_init=False)
+  config.evals.vsepp.update(batch_size=8, embed_dim=16, word_dim=8, epochs=1, lr_update_epochs=1, random_init=False)
   config.evals.vsepp.train_batch_size = 16
   config.total_steps, config.batch_size = 2, 4
   summary = train.run(config, str(tmp_path / "run"))
