@@ -117,7 +117,9 @@ def get_config(arg=None):
     elif arg.runlocal:
       c.method.bert_layers = 2  # MiniLM's first 2 of 6 layers, the size of runlocal's scratch tower
   if arg.data:
-    use_own_data(c, arg.data, arg.val or OWN_DATA_VAL_PERCENT, {"captions": "CLIP's contrastive loss"}, ("retrieval",))
+    needs = {"captions": "CLIP's contrastive loss"}
+    image_size = 64 if arg.runlocal else 224
+    use_own_data(c, arg.data, arg.val or OWN_DATA_VAL_PERCENT, needs, ("retrieval",), image_size=image_size)
   return c
 
 

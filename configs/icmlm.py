@@ -219,7 +219,9 @@ def get_config(arg=None):
         seed=0,
         every_steps=0,
       )
-    use_own_data(c, arg.data, arg.val or OWN_DATA_VAL_PERCENT, needs, ("masked_tokens", "held_out"))
+    use_own_data(
+      c, arg.data, arg.val or OWN_DATA_VAL_PERCENT, needs, ("masked_tokens", "held_out"), image_size=image_size
+    )
   return c
 
 

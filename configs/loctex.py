@@ -122,7 +122,15 @@ def get_config(arg=None):
       fold_size=0,
       every_steps=0,
     )
-    use_own_data(c, arg.data, arg.val or OWN_DATA_VAL_PERCENT, needs, ("retrieval",), drop_evals=("localization",))
+    use_own_data(
+      c,
+      arg.data,
+      arg.val or OWN_DATA_VAL_PERCENT,
+      needs,
+      ("retrieval",),
+      drop_evals=("localization",),
+      image_size=image_size,
+    )
   return c
 
 

@@ -201,17 +201,17 @@ def get_config(arg=None):
     c.data.pp = re.sub(r"(caption_views\([^)]*\))", r"\1|paraphrase_draws", c.data.pp, count=1)
     c.data.pp = c.data.pp.replace("|tokenize(", f"|paraphrases({arg.paraphrases!r}, {prob:g})|tokenize(", 1)
   if arg.data:
-    _own_data(c, arg, tags)
+    _own_data(c, arg, tags, image_size)
   return c
 
 
-def _own_data(c, arg, tags):
+def _own_data(c, arg, tags, image_size):
   """Your own image_text data: captions, and with the tag loss (tags=True) its `tags` strings, the `num_tags`
   most frequent of which form the tag set (`concepts.kind='tags'`, built from the training part)."""
   needs = {"captions": "MCT's caption towers"}
   if tags:
     needs["tags"] = "MCT's tag loss J_tag (or train without it: configs/mct.py:data=DIR,tags=False)"
-  use_own_data(c, arg.data, arg.val or OWN_DATA_VAL_PERCENT, needs, ("retrieval", "vsepp"))
+  use_own_data(c, arg.data, arg.val or OWN_DATA_VAL_PERCENT, needs, ("retrieval", "vsepp"), image_size=image_size)
   if tags:
     c.concepts = dict(kind="tags", size=arg.num_tags, corpus_split=c.data.split, corpus_key="tags", path="")
     tag_op = re.search(r"\|tags\([^|]*\)", c.data.pp).group(0)

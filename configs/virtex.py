@@ -123,7 +123,12 @@ def get_config(arg=None):
     if arg.fraction != 100:
       raise ValueError("fraction= takes part of COCO; with data=DIR, prepare the part of your data to train on.")
     use_own_data(
-      c, arg.data, arg.val or OWN_DATA_VAL_PERCENT, {"captions": "VirTex's captioning loss"}, ("captioning",)
+      c,
+      arg.data,
+      arg.val or OWN_DATA_VAL_PERCENT,
+      {"captions": "VirTex's captioning loss"},
+      ("captioning",),
+      image_size=64 if arg.runlocal else 224,  # runlocal's resolution (synthetic_scenes' 64 px), the recipe's
     )
   return c
 

@@ -285,7 +285,7 @@ def get_config(arg=None):
     # Your own captions (README, "Train on your own data"): regions are the extractor's grid cells, which need no
     # boxes (ViLBERT's masked-region target is then the cell's feature); the mlm evaluator reads the held-out P%.
     needs = {"captions": "the masked language model's texts"}
-    use_own_data(c, arg.data, arg.val or OWN_DATA_VAL_PERCENT, needs, ("mlm",))
+    use_own_data(c, arg.data, arg.val or OWN_DATA_VAL_PERCENT, needs, ("mlm",), image_size=image_size)
     c.method.visual.mode = "grid"
     if arg.arch == "vilbert":
       c.method.region_target = "feature"

@@ -58,6 +58,7 @@ SLOWEST_FIRST = (
   "test_faults.py",
   "test_mct.py",
   "test_own_data.py",
+  "test_own_data_real_photos.py",
   "test_icmlm.py",
   "test_evaluation.py",
   "test_import_run.py",

@@ -24,6 +24,11 @@ def _split_ops(pp: str) -> list[str]:
   return [s.strip() for s in specs if s.strip()]
 
 
+def op_specs(pp: str) -> list[str]:
+  """The op specs of `pp` as written (`name(args)`), in order: what `op_calls` parses."""
+  return _split_ops(pp)
+
+
 def op_calls(pp: str) -> list[tuple[str, tuple, dict]]:
   """`[(name, args, kwargs), ...]` of a preprocessing string, its literal arguments evaluated; builds nothing."""
   calls = []

@@ -4,9 +4,9 @@ Every occurrence of a concept token in the first `num_captions` captions of the 
 turn (one (image, caption, position) triplet each) and predicted by `method.predict_masked`. A text-only run
 (ICMLM variant 'text_only') reports the same metrics without the image, so the two summaries compare directly.
 
-Config: dataset, data_dir, config_name, split, pp (must give 'image' and fixed-length 'captions', e.g.
-`decode|normalize|fixed_captions(5)`), num_captions, max_len, batch_size (triplets per forward pass), limit,
-every_steps.
+Config: dataset, data_dir, config_name, split, pp (must give 'image' and 'captions'), num_captions (0: every
+caption of each image; images may have different numbers, they are '' padded to the same width), max_len,
+batch_size (triplets per forward pass), limit, every_steps.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 from absl import logging
 
 from vlrep.data import records
-from vlrep.evaluators.run_inputs import Model, RunInputs
+from vlrep.evaluators.run_inputs import Model, RunInputs, caption_width, with_fixed_captions
 
 
 class MaskedTokens:
@@ -41,7 +41,7 @@ class MaskedTokens:
     """(row, tokens [M, T], position) for every concept occurrence in `captions` [B, C] (strings)."""
     rows, toks, pos = [], [], []
     for r, caps in enumerate(captions):
-      for cap in caps[: self.config.num_captions]:
+      for cap in caps:  # already the first num_captions (run: with_fixed_captions)
         text = cap.decode("utf-8") if isinstance(cap, bytes) else str(cap)
         if not text.strip():
           continue
@@ -62,9 +62,11 @@ class MaskedTokens:
     t0 = time.time()
     hits1 = hits5 = count = 0
     bs = c.batch_size
-    for batch in self.run_inputs.batches(self.builder, split, c.pp, ("image", "captions"), bs):
+    width = caption_width(self.builder, split, "captions", c.num_captions)
+    pp = with_fixed_captions(c.pp, "captions", width)
+    for batch in self.run_inputs.batches(self.builder, split, pp, ("image", "captions"), bs):
       real = batch["_mask"].astype(bool)
-      caps = np.array(batch["captions"], dtype=object).reshape(len(real), -1)
+      caps = np.array(batch["captions"], dtype=object).reshape(len(real), width)
       caps[~real] = b""
       rows, toks, pos = self.triplets(caps)
       for start in range(0, len(rows), bs):

@@ -10,8 +10,10 @@ With `fold_size` > 0 the images are split into consecutive folds of that size (C
 the 5K test images) and the metrics are averaged; 0 ranks against the whole split (COCO 5K).
 
 Config: dataset, data_dir, config_name, split, pp (must give 'image'; captions come from `captions_key`),
-captions_key, num_captions (C: the first C captions of each image; fewer are padded and ignored), max_len,
-batch_size, limit (first N images; 0 = all), fold_size, every_steps.
+captions_key, num_captions (C: the first C captions of each image; fewer are padded and ignored; 0 = every caption
+of each image, as many as it has: your own data), max_len, batch_size, limit (first N images; 0 = all), fold_size,
+every_steps. Images may have different numbers of captions (COCO 5 to 7): each caption's ground truth is its own
+image, and an image is found at K (i2t) when any of its captions ranks in the top K, as COCO's protocol counts.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 from absl import logging
 
 from vlrep.data import records
-from vlrep.evaluators.run_inputs import Model, RunInputs
+from vlrep.evaluators.run_inputs import Model, RunInputs, caption_width, with_fixed_captions
 
 RECALL_AT = (1, 5, 10)
 
@@ -87,23 +89,24 @@ class Retrieval:
     c = self.config
     split = records.first_examples(self.builder, c.split, c.get("limit", 0))
     t0 = time.time()
+    width = caption_width(self.builder, split, c.captions_key, c.num_captions)
+    pp = with_fixed_captions(c.pp, c.captions_key, width)
     images, texts, owners, real_images = [], [], [], []
-    for batch in self.run_inputs.batches(self.builder, split, c.pp, ("image", c.captions_key), c.batch_size):
+    for batch in self.run_inputs.batches(self.builder, split, pp, ("image", c.captions_key), c.batch_size):
       images.append(np.asarray(self.embed_images(model.variables, batch["image"])))
       real_images.append(batch["_mask"].astype(bool))
-      caps = np.asarray(batch[c.captions_key], dtype=object).reshape(len(batch["_mask"]), -1)[:, : c.num_captions]
-      caps = np.concatenate([caps, np.full((len(caps), c.num_captions - caps.shape[1]), b"", object)], axis=1)
+      caps = np.asarray(batch[c.captions_key], dtype=object).reshape(len(batch["_mask"]), width)
       strings = [s.decode("utf-8") if isinstance(s, bytes) else ("" if s == 0 else str(s)) for s in caps.reshape(-1)]
       tokens = np.stack([self.tokenizer.encode(s, c.max_len)[0] for s in strings])
-      texts.append(np.asarray(self.embed_texts(model.variables, tokens)).reshape(len(caps), c.num_captions, -1))
-      owners.append(np.array([[bool(s.strip()) for s in strings]]).reshape(len(caps), c.num_captions))
+      texts.append(np.asarray(self.embed_texts(model.variables, tokens)).reshape(len(caps), width, -1))
+      owners.append(np.array([[bool(s.strip()) for s in strings]]).reshape(len(caps), width))
     # Every host's shard, in host order, then only real images and non-empty captions.
     gather = lambda x: np.asarray(multihost_utils.process_allgather(np.concatenate(x))).reshape(
       (-1,) + np.concatenate(x).shape[1:]
     )
     image_emb, text_emb, has_text, real = gather(images), gather(texts), gather(owners), gather(real_images)
     image_emb, text_emb, has_text = image_emb[real], text_emb[real], has_text[real]
-    text_image = np.repeat(np.arange(len(image_emb)), c.num_captions).reshape(len(image_emb), c.num_captions)
+    text_image = np.repeat(np.arange(len(image_emb)), width).reshape(len(image_emb), width)
     out = folded_metrics(image_emb, text_emb[has_text], text_image[has_text], c.get("fold_size", 0))
     logging.info(
       "Retrieval on %d images, %d captions (%.1fs): i2t R@1 %.1f, t2i R@1 %.1f (chance %.1f)",

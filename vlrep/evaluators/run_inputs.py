@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from vlrep.data import pipeline
+from vlrep.data import pipeline, records
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,3 +58,16 @@ class Model:
     """`features` of one key: local batch -> (global features, global batch), what a backbone evaluator's
     extraction loop calls."""
     return lambda local_batch: self.features(local_batch, key)
+
+
+def caption_width(builder, split: str, key: str, num_captions: int) -> int:
+  """How many captions per image an evaluator that groups them by image reads: its config's `num_captions` (the
+  first C, as COCO's 5-caption protocols), or with 0 every caption of each image (the split's most; your own data
+  has any number)."""
+  return num_captions or max(1, records.most_texts(builder, split, key))
+
+
+def with_fixed_captions(pp: str, key: str, width: int) -> str:
+  """`pp` then `fixed_captions`: each image's first `width` captions, '' padded, so images with different numbers
+  of captions batch (the evaluators skip empty ones)."""
+  return f"{pp}|fixed_captions({width}, key={key!r}, out={key!r})"

@@ -19,6 +19,7 @@ Config: dataset, data_dir, config_name, train_split, test_split, pp (must give '
 num_captions, max_len, feature, batch_size (extraction), train_batch_size, embed_dim, word_dim, epochs,
 lr_update_epochs, lr, lr_decay, margin, max_violation, sum_loss_epochs, grad_clip, seed, train_limit, test_limit,
 fold_size, every_steps, random_init. Empty or missing captions are skipped; `train_pairs` counts the pairs trained on.
+Images may have different numbers of captions; num_captions 0 reads every caption of each image (your own data).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from absl import logging
 from vlrep import eval_protocols
 from vlrep.data import records
 from vlrep.evaluators.retrieval import folded_metrics
-from vlrep.evaluators.run_inputs import Model, RunInputs
+from vlrep.evaluators.run_inputs import Model, RunInputs, caption_width, with_fixed_captions
 
 # The protocol's settings (COCO; synthetic_scenes on a 2-core CPU) live in a TensorFlow-free leaf, so configs
 # read them without importing the evaluators.
@@ -161,14 +162,15 @@ class VsePP:
     """(features [N, D], tokens [N, C, L], has_caption [N, C]) of the first `limit` images of a split."""
     c = self.config
     split = records.first_examples(self.builder, split, limit)
+    width = caption_width(self.builder, split, c.captions_key, c.num_captions)
+    pp = with_fixed_captions(c.pp, c.captions_key, width)
     feats, tokens, has = [], [], []
-    for local in self.run_inputs.batches(self.builder, split, c.pp, ("image", c.captions_key), c.batch_size):
+    for local in self.run_inputs.batches(self.builder, split, pp, ("image", c.captions_key), c.batch_size):
       n = len(local["_mask"])
-      caps = np.asarray(local[c.captions_key], dtype=object).reshape(n, -1)[:, : c.num_captions]
-      caps = np.concatenate([caps, np.full((n, c.num_captions - caps.shape[1]), b"", object)], axis=1)
+      caps = np.asarray(local[c.captions_key], dtype=object).reshape(n, width)
       strings = [s.decode("utf-8") if isinstance(s, bytes) else ("" if s == 0 else str(s)) for s in caps.reshape(-1)]
-      ids = np.stack([self.tokenizer.encode(s, c.max_len)[0] for s in strings]).reshape(n, c.num_captions, -1)
-      present = np.array([bool(s.strip()) for s in strings]).reshape(n, c.num_captions)
+      ids = np.stack([self.tokenizer.encode(s, c.max_len)[0] for s in strings]).reshape(n, width, -1)
+      present = np.array([bool(s.strip()) for s in strings]).reshape(n, width)
       # Tokens travel with the images, so every host gets the global batch's captions back.
       f, batch = features_fn({"image": local["image"], "_mask": local["_mask"], "tokens": ids, "present": present})
       m = batch["_mask"].astype(bool)
