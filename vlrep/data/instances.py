@@ -23,6 +23,7 @@ import json
 import os
 
 import numpy as np
+import tensorflow_datasets as tfds
 from absl import app, flags, logging
 from PIL import Image
 from pycocotools import mask as mask_utils
@@ -43,6 +44,22 @@ def check_has_instances(builder) -> None:
       "instance masks: synthetic_scenes, or a COCO-format instances JSON with its image folder "
       "(the detection evaluator's train_annotations/train_images, test_annotations/test_images)."
     )
+
+
+def instances_builder(dataset: str, data_dir: str | None, config_name: str | None = None):
+  """The builder of `dataset`, checked for instance maps before anything is prepared or generated: a dataset
+  without them is refused at once, not after it has been read."""
+  registry = pipeline.builder_classes()
+  if dataset not in registry:
+    raise UserError(
+      f"Dataset {dataset!r} is not one of vlrep's datasets with instance maps (synthetic_scenes); give a COCO-format "
+      "instances JSON with its image folder instead."
+    )
+  cls = registry[dataset]
+  data_dir = os.path.expanduser(data_dir or tfds.core.constants.DATA_DIR)
+  unprepared = cls(config=config_name, data_dir=data_dir) if config_name else cls(data_dir=data_dir)
+  check_has_instances(unprepared)  # the features come from the builder's code: nothing is read
+  return pipeline.get_builder(dataset, data_dir, config_name)
 
 
 def categories(builder) -> list[dict]:
@@ -131,7 +148,7 @@ def write_instances(
   limit: int = 0,
 ) -> dict:
   """Writes `split`'s COCO instances JSON to `out` (and its images to `images_dir`); returns the counts."""
-  builder = pipeline.get_builder(dataset, data_dir, config_name)
+  builder = instances_builder(dataset, data_dir, config_name)
   data = coco_instances(builder, split, limit, images_dir)
   write_json(data, out)
   counts = {"images": len(data["images"]), "annotations": len(data["annotations"])}

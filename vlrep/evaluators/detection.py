@@ -95,8 +95,8 @@ class Detection:
         if not os.path.exists(path):
           raise UserError(f"Detection data: {key}={path} does not exist.")
     else:
-      self.builder = run.builder(config)
-      instances.check_has_instances(self.builder)  # a dataset without instance maps fails here, before any work
+      # A dataset without instance maps is refused here, before anything is read or trained.
+      self.builder = instances.instances_builder(config.dataset, config.get("data_dir"), config.get("config_name"))
     if not config.get("seeds"):
       raise UserError("Detection: `seeds` is empty; give at least one seed.")
 
