@@ -402,8 +402,15 @@ COMMANDS: dict[str, object] = {
   ),
   "python -m vlrep.data.instances --dataset=synthetic_scenes --config_name=tiny --split=val --out=/tmp/scenes_tiny/in"
   "stances.json --images=/tmp/scenes_tiny/images": Run(add=(f"--data_dir={D}",), expect="Wrote 16 images and"),
-  "python -m vlrep.detection_worker --spec=SPEC.json --out=METRICS.json": Synopsis(),
-  "python -m vlrep.detection_worker": Synopsis(),
+  # The worker imports torch, which crashes in the forkserver's pre-warmed TensorFlow process; the evaluator runs it
+  # as a fresh `python -m vlrep.detection_worker` process, which tests/test_detection.py's fine-tune does.
+  **{
+    c: Covered("tests/test_detection.py")
+    for c in (
+      "python -m vlrep.detection_worker --spec=SPEC.json --out=METRICS.json",
+      "python -m vlrep.detection_worker",
+    )
+  },
   # --- Export. ---------------------------------------------------------------------------------------- #
   "python -m vlrep.export --workdir=RUN --format=torchvision --out=backbone.safetensors": Refuses(
     SMALL_STEM, replace=(("RUN", VIRTEX), ("backbone.safetensors", "{tmp}/backbone.safetensors"))
