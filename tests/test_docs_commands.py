@@ -380,6 +380,53 @@ COMMANDS: dict[str, object] = {
     add=TINY_EVAL("localization"), replace=(("DIR", LOCTEX),), expect="localization/pointing"
   ),
   "python -m vlrep.evaluate --config=configs/eval/retrieval.py:protocol=both": Refuses(r"--workdir", timeout=60),
+  # --- Detection transfer (helper detection): a 2-iteration Mask R-CNN on a few tiny scenes. ------------ #
+  "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal --workdir=/tmp/virtex_local": Run(
+    add=(
+      *TINY_EVAL("detection"),
+      *(
+        f"--config.evals.detection.{k}"
+        for k in ("train_limit=8", "test_limit=4", "detector.iterations=2", "detector.batch_size=2")
+      ),
+      *(f"--config.evals.detection.detector.{k}" for k in ("min_size=32", "max_size=32", "threads=1")),
+    ),
+    expect="detection/box_ap",
+  ),
+  "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,random_init --workdir=/tmp/virtex_local": Run(
+    add=(
+      *TINY_EVAL("detection_random_init"),
+      *(
+        f"--config.evals.detection_random_init.{k}"
+        for k in ("train_limit=8", "test_limit=4", "detector.iterations=2", "detector.batch_size=2")
+      ),
+      *(f"--config.evals.detection_random_init.detector.{k}" for k in ("min_size=32", "max_size=32", "threads=1")),
+    ),
+    expect="detection_random_init/mask_ap",
+  ),
+  **{
+    c: SameAs("python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal --workdir=/tmp/virtex_local")
+    for c in (
+      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,seeds=0+1+2,threads=1 --workdir=/tmp/virtex_local",
+      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,random_init,seeds=0+1+2,threads=1 --workdir=/tmp/virtex_local",
+    )
+  },
+  "python -m vlrep.evaluate --config=configs/eval/detection.py:coco=/data/coco --workdir=DIR": Refuses(
+    r"train_annotations=.*instances_train2017.json does not exist", replace=(("DIR", VIRTEX),)
+  ),
+  "python -m vlrep.data.instances --dataset=synthetic_scenes --split=val --out=/tmp/scenes_val/instances.json": Run(
+    add=("--config_name=tiny", f"--data_dir={D}"), expect="Wrote 16 images and"
+  ),
+  "python -m vlrep.data.instances --dataset=synthetic_scenes --config_name=tiny --split=val --out=/tmp/scenes_tiny/in"
+  "stances.json --images=/tmp/scenes_tiny/images": Run(add=(f"--data_dir={D}",), expect="Wrote 16 images and"),
+  # The worker imports torch, which crashes in the forkserver's pre-warmed TensorFlow process; the evaluator runs it
+  # as a fresh `python -m vlrep.detection_worker` process, which tests/test_detection.py's fine-tune does.
+  **{
+    c: Covered("tests/test_detection.py")
+    for c in (
+      "python -m vlrep.detection_worker --spec=SPEC.json --out=METRICS.json",
+      "python -m vlrep.detection_worker",
+    )
+  },
   # --- Export. ---------------------------------------------------------------------------------------- #
   "python -m vlrep.export --workdir=RUN --format=torchvision --out=backbone.safetensors": Refuses(
     SMALL_STEM, replace=(("RUN", VIRTEX), ("backbone.safetensors", "{tmp}/backbone.safetensors"))

@@ -31,7 +31,9 @@ def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", na
     run_inputs = run_setup.build_inputs(run.config)  # the method and tokenizer, rebuilt as training built them
   else:
     run_inputs = evaluators.RunInputs(host=jax.process_index(), num_hosts=jax.process_count())
-  model = evaluators.Model(jax.device_put(run.variables), backbone_features(run))
+  model = evaluators.Model(
+    jax.device_put(run.variables), backbone_features(run), functools.cache(lambda: runs.backbone_of(run))
+  )
   results: dict[str, float] = {}
   for name, cfg in evals_cfg.items():
     if names and name not in names:

@@ -53,6 +53,9 @@ class Model:
 
   variables: Mapping[str, Any]
   features: Callable[[Mapping[str, np.ndarray], str], tuple[np.ndarray, dict[str, np.ndarray]]]
+  backbone: Callable[[], tuple[Any, Mapping[str, Any]]] | None = None
+  """`backbone()` -> (the visual backbone's Flax module, its variables on the host), for evaluators that rebuild it
+  elsewhere (detection converts it to PyTorch); `vlrep.evaluate` gives it, the training loop does not."""
 
   def extractor(self, key: str) -> Callable[[Mapping[str, np.ndarray]], tuple[np.ndarray, dict[str, np.ndarray]]]:
     """`features` of one key: local batch -> (global features, global batch), what a backbone evaluator's

@@ -17,16 +17,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from vlrep.models.resnet_layout import DEPTHS
 from vlrep.removed_switches import drop_removed_switches
-
-DEPTHS = {
-  10: (1, 1, 1, 1),  # tests only: one block per stage
-  18: (2, 2, 2, 2),
-  26: (2, 2, 2, 2),
-  50: (3, 4, 6, 3),
-  101: (3, 4, 23, 3),
-  152: (3, 8, 36, 3),
-}
 
 
 class GroupedBatchNorm(nn.Module):

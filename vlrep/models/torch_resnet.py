@@ -2,7 +2,11 @@
 
 Module names and the v1.5 layout (stride on the 3x3 conv) are torchvision's, so a state_dict from
 `vlrep.export` loads with strict=True; `forward` returns the final grid (NCHW) and its global average.
-Depths and widths are vlrep's ResNet's (including the test-only depth 10 and width multipliers).
+Depths, widths and stems are vlrep's ResNet's (including the test-only depth 10, width multipliers and the small
+stem: one 3x3 convolution of stride 1 or 2 and no max-pool, whose `conv1.weight` is (width, 3, 3, 3); its
+`maxpool` is an identity, so the module's children keep torchvision's order and names for feature extractors such
+as torchvision's `IntermediateLayerGetter`). Imports torch alone: no JAX or Flax, so a PyTorch process (the
+detection evaluator's worker) loads it without them.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vlrep.models.resnet import DEPTHS
+from vlrep.models.resnet_layout import BASIC_BLOCK_DEPTHS, DEPTHS
 
 
 class Bottleneck(nn.Module):
@@ -58,15 +62,39 @@ class BasicBlock(nn.Module):
 
 
 class ResNet(nn.Module):
-  """`norm` builds each BatchNorm from its channel count (the benchmark's reference passes grouped BatchNorm)."""
+  """`norm` builds each BatchNorm from its channel count (the benchmark's reference passes grouped BatchNorm;
+  the detection evaluator torchvision's FrozenBatchNorm2d). `stem`, `stem_stride`: as vlrep's ResNet's."""
 
-  def __init__(self, depth: int = 50, width: int = 64, inner_multiplier: int = 1, norm=nn.BatchNorm2d):
+  def __init__(
+    self,
+    depth: int = 50,
+    width: int = 64,
+    inner_multiplier: int = 1,
+    norm=nn.BatchNorm2d,
+    stem: str = "imagenet",
+    stem_stride: int = 2,
+  ):
     super().__init__()
-    block = BasicBlock if depth in (10, 18) else Bottleneck
-    self.conv1 = nn.Conv2d(3, width, 7, 2, 3, bias=False)
+    if depth not in DEPTHS:
+      raise ValueError(f"Unsupported ResNet depth {depth}; supported: {sorted(DEPTHS)}")
+    block = BasicBlock if depth in BASIC_BLOCK_DEPTHS else Bottleneck
+    if inner_multiplier != 1 and block is BasicBlock:
+      raise ValueError(f"inner_multiplier={inner_multiplier} needs bottleneck blocks (depth 26 or more).")
+    if stem == "imagenet":
+      if stem_stride != 2:
+        raise ValueError(f"stem_stride={stem_stride} applies to stem='small'; the ImageNet stem's is 2.")
+      conv1, pool = nn.Conv2d(3, width, 7, 2, 3, bias=False), nn.MaxPool2d(3, 2, 1)
+    elif stem == "small":
+      if stem_stride not in (1, 2):
+        raise ValueError(f"stem_stride must be 1 or 2 for stem='small'; got {stem_stride}.")
+      conv1, pool = nn.Conv2d(3, width, 3, stem_stride, 1, bias=False), nn.Identity()
+    else:
+      raise ValueError(f"Unknown ResNet stem {stem!r}; known: 'imagenet', 'small'.")
+    # Assigned in torchvision's order: children are registered (and iterated by feature extractors) in this order.
+    self.conv1 = conv1
     self.bn1 = norm(width)
     self.relu = nn.ReLU()
-    self.maxpool = nn.MaxPool2d(3, 2, 1)
+    self.maxpool = pool
     cin = width
     for stage, blocks in enumerate(DEPTHS[depth]):
       layers = []
