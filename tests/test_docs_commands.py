@@ -476,6 +476,29 @@ COMMANDS: dict[str, object] = {
   "--dataset=mine_train=coco:/data/mine/train.json:/data/mine/images "
   "--dataset=mine_val=coco:/data/mine/val.json:/data/mine/images --train=mine_train --test=mine_val "
   'SOLVER.MAX_ITER 2000 SOLVER.STEPS "(1500,)"': Refuses(r"no such run directory"),
+  # docs/detectron2.md's run of the driver: the ResNet-50 run it transfers (what tests/test_detectron2_transfer.py
+  # trains, with Detectron2 installed, for its end-to-end test), the instances it fine-tunes on (as above, tiny), and
+  # the driver itself, which here has no run at that path (and CI no Detectron2).
+  "python -m vlrep.main --config=configs/virtex.py:runlocal --workdir=/tmp/d2run_r50 --config.method.backbone.stem=imagenet "
+  "--config.method.backbone.depth=50 --config.method.backbone.width=16 --config.total_steps=60 --config.evals={}": Covered(
+    "tests/test_detectron2_transfer.py"
+  ),
+  "python -m vlrep.data.instances --dataset=synthetic_scenes --split=train --limit=400 "
+  "--out=/tmp/scenes_d2/train/instances.json --images=/tmp/scenes_d2/train/images": Run(
+    add=("--config_name=tiny", f"--data_dir={D}"), expect="Wrote 16 images and"
+  ),
+  "python -m vlrep.data.instances --dataset=synthetic_scenes --split=val --limit=200 "
+  "--out=/tmp/scenes_d2/val/instances.json --images=/tmp/scenes_d2/val/images": Run(
+    add=("--config_name=tiny", f"--data_dir={D}"), expect="Wrote 16 images and"
+  ),
+  "python -m vlrep.tools.detectron2_transfer --workdir=/tmp/d2run_r50 "
+  "--config-file=configs/detectron2/coco_mask_rcnn_R_50_FPN_2x.yaml "
+  "--dataset=scenes_train=coco:/tmp/scenes_d2/train/instances.json:/tmp/scenes_d2/train/images "
+  "--dataset=scenes_val=coco:/tmp/scenes_d2/val/instances.json:/tmp/scenes_d2/val/images "
+  "--train=scenes_train --test=scenes_val --num-workers=0 "
+  'SOLVER.MAX_ITER 40 SOLVER.STEPS "(30,)" SOLVER.IMS_PER_BATCH 4 SOLVER.BASE_LR 0.01 SOLVER.WARMUP_ITERS 10 '
+  'INPUT.MIN_SIZE_TRAIN "(256,)" INPUT.MAX_SIZE_TRAIN 256 INPUT.MIN_SIZE_TEST 256 INPUT.MAX_SIZE_TEST 256 '
+  "MODEL.ROI_HEADS.NUM_CLASSES 10 TEST.EVAL_PERIOD 0": Refuses(r"no such run directory"),
   "python -m vlrep.tools.generate_captions --workdir=/tmp/virtex_local --dataset=synthetic_scenes "
   "--split=ood_train --output=/tmp/ood_generated.json": Run(add=(f"--data_dir={D}", "--config_name=tiny")),
   "python -m vlrep.tools.generate_captions --workdir=/tmp/vlrep_virtex_local --output=/tmp/vl/ood_generated.json": SameAs(
