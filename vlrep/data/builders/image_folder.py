@@ -45,7 +45,7 @@ from absl import logging
 from PIL import Image
 
 from vlrep.data.builders import common
-from vlrep.data.builders.image_text import BOM, CSV_DELIMITERS, SourceError
+from vlrep.data.builders.image_text import BOM, SourceError, csv_header
 
 NAME = "image_folder"
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
@@ -221,24 +221,6 @@ def _from_split_folders(root: str, folders: list[str], quiet: bool) -> list[tupl
   )
 
 
-def _csv_header(path: str, line: str) -> tuple[str, list[str]]:
-  """(delimiter, field names) of labels.csv's header line (BOM stripped): the first of CSV_DELIMITERS that splits
-  it into known fields including image and label; SourceError naming the header found otherwise."""
-  expected = f"a header {','.join(CSV_REQUIRED)}[,{','.join(CSV_OPTIONAL)}] (delimiter ',', ';' or tab)"
-  if not line.strip():
-    raise SourceError(f"{path}: no header (the file is empty or starts with an empty line); expected {expected}")
-  for delimiter in CSV_DELIMITERS:
-    fields = [f.strip().lower() for f in next(csv.reader([line], delimiter=delimiter))]
-    if set(CSV_REQUIRED) <= set(fields):
-      unknown = [f for f in fields if f not in CSV_REQUIRED + CSV_OPTIONAL]
-      if unknown or len(set(fields)) < len(fields):
-        raise SourceError(
-          f"{path}: header {line.strip()!r} has unknown or repeated fields {unknown or fields}; expected {expected}"
-        )
-      return delimiter, fields
-  raise SourceError(f"{path}: header {line.strip()!r} has no image and label fields; expected {expected}")
-
-
 def _from_index(root: str, quiet: bool) -> list[tuple[str, str, str]]:
   path = os.path.join(root, INDEX_FILE)
   with open(path, "rb") as f:
@@ -254,7 +236,7 @@ def _from_index(root: str, quiet: bool) -> list[tuple[str, str, str]]:
   decoded = [(n, text) for n, text in decoded if text.strip()]
   if not decoded or decoded[0][0] != 1:  # the header line missing, empty or not UTF-8
     raise SourceError(f"{path}: no header on line 1; expected a header image,label[,split]")
-  delimiter, fields = _csv_header(path, decoded[0][1])
+  delimiter, fields = csv_header(path, decoded[0][1], CSV_REQUIRED, CSV_OPTIONAL)
   reader = csv.DictReader((text for _, text in decoded[1:]), fieldnames=fields, delimiter=delimiter)
   given, unassigned, seen = [], [], set()
   for (number, _), row in zip(decoded[1:], reader, strict=False):

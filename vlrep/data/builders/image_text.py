@@ -539,23 +539,31 @@ def _jsonl_rows(path: str, quiet: bool = False):
       yield row if isinstance(row, dict) else {}, what
 
 
-def _csv_header(path: str, line: str) -> tuple[str, list[str]]:
-  """(delimiter, field names) of captions.csv's header line (BOM stripped): the first of CSV_DELIMITERS that splits
-  it into known fields including image and caption; SourceError naming the header found otherwise."""
-  expected = f"a header {','.join(CSV_REQUIRED)}[,{','.join(CSV_OPTIONAL)}] (delimiter ',', ';' or tab)"
+def csv_header(path: str, line: str, required: tuple, optional: tuple, note: str = "") -> tuple[str, list[str]]:
+  """(delimiter, field names) of a CSV index's header line (BOM stripped): the first of CSV_DELIMITERS that splits
+  it into known fields (`required` + `optional`) including every required one; SourceError naming the header found
+  otherwise (`note` added where a field is unknown). Shared by image_text's captions.csv and image_folder's
+  labels.csv."""
+  expected = f"a header {','.join(required)}[,{','.join(optional)}] (delimiter ',', ';' or tab)"
   if not line.strip():
     raise SourceError(f"{path}: no header (the file is empty or starts with an empty line); expected {expected}")
   for delimiter in CSV_DELIMITERS:
     fields = [f.strip().lower() for f in next(csv.reader([line], delimiter=delimiter))]
-    if set(CSV_REQUIRED) <= set(fields):
-      unknown = [f for f in fields if f not in CSV_REQUIRED + CSV_OPTIONAL]
+    if set(required) <= set(fields):
+      unknown = [f for f in fields if f not in required + optional]
       if unknown or len(set(fields)) < len(fields):
         raise SourceError(
-          f"{path}: header {line.strip()!r} has unknown or repeated fields {unknown or fields}; expected {expected} "
-          "(a CSV carries no other field: use captions.jsonl for narrations and boxes)"
+          f"{path}: header {line.strip()!r} has unknown or repeated fields {unknown or fields}; expected {expected}"
+          + note
         )
       return delimiter, fields
-  raise SourceError(f"{path}: header {line.strip()!r} has no image and caption fields; expected {expected}")
+  raise SourceError(f"{path}: header {line.strip()!r} has no {' and '.join(required)} fields; expected {expected}")
+
+
+def _csv_header(path: str, line: str) -> tuple[str, list[str]]:
+  """captions.csv's header: image and caption, optionally tags."""
+  note = " (a CSV carries no other field: use captions.jsonl for narrations and boxes)"
+  return csv_header(path, line, CSV_REQUIRED, CSV_OPTIONAL, note)
 
 
 def _csv_rows(path: str, quiet: bool = False):
