@@ -12,7 +12,10 @@
 # torch.compile and Triton take far longer than the timing), and time one at a time once all are ready, so no
 # timed window shares the device. The VirTex process is waited for; the others (references, other methods, XLA
 # flags) are killed and reported if still compiling DEADLINE_S seconds (default 330) after the start, and the rest
-# time without them. Results: OUT_DIR/*.json, profile.md, log.txt; a summary table at the end.
+# time without them. Results: OUT_DIR/*.json, profile.md, log.txt; a summary table at the end. VIRTEX_ARGS (the
+# environment) adds flags to the VirTex process, e.g. "--windows=5 --variant=NAME:KEY=VALUE --compile_threads=3";
+# TORCH_MODES (default "default,max-autotune") picks the references' torch.compile modes (each is a party in the
+# turns, so never pass --torch_modes through VIRTEX_ARGS: the script would wait for a reference that never comes).
 # Every JAX process may grow to 75% of the card's memory: on one H200 the seven processes of all parts left MCT's
 # step without memory (docs/speed.md), so give `methods` a call of its own when running every part.
 # The speed switches this script once measured were removed (docs/speed.md); `git show aa09bc1:launch/benchmark_gpu.sh`
@@ -42,8 +45,9 @@ VIRTEX="--config=configs/virtex.py --config.batch_size=256"
 declare -A CMDS
 PARTIES=0
 if has virtex; then  # the plain step, its profile, and the references beside it
-  T=""; has torch && T="--torch_reference --torch_modes=default,max-autotune" && PARTIES=$((PARTIES + 2))
-  CMDS[virtex]="$VIRTEX --profile --output_dir=/tmp/vlrep_gpu_profile $T"
+  TORCH_MODES=${TORCH_MODES:-default,max-autotune}; MODES=(${TORCH_MODES//,/ })
+  T=""; has torch && T="--torch_reference --torch_modes=$TORCH_MODES" && PARTIES=$((PARTIES + ${#MODES[@]}))
+  CMDS[virtex]="$VIRTEX --profile --output_dir=/tmp/vlrep_gpu_profile $T ${VIRTEX_ARGS:-}"
 fi
 if has methods; then  # LocTex and MCT (MCT's tag variant with a text encoder from scratch: no BERT folder needed)
   CMDS[loctex]="--config=configs/loctex.py --config.batch_size=256 --gemm_size=0 --turn_optional"
