@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import jax
 import numpy as np
@@ -164,6 +165,49 @@ def _tiny_detector() -> dict:
   config = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(config)
   return {**config.runlocal_detector(), "min_size": 32, "max_size": 32, "batch_size": 4, "threads": 1}
+
+
+def test_parallel_workers_overlap_and_keep_the_seeds_order(monkeypatch, tmp_path):
+  """parallel=2 runs two workers at once, each with half the cores unless threads is set, and summarises the
+  seeds in the config's order whatever order they finish in."""
+  module = resnet.ResNet(depth=10, width=8, stem="small")
+  variables = _trained_looking(module.init(jax.random.PRNGKey(0), np.zeros((1, 32, 32, 3), np.float32)))
+  spans, threads = {}, {}
+
+  def fake_worker(spec, folder, seed):
+    start = time.time()
+    time.sleep(0.6 if seed == 5 else 0.2)  # the first seed finishes last
+    spans[seed] = (start, time.time())
+    threads[seed] = spec["threads"]
+    assert os.path.exists(spec["weights"]) and os.path.exists(spec["train_annotations"])
+    return {"box_ap": float(seed), "mask_ap": 1.0, "loss_first": 2.0, "loss_last": 1.0, "iterations": 3.0}
+
+  monkeypatch.setattr(detection, "run_worker", fake_worker)
+  monkeypatch.setattr(os, "cpu_count", lambda: 4)
+  config = ConfigDict(
+    {
+      "type": "detection",
+      "dataset": "synthetic_scenes",
+      "config_name": "tiny",
+      "data_dir": DATA_DIR,
+      "train_split": "train",
+      "test_split": "val",
+      "train_limit": 4,
+      "test_limit": 4,
+      "seeds": (5, 6, 7),
+      "parallel": 2,
+      "random_init": False,
+      "detector": {**_tiny_detector(), "threads": 0},
+    }
+  )
+  metrics = detection.Detection(config, RunInputs()).run(Model(variables, None, lambda: (module, variables)))
+  assert spans[6][0] < spans[5][1] and spans[5][0] < spans[6][1]  # 5 and 6 ran at the same time
+  assert max(start for start, _ in spans.values()) >= min(end for _, end in spans.values())  # never 3 at once
+  assert threads == {5: 2, 6: 2, 7: 2}
+  assert [metrics[f"box_ap_seed{s}"] for s in (5, 6, 7)] == [5.0, 6.0, 7.0] and metrics["box_ap"] == 6.0
+  config.parallel = 0
+  with pytest.raises(UserError, match="parallel=0"):
+    detection.Detection(config, RunInputs())
 
 
 def test_several_seeds_are_summarised():

@@ -596,6 +596,8 @@ COMMANDS: dict[str, object] = {
       "--vocab=bert-base-uncased/vocab.txt --workdir=/runs/visualbert_coco",
       "python -m vlrep.export --workdir=/runs/visualbert_coco --format=visual_bert --out=visualbert_coco_hf",
       "python -m vlrep.evaluate --config=configs/eval/voc07_svm.py --workdir=/runs/in1k_r50",
+      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal --workdir=/runs/in1k_r50",
+      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal --workdir=/runs/virtex_zoo",
       "python -m vlrep.evaluate --config=configs/eval/captioning.py --workdir=/runs/virtex_zoo",
       "python -m vlrep.tools.caption --workdir=/runs/virtex_zoo photo.jpg",
       "python -m vlrep.tools.caption --workdir=/runs/virtex_zoo --decoding=virtex_official "

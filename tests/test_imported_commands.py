@@ -25,6 +25,14 @@ from vlrep.models.torch_resnet import ResNet as TorchResNet
 DOCS = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "docs", "interop.md")]
 D = os.environ.get("VLREP_TEST_DATA_DIR", "/tmp/vlrep_test_data")
 TINY_EVAL = lambda name: (f"--config.evals.{name}.data_dir={D}", f"--config.evals.{name}.config_name=tiny")
+TINY_DETECTION = (
+  *TINY_EVAL("detection"),
+  *(
+    f"--config.evals.detection.{k}"
+    for k in ("train_limit=8", "test_limit=4", "detector.iterations=2", "detector.batch_size=2")
+  ),
+  *(f"--config.evals.detection.detector.{k}" for k in ("min_size=32", "max_size=32", "threads=1")),
+)
 IMPORT_TORCHVISION = (
   "python -m vlrep.import_run --format=torchvision --checkpoint=resnet50-0676ba61.pth --workdir=/runs/in1k_r50"
 )
@@ -70,6 +78,15 @@ COMMANDS = [
   ),
   ("python -m vlrep.export --workdir=/runs/virtex_zoo --format=virtex --out=bicaptioning.pth", (), ""),
   ("python -m vlrep.import_run --format=auto --checkpoint=FILE --workdir=RUN", (), "Imported"),
+  # The detection worker (torch, a process of its own) fine-tunes the imported ResNet-50s for 2 iterations.
+  *(
+    (
+      f"python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal --workdir=/runs/{run}",
+      TINY_DETECTION,
+      "detection/mask_ap",
+    )
+    for run in ("in1k_r50", "virtex_zoo")
+  ),
 ]
 
 

@@ -305,8 +305,8 @@ def train(model: nn.Module, dataset, spec: dict, device: torch.device) -> list[t
     if (it + 1) % spec["log_every"] == 0 or it + 1 == spec["iterations"]:
       log.append((it + 1, float(np.mean(window))))
       print(
-        f"detection: iteration {it + 1}/{spec['iterations']}, loss {log[-1][1]:.3f}, lr {learning_rate(spec, it):.4f}"
-        f", {time.time() - start:.0f}s",
+        f"detection (seed {spec['seed']}): iteration {it + 1}/{spec['iterations']}, loss {log[-1][1]:.3f}, "
+        f"lr {learning_rate(spec, it):.4f}, {time.time() - start:.0f}s",
         file=sys.stderr,
         flush=True,
       )
@@ -383,7 +383,8 @@ def run(spec: dict) -> dict[str, float]:
     )
   model = detector(spec, len(train_set.category_ids) + 1).to(device)
   print(
-    f"detection: {spec['detector']} on {device}, {len(train_set)} training images, {len(test_set)} test images, "
+    f"detection (seed {spec['seed']}): {spec['detector']} on {device}, {len(train_set)} training images, "
+    f"{len(test_set)} test images, "
     f"{sum(p.numel() for p in model.parameters()):,} parameters",
     file=sys.stderr,
     flush=True,

@@ -9,7 +9,9 @@ R-CNN (or Faster R-CNN) with FPN, scored by pycocotools (box and mask AP, AP50, 
 Arguments: runlocal (synthetic_scenes at 64 px: train on the first `train_limit` training scenes, score on
 probe_test; the sizes below were chosen on probe_val, `split=probe_val`), random_init (the same architecture from
 vlrep's initialiser instead of the run's weights: the baseline a pretraining effect is measured against; written as
-`detection_random_init/...`), seeds ('+'-separated, e.g. 0+1+2: mean, std and each), iterations (0: the form's),
+`detection_random_init/...`), seeds ('+'-separated, e.g. 0+1+2: mean, std and each), parallel (seeds fine-tuned
+at once, each in its own process: parallel=2 on a 2-core CPU runs two one-thread workers, about twice as fast as
+one after the other), iterations (0: the form's),
 detector=mask_rcnn|faster_rcnn, norm=trained|frozen (the backbone's BatchNorm; frozen cripples random init),
 split, train_limit, test_limit (first N scenes; 0 = all), threads (torch CPU threads; 0 = torch's default).
 coco=DIR (the papers' form): COCO 2017 in DIR (annotations/instances_train2017.json, train2017/, and val2017
@@ -87,6 +89,7 @@ def get_config(arg=None):
     random_init=False,
     coco="",
     seeds="0",
+    parallel=1,
     iterations=0,
     detector="mask_rcnn",
     norm="trained",
@@ -119,7 +122,13 @@ def get_config(arg=None):
     detector["iterations"] = arg.iterations
   seeds = tuple(int(s) for s in str(arg.seeds).split("+"))
   evaluation = dict(
-    type="detection", every_steps=0, seeds=seeds, random_init=arg.random_init, detector=detector, **data
+    type="detection",
+    every_steps=0,
+    seeds=seeds,
+    parallel=arg.parallel,
+    random_init=arg.random_init,
+    detector=detector,
+    **data,
   )
   name = "detection_random_init" if arg.random_init else "detection"
   return ConfigDict({"evals": {name: evaluation}})

@@ -8,7 +8,10 @@ the same architecture: the baseline a pretraining effect is measured against) be
 and the data becomes COCO instances (synthetic_scenes' through `vlrep.data.instances`; any other COCO-format set
 is read where it is). In a process of its own, `python -m vlrep.detection_worker`, PyTorch fine-tunes and scores
 the detector (torch and JAX never share a process or contend for one accelerator's memory in it; on a GPU, start
-vlrep.evaluate with XLA_PYTHON_CLIENT_PREALLOCATE=false so JAX leaves the memory to it). One worker per seed.
+vlrep.evaluate with XLA_PYTHON_CLIENT_PREALLOCATE=false so JAX leaves the memory to it). One worker per seed,
+`parallel` of them at once (on a CPU, each with the cores divided among them unless `detector.threads` is set: a
+small detector's step gains little from a second thread, so two one-thread workers finish two seeds in about the
+time of one).
 
 Metrics (percent): box_ap, box_ap50, box_ap75 and, for Mask R-CNN, mask_ap, mask_ap50, mask_ap75: the mean over
 `seeds`, with `<metric>_std` (population std over seeds) when there are several and `<metric>_seed<N>` each;
@@ -17,12 +20,14 @@ loss_first, loss_last (the first and last logged training loss, mean over seeds)
 Config (configs/eval/detection.py fills it): either `dataset` (+ data_dir, config_name; a dataset with visible-
 instance maps: synthetic_scenes), `train_split`, `test_split`, `train_limit`, `test_limit` (first N examples;
 0 = all), or `train_annotations`, `train_images`, `test_annotations`, `test_images` (COCO instances JSON files and
-their image folders: real COCO, VOC converted); `seeds`; `random_init`; `detector` (the worker's spec: every key
+their image folders: real COCO, VOC converted); `seeds`; `parallel` (workers at once, default 1); `random_init`;
+`detector` (the worker's spec: every key
 of `vlrep.detection_worker.DEFAULTS` but the backbone, weights and data, which this evaluator sets).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -99,6 +104,8 @@ class Detection:
       self.builder = instances.instances_builder(config.dataset, config.get("data_dir"), config.get("config_name"))
     if not config.get("seeds"):
       raise UserError("Detection: `seeds` is empty; give at least one seed.")
+    if config.get("parallel", 1) < 1:
+      raise UserError(f"Detection: parallel={config.parallel}; give 1 or more workers at once.")
 
   def _data(self, folder: str) -> dict:
     """The worker's data paths: the config's COCO files, or synthetic instances written into `folder`."""
@@ -126,10 +133,14 @@ class Detection:
     c = self.config
     if self.run_inputs.host != 0:  # the worker runs once, on the first host; the others report its metrics
       return {}
-    per_seed = []
+    parallel = min(c.get("parallel", 1), len(c.seeds))
+    detector = c.detector.to_dict()
+    if parallel > 1 and not detector.get("threads"):
+      detector["threads"] = max(1, (os.cpu_count() or 1) // parallel)
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="vlrep_detection_") as folder:
       data = self._data(folder)
+      specs = []
       for seed in c.seeds:
         # The run's weights, written once; random_init: fresh ones per seed.
         weights = os.path.join(folder, f"backbone_{seed}.safetensors" if c.random_init else "backbone.safetensors")
@@ -137,8 +148,10 @@ class Detection:
           torch_weights(random_variables(module, int(seed), c.get("init_image_size", 64)), weights)
         elif not os.path.exists(weights):
           torch_weights(variables, weights)
-        spec = {**c.detector.to_dict(), **data, "backbone": arch, "weights": weights, "seed": int(seed)}
-        per_seed.append(run_worker(spec, folder, int(seed)))
+        specs.append({**detector, **data, "backbone": arch, "weights": weights, "seed": int(seed)})
+      # Threads only wait on the worker processes; results come back in the seeds' order.
+      with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
+        per_seed = list(pool.map(lambda spec: run_worker(spec, folder, spec["seed"]), specs))
     out = summarize(per_seed, [int(s) for s in c.seeds])
     out["seconds"] = time.time() - t0
     logging.info("Detection (%s): %s", "random init" if c.random_init else "the run's backbone", out)
