@@ -216,6 +216,7 @@ def test_several_seeds_are_summarised():
     {"box_ap": 20.0, "mask_ap": 8.0, "loss_first": 5.0, "loss_last": 2.0, "seconds": 5.0, "iterations": 9.0},
   ]
   out = detection.summarize(per_seed, [3, 7])
-  assert out["box_ap"] == 15.0 and out["box_ap_std"] == 5.0 and out["box_ap_seed7"] == 20.0
-  assert out["mask_ap_std"] == 2.0 and out["loss_last"] == 1.5 and "loss_last_std" not in out
+  # sample std (n - 1), the tie rule's: 7.07, not the population's 5
+  assert out["box_ap"] == 15.0 and out["box_ap_std"] == pytest.approx(50**0.5) and out["box_ap_seed7"] == 20.0
+  assert out["mask_ap_std"] == pytest.approx(8**0.5) and out["loss_last"] == 1.5 and "loss_last_std" not in out
   assert json.dumps(out)

@@ -14,7 +14,7 @@ small detector's step gains little from a second thread, so two one-thread worke
 time of one).
 
 Metrics (percent): box_ap, box_ap50, box_ap75 and, for Mask R-CNN, mask_ap, mask_ap50, mask_ap75: the mean over
-`seeds`, with `<metric>_std` (population std over seeds) when there are several and `<metric>_seed<N>` each;
+`seeds`, with `<metric>_std` (sample std over seeds, n - 1) when there are several and `<metric>_seed<N>` each;
 loss_first, loss_last (the first and last logged training loss, mean over seeds), seconds (all workers).
 
 Config (configs/eval/detection.py fills it): either `dataset` (+ data_dir, config_name; a dataset with visible-
@@ -181,7 +181,7 @@ def summarize(per_seed: list[dict], seeds: list[int]) -> dict[str, float]:
     values = np.array([m[key] for m in per_seed], np.float64)
     out[key] = float(values.mean())
     if len(per_seed) > 1 and key in AP_METRICS:
-      out[f"{key}_std"] = float(values.std())
+      out[f"{key}_std"] = float(values.std(ddof=1))  # sample std, as vlrep.tools.sweep's cells and the tie rule
       out.update({f"{key}_seed{s}": float(v) for s, v in zip(seeds, values, strict=True)})
   out["iterations"] = float(per_seed[0]["iterations"])
   return out
