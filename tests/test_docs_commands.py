@@ -408,6 +408,25 @@ COMMANDS: dict[str, object] = {
     for c in (
       "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,seeds=0+1+2,threads=1 --workdir=/tmp/virtex_local",
       "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,random_init,seeds=0+1+2,threads=1 --workdir=/tmp/virtex_local",
+      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,iterations=450,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/virtex_local",
+    )
+  },
+  # docs/results/detection.md on LocTex's run: the same evaluator (parallel workers: tests/test_detection.py).
+  **{
+    c: SameAs("python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal --workdir=/tmp/virtex_local")
+    for c in (
+      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/loctex_local",
+      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,split=probe_val,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/loctex_local",
+      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,iterations=450,split=probe_val,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/loctex_local",
+      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,iterations=450,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/loctex_local",
+    )
+  },
+  **{
+    c: SameAs("python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,random_init --workdir=/tmp/virtex_local")
+    for c in (
+      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,random_init,split=probe_val,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/loctex_local",
+      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,random_init,iterations=450,split=probe_val,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/loctex_local",
+      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,random_init,iterations=450,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/loctex_local",
     )
   },
   "python -m vlrep.evaluate --config=configs/eval/detection.py:coco=/data/coco --workdir=DIR": Refuses(
