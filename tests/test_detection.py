@@ -131,30 +131,27 @@ def test_short_fine_tune_end_to_end(tmp_path):
   a Mask R-CNN fine-tuned for a few iterations on the tiny dataset, with a finite, falling loss and every AP."""
   module = resnet.ResNet(depth=10, width=8, stem="small")
   variables = _trained_looking(module.init(jax.random.PRNGKey(0), np.zeros((1, 32, 32, 3), np.float32)))
-  config = ConfigDict(
-    {
-      "type": "detection",
-      "dataset": "synthetic_scenes",
-      "config_name": "tiny",
-      "data_dir": DATA_DIR,
-      "train_split": "train",
-      "test_split": "val",
-      "test_limit": 8,
-      "seeds": (0,),
-      "random_init": False,
-      "detector": {
-        **_tiny_detector(),
-        "iterations": 16,
-        "log_every": 4,
-      },
-    }
-  )
+  config = _tiny_evaluation(test_limit=8, seeds=(0,), detector={**_tiny_detector(), "iterations": 16, "log_every": 4})
   metrics = detection.Detection(config, RunInputs()).run(Model(variables, None, lambda: (module, variables)))
   assert np.isfinite(metrics["loss_first"]) and np.isfinite(metrics["loss_last"])
   assert metrics["loss_last"] < 0.8 * metrics["loss_first"], metrics
   for key in detection.AP_METRICS:
     assert 0.0 <= metrics[key] <= 100.0, (key, metrics)
   assert metrics["iterations"] == 16
+
+
+def _tiny_evaluation(**keys) -> ConfigDict:
+  """The detection evaluator's config on the tiny synthetic_scenes (train -> val), the pretrained backbone's."""
+  base = {
+    "type": "detection",
+    "dataset": "synthetic_scenes",
+    "config_name": "tiny",
+    "data_dir": DATA_DIR,
+    "train_split": "train",
+    "test_split": "val",
+    "random_init": False,
+  }
+  return ConfigDict({**base, **keys})
 
 
 def _tiny_detector() -> dict:
@@ -184,21 +181,8 @@ def test_parallel_workers_overlap_and_keep_the_seeds_order(monkeypatch, tmp_path
 
   monkeypatch.setattr(detection, "run_worker", fake_worker)
   monkeypatch.setattr(os, "cpu_count", lambda: 4)
-  config = ConfigDict(
-    {
-      "type": "detection",
-      "dataset": "synthetic_scenes",
-      "config_name": "tiny",
-      "data_dir": DATA_DIR,
-      "train_split": "train",
-      "test_split": "val",
-      "train_limit": 4,
-      "test_limit": 4,
-      "seeds": (5, 6, 7),
-      "parallel": 2,
-      "random_init": False,
-      "detector": {**_tiny_detector(), "threads": 0},
-    }
+  config = _tiny_evaluation(
+    train_limit=4, test_limit=4, seeds=(5, 6, 7), parallel=2, detector={**_tiny_detector(), "threads": 0}
   )
   metrics = detection.Detection(config, RunInputs()).run(Model(variables, None, lambda: (module, variables)))
   assert spans[6][0] < spans[5][1] and spans[5][0] < spans[6][1]  # 5 and 6 ran at the same time
