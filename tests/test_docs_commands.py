@@ -141,6 +141,16 @@ COMMANDS: dict[str, object] = {
     expect="Finished", config="tiny_mct"
   ),
   "python -m vlrep.main --config=configs/icmlm.py:runlocal,variant=tp --workdir=/tmp/icmlm_tp": Run(expect="Finished"),
+  # docs/results/detection.md's pretraining runs: the runlocal recipes above with other argument values.
+  "python -m vlrep.main --config=configs/loctex.py:runlocal,loss=contrastive --workdir=/tmp/loctex_lc_local": SameAs(
+    "python -m vlrep.main --config=configs/loctex.py:runlocal --workdir=/tmp/loctex_local"
+  ),
+  "python -m vlrep.main --config=configs/mct.py:runlocal,steps=550 --workdir=/tmp/mct_local": SameAs(
+    "python -m vlrep.main --config=configs/mct.py:runlocal --workdir=/tmp/mct_local"
+  ),
+  "python -m vlrep.main --config=configs/icmlm.py:runlocal,variant=tfm,steps=550 --workdir=/tmp/icmlm_tfm_local": SameAs(
+    "python -m vlrep.main --config=configs/icmlm.py:runlocal,variant=tp --workdir=/tmp/icmlm_tp"
+  ),
   "python -m vlrep.main --config=configs/icmlm.py:runlocal,variant=att_fc,warmup_frozen=150 "
   "--config.init_from=/tmp/icmlm_tp --workdir=/tmp/icmlm_attfc": Run(expect="Backbone initialised from"),
   "python -m vlrep.main --config=configs/finetune.py:runlocal --config.init_from=/tmp/virtex_local "
@@ -159,6 +169,17 @@ COMMANDS: dict[str, object] = {
       "--config.evals.val.batch_size=8",
     ),
     expect="the backbone takes the architecture of",
+  ),
+  # The supervised reference (synthetic_scenes' presence labels, the benchmark's ResNet-10), 2 steps on the tiny data.
+  "python -m vlrep.main --config=configs/finetune.py:runlocal,labels=presence,steps=550 --workdir=/tmp/supervised_local": Run(
+    add=(
+      "--config.data.config_name=tiny",
+      f"--config.data.data_dir={D}",
+      "--config.batch_size=8",
+      "--config.total_steps=2",
+      *TINY_EVAL("probe"),
+    ),
+    expect="Finished",
   ),
   "python -m vlrep.main --config=configs/vlbert.py:runlocal,arch=visual_bert,stage=pretrain,data=questions,"
   "extractor=$V --workdir=/tmp/vb_q": Run(expect="Finished"),
@@ -403,30 +424,35 @@ COMMANDS: dict[str, object] = {
     ),
     expect="detection_random_init/mask_ap",
   ),
+  # docs/results/detection.md: the same evaluator on other runs, seeds and settings (parallel workers: tests/test_detection.py).
   **{
     c: SameAs("python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal --workdir=/tmp/virtex_local")
     for c in (
-      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,seeds=0+1+2,threads=1 --workdir=/tmp/virtex_local",
-      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,random_init,seeds=0+1+2,threads=1 --workdir=/tmp/virtex_local",
-      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,iterations=450,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/virtex_local",
-    )
-  },
-  # docs/results/detection.md on LocTex's run: the same evaluator (parallel workers: tests/test_detection.py).
-  **{
-    c: SameAs("python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal --workdir=/tmp/virtex_local")
-    for c in (
+      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/virtex_local",
       "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/loctex_local",
+      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/loctex_lc_local",
+      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/clip_local",
+      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/mct_local",
+      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/icmlm_tfm_local",
+      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/supervised_local",
+      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,iterations=300,split=probe_val,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/loctex_local",
       "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,split=probe_val,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/loctex_local",
+      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,train_limit=500,split=probe_val,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/loctex_local",
       "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,iterations=450,split=probe_val,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/loctex_local",
-      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,iterations=450,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/loctex_local",
+      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,iterations=300,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/virtex_local",
+      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,iterations=300,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/loctex_local",
     )
   },
+  # docs/results/detection.md: random initialisation at the same settings.
   **{
     c: SameAs("python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,random_init --workdir=/tmp/virtex_local")
     for c in (
+      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,random_init,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/virtex_local",
+      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,random_init,iterations=300,split=probe_val,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/loctex_local",
       "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,random_init,split=probe_val,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/loctex_local",
+      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,random_init,train_limit=500,split=probe_val,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/loctex_local",
       "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,random_init,iterations=450,split=probe_val,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/loctex_local",
-      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,random_init,iterations=450,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/loctex_local",
+      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,random_init,iterations=300,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/virtex_local",
     )
   },
   "python -m vlrep.evaluate --config=configs/eval/detection.py:coco=/data/coco --workdir=DIR": Refuses(
