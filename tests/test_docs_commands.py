@@ -445,7 +445,9 @@ COMMANDS: dict[str, object] = {
   },
   # docs/results/detection.md: random initialisation at the same settings.
   **{
-    c: SameAs("python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,random_init --workdir=/tmp/virtex_local")
+    c: SameAs(
+      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,random_init --workdir=/tmp/virtex_local"
+    )
     for c in (
       "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,random_init,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/virtex_local",
       "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,random_init,iterations=300,split=probe_val,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/loctex_local",

@@ -8,11 +8,11 @@ R-CNN (or Faster R-CNN) with FPN, scored by pycocotools (box and mask AP, AP50, 
 
 Arguments: runlocal (synthetic_scenes at 64 px: train on the first `train_limit` training scenes, score on
 probe_test; `split=probe_val` scores the validation split, where the schedule was chosen: 150 iterations separate
-pretrained from random initialisation twice as well as 300 there, docs/results/detection.md), random_init (the same architecture from
-vlrep's initialiser instead of the run's weights: the baseline a pretraining effect is measured against; written as
-`detection_random_init/...`), seeds ('+'-separated, e.g. 0+1+2: mean, std and each), parallel (seeds fine-tuned
-at once, each in its own process: parallel=2 on a 2-core CPU runs two one-thread workers, about twice as fast as
-one after the other), iterations (0: the form's),
+pretrained from random initialisation twice as well as 300 there, docs/results/detection.md), random_init (the
+same architecture from vlrep's initialiser instead of the run's weights: the baseline a pretraining effect is
+measured against; written as `detection_random_init/...`), seeds ('+'-separated, e.g. 0+1+2: mean, std and
+each), parallel (seeds fine-tuned at once, each in its own process: parallel=2 on a 2-core CPU runs two one-thread
+workers, about twice as fast as one after the other), iterations (0: the form's: runlocal 150),
 detector=mask_rcnn|faster_rcnn, norm=trained|frozen (the backbone's BatchNorm; frozen cripples random init),
 split, train_limit, test_limit (first N scenes; 0 = all), threads (torch CPU threads; 0 = torch's default).
 coco=DIR (the papers' form): COCO 2017 in DIR (annotations/instances_train2017.json, train2017/, and val2017
