@@ -142,6 +142,12 @@ COMMANDS: dict[str, object] = {
   ),
   "python -m vlrep.main --config=configs/icmlm.py:runlocal,variant=tp --workdir=/tmp/icmlm_tp": Run(expect="Finished"),
   # docs/results/detection.md's pretraining runs: the runlocal recipes above with other argument values.
+  "python -m vlrep.main --config=configs/virtex.py:runlocal --config.seed=1 --workdir=/tmp/virtex_local_s1": SameAs(
+    "python -m vlrep.main --config=configs/virtex.py:runlocal --workdir=/tmp/vlrep_virtex_local"
+  ),
+  "python -m vlrep.main --config=configs/loctex.py:runlocal --config.seed=1 --workdir=/tmp/loctex_local_s1": SameAs(
+    "python -m vlrep.main --config=configs/loctex.py:runlocal --workdir=/tmp/loctex_local"
+  ),
   "python -m vlrep.main --config=configs/loctex.py:runlocal,loss=contrastive --workdir=/tmp/loctex_lc_local": SameAs(
     "python -m vlrep.main --config=configs/loctex.py:runlocal --workdir=/tmp/loctex_local"
   ),
@@ -428,6 +434,8 @@ COMMANDS: dict[str, object] = {
   **{
     c: SameAs("python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal --workdir=/tmp/virtex_local")
     for c in (
+      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal --workdir=/tmp/virtex_local_s1",
+      "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal --workdir=/tmp/loctex_local_s1",
       "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/virtex_local",
       "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/loctex_local",
       "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal,seeds=0+1+2,parallel=3,threads=1 --workdir=/tmp/loctex_lc_local",
