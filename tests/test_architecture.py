@@ -89,6 +89,7 @@ LAYERS = {
   "vlrep.eval_protocols": 0,  # a leaf: the evaluators' protocol settings, read by configs
   "vlrep.errors": 0,  # a leaf: the errors a user can fix (vlrep.main exits with status 2 on them)
   "vlrep.removed_switches": 0,  # a leaf: speed switches vlrep has no code for, dropped from saved configs
+  "vlrep.safe_files": 0,  # a leaf: the one way vlrep writes a file (atomic, never through a link)
   "vlrep.package_modules": 0,  # a leaf: which modules of a package define a name (methods, evaluators)
   "vlrep.models": 0,  # Flax modules: tensors in, tensors out
   "vlrep.data": 1,  # datasets, ops and tokenizers (token ids and BERT folders come from models)
