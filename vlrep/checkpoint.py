@@ -19,6 +19,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from vlrep import safe_files
 from vlrep.optim import param_paths
 
 
@@ -62,6 +63,8 @@ class Checkpointer:
 
   def __init__(self, workdir: str, keep: int = 2, async_save: bool = True):
     self.workdir = workdir
+    for sub in ("checkpoints", "best"):  # orbax writes through folders: none may be a link planted in the run
+      safe_files.check_inside(os.path.join(workdir, sub), workdir)
     opts = lambda n: ocp.CheckpointManagerOptions(
       max_to_keep=n,
       create=True,

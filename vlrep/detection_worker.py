@@ -37,6 +37,7 @@ from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHe
 from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
 from torchvision.ops import FrozenBatchNorm2d, MultiScaleRoIAlign
 
+from vlrep import safe_files
 from vlrep.models import torch_resnet
 
 DETECTORS = ("faster_rcnn", "mask_rcnn")
@@ -405,9 +406,7 @@ def main(argv=None):
   with open(args.spec) as f:
     spec = json.load(f)
   metrics = run(spec)
-  with open(args.out + ".tmp", "w") as f:
-    json.dump(metrics, f, indent=2)
-  os.replace(args.out + ".tmp", args.out)
+  safe_files.write_json(args.out, metrics)  # a fresh temporary file, renamed: no link at --out followed
 
 
 if __name__ == "__main__":

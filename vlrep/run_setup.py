@@ -32,11 +32,15 @@ def build_inputs(config: ml_collections.ConfigDict):
   """`RunInputs` of a trained or imported run, for commands that only apply it (vlrep.evaluate, the caption tool):
   the training data's builder is opened only when building them needs it (a vocabulary built from or stored next
   to the training data, a concept set, a method's `setup`), so an imported run with its own vocabulary needs no
-  training dataset prepared."""
+  training dataset prepared.
+
+  `config` is a run's saved config (`vlrep.runs` checked its names and turned its `build_if_missing` off), and
+  everything it names is only read: a missing tokenizer, concept set or generated dataset is an error, never
+  written at a path the run folder chose."""
   data = config.data
   builder = None
-  if _needs_training_data(config):
-    builder = pipeline.get_builder(data.name, data.data_dir, data.get("config_name"))
+  if _needs_training_data(config):  # read only: a saved config's data_dir is never generated into
+    builder = pipeline.get_builder(data.name, data.data_dir, data.get("config_name"), generate=False)
   return _run_inputs(config, builder)
 
 

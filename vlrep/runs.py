@@ -2,6 +2,15 @@
 backbone (`backbone_of`, `backbone_fn`: BatchNorm in inference mode, float32, as every transfer evaluation uses),
 and its flat metrics file (`write_summary`). Shared by the loop, `vlrep.evaluate`, export, the tools and the
 notebook; it imports only the models and sharding, so any of them can import it.
+
+A run folder may come from someone else, so the config a checkpoint saved is data (`saved_config`): the names in it
+that vlrep looks code or data up by (the method, the evaluator types, the datasets) must be plain names, which
+resolve only among vlrep's own modules and datasets; a dotted module path is refused (`python -m` puts the working
+directory on sys.path, so a run folder shipping `payload.py` beside a saved `method.name="run.payload"` would run
+it). A run you trained with a method or evaluator of your own (a dotted path in your own config) is read once you
+name its modules in the environment: VLREP_OWN_MODULES=my_pkg.method,my_pkg.evaluator. And the paths a saved
+config holds are only read: a run loaded from a folder never builds a missing tokenizer or concept set
+(`build_if_missing` is turned off), so nothing is written where a file says.
 """
 
 from __future__ import annotations
@@ -9,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from typing import Any
 
 import jax
@@ -17,9 +27,18 @@ import orbax.checkpoint as ocp
 from absl import logging
 from ml_collections import ConfigDict
 
-from vlrep import sharding
+from vlrep import errors, safe_files, sharding
+from vlrep.errors import BadFile, UserError
 from vlrep.models import resnet, vgg
 from vlrep.removed_switches import drop_removed_switches
+
+
+class NotARun(UserError, FileNotFoundError):
+  """The folder named as a run is missing, or holds no checkpoint (of the step asked for)."""
+
+
+class NoCheckpointRestores(BadFile, RuntimeError):
+  """Every checkpoint of a run failed to restore (each failure is listed): damaged or crafted files."""
 
 
 @dataclasses.dataclass
@@ -51,7 +70,7 @@ def load_run(workdir: str, checkpoint: str = "best") -> Run:
     directory = next((d for d in dirs.values() if step in _steps_in(d)), None)
     if directory is None:
       available = sorted(set(_steps_in(dirs["best"]) + _steps_in(dirs["latest"])))
-      raise FileNotFoundError(f"{workdir} has no checkpoint of step {step}; available steps: {available}")
+      raise NotARun(f"{workdir} has no checkpoint of step {step}; available steps: {available}")
     return _restore_run(directory, step)
   if checkpoint not in dirs:
     raise ValueError(f"--checkpoint must be 'best', 'latest' or a step number, got {checkpoint!r}.")
@@ -59,20 +78,26 @@ def load_run(workdir: str, checkpoint: str = "best") -> Run:
   for directory, step in _candidates(workdir, dirs, checkpoint):
     try:
       run = _restore_run(directory, step)
+    except ForeignName:
+      raise  # a crafted config, not a damaged checkpoint: an older one is no answer
     except Exception as e:  # noqa: BLE001 -- a damaged checkpoint: the next candidate, said in the log
       path, why = os.path.join(directory, str(step)), f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
       failures.append(f"{path}: {why}")
       logging.warning("Checkpoint %s does not restore (%s); trying the next one.", path, why)
       continue
     return run
-  raise RuntimeError(f"No checkpoint of {workdir} restores:\n  " + "\n  ".join(failures))
+  raise NoCheckpointRestores(f"No checkpoint of {workdir} restores:\n  " + "\n  ".join(failures))
 
 
 def read_config(workdir: str, resuming: bool = False, checkpoint: str = "best") -> ConfigDict:
   """The training config a run saved with its newest checkpoint (best or latest; `checkpoint='latest'`: the
   periodic ones only, what a resumed run continues), read without restoring any weights: cheap enough for a config
   file to resolve what it inherits from another run. Removed speed switches are dropped (`resuming`: one that
-  changed the optimizer state is an error; removed_switches)."""
+  changed the optimizer state is an error; removed_switches).
+
+  The config is checked as `saved_config` checks it, except when `resuming`: the training loop continuing its own
+  workdir builds everything from the user's command-line config and only compares the saved one with it, so a
+  run trained with a method of the user's own (a dotted `method.name`) resumes as before."""
   workdir, dirs = _run_dirs(workdir)
   failures = []
   for directory, step in _candidates(workdir, dirs, checkpoint):
@@ -81,14 +106,16 @@ def read_config(workdir: str, resuming: bool = False, checkpoint: str = "best") 
     except Exception as e:  # noqa: BLE001 -- a damaged checkpoint's metadata: the next candidate
       failures.append(f"{os.path.join(directory, str(step))}: {type(e).__name__}: {str(e)[:200]}")
       continue
-    return ConfigDict(drop_removed_switches(meta["config"], resuming=resuming))
-  raise RuntimeError(f"No checkpoint of {workdir} has a readable config:\n  " + "\n  ".join(failures))
+    if resuming:
+      return ConfigDict(drop_removed_switches(meta["config"], resuming=True))
+    return saved_config(meta.get("config"), _meta_path(directory, step))
+  raise NoCheckpointRestores(f"No checkpoint of {workdir} has a readable config:\n  " + "\n  ".join(failures))
 
 
 def _run_dirs(workdir):
   workdir = os.path.abspath(os.path.expanduser(workdir))
   if not os.path.isdir(workdir):
-    raise FileNotFoundError(f"No run directory {workdir}.")
+    raise NotARun(f"No run directory {workdir}.")
   return workdir, {"best": os.path.join(workdir, "best"), "latest": os.path.join(workdir, "checkpoints")}
 
 
@@ -101,7 +128,7 @@ def _candidates(workdir, dirs, checkpoint):
   candidates = [(dirs["best"], s) for s in _steps_in(dirs["best"])[::-1]] if checkpoint == "best" else []
   candidates += [(dirs["latest"], s) for s in _steps_in(dirs["latest"])[::-1]]
   if not candidates:
-    raise FileNotFoundError(f"{workdir} has no checkpoint (looked in {dirs[checkpoint]}). Train with vlrep.main first.")
+    raise NotARun(f"{workdir} has no checkpoint (looked in {dirs[checkpoint]}). Train with vlrep.main first.")
   return candidates
 
 
@@ -113,8 +140,76 @@ def _restore_meta(directory: str, step: int) -> dict:
     mngr.close()
 
 
+def _meta_path(directory: str, step: int) -> str:
+  """The file that holds a checkpoint's saved config (orbax's JSON item `meta`), for messages."""
+  return os.path.join(directory, str(step), "meta", "metadata")
+
+
+# Where a saved config names code or data that vlrep looks up by name: each must be a plain name.
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")  # vlrep.methods.<name>, vlrep.evaluators.<type>
+_DATASET_NAME = re.compile(r"[A-Za-z0-9_]+\Z")  # a builder of vlrep/data/builders/ or a TFDS dataset
+_CONFIG_NAME = re.compile(r"[A-Za-z0-9_.\-]*\Z")  # a builder config ('tiny', '2017'): no '/' or ':' (TFDS namespaces)
+OWN_MODULES_ENV = "VLREP_OWN_MODULES"
+
+
+class ForeignName(BadFile):
+  """A run's saved config names a module outside vlrep (or a dataset by other than a plain name)."""
+
+
+def _own_modules() -> set[str]:
+  """The dotted modules the user allows a saved config to name (VLREP_OWN_MODULES, comma-separated): set in the
+  user's own environment, never by a file."""
+  return {m.strip() for m in os.environ.get(OWN_MODULES_ENV, "").split(",") if m.strip()}
+
+
+def check_saved_names(config: dict, where: str) -> None:
+  """Refuses (ForeignName, naming `where` and the entry) a saved config whose method or evaluator types are not
+  plain module names (unless the user named them in VLREP_OWN_MODULES), or whose datasets are not plain names."""
+  if not isinstance(config, dict):
+    raise BadFile(f"{where}: the run's saved config is not a config (a {type(config).__name__}).")
+  section = lambda value: value if isinstance(value, dict) else {}
+  modules = [("method.name", section(config.get("method")).get("name"))]
+  datasets = [("data.name", section(config.get("data")).get("name"), section(config.get("data")).get("config_name"))]
+  for name, entry in section(config.get("evals")).items():
+    entry = section(entry)
+    modules.append((f"evals.{name}.type", entry.get("type")))
+    if entry.get("dataset"):
+      datasets.append((f"evals.{name}.dataset", entry.get("dataset"), entry.get("config_name")))
+  own = _own_modules()
+  for key, value in modules:
+    if value is None or (isinstance(value, str) and (_MODULE_NAME.match(value) or value in own)):
+      continue
+    raise ForeignName(
+      f"{where}: this run's saved config has {key}={value!r}, which is not the plain name of one of vlrep's own "
+      "modules. A run folder's files are data: vlrep looks the methods and evaluators they name up only among its "
+      "own modules and never imports a module path a file names (it could be code shipped with the run). If you "
+      f"trained this run yourself with a module of your own, allow it: {OWN_MODULES_ENV}={value}"
+    )
+  for key, value, config_name in datasets:
+    section_key = key.rsplit(".", 1)[0]
+    for k, v, pattern in ((key, value, _DATASET_NAME), (f"{section_key}.config_name", config_name, _CONFIG_NAME)):
+      if v is not None and not (isinstance(v, str) and pattern.match(v)):
+        raise ForeignName(
+          f"{where}: this run's saved config has {k}={v!r}, which is not a plain dataset name (letters, digits "
+          "and '_'; no ':' or '/', which would reach a dataset namespace outside this machine's prepared data)."
+        )
+
+
+def saved_config(config: dict, where: str) -> ConfigDict:
+  """The training config a run saved (in checkpoint metadata `where`), as data: its names checked
+  (`check_saved_names`), removed speed switches dropped, and every path in it read only (a missing tokenizer or
+  concept set is an error, never built where the file says)."""
+  check_saved_names(config, where)
+  out = ConfigDict(drop_removed_switches(config))
+  for section in ("tokenizer", "concepts"):
+    if isinstance(out.get(section), ConfigDict):
+      out[section].build_if_missing = False
+  return out
+
+
 def _restore_run(directory: str, step: int) -> Run:
   meta = _restore_meta(directory, step)
+  config = saved_config(meta.get("config"), _meta_path(directory, step))
   # Onto this process's first device, whatever device count and sharding wrote the checkpoint.
   state_path = os.path.join(directory, str(step), "state")
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -125,7 +220,7 @@ def _restore_run(directory: str, step: int) -> Run:
   state = checkpointer.restore(state_path, abstract)
   to_np = lambda tree: {k: to_np(v) if isinstance(v, dict) else np.asarray(v) for k, v in tree.items()}
   return Run(
-    config=ConfigDict(drop_removed_switches(meta["config"])),
+    config=config,
     params=to_np(state["params"]),
     model_state=to_np(state.get("model_state", {})),
     step=step,
@@ -216,16 +311,23 @@ def backbone_fn(run: Run, mesh=None):
   return lambda local_batch, key: extract(variables, local_batch, key)
 
 
+_MAX_SUMMARY_BYTES = 64 << 20  # a summary is a few KB of metrics; this bounds what a crafted one can make us read
+
+
 def write_summary(workdir: str, values: dict[str, Any]) -> None:
-  """Merges flat metrics into WORKDIR/summary.json (atomically; other tools add their own keys)."""
+  """Merges flat metrics into WORKDIR/summary.json (atomically, through safe_files: a link planted at the name or
+  its temporary file is never followed; other tools add their own keys)."""
   path = os.path.join(workdir, "summary.json")
   summary = {}
-  if os.path.exists(path):
-    with open(path) as f:
-      summary = json.load(f)
+  if os.path.lexists(path):
+    with errors.reading(path, what="run summary (JSON)", hint="Move it aside; vlrep writes a fresh one."):
+      if not os.path.isfile(path) or os.path.getsize(path) > _MAX_SUMMARY_BYTES:
+        raise ValueError(f"not a regular file of at most {_MAX_SUMMARY_BYTES >> 20} MB")
+      with open(path) as f:
+        summary = json.load(f)
+      if not isinstance(summary, dict):
+        raise ValueError(f"a JSON {type(summary).__name__}, not an object")
   summary.update(
     {k: (float(v) if isinstance(v, (np.floating, np.integer, jax.Array)) else v) for k, v in values.items()}
   )
-  with open(path + ".tmp", "w") as f:
-    json.dump(summary, f, indent=2, sort_keys=True)
-  os.replace(path + ".tmp", path)
+  safe_files.write_json(path, summary, root=workdir, sort_keys=True)

@@ -31,9 +31,11 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 from absl import logging
 
+from vlrep import errors, safe_files
 from vlrep.data import records
 from vlrep.data.registry import HostOp, register_host
 from vlrep.data.wordpiece import WordPieceTokenizer, basic_tokenize
+from vlrep.errors import UserError
 from vlrep.models import bert
 
 POS_CLASSES = ("NOUN", "ADJ", "VERB")
@@ -169,19 +171,14 @@ class ConceptSet:
     blob = {"kind": self.kind, "words": self.words, "token_ids": self.token_ids.tolist(), "meta": self.meta}
     if self.kind == "cluster":
       blob["caption_cluster"] = self.caption_cluster
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-      json.dump(blob, f)
-    os.replace(tmp, path)
+    safe_files.write_json(path, blob, indent=None)  # a fresh temporary file, renamed: no link followed
 
   @classmethod
   def load(cls, path: str) -> ConceptSet:
-    try:
+    with errors.reading(path, what="concept set (JSON)", hint="Delete it to rebuild it (training builds it)."):
       with open(path) as f:
         blob = json.load(f)
       return cls(blob["kind"], blob["words"], blob["token_ids"], blob.get("caption_cluster"), blob.get("meta"))
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-      raise ValueError(f"Concept file {path} is corrupt ({type(e).__name__}: {e}); delete it to rebuild it.") from e
 
 
 def postag_concepts(
@@ -284,9 +281,14 @@ def _pos(config) -> tuple[str, ...]:
   return tuple(p.strip().upper() for p in pos.split(",")) if isinstance(pos, str) else tuple(pos)
 
 
+class MissingConcepts(UserError, FileNotFoundError):
+  """The configured concept set does not exist and is not to be built here (a run loaded from a folder)."""
+
+
 def ensure_concepts(config, builder, tokenizer, bert_path: str = "") -> ConceptSet:
   """Loads the configured concept set, building and caching it from the training captions when missing (only
-  process 0 builds; the others wait)."""
+  process 0 builds; the others wait), unless `config.build_if_missing` is False (what `vlrep.runs` sets on a
+  config loaded from a run folder: its paths are only read)."""
 
   if config.kind not in ("postag", "cluster", "tags"):
     raise ValueError(
@@ -296,6 +298,11 @@ def ensure_concepts(config, builder, tokenizer, bert_path: str = "") -> ConceptS
     raise ValueError(f"concepts.size must be >= 1; got {config.size}.")
   path = config.path or default_path(config, builder, getattr(tokenizer, "path", ""))
   if records.as_process_0_sees(not os.path.exists(path)):
+    if not config.get("build_if_missing", True):
+      raise MissingConcepts(
+        f"Concept set {path!r} does not exist. A run loaded from a folder never builds it (the paths its files "
+        "name are only read): copy the run's concept set to that path, or train a run whose config builds it."
+      )
     if records.jax_process_index() == 0:
       captions = list(records.read_texts(builder, config.corpus_split, config.corpus_key))
       logging.info("Building concept set %s from %d captions.", path, len(captions))

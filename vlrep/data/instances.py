@@ -19,7 +19,6 @@ Written atomically (a temporary file renamed into place). A dataset whose exampl
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
@@ -28,6 +27,7 @@ from absl import app, flags, logging
 from PIL import Image
 from pycocotools import mask as mask_utils
 
+from vlrep import safe_files
 from vlrep.data import pipeline, records
 from vlrep.errors import UserError, exit_2_on_user_error
 
@@ -104,7 +104,7 @@ def coco_instances(builder, split: str, limit: int = 0, images_dir: str | None =
   check_has_instances(builder)
   split = records.first_examples(builder, split, limit)
   if images_dir:
-    os.makedirs(images_dir, exist_ok=True)
+    safe_files.make_dirs(images_dir)
   images, annotations, occluded = [], [], 0
   for ex in records.examples(builder, split, decode_images=True).as_numpy_iterator():
     image_id = int(ex["image_id"])
@@ -115,7 +115,8 @@ def coco_instances(builder, split: str, limit: int = 0, images_dir: str | None =
     occluded += len(labels) - len(anns)
     annotations += anns
     if images_dir:
-      Image.fromarray(ex["image"]).save(os.path.join(images_dir, image_file_name(image_id)))
+      with safe_files.open_atomic(os.path.join(images_dir, image_file_name(image_id)), "wb", root=images_dir) as f:
+        Image.fromarray(ex["image"]).save(f, format="PNG")
   if not images:
     raise UserError(f"{builder.name}/{split} holds no example.")
   return {
@@ -131,11 +132,9 @@ def coco_instances(builder, split: str, limit: int = 0, images_dir: str | None =
 
 
 def write_json(data: dict, out: str) -> None:
-  """Writes `data` to `out` atomically (a temporary file renamed into place)."""
-  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-  with open(out + ".tmp", "w") as f:
-    json.dump(data, f)
-  os.replace(out + ".tmp", out)
+  """Writes `data` to `out` atomically (safe_files: a fresh temporary file renamed into place, no link followed)."""
+  safe_files.make_dirs(os.path.dirname(os.path.abspath(out)))
+  safe_files.write_json(out, data, indent=None)
 
 
 def write_instances(

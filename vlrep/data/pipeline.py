@@ -107,8 +107,11 @@ def check_required_fields(builder, split: str, requires: dict, method: str) -> N
       )
 
 
-def get_builder(name: str, data_dir: str | None, config_name: str | None = None) -> tfds.core.DatasetBuilder:
-  """Returns the dataset's builder, generating `synthetic_scenes` on first use.
+def get_builder(
+  name: str, data_dir: str | None, config_name: str | None = None, generate: bool = True
+) -> tfds.core.DatasetBuilder:
+  """Returns the dataset's builder, generating `synthetic_scenes` on first use (unless `generate` is False: a
+  dataset a run folder's saved config names is only read, never written where that file says).
 
   Real datasets are never prepared implicitly: a missing one is an error naming the command that prepares it.
   """
@@ -121,6 +124,12 @@ def get_builder(name: str, data_dir: str | None, config_name: str | None = None)
   generated = getattr(cls, "generated_on_first_use", False)
   # A generated dataset: process 0 writes it while the others wait, so they all follow process 0's view.
   if records.as_process_0_sees(not builder.is_prepared()) if generated else not builder.is_prepared():
+    if generated and not generate:
+      raise DatasetNotPrepared(
+        f"Dataset {name!r} is not in {data_dir}, a folder a run's saved config names: vlrep does not generate data "
+        "where a run folder's file says. Generate it by training there with a config of your own, or evaluate "
+        "with a config whose data_dir holds it."
+      )
     if not generated:
       raise DatasetNotPrepared(
         f"Dataset {name!r} is not prepared in {data_dir}. Prepare it from your local copy with:\n  "

@@ -23,8 +23,10 @@ import numpy as np
 import sentencepiece as spm
 from absl import logging
 
+from vlrep import errors, safe_files
 from vlrep.data import records
 from vlrep.data.wordpiece import WordPieceTokenizer
+from vlrep.errors import UserError
 from vlrep.models.bert import resolve_path
 from vlrep.models.special_tokens import EOS_ID, MASK_ID, NUM_SPECIAL, PAD_ID, SOS_ID, UNK_ID  # noqa: F401
 
@@ -35,8 +37,15 @@ def normalize_text(text: str) -> str:
   return "".join(c for c in text if not unicodedata.combining(c)).strip()
 
 
+class MissingTokenizer(UserError, FileNotFoundError):
+  """The configured vocabulary file does not exist and is not to be built here (a run loaded from a folder never
+  builds one: its paths are only read)."""
+
+
 def train_tokenizer(captions: Iterable[str], model_path: str, vocab_size: int) -> None:
-  """Trains a BPE model on captions and writes `model_path` (atomically)."""
+  """Trains a BPE model on captions and writes `model_path` (atomically, through safe_files). Only a training
+  config the user gives (`vlrep.main`, `vlrep.tools.build_vocab`) asks for it: its `tokenizer.path`, or beside the
+  dataset its `data.data_dir` names."""
   sentences = [normalize_text(c) for c in captions if c and c.strip()]
   if not sentences:
     raise ValueError("Cannot train a tokenizer: no non-empty captions were given.")
@@ -64,11 +73,8 @@ def train_tokenizer(captions: Iterable[str], model_path: str, vocab_size: int) -
     num_threads=2,
     minloglevel=2,
   )
-  os.makedirs(os.path.dirname(os.path.abspath(model_path)), exist_ok=True)
-  tmp = model_path + ".tmp"
-  with open(tmp, "wb") as f:
-    f.write(proto.getvalue())
-  os.replace(tmp, model_path)
+  safe_files.make_dirs(os.path.dirname(os.path.abspath(model_path)))
+  safe_files.write_bytes(model_path, proto.getvalue())  # a fresh temporary file, renamed: no link followed
   logging.info("Wrote tokenizer %s (%d sentences, vocab %d).", model_path, len(sentences), vocab_size)
 
 
@@ -132,17 +138,18 @@ class Tokenizer:
         f"Unknown tokenizer special_tokens {special_tokens!r}; known: {', '.join(SPECIAL_TOKEN_LAYOUTS)}."
       )
     if not os.path.exists(model_path):
-      raise FileNotFoundError(
+      raise MissingTokenizer(
         f"Tokenizer model {model_path!r} does not exist. Build it with "
         f"`python -m vlrep.tools.build_vocab --config=CONFIG` (training runs build it on first use)."
       )
     self.path = model_path
     self.special_tokens = special_tokens
-    sp = spm.SentencePieceProcessor(model_file=model_path)
+    with errors.reading(model_path, what="SentencePiece vocabulary"):
+      sp = spm.SentencePieceProcessor(model_file=model_path)
     if special_tokens == "virtex":
       found = tuple(sp.id_to_piece(i) for i in range(min(4, sp.get_piece_size())))
       if found != VIRTEX_SPECIAL_PIECES:
-        raise ValueError(
+        raise errors.BadFile(
           f"{model_path} is not an official VirTex vocabulary: its first pieces are {found}, expected "
           f"{VIRTEX_SPECIAL_PIECES} (kdexd/virtex scripts/build_vocabulary.py)."
         )
@@ -150,7 +157,7 @@ class Tokenizer:
     else:
       self.sp = sp
       if sp.piece_to_id("[MASK]") != MASK_ID or sp.bos_id() != SOS_ID or sp.pad_id() != PAD_ID:
-        raise ValueError(f"{model_path} was not built by vlrep (special token ids differ).")
+        raise errors.BadFile(f"{model_path} was not built by vlrep (special token ids differ).")
 
   @property
   def vocab_size(self) -> int:
@@ -210,9 +217,10 @@ def ensure_tokenizer(config, builder) -> Tokenizer:
   path = config.path or default_path(config, builder)
   if records.as_process_0_sees(not os.path.exists(path)):
     if not config.build_if_missing:
-      raise FileNotFoundError(
+      raise MissingTokenizer(
         f"Tokenizer {path!r} does not exist. Build it with `python -m vlrep.tools.build_vocab --config=CONFIG`, "
-        "or set tokenizer.build_if_missing=True."
+        "or set tokenizer.build_if_missing=True in a training config. (A run loaded from a folder never builds its "
+        "tokenizer: the paths its files name are only read. Copy the run's vocabulary to that path.)"
       )
     if records.jax_process_index() == 0:
       logging.info("Building tokenizer %s from %s/%s '%s'.", path, builder.name, config.corpus_split, config.corpus_key)

@@ -1,7 +1,8 @@
 """Evaluators, built from `config.evals` = {name: {type: ..., every_steps: ..., ...}}.
 
 An evaluator type is a module here (vlrep.evaluators.<type>), or the dotted path of a module elsewhere (an
-evaluator of your own), that keeps this contract:
+evaluator of your own, named by your own config; a run folder's saved config names only vlrep's own evaluators,
+`vlrep.runs.check_saved_names`), that keeps this contract:
 
 - an `Evaluator` class, built as `Evaluator(config, run)` (its config entry, and `run`: `RunInputs`, what it may
   use of the run, with the one way to read a split, `run.batches`), whose instances satisfy the `Evaluator`
@@ -48,6 +49,13 @@ def available() -> tuple[str, ...]:
 
 
 def _module(evaluator_type: str):
+  """The module of an evaluator type: vlrep.evaluators.<type> for a plain name; a dotted path is a module of the
+  user's own, imported as named. Only a config the user gives names a dotted path: `vlrep.runs` refuses one in a
+  run folder's saved config (a file's names are data, never code to import)."""
+  if not isinstance(evaluator_type, str) or not all(part.isidentifier() for part in evaluator_type.split(".")):
+    raise UserError(
+      f"Evaluator type {evaluator_type!r} is neither one of vlrep's evaluators nor a module's dotted path."
+    )
   if "." in evaluator_type:
     return importlib.import_module(evaluator_type)
   if evaluator_type not in available():

@@ -41,6 +41,7 @@ import numpy as np
 from absl import logging
 from safetensors.numpy import save_file
 
+from vlrep import safe_files
 from vlrep.data import instances
 from vlrep.errors import UserError
 from vlrep.evaluators.run_inputs import Model, RunInputs
@@ -83,7 +84,8 @@ def torch_weights(variables: dict, path: str) -> None:
     raise UserError("The backbone has no BatchNorm statistics (batch_stats): it cannot be converted to PyTorch.")
   variables = jax.device_get(variables)
   state = tv_importer.state_dict(variables["params"], variables["batch_stats"], {})
-  save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, path)
+  with safe_files.atomic_path(path, suffix=".safetensors") as tmp:
+    save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, tmp)
 
 
 class Detection:
@@ -161,8 +163,7 @@ class Detection:
 def run_worker(spec: dict, folder: str, seed: int) -> dict[str, float]:
   """Runs `python -m vlrep.detection_worker` on `spec` (its progress on this process's stderr); its metrics."""
   spec_path, out_path = os.path.join(folder, f"spec_{seed}.json"), os.path.join(folder, f"metrics_{seed}.json")
-  with open(spec_path, "w") as f:
-    json.dump(spec, f, indent=2)
+  safe_files.write_json(spec_path, spec, root=folder)
   command = [sys.executable, "-m", "vlrep.detection_worker", f"--spec={spec_path}", f"--out={out_path}"]
   logging.info("Detection worker (seed %d): %s", seed, " ".join(command))
   done = subprocess.run(command, check=False)

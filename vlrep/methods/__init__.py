@@ -1,5 +1,6 @@
 """Pretraining methods: `config.method.name` names a module here (vlrep.methods.<name>), or is the dotted path of a
-module elsewhere (a method of your own, outside vlrep). Either way the module keeps the same contract:
+module elsewhere (a method of your own, outside vlrep, named by your own config; a run folder's saved config names
+only vlrep's own methods, `vlrep.runs.check_saved_names`). Either way the module keeps the same contract:
 
 - a `Method` class, built as `Method(config, vocab_size, **needs)` (the config's `method` block, the tokenizer's
   vocabulary size, 0 without one, and what `setup` and the run's concept set returned), whose instances satisfy
@@ -24,6 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 import ml_collections
 
 from vlrep import package_modules
+from vlrep.errors import UserError
 
 
 @runtime_checkable
@@ -67,10 +69,15 @@ def available() -> tuple[str, ...]:
 
 
 def _module(name: str):
+  """The module of method `name`: vlrep.methods.<name> for a plain name; a dotted path is a module of the user's
+  own, imported as named. Only a config the user gives names a dotted path: `vlrep.runs` refuses one in a run
+  folder's saved config (a file's names are data, never code to import)."""
+  if not isinstance(name, str) or not all(part.isidentifier() for part in name.split(".")):
+    raise UserError(f"method.name={name!r} is neither one of vlrep's methods nor a module's dotted path.")
   if "." in name:
     return importlib.import_module(name)
   if name not in available():
-    raise ValueError(f"Unknown method {name!r}. Known methods: {', '.join(available())}, or a module's dotted path")
+    raise UserError(f"Unknown method {name!r}. Known methods: {', '.join(available())}, or a module's dotted path")
   return importlib.import_module(f"{__name__}.{name}")
 
 

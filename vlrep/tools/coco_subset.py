@@ -16,6 +16,8 @@ import os
 import numpy as np
 from absl import app, flags
 
+from vlrep import errors, safe_files
+
 
 def define_flags():
   flags.DEFINE_string("annotations", None, "COCO instances JSON (e.g. instances_train2017.json).")
@@ -44,16 +46,17 @@ def main(argv):
   f = flags.FLAGS
   if not os.path.exists(f.annotations):
     raise FileNotFoundError(f"No annotation file {f.annotations}.")
-  with open(f.annotations) as fh:
-    data = json.load(fh)
+  with errors.reading(f.annotations, what="COCO annotations file (JSON)"):
+    with open(f.annotations) as fh:
+      data = json.load(fh)
+  if not isinstance(data, dict):
+    raise errors.BadFile(f"{f.annotations}: not a COCO annotations file (a JSON {type(data).__name__}).")
   out = subset(data, f.percent, f.seed)
-  with open(f.out + ".tmp", "w") as fh:
-    json.dump(out, fh)
-  os.replace(f.out + ".tmp", f.out)
+  safe_files.write_json(f.out, out, indent=None)  # a fresh temporary file, renamed: no link at --out followed
   print(f"{len(out['images'])}/{len(data['images'])} images, {len(out['annotations'])} annotations -> {f.out}")
 
 
 if __name__ == "__main__":
   define_flags()
   flags.mark_flags_as_required(["annotations", "percent", "out"])
-  app.run(main)
+  app.run(errors.exit_2_on_user_error(main))

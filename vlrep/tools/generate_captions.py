@@ -11,7 +11,6 @@ Images are resized and centre-cropped to the run's training size.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -20,7 +19,7 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import ConfigDict
 
-from vlrep import run_setup, runs
+from vlrep import run_setup, runs, safe_files
 from vlrep.data import pipeline
 from vlrep.evaluators.captioning import captioner_for
 from vlrep.tools.caption import training_size
@@ -41,7 +40,7 @@ def generate(
   seed: int = 0,
 ) -> dict[str, list[str]]:
   run = runs.load_run(workdir, "best")
-  _, inputs = run_setup.build(run.config)
+  inputs = run_setup.build_inputs(run.config)  # the run's saved config: what it names is only read
   size = training_size(run.config)
   builder = pipeline.get_builder(dataset, data_dir or None, config_name or None)
   kwargs = {"beam_size": beam_size} if decoding == "beam" else {}
@@ -62,11 +61,8 @@ def generate(
     for j in np.flatnonzero(keep):
       out[str(int(batch["image_id"][j]))] = texts[j]
     logging.info("%d images captioned (%.1fs).", len(out), time.time() - t0)
-  os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-  tmp = output + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(out, f, indent=1, sort_keys=True)
-  os.replace(tmp, output)
+  safe_files.make_dirs(os.path.dirname(os.path.abspath(output)))
+  safe_files.write_json(output, out, indent=1, sort_keys=True)
   return out
 
 

@@ -39,6 +39,8 @@ import sys
 import ml_collections
 from absl import app, flags, logging
 
+from vlrep import safe_files
+
 
 def define_flags():
   flags.DEFINE_string("config", None, "Base config, e.g. configs/virtex.py:runlocal.")
@@ -215,7 +217,8 @@ def plot(table: list[dict], x_key: str, metrics: list[str], path: str) -> None:
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(path)
+  with safe_files.atomic_path(path, suffix=os.path.splitext(path)[1]) as tmp:
+    fig.savefig(tmp)
   plt.close(fig)
 
 
@@ -253,14 +256,13 @@ def sweep(
     table = plotted = collect([(n, a, w[0]) for n, a, w in rows], metrics)
   else:
     table, plotted = collect_seeds(rows, metrics)
-  os.makedirs(root, exist_ok=True)
+  safe_files.make_dirs(root)
   md_path, png_path = os.path.join(root, "sweep.md"), os.path.join(root, "sweep.png")
   described = "; ".join(n + "=" + " ".join(v) for n, v in parsed)
   header = f"Sweep of `{config}` over {described}"
   if len(seeds) > 1:
     header += f", seeds {', '.join(map(str, seeds))}: mean ± std (each seed)"
-  with open(md_path, "w") as f:
-    f.write(header + "\n\n" + markdown(table, [n for n, _ in parsed] + metrics))
+  safe_files.write_text(md_path, header + "\n\n" + markdown(table, [n for n, _ in parsed] + metrics), root=root)
   plot(plotted, parsed[0][0], metrics, png_path)
   return md_path, png_path
 

@@ -21,6 +21,7 @@ import os
 
 from absl import app, flags, logging
 
+from vlrep import safe_files
 from vlrep.tools import sweep
 
 METRIC = {
@@ -102,7 +103,8 @@ def plot(root: str, archs, sources, tasks, path: str, seeds=(0,), modes=MODES) -
       ax.grid(axis="y", alpha=0.3)
       ax.legend(fontsize=7)
   fig.tight_layout()
-  fig.savefig(path)
+  with safe_files.atomic_path(path, suffix=os.path.splitext(path)[1]) as tmp:
+    fig.savefig(tmp)
   plt.close(fig)
 
 
@@ -141,10 +143,9 @@ def study(
   if dry_run:
     return None, None
   md = tables(root, archs, sources, tasks, seeds, modes)
-  os.makedirs(root, exist_ok=True)
+  safe_files.make_dirs(root)
   md_path, png_path = os.path.join(root, "study.md"), os.path.join(root, "study.png")
-  with open(md_path, "w") as f:
-    f.write(f"Study of `{config}`: best validation score per run\n\n{md}")
+  safe_files.write_text(md_path, f"Study of `{config}`: best validation score per run\n\n{md}", root=root)
   plot(root, archs, sources, tasks, png_path, seeds, modes)
   logging.info("Wrote %s and %s", md_path, png_path)
   return md_path, png_path

@@ -19,7 +19,7 @@ import re
 import numpy as np
 from absl import app, flags, logging
 
-from vlrep import runs
+from vlrep import runs, safe_files
 from vlrep.models import bert as bert_lib
 
 ATTENTION = ("query", "key", "value", "attention_output")
@@ -107,10 +107,10 @@ def write(distances: dict, path_prefix: str) -> tuple[str, str]:
     lines.append("")
   fig.tight_layout()
   png, md = path_prefix + ".png", path_prefix + ".md"
-  fig.savefig(png)
+  with safe_files.atomic_path(png, suffix=".png") as tmp:
+    fig.savefig(tmp)
   plt.close(fig)
-  with open(md, "w") as f:
-    f.write("\n".join(lines) + "\n")
+  safe_files.write_text(md, "\n".join(lines) + "\n")
   return png, md
 
 
