@@ -30,6 +30,7 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from vlrep import torch_files
+from vlrep.errors import BadFile, UserError
 
 
 @dataclasses.dataclass
@@ -63,7 +64,7 @@ def format_module(name: str):
 
   known = known_formats()
   if name not in known:
-    raise ValueError(f"Unknown import format {name!r}; known formats: {', '.join(known)} (or 'auto').")
+    raise UserError(f"Unknown import format {name!r}; known formats: {', '.join(known)} (or 'auto').")
   return importlib.import_module(f"{__name__}.{name}")
 
 
@@ -82,10 +83,10 @@ def closest_format(keys: set[str]) -> tuple[str, float, list[str], list[str]]:
   return best
 
 
-def no_format_error(path: str, keys: set[str], fmt: str, score: float, missing, unexpected) -> ValueError:
+def no_format_error(path: str, keys: set[str], fmt: str, score: float, missing, unexpected) -> BadFile:
   """The error for a file that is not (or not wholly) in a format: what it is closest to and how it differs."""
   sample = sorted(keys)[:5]
-  return ValueError(
+  return BadFile(
     f"{path} matches no import format: the closest is {fmt!r} (score {score:.2f} of 1), but "
     f"{len(missing)} keys it needs are missing (first: {missing[:5]}) and {len(unexpected)} of the file's keys are "
     f"unexpected (first: {unexpected[:5]}). The file has {len(keys)} tensors, e.g. {sample}."
@@ -96,16 +97,14 @@ def no_format_error(path: str, keys: set[str], fmt: str, score: float, missing, 
 # Safe loading: safetensors, or torch.save files through vlrep.torch_files (a restricted unpickler; no code runs).
 # ------------------------------------------------------------------------------------------------------------------
 def load_checkpoint(path: str) -> Any:
-  """A .safetensors file as {name: array}; any other file (.pth/.pt/.bin: torch.save, zip or legacy format) through
-  `vlrep.torch_files.load_checkpoint`: plain Python containers and numpy arrays; a file that asks for any other
-  object is a `torch_files.UnsafeFile` error naming the file and the global (nothing in it is imported or run)."""
+  """A .safetensors file as {name: array} (`vlrep.torch_files.load_safetensors`: every declared size checked first);
+  any other file (.pth/.pt/.bin: torch.save, zip or legacy format) through `vlrep.torch_files.load_checkpoint`:
+  plain Python containers and numpy arrays; a file that asks for any other object is a `torch_files.UnsafeFile`
+  error naming the file and the global (nothing in it is imported or run). A malformed file is a
+  `vlrep.errors.BadFile` naming it."""
   if not path.endswith(".safetensors"):
     return torch_files.load_checkpoint(path)
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"No checkpoint file {path}.")
-  from safetensors.numpy import load_file
-
-  return load_file(path)
+  return torch_files.load_safetensors(path)  # its header checked against the file before anything is read
 
 
 def load_state_dict(path: str) -> dict[str, np.ndarray]:
