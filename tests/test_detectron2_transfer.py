@@ -234,3 +234,230 @@ def test_the_random_init_baseline_has_its_own_output_folder_and_keys(tmp_path):
   assert d2t.output_dir(run) == str(tmp_path / "detectron2" / "voc")
   assert d2t.output_dir(random) == str(tmp_path / "detectron2" / "voc_random")  # never resumes the run's training
   assert d2t.result_name(random) == "voc_random"
+
+
+# ---------------------------------------------------------------------------------------------------- #
+# A run folder from someone else: the driver resumes and loads only what it wrote (no Detectron2 needed).
+# ---------------------------------------------------------------------------------------------------- #
+
+YAML = "voc_faster_rcnn_R_50_C4_24k"
+
+
+class _Payload:
+  """Pickled as `exec(code)`: what a plain pickle.load (Detectron2's for .pkl) or torch.load(weights_only=False)
+  would run."""
+
+  def __init__(self, marker):
+    self.code = f"open({str(marker)!r}, 'w').close()"
+
+  def __reduce__(self):
+    return (exec, (self.code,))
+
+
+def _payload_files(folder, marker):
+  """A pickle (.pkl) and a torch.save file (.pth), each of which creates `marker` when loaded without restriction."""
+  import pickle
+
+  import torch
+
+  folder.mkdir(parents=True, exist_ok=True)
+  pkl, pth = folder / "evil.pkl", folder / "evil.pth"
+  pkl.write_bytes(pickle.dumps({"model": {}, "__author__": "x", "p": _Payload(marker)}))
+  torch.save({"model": {}, "p": _Payload(marker)}, pth)
+  return pkl, pth
+
+
+def test_the_payloads_run_code_when_loaded_without_restriction(tmp_path):
+  # The attack is real: loaded as Detectron2 loads them (plain pickle; torch.load without weights_only), they run.
+  import pickle
+
+  import torch
+
+  pkl, pth = _payload_files(tmp_path / "p", tmp_path / "ran")
+  with open(pkl, "rb") as f:
+    pickle.load(f)
+  assert (tmp_path / "ran").exists()
+  (tmp_path / "ran").unlink()
+  torch.load(pth, weights_only=False)
+  assert (tmp_path / "ran").exists()
+
+
+def _refused(run, capsys, monkeypatch, *extra):
+  """The driver's main on `run` (Detectron2 hidden, as in CI): its exit status and stderr."""
+  monkeypatch.setitem(sys.modules, "detectron2", None)
+  code = d2t.main([f"--workdir={run}", f"--config-file={CONFIG_DIR}/{YAML}.yaml", *extra])
+  return code, capsys.readouterr().err
+
+
+def _record(out, files):
+  (out / d2t.MANIFEST).write_text(json.dumps({"files": files}))
+
+
+def test_a_last_checkpoint_the_driver_did_not_write_is_refused_before_detectron2(tmp_path, capsys, monkeypatch):
+  import hashlib
+
+  marker = tmp_path / "ran"
+  run = tmp_path / "run"
+  out = run / "detectron2" / YAML
+  pkl, pth = _payload_files(out, marker)
+  outside_pkl, _ = _payload_files(tmp_path / "elsewhere", marker)
+  sha = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()
+  final = out / "model_final.pth"
+  cases = {
+    "a .pkl beside it": ("evil.pkl", None, "resumes only the checkpoints it writes"),
+    "a path outside": (str(outside_pkl), None, "resumes only the checkpoints it writes"),
+    "a path up": ("../../../elsewhere/evil.pkl", None, "resumes only the checkpoints it writes"),
+    "a checkpoint name, no record": ("model_final.pth", None, "was not written by the Detectron2 driver"),
+    "a checkpoint name, recorded with another hash": ("model_final.pth", "0" * 64, "sha256 is"),
+    # The record is in the run folder too: a forged one with the payload's own hash still loads nothing.
+    "a checkpoint name, a forged record": ("model_final.pth", "forged", "asks for builtins.exec"),
+  }
+  for case, (name, recorded, message) in cases.items():
+    final.write_bytes(pth.read_bytes())
+    (out / d2t.MANIFEST).unlink(missing_ok=True)
+    if recorded:
+      _record(out, {"model_final.pth": sha(final) if recorded == "forged" else recorded})
+    (out / "last_checkpoint").write_text(name)
+    code, err = _refused(run, capsys, monkeypatch)
+    assert code == 2, case
+    assert message in err, (case, err)
+    named = str(final) if name == "model_final.pth" else str(out / "last_checkpoint")
+    assert named in err and "Detectron2 is not installed" not in err, (case, err)
+    assert not marker.exists(), case
+  # A last_checkpoint that is itself a link (to a file naming the payload) is refused as well.
+  (out / "last_checkpoint").unlink()
+  (tmp_path / "names").write_text(str(pkl))
+  os.symlink(tmp_path / "names", out / "last_checkpoint")
+  code, err = _refused(run, capsys, monkeypatch)
+  assert code == 2 and f"{out / 'last_checkpoint'} is a symlink" in err and not marker.exists()
+
+
+def test_links_in_or_above_the_output_folder_are_refused_before_detectron2(tmp_path, capsys, monkeypatch):
+  victim = tmp_path / "bashrc"
+  victim.write_text("keep me")
+  run = tmp_path / "run"
+  out = run / "detectron2" / YAML
+  out.mkdir(parents=True)
+  os.symlink(victim, out / "log.txt")  # Detectron2 appends its log there by name
+  code, err = _refused(run, capsys, monkeypatch)
+  assert code == 2 and str(out / "log.txt") in err and "symlink" in err
+  (out / "log.txt").unlink()
+  os.symlink(victim, out / "inference")
+  code, err = _refused(run, capsys, monkeypatch)
+  assert code == 2 and str(out / "inference") in err
+  # The folder between the run and OUTPUT_DIR a link elsewhere: nothing may be written through it.
+  elsewhere = tmp_path / "elsewhere"
+  elsewhere.mkdir()
+  (out / "inference").unlink()
+  os.rename(run / "detectron2", elsewhere / "detectron2")
+  os.symlink(elsewhere / "detectron2", run / "detectron2")
+  code, err = _refused(run, capsys, monkeypatch)
+  assert code == 2 and str(run / "detectron2") in err and "symlink" in err
+  assert victim.read_text() == "keep me"
+  # A fresh output folder passes these checks and reaches the install instruction (CI has no Detectron2).
+  code, err = _refused(run, capsys, monkeypatch, f"--output-dir={tmp_path / 'fresh'}")
+  assert code == 2 and "Detectron2 is not installed" in err
+
+
+def test_the_command_refuses_a_planted_checkpoint_with_one_message(tmp_path):
+  marker = tmp_path / "ran"
+  run = tmp_path / "run"
+  out = run / "detectron2" / YAML
+  _, pth = _payload_files(out, marker)
+  os.rename(pth, out / "model_0000999.pth")
+  (out / "last_checkpoint").write_text("model_0000999.pth")
+  code = (
+    "import sys; sys.modules['detectron2'] = None\n"
+    "from vlrep.tools import detectron2_transfer as d\n"
+    f"sys.exit(d.main(['--workdir={run}', '--config-file={CONFIG_DIR}/{YAML}.yaml']))"
+  )
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+  assert proc.returncode == 2, proc.stderr
+  assert proc.stderr.startswith("ERROR: ") and str(out / "model_0000999.pth") in proc.stderr
+  assert "Traceback" not in proc.stderr and not marker.exists()
+
+
+def _checkpoint_as_detectron2_saves_it():
+  """What Detectron2's trainer saves: the model's state dict (an OrderedDict with _metadata), the trainer's state
+  (iteration, the optimizer's, the LR scheduler hook's) and the iteration."""
+  import torch
+
+  model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+  optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+  model(torch.randn(2, 3, 8, 8)).sum().backward()
+  optimizer.step()
+  trainer = {
+    "iteration": 3,
+    "hooks": {"LRScheduler": {"base_lrs": [0.1, 0.1], "last_epoch": 4}},
+    "optimizer": optimizer.state_dict(),
+  }
+  return {"model": model.state_dict(), "trainer": trainer, "iteration": 3}
+
+
+def test_what_the_driver_wrote_resumes_through_the_restricted_unpickler(tmp_path):
+  import pickle
+
+  import torch
+
+  run = tmp_path / "run"
+  out = run / "detectron2" / YAML
+  out.mkdir(parents=True)
+  args = d2t.parse_args([f"--workdir={run}", f"--config-file={CONFIG_DIR}/{YAML}.yaml"])
+  assert d2t.check_output(args, keep=False) is None  # nothing to resume: a fresh start
+  saved = _checkpoint_as_detectron2_saves_it()
+  torch.save(saved, out / "model_0000003.pth")
+  d2t.record_written(str(out), "model_0000003.pth", str(run))
+  with open(out / "backbone.pkl", "wb") as f:
+    pickle.dump({"model": {"stem.conv1.weight": np.ones((2, 3, 1, 1), np.float32)}, "__author__": "vlrep"}, f)
+  d2t.record_written(str(out), "backbone.pkl", str(run))
+  (out / "last_checkpoint").write_text("model_0000003.pth")
+  assert set(json.loads((out / d2t.MANIFEST).read_text())["files"]) == {"backbone.pkl", "model_0000003.pth"}
+
+  path = d2t.check_output(args, keep=True)
+  assert path == str(out / "model_0000003.pth") and path in d2t._READ
+  loaded = d2t.load_for_detectron2(path, str(out))
+  assert path not in d2t._READ  # handed over once
+  for key, value in saved["model"].items():
+    assert torch.equal(loaded["model"][key], value), key
+  assert loaded["model"]._metadata == saved["model"]._metadata  # module versions, for load_state_dict
+  state = loaded["trainer"]["optimizer"]["state"][0]["momentum_buffer"]
+  assert isinstance(state, torch.Tensor) and torch.equal(
+    state, saved["trainer"]["optimizer"]["state"][0]["momentum_buffer"]
+  )
+  assert loaded["trainer"]["hooks"] == saved["trainer"]["hooks"] and loaded["iteration"] == 3
+  # The optimizer takes the state back, as Detectron2's trainer gives it.
+  model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+  torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9).load_state_dict(loaded["trainer"]["optimizer"])
+  backbone = d2t.load_for_detectron2(str(out / "backbone.pkl"), str(out))
+  assert backbone["model"]["stem.conv1.weight"].shape == (2, 3, 1, 1) and backbone["__author__"] == "vlrep"
+
+  # Anything else Detectron2 might be asked to load is refused: another folder, another name, a changed file.
+  for name in ("evil.pkl", "model_final.pth"):
+    (out / name).write_bytes(b"x")
+  with pytest.raises(UserError, match="hands it only the files it wrote"):
+    d2t.load_for_detectron2(str(tmp_path / "backbone.pkl"), str(out))
+  with pytest.raises(UserError, match="hands it only the files it wrote"):
+    d2t.load_for_detectron2(str(out / "evil.pkl"), str(out))
+  with pytest.raises(UserError, match="was not written by the Detectron2 driver"):
+    d2t.load_for_detectron2(str(out / "model_final.pth"), str(out))
+  with open(out / "backbone.pkl", "ab") as f:
+    f.write(b"\0")
+  with pytest.raises(UserError, match="sha256 is"):
+    d2t.load_for_detectron2(str(out / "backbone.pkl"), str(out))
+
+
+def test_a_planted_backbone_with_a_forged_record_loads_nothing(tmp_path):
+  import hashlib
+
+  marker = tmp_path / "ran"
+  out = tmp_path / "out"
+  pkl, _ = _payload_files(out, marker)
+  os.rename(pkl, out / "backbone.pkl")
+  _record(out, {"backbone.pkl": hashlib.sha256((out / "backbone.pkl").read_bytes()).hexdigest()})
+  with pytest.raises(UserError, match=r"backbone.pkl.*asks for builtins.exec"):
+    d2t.load_for_detectron2(str(out / "backbone.pkl"), str(out))
+  assert not marker.exists()
+  # A malformed record is one message naming it.
+  (out / d2t.MANIFEST).write_text('{"files": {"../x": "0"}}')
+  with pytest.raises(UserError, match=d2t.MANIFEST):
+    d2t.load_for_detectron2(str(out / "backbone.pkl"), str(out))

@@ -28,31 +28,56 @@ arch=visual_bert run trained with --config.method.region_boxes=False --config.me
 --config.method.region_type_embedding=tables --config.method.text_pool=cls; any other run is refused, naming those
 flags. Notes are printed: a run without a trained alignment head gets `cls.seq_relationship` as zeros, a run
 whose regions' token type is 0 (MMF's) needs `visual_token_type_ids` of zeros, a task head is not written. The
-folder is written beside --out and renamed into place; an existing non-empty --out needs --overwrite.
+folder is written beside --out and renamed into place; an existing non-empty --out needs --overwrite. Code hooks
+(`auto_map`, `trust_remote_code`, `custom_pipelines`: keys that make transformers import Python from a folder) are
+never written, whatever the run's saved config.json fields hold; dropping one is printed as a note.
 
 detectron2: the same weights renamed as Detectron2's ResNet (layerN -> res{N+1}, bnK -> convK.norm,
 downsample.0/1 -> shortcut / shortcut.norm, stem keys under `stem.`), pickled as
 {"model": {name: numpy array}, "__author__": ..., "matching_heuristics": True}; `MODEL.WEIGHTS=backbone.pkl`
 in the configs of configs/detectron2/ loads it (Detectron2 adds its `backbone.bottom_up.` prefix itself).
+
+Every file is written through vlrep.safe_files: a fresh temporary file created exclusively beside --out, then renamed
+over it, so a symlink planted at --out or at any temporary name is replaced, never followed, and a symlinked folder
+between --out's folder and the file is refused. A run that cannot be exported (a small stem, no backbone, a format
+it is not) is refused with one message and exit status 2, as is a missing run or checkpoint.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import pickle
 import re
 from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 from absl import app, flags, logging
 
-from vlrep import runs
-from vlrep.errors import exit_2_on_user_error
+from vlrep import runs, safe_files
+from vlrep.errors import UserError, exit_2_on_user_error
 from vlrep.importers import torchvision as tv_importer
 from vlrep.importers import virtex as virtex_format
 from vlrep.importers import visual_bert as visual_bert_format
 
 FORMATS = ("torchvision", "detectron2", "virtex", "visual_bert")
+# config.json keys that make transformers import and run Python shipped with a folder (AutoModel's `auto_map`,
+# `trust_remote_code`, a pipeline's code): an export never writes one, whatever a run's saved fields hold.
+CODE_HOOKS = frozenset({"auto_map", "trust_remote_code", "custom_pipelines"})
+
+
+class NotExportable(UserError):
+  """A by-design refusal: the run, the format or --out cannot give the file asked for (the message says why)."""
+
+
+class RunMissing(UserError, FileNotFoundError):
+  """No run directory, or no checkpoint of the step asked for, at --workdir."""
+
+
+class OutExists(UserError, FileExistsError):
+  """--out is a non-empty folder and --overwrite was not given (visual_bert)."""
 
 
 def torchvision_state_dict(
@@ -62,7 +87,7 @@ def torchvision_state_dict(
   key map `vlrep.importers.torchvision` imports with (import -> export is the identity). `counters`: BatchNorm
   `num_batches_tracked` values an imported run kept (0 otherwise)."""
   if backbone_stats is None:
-    raise ValueError("The backbone has no BatchNorm statistics (batch_stats); it cannot be exported.")
+    raise NotExportable("The backbone has no BatchNorm statistics (batch_stats); it cannot be exported.")
   return OrderedDict(tv_importer.state_dict(backbone_params, backbone_stats, counters).items())
 
 
@@ -89,52 +114,77 @@ def detectron2_state_dict(torchvision_sd: dict) -> OrderedDict:
   return out
 
 
+def _load(workdir: str, checkpoint: str):
+  try:
+    return runs.load_run(workdir, checkpoint)
+  except FileNotFoundError as e:  # no run directory, no checkpoint (of that step): the user's path, not a bug
+    raise RunMissing(str(e)) from e
+
+
+def _by_design(call, *args):
+  """`call(*args)`, a format's own check of a run, whose ValueErrors are refusals that say what the run lacks (a
+  VirTex export of a CLIP run, a VisualBERT export of a run with another embedding): one message, exit 2."""
+  try:
+    return call(*args)
+  except UserError:
+    raise
+  except ValueError as e:
+    raise NotExportable(str(e)) from e
+
+
+def _root_of(out: str) -> str:
+  """The folder the user named for --out: every file is written inside it, never through a link in it."""
+  return os.path.dirname(os.path.abspath(os.path.expanduser(out)))
+
+
 def export(workdir: str, fmt: str, out: str, checkpoint: str = "best", overwrite: bool = False) -> dict:
   """Writes the backbone of WORKDIR's checkpoint to `out` (the whole model for virtex and visual_bert); returns
   {'keys', 'parameters', 'step'} (and what the format adds: 'official_config', 'notes'). `overwrite`: replace an
-  existing non-empty --out folder (visual_bert; it is an error otherwise)."""
+  existing non-empty --out folder (visual_bert; it is an error otherwise). A run, format or --out that cannot give
+  the file is a `NotExportable` (a UserError), before anything is written."""
   if fmt not in FORMATS:
-    raise ValueError(f"Unknown export format {fmt!r}; expected one of {FORMATS}.")
-  run = runs.load_run(workdir, checkpoint)
+    raise NotExportable(f"Unknown export format {fmt!r}; expected one of {FORMATS}.")
+  if fmt == "torchvision" and not out.endswith((".safetensors", ".pth", ".pt")):
+    raise NotExportable(f"--out for torchvision must end in .safetensors or .pth, got {out!r}.")
+  if fmt == "detectron2" and not out.endswith(".pkl"):
+    raise NotExportable(f"--out for detectron2 must end in .pkl, got {out!r}.")
+  if fmt == "virtex" and not out.endswith((".pth", ".pt")):
+    raise NotExportable(f"--out for virtex must end in .pth (the official code reads it with torch.load), got {out!r}.")
+  run = _load(workdir, checkpoint)
   if fmt == "virtex":
     return _export_virtex(run, out)
   if fmt == "visual_bert":
     return _export_visual_bert(run, out, overwrite)
   if run.config.method.get("backbone", {}).get("arch", "resnet") != "resnet":
-    raise ValueError(f"{run.path}: export to torchvision/Detectron2 supports ResNet backbones only (this is a VGG16).")
+    raise NotExportable(
+      f"{run.path}: export to torchvision/Detectron2 supports ResNet backbones only (this is a VGG16)."
+    )
   stem = run.config.method.get("backbone", {}).get("stem", "imagenet")
   if stem != "imagenet":
     # torchvision's and Detectron2's ResNets build the 7x7 stride-2 stem and max-pool in code: a 3x3 stem's weights
     # would load under conv1's name only to fail on its shape, or (strict=False) be silently dropped.
-    raise ValueError(
+    raise NotExportable(
       f"{run.path}: the backbone uses stem={stem!r} (a 3x3 convolution, no max-pool), which neither torchvision's "
       "nor Detectron2's ResNet has; only stem='imagenet' backbones (every paper recipe) export. Inspect it with "
       "vlrep.evaluate or load its checkpoint in JAX instead."
     )
-  _, variables = runs.backbone_of(run)
+  _, variables = _by_design(runs.backbone_of, run)
   sd = torchvision_state_dict(variables["params"], variables.get("batch_stats"), _imported_counters(run))
-  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-  tmp = out + ".tmp"
-  if fmt == "torchvision":
-    if out.endswith(".safetensors"):
-      from safetensors.numpy import save_file
+  root = _root_of(out)
+  safe_files.make_dirs(root)
+  if fmt == "torchvision" and out.endswith(".safetensors"):
+    from safetensors.numpy import save_file
 
+    with safe_files.atomic_path(out, ".safetensors", root=root) as tmp:
       save_file(dict(sd), tmp, metadata={"format": "pt", "source": run.path})
-    elif out.endswith((".pth", ".pt")):
-      try:
-        import torch
-      except ImportError as e:
-        raise ImportError("Writing .pth needs PyTorch; install torch or export to .safetensors instead.") from e
+  elif fmt == "torchvision":
+    torch = _torch(".pth needs PyTorch; install torch or export to .safetensors instead.")
+    with safe_files.atomic_path(out, ".pth", root=root) as tmp:
       torch.save(OrderedDict((k, torch.from_numpy(np.array(v))) for k, v in sd.items()), tmp)
-    else:
-      raise ValueError(f"--out for torchvision must end in .safetensors or .pth, got {out!r}.")
   else:
-    if not out.endswith(".pkl"):
-      raise ValueError(f"--out for detectron2 must end in .pkl, got {out!r}.")
     sd = detectron2_state_dict(sd)
-    with open(tmp, "wb") as f:
+    with safe_files.open_atomic(out, "wb", root=root) as f:
       pickle.dump({"model": dict(sd), "__author__": f"vlrep ({run.path})", "matching_heuristics": True}, f)
-  os.replace(tmp, out)
   params = sum(
     int(np.prod(v.shape))
     for k, v in sd.items()
@@ -144,19 +194,22 @@ def export(workdir: str, fmt: str, out: str, checkpoint: str = "best", overwrite
   return {"keys": len(sd), "parameters": params, "step": run.step}
 
 
-def _export_virtex(run, out: str) -> dict:
-  if not out.endswith((".pth", ".pt")):
-    raise ValueError(f"--out for virtex must end in .pth (the official code reads it with torch.load), got {out!r}.")
+def _torch(why: str):
   try:
     import torch
   except ImportError as e:
-    raise ImportError("--format=virtex writes a torch checkpoint: install torch.") from e
-  sd, official = virtex_format.state_dict(run)
-  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-  tmp = out + ".tmp"
+    raise NotExportable(f"Writing {why} (import torch failed: {e})") from e
+  return torch
+
+
+def _export_virtex(run, out: str) -> dict:
+  torch = _torch("--format=virtex writes a torch checkpoint: install torch.")
+  sd, official = _by_design(virtex_format.state_dict, run)
+  root = _root_of(out)
+  safe_files.make_dirs(root)
   model = OrderedDict((k, torch.from_numpy(np.array(v))) for k, v in sd.items())
-  torch.save({"model": model, "iteration": int(run.step)}, tmp)
-  os.replace(tmp, out)
+  with safe_files.atomic_path(out, ".pth", root=root) as tmp:
+    torch.save({"model": model, "iteration": int(run.step)}, tmp)
   params = sum(
     int(np.prod(v.shape))
     for k, v in sd.items()
@@ -166,8 +219,39 @@ def _export_virtex(run, out: str) -> dict:
   return {"keys": len(sd), "parameters": params, "step": run.step, "official_config": official}
 
 
+def without_code_hooks(run) -> tuple[Any, list[str]]:
+  """The run with the code hooks (CODE_HOOKS) of its saved Hugging Face config.json fields (an imported run's
+  `import.hf_config`, which the visual_bert export writes back) removed, and the names removed."""
+  note = run.meta.get("import", {})
+  fields = note.get("hf_config", {}) if isinstance(note, dict) else {}
+  hooks = sorted(k for k in fields if k in CODE_HOOKS) if isinstance(fields, dict) else []
+  if not hooks:
+    return run, []
+  kept = {k: v for k, v in fields.items() if k not in CODE_HOOKS}
+  return dataclasses.replace(run, meta={**run.meta, "import": {**note, "hf_config": kept}}), hooks
+
+
 def _export_visual_bert(run, out: str, overwrite: bool) -> dict:
-  info = visual_bert_format.write_folder(run, out, overwrite)
+  folder = os.path.abspath(os.path.expanduser(out)).rstrip(os.sep)
+  if os.path.isdir(folder) and os.listdir(folder) and not overwrite:
+    raise OutExists(
+      f"--out={out} already exists and is not empty; pass --overwrite to replace it, or choose another folder."
+    )
+  if os.path.lexists(folder) and not os.path.isdir(folder) or os.path.islink(folder):
+    raise NotExportable(f"--out={out} is a file or a link; --format=visual_bert writes a folder.")
+  safe_files.make_dirs(_root_of(folder))
+  run, hooks = without_code_hooks(run)
+  info = _by_design(visual_bert_format.write_folder, run, out, overwrite)
+  written = os.path.join(folder, "config.json")
+  with open(written, encoding="utf-8") as f:  # the file just written: no code hook reached it
+    left = sorted(CODE_HOOKS & set(json.load(f)))
+  if left:
+    raise RuntimeError(f"{written} was written with code hooks {left}; vlrep's export must never write them.")
+  if hooks:
+    info["notes"] = [
+      *info.get("notes", []),
+      f"not written: {hooks} (code hooks: transformers would import Python from the folder; an export carries none)",
+    ]
   logging.info("Wrote %d tensors of step %d to %s (%s).", info["keys"], run.step, out, ", ".join(info["files"]))
   return info
 

@@ -36,6 +36,22 @@ What it does, in order:
    <task>/<metric>` (e.g. .../bbox/AP, .../segm/AP50) and, with the per-class APs, into
    OUTPUT_DIR/transfer_results.json.
 
+It resumes only what it wrote. A run folder may come from someone else, and Detectron2 reads a `.pkl` with plain
+pickle.load and a checkpoint with torch.load, which can run code the file names. So:
+- The driver records what it writes in OUTPUT_DIR/vlrep_written.json (MANIFEST: the name and sha256 of backbone.pkl
+  and of every checkpoint its trainer saves, rewritten atomically after each save). A `last_checkpoint` that names
+  anything but a checkpoint of that record (another name, a path, a `.pkl`, a link) or a file whose sha256 differs
+  from the record is refused with exit status 2 naming the file, before Detectron2 is imported.
+- The record lies in the run folder, so it is no proof by itself: Detectron2 never reads a pickle itself. The
+  trainer's checkpointer (`checkpointer_type`) loads only OUTPUT_DIR's backbone.pkl and recorded checkpoints, each
+  through vlrep's restricted unpickler (vlrep.torch_files: tensors, numpy arrays and plain containers, nothing else
+  imported or called), and a resumed checkpoint is read that way before Detectron2 is imported too. backbone.pkl is
+  exported afresh by every command that does not resume (a resumed one loads no backbone).
+- Writes never follow links: OUTPUT_DIR and every folder between the run and it must be real folders, and a link (or
+  anything but a file or folder) anywhere under OUTPUT_DIR is refused before training, since Detectron2 writes its
+  logs, config.yaml, metrics and evaluations there by name; the driver's own files (checkpoints, last_checkpoint,
+  the record, transfer_results.json) are written through vlrep.safe_files.
+
 Detectron2 is not on the package index. Build it from its source (CPU or CUDA; minutes):
   git clone https://github.com/facebookresearch/detectron2 && cd detectron2
   pip install --no-build-isolation -e .          # FORCE_CUDA=0 on a machine without CUDA
@@ -46,16 +62,22 @@ cannot hold, a dataset that is not registered, a wrong input convention) is an e
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-from vlrep import runs
-from vlrep.errors import UserError
+import ml_dtypes
+import numpy as np
+
+from vlrep import errors, runs, safe_files, torch_files
+from vlrep.errors import BadFile, UserError
 
 # Detectron2 (built from its source, INSTALL below) and torch are imported inside the functions that use them: an
 # optional dependency, so --help and the early refusals (a missing run, no Detectron2) work without importing it.
@@ -79,6 +101,13 @@ INPUT_CONVENTION = {
 DETECTRON2_DEPTHS = (18, 34, 50, 101, 152)
 NORM_KEYS = ("MODEL.RESNETS.NORM", "MODEL.FPN.NORM", "MODEL.ROI_BOX_HEAD.NORM", "MODEL.ROI_MASK_HEAD.NORM")
 DATASET_KINDS = {"coco": 2, "lvis": 2, "voc": 3}  # kind -> number of ':'-separated fields after it
+# What the driver writes into OUTPUT_DIR and may hand to Detectron2: the exported backbone and the trainer's
+# checkpoints (PeriodicCheckpointer's model_<iteration, 7 digits>.pth and model_final.pth), recorded in MANIFEST.
+MANIFEST = "vlrep_written.json"
+BACKBONE = "backbone.pkl"
+CHECKPOINT_NAME = re.compile(r"model_(\d{7}|final)\.pth\Z")
+LAST_CHECKPOINT = "last_checkpoint"
+_SMALL_FILE = 1 << 20  # bytes: the record and last_checkpoint are a few hundred
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -232,6 +261,239 @@ def output_dir(args) -> str:
   return os.path.abspath(os.path.expanduser(args.output_dir or os.path.join(args.workdir, "detectron2", name)))
 
 
+# ------------------------------------------------------------------------------------------------------------ #
+# What the driver wrote: the record (MANIFEST), its checks, and the only reader of pickles for Detectron2.
+# ------------------------------------------------------------------------------------------------------------ #
+
+
+def output_root(args) -> str:
+  """The folder the user named that holds every write: the run (OUTPUT_DIR defaults to a folder inside it), or
+  --output-dir itself."""
+  if args.output_dir:
+    return output_dir(args)
+  return os.path.abspath(os.path.expanduser(args.workdir))
+
+
+def check_output_dir(out_dir: str, root: str) -> None:
+  """Refuses (UserError naming it) a link between `root` and `out_dir`, or a link, FIFO, socket or device anywhere
+  under `out_dir`: Detectron2 writes its log, config.yaml, metrics and evaluations there by name, following links."""
+  safe_files.check_inside(out_dir, root)
+  if not os.path.isdir(out_dir):
+    return
+  for folder, dirs, files in os.walk(out_dir):  # os.walk does not descend into linked folders; they are listed
+    for name in (*dirs, *files):
+      path = os.path.join(folder, name)
+      if os.path.islink(path) or not (os.path.isfile(path) or os.path.isdir(path)):
+        kind = f"a symlink (to {os.readlink(path)!r})" if os.path.islink(path) else "not a file or folder"
+        raise safe_files.OutsideWrite(
+          f"{path} is {kind}; the Detectron2 driver writes into {out_dir} and follows no links there. Remove it, or "
+          "give a fresh --output-dir."
+        )
+
+
+def sha256_of(path: str) -> str:
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 22), b""):
+      digest.update(block)
+  return digest.hexdigest()
+
+
+def _small_text(path: str, what: str) -> str:
+  """A short text file of OUTPUT_DIR (the record, last_checkpoint): a regular file, not a link, at most 1 MB."""
+  if os.path.islink(path) or not os.path.isfile(path):
+    raise BadFile(f"{path} is a link or not a file; the Detectron2 driver writes its {what} as a plain file.")
+  if os.path.getsize(path) > _SMALL_FILE:
+    raise BadFile(f"{path} has {os.path.getsize(path)} bytes: not a {what} the Detectron2 driver wrote.")
+  with errors.reading(path, what), open(path, encoding="utf-8") as f:
+    return f.read()
+
+
+def read_manifest(out_dir: str) -> dict[str, str]:
+  """{name: sha256} of the files the driver recorded in `out_dir` ({} when there is no record)."""
+  path = os.path.join(out_dir, MANIFEST)
+  if not os.path.lexists(path):
+    return {}
+  text = _small_text(path, "record of the files it wrote")
+  with errors.reading(path, "record of the files the Detectron2 driver wrote"):
+    files = json.loads(text)["files"]
+  hex64 = re.compile(r"[0-9a-f]{64}\Z")
+  if not isinstance(files, dict) or not all(
+    isinstance(k, str) and (k == BACKBONE or CHECKPOINT_NAME.match(k)) and isinstance(v, str) and hex64.match(v)
+    for k, v in files.items()
+  ):
+    raise BadFile(f"{path}: not a record the Detectron2 driver wrote ({{name: sha256}} of backbone.pkl, model_*.pth).")
+  return files
+
+
+def record_written(out_dir: str, name: str, root: str) -> str:
+  """Adds `name` (a file the driver just wrote in `out_dir`) with its sha256 to the record; returns the sha256."""
+  digest = sha256_of(os.path.join(out_dir, name))
+  files = {**read_manifest(out_dir), name: digest}
+  record = {"written_by": "vlrep.tools.detectron2_transfer", "files": dict(sorted(files.items()))}
+  safe_files.write_json(os.path.join(out_dir, MANIFEST), record, root=root)
+  return digest
+
+
+def verified_file(out_dir: str, name: str, named_by: str) -> str:
+  """The sha256 of OUTPUT_DIR's `name`, refused (UserError naming the file) unless it is a plain file the record
+  lists with that very sha256. `named_by`: what asked for it, for the message."""
+  path = os.path.join(out_dir, name)
+  fresh = "delete it (and OUTPUT_DIR's last_checkpoint) to train afresh from the run's backbone, or give --output-dir"
+  if os.path.islink(path) or not os.path.isfile(path):
+    raise UserError(f"{path} ({named_by}) is missing, a link or not a file; the driver loads only files it wrote.")
+  recorded = read_manifest(out_dir).get(name)
+  if recorded is None:
+    raise UserError(
+      f"{path} ({named_by}) was not written by the Detectron2 driver: {os.path.join(out_dir, MANIFEST)} does not "
+      f"list it. A run folder from elsewhere may ship a file that runs code when Detectron2 loads it; {fresh}."
+    )
+  digest = sha256_of(path)
+  if digest != recorded:
+    raise UserError(
+      f"{path} ({named_by}) is not the file the Detectron2 driver wrote: its sha256 is {digest}, the record's "
+      f"{recorded}. It changed since (or was replaced); {fresh}."
+    )
+  return digest
+
+
+def resume_checkpoint(out_dir: str) -> tuple[str, str] | None:
+  """(path, sha256) of the checkpoint OUTPUT_DIR's `last_checkpoint` names, when there is one: only a model_*.pth of
+  OUTPUT_DIR that the record lists with its sha256 (anything else is a UserError naming the file); None without
+  last_checkpoint."""
+  path = os.path.join(out_dir, LAST_CHECKPOINT)
+  if not os.path.lexists(path):
+    return None
+  name = _small_text(path, "last_checkpoint").strip()
+  if not CHECKPOINT_NAME.match(name):
+    raise UserError(
+      f"{path} names {name[:200]!r}; the Detectron2 driver resumes only the checkpoints it writes in that folder "
+      "(model_<7 digits>.pth, model_final.pth). A run folder from elsewhere may name a file that runs code when "
+      "Detectron2 loads it. Delete last_checkpoint to train afresh, or give --output-dir."
+    )
+  return os.path.join(out_dir, name), verified_file(out_dir, name, f"named by {path}")
+
+
+# Checkpoints read (restricted) and checked before the trainer was built, {path: (sha256, object)}: a resumed
+# checkpoint is read once per process, whether main or a launched worker checked it.
+_READ: dict[str, tuple[str, Any]] = {}
+
+
+def read_written(path: str) -> Any:
+  """A file the driver wrote (backbone.pkl, model_*.pth), read through vlrep's restricted unpickler (nothing it
+  names is imported or called; a global outside tensors/arrays/containers is an UnsafeFile error naming the file)
+  and checked to be what Detectron2 loads: {'model': {name: array}, ...}."""
+  with errors.reading(path, "Detectron2 checkpoint" if path.endswith(".pth") else "Detectron2 weights file"):
+    if path.endswith(".pkl"):
+      with open(path, "rb") as f:
+        obj = torch_files.load_pickle(f, path)
+    else:
+      obj = torch_files.load_checkpoint(path)
+  model = obj.get("model") if isinstance(obj, dict) else None
+  if not isinstance(model, dict) or not all(isinstance(v, np.ndarray) for v in model.values()):
+    raise BadFile(f"{path} holds no {{'model': {{name: tensor}}}}: not a file the Detectron2 driver wrote.")
+  if path.endswith(".pkl") and "__author__" not in obj:
+    raise BadFile(f"{path} lacks '__author__': not a backbone vlrep.export wrote.")
+  return obj
+
+
+def check_output(args, keep: bool) -> str | None:
+  """Everything about OUTPUT_DIR that can be checked before Detectron2 is imported: no links in or above it, and a
+  `last_checkpoint` that names a checkpoint the driver recorded, unchanged, which the restricted unpickler reads
+  (kept for this process's trainer when `keep`). Returns the checkpoint to resume, or None."""
+  out_dir = output_dir(args)
+  check_output_dir(out_dir, output_root(args))
+  resume = resume_checkpoint(out_dir)
+  if resume is None:
+    return None
+  path, digest = resume
+  if _READ.get(path, ("",))[0] != digest:
+    obj = read_written(path)
+    if keep:
+      _READ[path] = (digest, obj)
+  return path
+
+
+def load_for_detectron2(filename: str, out_dir: str):
+  """What Detectron2's checkpointer gets instead of pickle.load / torch.load of `filename`: only OUTPUT_DIR's
+  backbone.pkl or a checkpoint of the record, with the recorded sha256, read by `read_written`; a checkpoint's
+  arrays as torch tensors (the optimizer's state needs them), a backbone's as numpy arrays (Detectron2 converts
+  those as it does for its model zoo's .pkl files)."""
+  import torch
+
+  path = os.path.abspath(filename)
+  folder, name = os.path.split(path)
+  if folder != os.path.abspath(out_dir) or not (name == BACKBONE or CHECKPOINT_NAME.match(name)):
+    raise UserError(
+      f"Detectron2 was asked to load {filename}; the driver hands it only the files it wrote in {out_dir} "
+      f"({BACKBONE}, model_*.pth)."
+    )
+  digest = verified_file(out_dir, name, "for Detectron2 to load")
+  cached = _READ.pop(path, None)
+  obj = cached[1] if cached is not None and cached[0] == digest else read_written(path)
+  if name == BACKBONE:
+    return obj
+
+  def tensors(x):
+    if isinstance(x, np.ndarray):
+      if x.dtype == np.dtype(ml_dtypes.bfloat16):
+        return torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16)
+      return torch.from_numpy(x)
+    if isinstance(x, dict):  # in place: an OrderedDict keeps its _metadata (module versions for load_state_dict)
+      for k in list(x):
+        x[k] = tensors(x[k])
+      return x
+    if isinstance(x, list):
+      x[:] = [tensors(v) for v in x]
+      return x
+    if isinstance(x, tuple):
+      return type(x)(tensors(v) for v in x)
+    return x
+
+  return tensors(obj)
+
+
+def checkpointer_type():
+  """Detectron2's DetectionCheckpointer, made to read only what the driver wrote (`load_for_detectron2`, never
+  pickle.load or torch.load) and to write without following links, recording each checkpoint it saves."""
+  import torch
+  from detectron2.checkpoint import DetectionCheckpointer
+
+  def _load_file(self, filename):
+    return load_for_detectron2(filename, self.save_dir)
+
+  def save(self, name: str, **kwargs) -> None:  # fvcore's Checkpointer.save, written atomically and recorded
+    if not self.save_dir or not self.save_to_disk:
+      return
+    basename = f"{name}.pth"
+    if not CHECKPOINT_NAME.match(basename):
+      raise ValueError(f"The driver's checkpointer saves model_<iteration>.pth and model_final.pth, not {basename}.")
+    data = {"model": self.model.state_dict()}
+    data.update({key: obj.state_dict() for key, obj in self.checkpointables.items()})
+    data.update(kwargs)
+    path = os.path.join(self.save_dir, basename)
+    self.logger.info(f"Saving checkpoint to {path}")
+    with safe_files.atomic_path(path, ".pth", root=self.save_dir) as tmp:
+      torch.save(data, tmp)
+    record_written(self.save_dir, basename, self.save_dir)
+    self.tag_last_checkpoint(basename)
+
+  def tag_last_checkpoint(self, basename: str) -> None:
+    safe_files.write_text(os.path.join(self.save_dir, LAST_CHECKPOINT), basename, root=self.save_dir)
+
+  def get_checkpoint_file(self) -> str:
+    resume = resume_checkpoint(self.save_dir)
+    return resume[0] if resume else ""
+
+  methods = dict(
+    _load_file=_load_file,
+    save=save,
+    tag_last_checkpoint=tag_last_checkpoint,
+    get_checkpoint_file=get_checkpoint_file,
+  )
+  return type("WrittenOnlyCheckpointer", (DetectionCheckpointer,), methods)
+
+
 def export_backbone(workdir: str, checkpoint: str, out: str) -> None:
   """`vlrep.export --format=detectron2` in a process of its own, on the CPU: JAX leaves the accelerator to torch."""
   cmd = [
@@ -280,7 +542,7 @@ def uses_rle_masks(datasets: list[str], names) -> bool:
     name, kind, fields = parse_dataset(spec)
     if name not in names or kind == "voc":
       continue
-    with open(fields[0]) as f:
+    with errors.reading(fields[0], "COCO/LVIS instances file"), open(fields[0], encoding="utf-8") as f:
       annotations = json.load(f).get("annotations", [])
     if any(isinstance(a.get("segmentation"), dict) for a in annotations):
       return True
@@ -346,21 +608,35 @@ def train_and_evaluate(args) -> dict:
   if cfg.MODEL.MASK_ON and cfg.INPUT.MASK_FORMAT == "polygon" and uses_rle_masks(args.dataset, cfg.DATASETS.TRAIN):
     print("The training set's masks are RLE: INPUT.MASK_FORMAT bitmask (polygon reads only polygons).", flush=True)
     cfg.INPUT.MASK_FORMAT = "bitmask"
-  os.makedirs(cfg.OUTPUT_DIR, exist_ok=True)
-  resuming = os.path.exists(os.path.join(cfg.OUTPUT_DIR, "last_checkpoint"))
-  weights = os.path.join(cfg.OUTPUT_DIR, "backbone.pkl")
-  if args.weights == "run" and not resuming and comm.is_main_process():
-    export_backbone(args.workdir, args.checkpoint, weights)
+  root = output_root(args)
+  safe_files.make_dirs(cfg.OUTPUT_DIR, root=root)
+  # Checked again in this process (a launched worker is a fresh one; the single process read it in main already).
+  resume = check_output(args, keep=True)
+  weights = os.path.join(cfg.OUTPUT_DIR, BACKBONE)
+  if args.weights == "run" and resume is None and comm.is_main_process():
+    export_backbone(args.workdir, args.checkpoint, weights)  # every command that does not resume: made now
+    record_written(cfg.OUTPUT_DIR, BACKBONE, root)
   comm.synchronize()
-  cfg.MODEL.WEIGHTS = weights if args.weights == "run" else ""
+  # A resumed job loads its checkpoint, never MODEL.WEIGHTS: nothing else is handed to Detectron2.
+  cfg.MODEL.WEIGHTS = weights if args.weights == "run" and resume is None else ""
   cfg.freeze()
   default_setup(cfg, argparse.Namespace(config_file=args.config_file, eval_only=False))
 
-  trainer_type = type("TransferTrainer", (DefaultTrainer,), {"build_evaluator": staticmethod(build_evaluator)})
+  def build_hooks(self):  # the checkpointer the hooks save with and resume_or_load reads with: the driver's own
+    self.checkpointer = checkpointer_type()(
+      self.checkpointer.model, cfg.OUTPUT_DIR, **self.checkpointer.checkpointables
+    )
+    return DefaultTrainer.build_hooks(self)
+
+  trainer_type = type(
+    "TransferTrainer",
+    (DefaultTrainer,),
+    {"build_evaluator": staticmethod(build_evaluator), "build_hooks": build_hooks},
+  )
   trainer = trainer_type(cfg)
   trainer.resume_or_load(resume=True)
   print(
-    f"{'Resuming at iteration ' + str(trainer.start_iter) if resuming else 'Fine-tuning'} "
+    f"{'Resuming at iteration ' + str(trainer.start_iter) if resume else 'Fine-tuning'} "
     f"({args.weights} weights) to {cfg.SOLVER.MAX_ITER} iterations; output in {cfg.OUTPUT_DIR}",
     flush=True,
   )
@@ -372,8 +648,8 @@ def train_and_evaluate(args) -> dict:
     results = DefaultTrainer.test(cfg, trainer.model, [build_evaluator(cfg, n) for n in cfg.DATASETS.TEST])
   if comm.is_main_process():
     values = summary_values(result_name(args), dict(results))
-    with open(os.path.join(cfg.OUTPUT_DIR, "transfer_results.json"), "w") as f:
-      json.dump(values, f, indent=2, sort_keys=True)
+    path = os.path.join(cfg.OUTPUT_DIR, "transfer_results.json")
+    safe_files.write_json(path, values, root=cfg.OUTPUT_DIR, indent=2, sort_keys=True)
     # The per-class APs (AP-<class>: 80 for COCO, 1,203 for LVIS) stay in transfer_results.json.
     runs.write_summary(args.workdir, {k: v for k, v in values.items() if "/AP-" not in k})
     for key, value in values.items():
@@ -388,6 +664,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       raise UserError(f"--workdir={args.workdir}: no such run directory.")
     if not os.path.isfile(args.config_file):
       raise UserError(f"--config-file={args.config_file}: no such file.")
+    # Before Detectron2 is needed: what the run folder's OUTPUT_DIR would make it load or write through.
+    check_output(args, keep=args.num_gpus <= 1)
     require_detectron2()
     from detectron2.engine import launch
 
