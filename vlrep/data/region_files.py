@@ -9,7 +9,10 @@ vlrep's format (one file per image, written by `python -m vlrep.tools.convert_re
 MMF's dumps (`<name>.npy` features + `<name>_info.npy`, a pickled dict with bbox, num_boxes, image_width,
 image_height, objects, cls_prob) convert with `--format=mmf`. Their info files are read with vlrep's restricted
 unpickler (vlrep.torch_files): numpy arrays and plain containers only; an info file that asks for anything else
-(a payload) stops the conversion with an error naming it, and nothing in it runs.
+(a payload) stops the conversion with an error naming it, and nothing in it runs. Every .npy / .npz header is
+checked against the bytes the file holds before anything is allocated (`load_npy`, `load_npz`): plain numeric
+arrays only, no pickle outside an info file; a malformed dump is skipped and counted, a malformed region file is
+a `vlrep.errors.BadFile` naming it.
 
 The `region_features(DIR, max_regions, class_probs=False)` host op looks features up by `image_id`: `regions`
 [R, D], `boxes` [R, 4] normalised (ymin, xmin, ymax, xmax, TFDS order), `box_mask`, `region_labels` (-1
@@ -20,33 +23,87 @@ no regions (box_mask all False), is counted in `stat_no_features`, and trains on
 
 from __future__ import annotations
 
+import io
+import math
 import os
+import zipfile
 
 import numpy as np
 
-from vlrep import torch_files
+from vlrep import errors, safe_files, torch_files
 from vlrep.data import registry
+from vlrep.errors import BadFile
+
+
+def load_npy(path: str, pickled: bool = False):
+  """An .npy file's array, its header checked against the file before anything is allocated: a plain numeric dtype
+  (bool, int, uint, float, complex) whose shape x itemsize the rest of the file holds. With `pickled`, an
+  object-dtype file's pickle is read through vlrep's restricted unpickler (`vlrep.torch_files.load_pickle`: numpy
+  arrays and plain containers, bounded; any other global is an `UnsafeFile` naming the file and the global, and
+  nothing in the file runs). Any malformed file is a `vlrep.errors.BadFile` naming it."""
+  with errors.reading(path, what=".npy file"), open(path, "rb") as f:
+    return _read_npy(f, path, os.fstat(f.fileno()).st_size, pickled)
+
+
+def _read_npy(f, path: str, size: int, pickled: bool):
+  version = np.lib.format.read_magic(f)
+  if version == (1, 0):
+    shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+  elif version == (2, 0):
+    shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+  else:
+    raise BadFile(f"{path}: .npy format version {version[0]}.{version[1]}; vlrep reads 1.0 and 2.0.")
+  if dtype.hasobject:
+    if not pickled:
+      raise BadFile(f"{path} holds pickled Python objects (dtype {dtype}), where vlrep reads a numeric array.")
+    return torch_files.load_pickle(f, path)
+  if dtype.kind not in "biufc" or dtype.fields is not None or dtype.subdtype is not None:
+    raise BadFile(f"{path}: an array of dtype {dtype}; vlrep reads plain numeric arrays only.")
+  if not all(isinstance(n, int) and n >= 0 for n in shape):
+    raise BadFile(f"{path}: its header declares the shape {shape}.")
+  nbytes, left = math.prod(shape) * dtype.itemsize, size - f.tell()
+  if nbytes > left:  # checked before a buffer of that size is allocated
+    raise BadFile(f"{path}: its header declares shape {shape} of {dtype} ({nbytes:,} bytes); {left:,} bytes follow.")
+  buf = bytearray(nbytes)
+  if f.readinto(buf) != nbytes:
+    raise BadFile(f"{path} is truncated.")
+  return np.frombuffer(buf, dtype).reshape(shape, order="F" if fortran else "C")
 
 
 def load_pickled_npy(path: str):
   """The object stored in an .npy file written with allow_pickle (MMF's `_info.npy` dicts), through vlrep's
-  restricted unpickler (`vlrep.torch_files.load_pickle`: numpy arrays and plain containers; any other global is an
-  `UnsafeFile` error naming the file and the global, and nothing in the file runs)."""
-  with open(path, "rb") as f:
-    version = np.lib.format.read_magic(f)
-    if version == (1, 0):
-      _, _, dtype = np.lib.format.read_array_header_1_0(f)
-    else:
-      _, _, dtype = np.lib.format.read_array_header_2_0(f)
-    if not dtype.hasobject:
-      f.seek(0)
-      return np.load(f)
-    obj = torch_files.load_pickle(f, path)
+  restricted unpickler (`load_npy(path, pickled=True)`); a numeric .npy file's array as it is."""
+  obj = load_npy(path, pickled=True)
   # np.save of a dict stores a 0-d object array.
-  return obj.item() if isinstance(obj, np.ndarray) and obj.shape == () else obj
+  return obj.item() if isinstance(obj, np.ndarray) and obj.shape == () and obj.dtype.hasobject else obj
 
 
-def write_regions(path: str, features, boxes_xyxy, width: float, height: float, labels=None, cls_prob=None) -> None:
+def load_npz(path: str) -> dict[str, np.ndarray]:
+  """Every array of an .npz file (a zip of .npy files), each member's declared size checked before it is read (at
+  most 4 x the file's size + 256 MiB in all: a deflated bomb is refused) and each read as `load_npy` reads one:
+  plain numeric arrays only, no pickles. A malformed file is a `vlrep.errors.BadFile` naming it."""
+  with errors.reading(path, what=".npz file"), zipfile.ZipFile(path) as archive:
+    size = os.path.getsize(path)
+    left = torch_files.BUDGET_PER_FILE_BYTE * size + torch_files.BUDGET_BASE
+    out = {}
+    for info in archive.infolist():
+      if not info.filename.endswith(".npy"):
+        continue
+      if info.file_size > left:
+        raise BadFile(
+          f"{path}: its member {info.filename} declares {info.file_size:,} bytes decompressed, more than a file of "
+          f"{size:,} bytes may hold (4 x its size + 256 MiB in all)."
+        )
+      left -= info.file_size
+      data = archive.read(info)
+      out[info.filename[: -len(".npy")]] = _read_npy(io.BytesIO(data), f"{path} ({info.filename})", len(data), False)
+    return out
+
+
+def write_regions(
+  path: str, features, boxes_xyxy, width: float, height: float, labels=None, cls_prob=None, root: str | None = None
+) -> None:
+  """DIR/<image_id>.npz (the module docstring's format), written atomically (inside `root` when given)."""
   features = np.asarray(features)
   boxes = np.asarray(boxes_xyxy, np.float32).reshape(-1, 4)
   if features.ndim != 2 or len(features) != len(boxes):
@@ -56,14 +113,13 @@ def write_regions(path: str, features, boxes_xyxy, width: float, height: float, 
     extra["labels"] = np.asarray(labels, np.int32)
   if cls_prob is not None:
     extra["cls_prob"] = np.asarray(cls_prob, np.float32)
-  tmp = path + ".tmp.npz"
-  np.savez(tmp, features=features, boxes=boxes, image_width=width, image_height=height, **extra)
-  os.replace(tmp, path)
+  with safe_files.open_atomic(path, "wb", root=root) as f:  # a fresh temporary file, then renamed: no link followed
+    np.savez(f, features=features, boxes=boxes, image_width=width, image_height=height, **extra)
 
 
 def convert_mmf(src: str, dst: str) -> dict[str, int]:
   """MMF-style `<name>.npy` + `<name>_info.npy` files -> `<name>.npz`; returns counts (converted, skipped)."""
-  os.makedirs(dst, exist_ok=True)
+  safe_files.make_dirs(dst)
   counts = {"converted": 0, "skipped_no_info": 0, "skipped_bad": 0}
   for fname in sorted(os.listdir(src)):
     if not fname.endswith(".npy") or fname.endswith("_info.npy"):
@@ -74,7 +130,7 @@ def convert_mmf(src: str, dst: str) -> dict[str, int]:
       counts["skipped_no_info"] += 1
       continue
     try:
-      feats = np.load(os.path.join(src, fname))
+      feats = load_npy(os.path.join(src, fname))
       info = load_pickled_npy(info_path)
       if not isinstance(info, dict):
         raise ValueError(f"{info_path} holds a {type(info).__name__}, not MMF's info dict.")
@@ -91,11 +147,12 @@ def convert_mmf(src: str, dst: str) -> dict[str, int]:
         float(info["image_height"]),
         None if labels is None else np.asarray(labels)[:n],
         None if cls_prob is None else np.asarray(cls_prob)[:n],
+        root=dst,
       )
       counts["converted"] += 1
     except torch_files.UnsafeFile:
       raise  # a payload, not a damaged record: the dump is not to be trusted
-    except (KeyError, ValueError) as e:
+    except (KeyError, ValueError, TypeError, IndexError) as e:  # the record's values: a damaged dump, counted
       counts["skipped_bad"] += 1
       print(f"skipped {name}: {e}")
   return counts
@@ -113,7 +170,9 @@ class RegionStore:
     first = next((f for f in sorted(os.listdir(directory)) if f.endswith(".npz")), None)
     if first is None:
       raise FileNotFoundError(f"{directory} holds no <image_id>.npz region files.")
-    with np.load(os.path.join(directory, first)) as z:
+    first_path = os.path.join(directory, first)
+    with errors.reading(first_path, what="region-feature file (.npz)", hint=_HINT):
+      z = load_npz(first_path)
       self.dim = int(z["features"].shape[1])
       self.num_classes = int(z["cls_prob"].shape[1]) if class_probs and "cls_prob" in z else 0
     if class_probs and not self.num_classes:
@@ -127,7 +186,8 @@ class RegionStore:
     if not os.path.exists(path):
       return None
     r = self.max_regions
-    with np.load(path) as z:
+    with errors.reading(path, what="region-feature file (.npz)", hint=_HINT):
+      z = load_npz(path)
       feats = np.asarray(z["features"], np.float32)[:r]
       if feats.shape[1] != self.dim:
         raise ValueError(f"{path}: features have {feats.shape[1]} dims, other files {self.dim}.")
@@ -155,6 +215,7 @@ class RegionStore:
     return out
 
 
+_HINT = "Convert the dumps again with `python -m vlrep.tools.convert_regions` (see vlrep.data.region_files)."
 _NO_PROBS = (
   "{path} has no cls_prob (the detector's class distribution), which method.region_target='distribution' "
   "(ViLBERT's masked-region KL) needs: convert dumps that carry it, or set method.region_target='classes'."
