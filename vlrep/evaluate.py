@@ -10,25 +10,33 @@ Restoring a run and its backbone is `vlrep.runs`' job.
 from __future__ import annotations
 
 import functools
+import json
+import os
 
 import jax
 from absl import app, flags, logging
 from ml_collections import ConfigDict, config_flags
 
-from vlrep import evaluators, run_setup, runs
-from vlrep.errors import exit_2_on_user_error
+from vlrep import errors, evaluators, run_setup, runs
+from vlrep.errors import UserError, exit_2_on_user_error
+from vlrep.tools import features
 
 
 def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", names=None) -> dict[str, float]:
   """Runs the eval config's evaluators on a checkpoint; merges `<name>/<metric>` into summary.json."""
-  run = runs.load_run(workdir, checkpoint)
-  logging.info("Evaluating %s (step %d, %s).", run.path, run.step, run.config.method.get("name"))
   evals_cfg = eval_config.evals
   unknown = [n for n in (names or []) if n not in evals_cfg]
   if unknown:
-    raise ValueError(f"Unknown evaluations {unknown}; this config defines {sorted(evals_cfg)}.")
+    raise UserError(f"Unknown evaluations {unknown}; this config defines {sorted(evals_cfg)}.")
+  run = features.load_run(workdir, checkpoint)
+  read_summary(workdir)  # a damaged summary.json is refused before the evaluations, not after them
+  with features.saved_config_errors(run):
+    logging.info("Evaluating %s (step %d, %s).", run.path, run.step, run.config.method.get("name"))
+  if "backbone" in run.params:
+    features.check_backbone(run)
   if any(evaluators.needs_method(cfg) for cfg in evals_cfg.values()):
-    run_inputs = run_setup.build_inputs(run.config)  # the method and tokenizer, rebuilt as training built them
+    with features.saved_config_errors(run):
+      run_inputs = run_setup.build_inputs(run.config)  # the method and tokenizer, rebuilt as training built them
   else:
     run_inputs = evaluators.RunInputs(host=jax.process_index(), num_hosts=jax.process_count())
   model = evaluators.Model(
@@ -38,13 +46,37 @@ def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", na
   for name, cfg in evals_cfg.items():
     if names and name not in names:
       continue
-    metrics = evaluators.build(cfg, run_inputs).run(model)
+    try:
+      evaluator = evaluators.build(cfg, run_inputs)
+    except UserError:
+      raise
+    except ValueError as e:  # an evaluation the run cannot take (no tokenizer, no captioning head): said, not a bug
+      raise UserError(f"--config's evaluation {name!r} does not apply to the run {run.path}: {e}") from e
+    metrics = evaluator.run(model)
     results.update({f"{name}/{k}": v for k, v in metrics.items()})
     results[f"{name}/checkpoint_step"] = run.step
     logging.info("%s: %s", name, ", ".join(f"{k}={v:.2f}" for k, v in metrics.items()))
   if run_inputs.host == 0:
     runs.write_summary(workdir, results)
   return results
+
+
+def read_summary(workdir: str) -> dict:
+  """WORKDIR/summary.json ({} when there is none); one that is not a JSON object of bounded size is a BadFile."""
+  path = os.path.join(workdir, "summary.json")
+  if not os.path.lexists(path):
+    return {}
+  with errors.reading(path, what="run summary (JSON)", hint="Move it aside; vlrep writes a fresh one."):
+    if not os.path.isfile(path) or os.path.getsize(path) > MAX_SUMMARY_BYTES:
+      raise ValueError(f"not a regular file of at most {MAX_SUMMARY_BYTES >> 20} MB")
+    with open(path, encoding="utf-8") as f:
+      summary = json.load(f)
+    if not isinstance(summary, dict):
+      raise ValueError(f"a JSON {type(summary).__name__}, not an object")
+  return summary
+
+
+MAX_SUMMARY_BYTES = 64 << 20  # a summary is a few KB of metrics
 
 
 def backbone_features(run: runs.Run):

@@ -35,11 +35,20 @@ from absl import app, flags, logging
 from ml_collections import ConfigDict
 
 from vlrep import importers
-from vlrep.errors import exit_2_on_user_error
+from vlrep.errors import BadFile, UserError, exit_2_on_user_error
+from vlrep.importers import torchvision as tv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The compute dtypes an imported run's `method.dtype` may take; the first is the default (the sources' own).
 DTYPES = ("float32", "bfloat16")
+
+
+class NoSuchFile(UserError, FileNotFoundError):
+  """A file named on the command line (checkpoint, vocabulary, config) does not exist."""
+
+
+class WorkdirExists(UserError, FileExistsError):
+  """--workdir holds something that only --overwrite replaces (or is a file)."""
 
 
 def load_config(spec: str) -> ConfigDict:
@@ -51,7 +60,7 @@ def load_config(spec: str) -> ConfigDict:
   candidates = [path] if os.path.isabs(path) else [path, os.path.join(ROOT, path)]
   found = next((p for p in candidates if os.path.exists(p)), None)
   if found is None:
-    raise FileNotFoundError(f"No config file {path!r} (looked in {candidates}); pass --config=PATH[:ARG].")
+    raise NoSuchFile(f"No config file {path!r} (looked in {candidates}); pass --config=PATH[:ARG].")
   name = "vlrep_import_config_" + os.path.splitext(os.path.basename(found))[0]
   module_spec = importlib.util.spec_from_file_location(name, found)
   module = importlib.util.module_from_spec(module_spec)
@@ -63,13 +72,17 @@ def resolve_format(fmt: str, checkpoint: str):
   """The format module: the named one, or for 'auto' the best-scoring one (an error naming the closest format and
   how the file differs from it when none fits)."""
   if fmt != "auto":
+    if fmt not in importers.known_formats():
+      raise UserError(
+        f"Unknown import format {fmt!r}; known formats: {', '.join(importers.known_formats())} (or 'auto')."
+      )
     return importers.format_module(fmt)
   if os.path.isdir(checkpoint):
-    raise ValueError(f"--format=auto reads checkpoint files; {checkpoint} is a folder: name its format.")
-  keys = set(importers.load_state_dict(checkpoint))
+    raise UserError(f"--format=auto reads checkpoint files; {checkpoint} is a folder: name its format.")
+  keys = set(tv.read_state_dict(checkpoint))
   name, score, missing, unexpected = importers.closest_format(keys)
   if score < 0.5 or missing:
-    raise importers.no_format_error(checkpoint, keys, name, score, missing, unexpected)
+    raise BadFile(str(importers.no_format_error(checkpoint, keys, name, score, missing, unexpected)))
   logging.info("--format=auto: %s (score %.2f).", name, score)
   return importers.format_module(name)
 
@@ -77,9 +90,9 @@ def resolve_format(fmt: str, checkpoint: str):
 def check_workdir(workdir: str, overwrite: bool) -> str:
   workdir = os.path.abspath(os.path.expanduser(workdir))
   if os.path.isfile(workdir):
-    raise FileExistsError(f"--workdir={workdir} is a file, not a run directory.")
+    raise WorkdirExists(f"--workdir={workdir} is a file, not a run directory.")
   if os.path.isdir(workdir) and os.listdir(workdir) and not overwrite:
-    raise FileExistsError(
+    raise WorkdirExists(
       f"--workdir={workdir} already exists and is not empty; pass --overwrite to replace it, or choose another."
     )
   return workdir
@@ -94,7 +107,7 @@ def read(module, checkpoint: str, vocab: str | None, workdir: str, config: Confi
   unknown = [k for k in options if not takes_any and k not in params]
   if unknown:
     name = module.__name__.rsplit(".", 1)[-1]
-    raise ValueError(f"--{', --'.join(unknown)} do(es) not apply to --format={name}.")
+    raise UserError(f"--{', --'.join(unknown)} do(es) not apply to --format={name}.")
   return module.read(checkpoint, vocab, **kwargs, **options)
 
 
@@ -146,7 +159,7 @@ def write_run(workdir: str, imported: importers.ImportedRun, overwrite: bool) ->
   if os.path.exists(workdir):
     if not overwrite and os.listdir(workdir):
       shutil.rmtree(tmp, ignore_errors=True)
-      raise FileExistsError(f"--workdir={workdir} appeared while importing; nothing was replaced.")
+      raise WorkdirExists(f"--workdir={workdir} appeared while importing; nothing was replaced.")
     shutil.rmtree(workdir)
   os.replace(tmp, workdir)
 
@@ -165,12 +178,12 @@ def import_run(
   was imported. `config`: the base config file[:arg] (default: the format's DEFAULT_CONFIG, if it names one);
   `dtype`: the run's compute dtype (one of DTYPES; float32, the sources' own, by default)."""
   if dtype not in DTYPES:
-    raise ValueError(f"--dtype={dtype!r}: an imported run computes in one of {', '.join(DTYPES)}.")
+    raise UserError(f"--dtype={dtype!r}: an imported run computes in one of {', '.join(DTYPES)}.")
   workdir = check_workdir(workdir, overwrite)
   if not os.path.exists(checkpoint):
-    raise FileNotFoundError(f"No checkpoint {checkpoint}.")
+    raise NoSuchFile(f"No checkpoint {checkpoint}.")
   if vocab and not os.path.exists(vocab):
-    raise FileNotFoundError(f"No vocabulary file {vocab}.")
+    raise NoSuchFile(f"No vocabulary file {vocab}.")
   module = resolve_format(fmt, checkpoint)
   spec = config or getattr(module, "DEFAULT_CONFIG", None)
   base = load_config(spec) if spec else None

@@ -3,26 +3,80 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import numpy as np
 from PIL import Image
 
+from vlrep import errors
 from vlrep.data.ops import IMAGENET_MEAN, IMAGENET_STD
 
+# The most pixels an image file may claim: PIL's own bound (Image.MAX_IMAGE_PIXELS, about 89 million; PIL only warns
+# up to twice that and decodes), enforced here as a refusal: a PNG of a few KB can claim 100000 x 100000 pixels and
+# take tens of GB once decoded.
+MAX_PIXELS = Image.MAX_IMAGE_PIXELS or 89_478_485
+IMAGE_HINT = "Pass a whole JPEG or PNG image file."
 
-def _read_rgb(path: str) -> np.ndarray:
-  try:
-    with Image.open(path) as img:
+
+def open_image(path: str) -> Image.Image:
+  """An image file opened (its header read, nothing decoded); a file that is not an image, or claims more than
+  MAX_PIXELS pixels (a decompression bomb), is a BadFile naming it. The caller closes it."""
+  with warnings.catch_warnings():
+    # PIL warns (DecompressionBombWarning) between 1x and 2x its bound and raises above: both refused below.
+    warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+    try:
+      img = Image.open(path)
+    except Image.DecompressionBombError as e:
+      raise errors.BadFile(_too_many_pixels(path, str(e).split(" exceeds")[0])) from e
+    except Exception as e:  # noqa: BLE001 -- PIL raises several types for non-images
+      raise _unreadable(path, e) from e
+  w, h = img.size
+  if w * h > MAX_PIXELS:
+    img.close()
+    raise errors.BadFile(_too_many_pixels(path, f"{w} x {h} = {w * h} pixels"))
+  return img
+
+
+def _unreadable(path: str, e: Exception) -> errors.BadFile:
+  if isinstance(e, FileNotFoundError):
+    return errors.BadFile(f"No image file {path}.")
+  detail = (str(e).splitlines() or [""])[0][:300]
+  return errors.BadFile(f"{path} is not a readable image file ({type(e).__name__}: {detail}). {IMAGE_HINT}")
+
+
+def _too_many_pixels(path: str, size: str) -> str:
+  return (
+    f"{path}: the image claims {size}, more than the {MAX_PIXELS} pixels vlrep decodes (a small file that claims a "
+    "huge image is a decompression bomb). Resize it below that first, if it is a real image you meant."
+  )
+
+
+def check_images(paths: list[str]) -> None:
+  """Every path an image file vlrep reads (`open_image`), checked before any model is built; one UserError that
+  counts and names the refused ones."""
+  refused = []
+  for p in paths:
+    try:
+      open_image(p).close()
+    except errors.UserError as e:
+      refused.append(str(e))
+  if refused:
+    raise errors.BadFile(f"{len(refused)} of {len(paths)} image files refused: " + " | ".join(refused[:10]))
+
+
+def read_rgb(path: str) -> np.ndarray:
+  """An image file -> uint8 [H, W, 3]; a file that is not an image, is damaged or claims too many pixels is a
+  BadFile naming it."""
+  with open_image(path) as img:
+    try:
       return np.asarray(img.convert("RGB"), np.uint8)
-  except FileNotFoundError:
-    raise
-  except Exception as e:  # PIL raises several types for non-images and truncated files
-    raise ValueError(f"{path} is not a readable image file ({type(e).__name__}: {e}).") from e
+    except Exception as e:  # noqa: BLE001 -- a truncated or damaged file fails on decoding, after its header read
+      raise _unreadable(path, e) from e
 
 
 def load_image(path: str, size: int) -> np.ndarray:
   """An image file -> uint8 [size, size, 3]: shorter side resized to `size`, centre crop (the eval protocol)."""
-  img = Image.fromarray(_read_rgb(path))
+  img = Image.fromarray(read_rgb(path))
   w, h = img.size
   scale = size / min(w, h)
   img = img.resize((max(size, round(w * scale)), max(size, round(h * scale))), Image.BICUBIC)
@@ -35,7 +89,7 @@ def load_image_official(path: str, resize: int = 256, crop: int = 224) -> np.nda
   """An image file -> uint8 [crop, crop, 3] as kdexd/virtex's evaluation transform makes it (albumentations'
   SmallestMaxSize(resize): OpenCV INTER_LINEAR, i.e. bilinear at half-pixel centres without antialiasing, rounded
   to uint8; then CenterCrop(crop))."""
-  img = _read_rgb(path)
+  img = read_rgb(path)
   h, w = img.shape[:2]
   scale = resize / min(h, w)
   img = resize_bilinear(img, int(h * scale), int(w * scale))  # albumentations truncates the new size

@@ -18,11 +18,14 @@ another) with the backbone section set to the imported architecture and float32 
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from ml_collections import ConfigDict
 
+from vlrep.errors import BadFile, UserError, reading
 from vlrep.importers import (
   ImportedRun,
   KeyMap,
@@ -38,6 +41,36 @@ from vlrep.models import resnet
 DESCRIPTION = "torchvision/timm ResNet-18/50/101/152 or Wide ResNet-50-2 state dict (.pth, .safetensors)"
 DEFAULT_CONFIG = "configs/finetune.py"
 ANCHORS = ("conv1.weight", "bn1.weight", "bn1.running_mean", "layer1.0.conv1.weight", "layer4.0.conv1.weight")
+CHECKPOINT_HINT = (
+  "Pass the checkpoint as published and whole (download it again if it may be truncated): a torch.save file "
+  "(.pth, .pt, .bin) or a .safetensors file."
+)
+FORMAT_HINT = "Check --format (--format=auto picks the one that fits) and that the file is the model's checkpoint."
+
+
+def read_state_dict(path: str) -> dict:
+  """`vlrep.importers.load_state_dict`; a file that is not a readable checkpoint (empty, truncated, random bytes,
+  a malformed zip or safetensors header, a pickle nested too deep) is one BadFile naming it."""
+  with reading(path, what="checkpoint (torch.save or safetensors)", hint=CHECKPOINT_HINT):
+    return load_state_dict(path)
+
+
+@contextlib.contextmanager
+def tensors_of(path: str, what: str):
+  """Context for reading a state dict's tensors as a format's model: tensors that do not fit it (a shape that
+  differs, keys missing, a tensor of another rank) are one BadFile naming the file, with the check's own words."""
+  with reading(path, what=f"{what} checkpoint", hint=FORMAT_HINT):
+    try:
+      yield
+    except UserError:
+      raise
+    except ValueError as e:  # the key map's and the format's checks, worded for the user: kept whole
+      raise BadFile(f"{path} is not a {what} checkpoint as this format reads it: {e}") from e
+
+
+def no_format(path: str, keys: set[str]) -> BadFile:
+  """`vlrep.importers.no_format_error` of a file (the closest format, how the keys differ) as the BadFile it is."""
+  return BadFile(str(no_format_error(path, keys, *closest_format(keys))))
 
 
 def resnet_rules(prefix: str = "", root: str = "backbone") -> list:
@@ -143,11 +176,15 @@ def backbone_section(base: dict | None, arch: dict) -> dict:
   return section
 
 
-def read_backbone(sd: dict, prefix: str = "", root: str = "backbone"):
-  """(arch, vlrep.importers.Converted) of the ResNet under `prefix` of a state dict (the other keys ignored)."""
-  arch = architecture(sd, prefix)
+def read_backbone(sd: dict, prefix: str = "", root: str = "backbone", path: str = "the checkpoint"):
+  """(arch, vlrep.importers.Converted) of the ResNet under `prefix` of a state dict (the other keys ignored); what
+  does not fit a ResNet is a BadFile naming `path`."""
+  with tensors_of(path, "torchvision ResNet"):
+    arch = architecture(sd, prefix)
   part = {k: v for k, v in sd.items() if k.startswith(prefix)} if prefix else sd
-  converted = KeyMap("torchvision ResNet", resnet_rules(prefix, root)).to_vlrep(part, expected_shapes(arch, root))
+  expected = expected_shapes(arch, root)
+  with tensors_of(path, "torchvision ResNet"):
+    converted = KeyMap("torchvision ResNet", resnet_rules(prefix, root)).to_vlrep(part, expected)
   return arch, converted
 
 
@@ -158,13 +195,12 @@ def read(
   imported backbone section)."""
   del workdir  # the run keeps no files besides its checkpoints
   if vocab:
-    raise ValueError("--vocab applies to text models; a torchvision checkpoint is a backbone alone.")
-  sd = load_state_dict(checkpoint)
+    raise UserError("--vocab applies to text models; a torchvision checkpoint is a backbone alone.")
+  sd = read_state_dict(checkpoint)
   s, missing, unexpected = score(set(sd))
   if missing:
-    fmt, best, m, u = closest_format(set(sd))
-    raise no_format_error(checkpoint, set(sd), fmt, best, m, u)
-  arch, converted = read_backbone(sd)
+    raise no_format(checkpoint, set(sd))
+  arch, converted = read_backbone(sd, path=checkpoint)
   return backbone_run(checkpoint, "torchvision", arch, converted, config)
 
 

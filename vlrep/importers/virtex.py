@@ -43,16 +43,8 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from vlrep.data import tokenizers
-from vlrep.importers import (
-  ImportedRun,
-  KeyMap,
-  closest_format,
-  flatten,
-  load_state_dict,
-  no_format_error,
-  rule,
-  unflatten,
-)
+from vlrep.errors import BadFile, UserError, reading
+from vlrep.importers import ImportedRun, KeyMap, flatten, rule, unflatten
 from vlrep.importers import torchvision as tv
 
 DESCRIPTION = "official VirTex checkpoint (model zoo {'model': ...} .pth, any task) or hub backbone file"
@@ -232,6 +224,14 @@ def expected_shapes(config: ConfigDict, vocab_size: int) -> dict[str, tuple]:
   return {f"{coll}/{p}": tuple(s.shape) for coll in ("params", "batch_stats") for p, s in flatten(shapes[coll]).items()}
 
 
+def read_vocabulary(path: str) -> tokenizers.Tokenizer:
+  """The official VirTex vocabulary (a SentencePiece model) in vlrep's id layout; a file that is not one is a
+  BadFile naming it."""
+  hint = "Pass the vocabulary the model was trained with: kdexd/virtex's datasets/vocab/coco_10k.model."
+  with reading(path, what="SentencePiece vocabulary", hint=hint):
+    return tokenizers.Tokenizer(path, "virtex")
+
+
 def read(
   checkpoint: str,
   vocab: str | None = None,
@@ -246,23 +246,25 @@ def read(
   are kept; the method and tokenizer are the checkpoint's); `workdir`: where the run goes (the vocabulary is copied
   to WORKDIR/vocab/); `backbone_only`: import `visual.cnn` alone (e.g. the zoo's multilabel classification model,
   which has no vlrep method)."""
-  sd = load_state_dict(checkpoint)
-  keys = set(sd)
   if task is not None and task not in TASKS:
-    raise ValueError(f"Unknown --task={task!r}; the VirTex tasks are {', '.join(TASKS)}.")
+    raise UserError(f"Unknown --task={task!r}; the VirTex tasks are {', '.join(TASKS)}.")
+  # The vocabulary first: a file that is not a SentencePiece model is refused before a large checkpoint is read.
+  tokenizer = read_vocabulary(vocab) if vocab else None
+  sd = tv.read_state_dict(checkpoint)
+  keys = set(sd)
   if not any(k.startswith(BACKBONE_PREFIX) for k in keys):  # the hub's backbone file: torchvision's names
     s, missing, _ = tv.score(keys)
     if missing:
-      raise no_format_error(checkpoint, keys, *closest_format(keys))
+      raise tv.no_format(checkpoint, keys)
     if vocab:
-      raise ValueError(f"{checkpoint} is a VirTex backbone alone (torchvision names); --vocab does not apply.")
-    arch, converted = tv.read_backbone(sd)
+      raise UserError(f"{checkpoint} is a VirTex backbone alone (torchvision names); --vocab does not apply.")
+    arch, converted = tv.read_backbone(sd, path=checkpoint)
     return tv.backbone_run(checkpoint, "virtex (hub backbone)", arch, converted, config)
   s, missing, unexpected = score(keys)
   if missing[:2]:  # no visual.cnn stem / first block
-    raise no_format_error(checkpoint, keys, *closest_format(keys))
+    raise tv.no_format(checkpoint, keys)
   if backbone_only:
-    arch, converted = tv.read_backbone(sd, BACKBONE_PREFIX)
+    arch, converted = tv.read_backbone(sd, BACKBONE_PREFIX, path=checkpoint)
     dropped = sorted(k for k in keys if not k.startswith(BACKBONE_PREFIX))
     run = tv.backbone_run(
       checkpoint,
@@ -274,30 +276,32 @@ def read(
     )
     return run
   if missing:
-    raise no_format_error(checkpoint, keys, *closest_format(keys))
-  task = detect_task(sd, checkpoint, task)
-  sizes = head_sizes(sd, task)
-  arch = tv.architecture(sd, BACKBONE_PREFIX)
+    raise tv.no_format(checkpoint, keys)
+  with tv.tensors_of(checkpoint, "VirTex"):
+    task = detect_task(sd, checkpoint, task)
+    sizes = head_sizes(sd, task)
+    arch = tv.architecture(sd, BACKBONE_PREFIX)
   heads = heads or max(1, sizes["hidden"] // 64)
-  if sizes["hidden"] and sizes["hidden"] % heads:
-    raise ValueError(f"--heads={heads} does not divide the head width H={sizes['hidden']}.")
+  if heads < 1 or (sizes["hidden"] and sizes["hidden"] % heads):
+    raise UserError(f"--heads={heads} does not divide the head width H={sizes['hidden']}.")
   if not vocab:
-    raise ValueError(
+    raise UserError(
       f"{checkpoint} is a {task} model: pass its vocabulary, --vocab=coco_10k.model (kdexd/virtex's "
       "datasets/vocab/coco_10k.model, built by its scripts/build_vocabulary.py)."
     )
-  tokenizer = tokenizers.Tokenizer(vocab, "virtex")
   official_size = tokenizer.vocab_size - 1
   if official_size != sizes["vocab"]:
     where = "textual.output.weight" if task == "token_classification" else "textual.embedding.words.weight"
-    raise ValueError(
+    raise BadFile(
       f"The vocabulary {vocab} has {official_size} pieces but the checkpoint's {where} has {sizes['vocab']} rows: "
       "it is not the vocabulary this model was trained with."
     )
   vocab_path = os.path.join(os.path.abspath(workdir), "vocab", os.path.basename(vocab)) if workdir else vocab
   c = _config(config, task, sizes, arch, heads, vocab_path, official_size)
   ctx = {"vocab_order": tokenizers.virtex_vocabulary_order(official_size)}
-  converted = KeyMap(f"VirTex {task}", rules(task)).to_vlrep(sd, expected_shapes(c, official_size + 1), ctx)
+  expected = expected_shapes(c, official_size + 1)
+  with tv.tensors_of(checkpoint, "VirTex"):
+    converted = KeyMap(f"VirTex {task}", rules(task)).to_vlrep(sd, expected, ctx)
   variables = unflatten(converted.variables)
   key_bias = max(converted.redundant_max.values(), default=0.0)
   note = {
@@ -339,13 +343,13 @@ def state_dict(run) -> tuple[OrderedDict, dict]:
   copies written out; an imported run's vocabulary rows back in the official order."""
   method = run.config.method
   if method.get("name") != "virtex":
-    raise ValueError(f"{run.path}: --format=virtex exports VirTex runs; this run's method is {method.get('name')!r}.")
+    raise UserError(f"{run.path}: --format=virtex exports VirTex runs; this run's method is {method.get('name')!r}.")
   task = method.task
   if task not in TASKS:
-    raise ValueError(f"{run.path}: unknown VirTex task {task!r}.")
+    raise UserError(f"{run.path}: unknown VirTex task {task!r}.")
   stem = method.get("backbone", {}).get("stem", "imagenet")
   if stem != "imagenet":
-    raise ValueError(
+    raise UserError(
       f"{run.path}: the backbone uses stem={stem!r}, which the official code's torchvision ResNet does not have; only "
       "stem='imagenet' backbones export."
     )

@@ -48,10 +48,12 @@ from collections import OrderedDict
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from ml_collections import ConfigDict
 from safetensors.numpy import save_file
 
 from vlrep import config_utils
+from vlrep.errors import BadFile, UserError, reading
 from vlrep.importers import (
   TRANSFORMS,
   ImportedRun,
@@ -59,10 +61,10 @@ from vlrep.importers import (
   closest_format,
   flatten,
   load_checkpoint,
-  no_format_error,
   rule,
   unflatten,
 )
+from vlrep.importers import torchvision as tv
 from vlrep.methods import vlbert
 from vlrep.models import bert as bert_lib
 from vlrep.models import vl_bert
@@ -205,16 +207,16 @@ def _state_dict(obj, path: str) -> tuple[dict[str, np.ndarray], dict | None]:
   """(the tensors, the checkpoint's own 'config' entry or None) of what `load_checkpoint` read: the state dict
   itself or under 'model' / 'state_dict' (MMF's training checkpoints, whose 'config' is plain containers)."""
   if not isinstance(obj, dict):
-    raise ValueError(f"{path} holds a {type(obj).__name__}, not a state dict.")
+    raise BadFile(f"{path} holds a {type(obj).__name__}, not a state dict.")
   config = obj.get("config") if isinstance(obj.get("config"), dict) else None
   if not any(isinstance(v, np.ndarray) for v in obj.values()):
     inner = next((obj[k] for k in ("model", "state_dict") if isinstance(obj.get(k), dict)), None)
     if inner is None:
-      raise ValueError(f"{path} holds no tensors at its top level nor under 'model' / 'state_dict'.")
+      raise BadFile(f"{path} holds no tensors at its top level nor under 'model' / 'state_dict'.")
     obj = inner
   bad = [k for k, v in obj.items() if not isinstance(v, np.ndarray)]
   if bad:
-    raise ValueError(f"{path}: the state dict holds entries that are not tensors: {bad[:5]}.")
+    raise BadFile(f"{path}: the state dict holds entries that are not tensors: {bad[:5]}.")
   return {str(k).removeprefix("module."): v for k, v in obj.items()}, config
 
 
@@ -238,9 +240,7 @@ def _locate(checkpoint: str) -> tuple[str, str | None, str | None]:
   if os.path.exists(os.path.join(checkpoint, "model.safetensors.index.json")) or os.path.exists(
     os.path.join(checkpoint, "pytorch_model.bin.index.json")
   ):
-    raise ValueError(
-      f"{checkpoint} holds a sharded checkpoint; save it unsharded (VisualBERT-base is one 450 MB file)."
-    )
+    raise UserError(f"{checkpoint} holds a sharded checkpoint; save it unsharded (VisualBERT-base is one 450 MB file).")
   for name in ("model.safetensors", "pytorch_model.bin"):
     if os.path.exists(os.path.join(checkpoint, name)):
       config_json = os.path.join(checkpoint, "config.json")
@@ -264,8 +264,10 @@ def _mmf_model_config(config_yaml: str | None, embedded: dict | None) -> dict:
   if config_yaml:
     import yaml
 
-    with open(config_yaml) as f:
-      raw = yaml.safe_load(f)
+    with reading(config_yaml, what="MMF config.yaml", hint=_FOLDER_HINT):
+      _check_size(config_yaml)
+      with open(config_yaml, encoding="utf-8") as f:
+        raw = yaml.safe_load(f)
   if not isinstance(raw, dict):
     return {}
   model_config = raw.get("model_config", raw)
@@ -276,39 +278,41 @@ def _mmf_model_config(config_yaml: str | None, embedded: dict | None) -> dict:
 def _bert_fields(sd, base: str, mmf: bool, config_json: str | None, mmf_config: dict, options: dict, notes: dict):
   """BertConfig fields and visual_embedding_dim: config.json's (Hugging Face), else the tensors' shapes and
   MMF's config / the options / BERT's conventions for what shapes do not show (each assumption noted)."""
+  sizes = _tensor_sizes(sd, base, mmf, config_json or "the checkpoint")
   if config_json:
-    with open(config_json) as f:
-      raw = json.load(f)
+    raw = _read_config_json(config_json)
+    hooks = code_hooks(raw)
+    if hooks:
+      raw = without_code_hooks(raw)
+      for key in hooks:
+        notes["dropped"][f"config.json {key}"] = _CODE_HOOK_WHY
+      logging.warning("%s: dropped %s (%s).", config_json, ", ".join(hooks), _CODE_HOOK_WHY)
     if raw.get("model_type", "visual_bert") != "visual_bert":
-      raise ValueError(f"{config_json}: model_type {raw['model_type']!r} is not 'visual_bert'.")
+      raise BadFile(f"{config_json}: model_type {raw['model_type']!r} is not 'visual_bert'.")
     if raw.get("bypass_transformer"):
-      raise ValueError(
+      raise UserError(
         f"{config_json}: bypass_transformer=true (text-only layers, then one extra layer over text and regions) "
         "has no vlrep counterpart."
       )
     if raw.get("position_embedding_type", "absolute") != "absolute":
-      raise ValueError(f"{config_json}: only absolute position embeddings are supported.")
+      raise UserError(f"{config_json}: only absolute position embeddings are supported.")
     names = (*vlbert.BERT_ARCHITECTURE, "visual_embedding_dim")
     missing = [n for n in names if n not in raw]
     if missing:
-      raise ValueError(f"{config_json} lacks {missing}: not a VisualBERT config.json.")
+      raise BadFile(f"{config_json} lacks {missing}: not a VisualBERT config.json.")
     fields = {n: raw[n] for n in names}
     fields.update(
       hidden_dropout_prob=raw.get("hidden_dropout_prob", 0.1),
       attention_probs_dropout_prob=raw.get("attention_probs_dropout_prob", 0.1),
     )
+    _check_fields(fields, sizes, config_json)
     # The folder's other config.json fields (pad_token_id, initializer_range, ...), which export writes back.
     notes["hf_config"] = {k: v for k, v in raw.items() if k not in fields and k not in _HF_NOT_KEPT}
     return fields
   if mmf_config.get("bypass_transformer") or any(k.startswith(f"{base}additional_layer.") for k in sd):
-    raise ValueError(
+    raise UserError(
       "An MMF VisualBERT with bypass_transformer (text-only layers, then one extra layer) has no vlrep counterpart."
     )
-  words = sd[f"{base}embeddings.word_embeddings.weight"]
-  layers = sorted({int(m.group(1)) for k in sd if (m := re.match(re.escape(base) + r"encoder\.layer\.(\d+)\.", k))})
-  if layers != list(range(len(layers))) or not layers:
-    raise ValueError(f"The checkpoint's encoder layers are {layers}: expected 0..N-1.")
-  hidden = int(words.shape[1])
 
   def unreadable(name, default, why):
     if options.get(name) is not None:
@@ -319,20 +323,117 @@ def _bert_fields(sd, base: str, mmf: bool, config_json: str | None, mmf_config: 
     notes.setdefault("assumed", {})[name] = f"{default!r} ({why}; pass {flag}=... otherwise)"
     return default
 
-  return dict(
-    vocab_size=int(words.shape[0]),
-    hidden_size=hidden,
-    num_hidden_layers=len(layers),
-    num_attention_heads=int(unreadable("num_attention_heads", max(1, hidden // 64), "BERT's 64-wide heads")),
-    intermediate_size=int(sd[f"{base}encoder.layer.0.intermediate.dense.weight"].shape[0]),
+  hidden = sizes["hidden_size"]
+  heads = unreadable("num_attention_heads", max(1, hidden // 64), "BERT's 64-wide heads")
+  eps = unreadable("layer_norm_eps", 1e-12, "BERT's")
+  try:  # YAML reads 1e-12 (no dot) as a string
+    heads, eps = int(heads), float(eps)
+  except (TypeError, ValueError) as e:
+    raise BadFile(f"The MMF config's num_attention_heads={heads!r} or layer_norm_eps={eps!r} is not a number.") from e
+  fields = dict(
+    sizes,
+    num_attention_heads=heads,
     hidden_act=unreadable("hidden_act", "gelu", "BERT's"),
-    max_position_embeddings=int(sd[f"{base}embeddings.position_embeddings.weight"].shape[0]),
-    type_vocab_size=int(sd[f"{base}embeddings.token_type_embeddings.weight"].shape[0]),
-    layer_norm_eps=float(unreadable("layer_norm_eps", 1e-12, "BERT's")),
-    visual_embedding_dim=int(sd[f"{base}embeddings.{'projection' if mmf else 'visual_projection'}.weight"].shape[1]),
+    layer_norm_eps=eps,
     hidden_dropout_prob=0.1,
     attention_probs_dropout_prob=0.1,
   )
+  _check_fields(fields, sizes, "the MMF config and options")
+  return fields
+
+
+# config.json keys that name Python code to load (transformers' `trust_remote_code` machinery): vlrep never runs a
+# file's code, so an imported run does not keep them and an export never writes them.
+CODE_HOOKS = ("auto_map", "custom_pipelines", "trust_remote_code")
+_CODE_HOOK_WHY = "names Python code to load (remote code); vlrep runs no code from a file and does not carry it"
+_MAX_TEXT_BYTES = 16 << 20  # config.json, config.yaml: a few KB; vocab.txt: about 230 KB for BERT's 30522 pieces
+_FOLDER_HINT = "Pass the folder as `save_pretrained` (or MMF) wrote it; re-download it if it may be damaged."
+
+
+def _is_code_hook(key, value) -> bool:
+  return (
+    str(key) in CODE_HOOKS or "remote_code" in str(key) or (isinstance(value, str) and value.strip().endswith(".py"))
+  )
+
+
+def code_hooks(config, prefix: str = "") -> list[str]:
+  """The (dotted) keys of a config.json, at any depth, that name Python code to load."""
+  found = []
+  if isinstance(config, dict):
+    for k, v in config.items():
+      if _is_code_hook(k, v):
+        found.append(f"{prefix}{k}")
+      else:
+        found += code_hooks(v, f"{prefix}{k}.")
+  return found
+
+
+def without_code_hooks(config):
+  """A config.json's content without the keys `code_hooks` finds."""
+  if isinstance(config, dict):
+    return {k: without_code_hooks(v) for k, v in config.items() if not _is_code_hook(k, v)}
+  return config
+
+
+def _check_size(path: str) -> None:
+  if os.path.getsize(path) > _MAX_TEXT_BYTES:
+    raise ValueError(f"{os.path.getsize(path)} bytes, more than the {_MAX_TEXT_BYTES >> 20} MB such a file takes")
+
+
+def _read_config_json(path: str) -> dict:
+  """A Hugging Face config.json's object; not JSON, not UTF-8, nested too deep, too large or not an object: one
+  BadFile naming it."""
+  with reading(path, what="Hugging Face config.json", hint=_FOLDER_HINT):
+    _check_size(path)
+    with open(path, encoding="utf-8") as f:
+      raw = json.load(f)
+  if not isinstance(raw, dict):
+    raise BadFile(f"{path} holds a JSON {type(raw).__name__}, not a config object. {_FOLDER_HINT}")
+  return raw
+
+
+def _tensor_sizes(sd, base: str, mmf: bool, path: str) -> dict:
+  """The BERT sizes the checkpoint's tensors show (what a config.json must agree with)."""
+  with tv.tensors_of(path, "VisualBERT"):
+    words = sd[f"{base}embeddings.word_embeddings.weight"]
+    layers = sorted({int(m.group(1)) for k in sd if (m := re.match(re.escape(base) + r"encoder\.layer\.(\d+)\.", k))})
+    if layers != list(range(len(layers))) or not layers:
+      raise ValueError(f"The checkpoint's encoder layers are {layers}: expected 0..N-1.")
+    return dict(
+      vocab_size=int(words.shape[0]),
+      hidden_size=int(words.shape[1]),
+      num_hidden_layers=len(layers),
+      intermediate_size=int(sd[f"{base}encoder.layer.0.intermediate.dense.weight"].shape[0]),
+      max_position_embeddings=int(sd[f"{base}embeddings.position_embeddings.weight"].shape[0]),
+      type_vocab_size=int(sd[f"{base}embeddings.token_type_embeddings.weight"].shape[0]),
+      visual_embedding_dim=int(sd[f"{base}embeddings.{'projection' if mmf else 'visual_projection'}.weight"].shape[1]),
+    )
+
+
+def _check_fields(fields: dict, sizes: dict, where: str) -> None:
+  """BertConfig fields of the right types and ranges, the sizes those the tensors show (checked before any model is
+  built: a config.json that claims 100000 layers over a two-layer checkpoint is refused, not built)."""
+  wrong = []
+  for k in (*sizes, "num_attention_heads"):
+    v = fields[k]
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+      wrong.append(f"{k}={v!r} (a positive integer)")
+    elif k in sizes and v != sizes[k]:
+      wrong.append(f"{k}={v} (the checkpoint's tensors have {sizes[k]})")
+  if not wrong and fields["hidden_size"] % fields["num_attention_heads"]:
+    wrong.append(f"num_attention_heads={fields['num_attention_heads']} (does not divide hidden_size)")
+  if not isinstance(fields["hidden_act"], str) or fields["hidden_act"] not in bert_lib._ACTIVATIONS:
+    wrong.append(f"hidden_act={fields['hidden_act']!r} (one of {sorted(bert_lib._ACTIVATIONS)})")
+  eps = fields["layer_norm_eps"]
+  if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < 1:
+    wrong.append(f"layer_norm_eps={eps!r} (a number in (0, 1))")
+  for k in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+    v = fields[k]
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < 1:
+      wrong.append(f"{k}={v!r} (a rate in [0, 1))")
+  if wrong:
+    raise BadFile(f"{where}: {'; '.join(wrong)}. The configuration does not describe the checkpoint's model.")
+  fields["layer_norm_eps"] = float(eps)
 
 
 def _vocab_folder(vocab: str | None, checkpoint_folder: str, vocab_size: int) -> str:
@@ -349,19 +450,21 @@ def _vocab_folder(vocab: str | None, checkpoint_folder: str, vocab_size: int) ->
   folder = vocab if os.path.isdir(vocab) else os.path.dirname(vocab)
   path = os.path.join(folder, "vocab.txt")
   if not os.path.isdir(vocab) and os.path.basename(vocab) != "vocab.txt":
-    raise ValueError(f"--vocab {vocab}: vlrep's WordPiece tokenizer reads FOLDER/vocab.txt; name the file vocab.txt.")
+    raise UserError(f"--vocab {vocab}: vlrep's WordPiece tokenizer reads FOLDER/vocab.txt; name the file vocab.txt.")
   if not os.path.exists(path):
     raise FileNotFoundError(f"--vocab: {path} does not exist.")
-  with open(path, encoding="utf-8") as f:
-    tokens = [line.rstrip("\n") for line in f]
+  with reading(path, what="WordPiece vocab.txt (UTF-8 text)", hint=_FOLDER_HINT):
+    _check_size(path)
+    with open(path, encoding="utf-8") as f:
+      tokens = [line.rstrip("\n") for line in f]
   if len(tokens) != vocab_size:
-    raise ValueError(
+    raise BadFile(
       f"The vocabulary {path} has {len(tokens)} tokens but the checkpoint's word embedding has {vocab_size} rows: "
       "not the vocabulary this model was trained with."
     )
   missing = [t for t in ("[CLS]", "[SEP]", "[MASK]") if t not in tokens]
   if missing or tokens[0] != "[PAD]":
-    raise ValueError(f"{path} is not a BERT WordPiece vocabulary ([PAD] first, then [CLS], [SEP], [MASK]): {missing}")
+    raise BadFile(f"{path} is not a BERT WordPiece vocabulary ([PAD] first, then [CLS], [SEP], [MASK]): {missing}")
   return folder
 
 
@@ -380,7 +483,7 @@ def _run_config(base, bert: dict, type_id: int, alignment: bool, vocab_folder: s
   else:
     c = ConfigDict(base.to_dict())
     if c.get("method", {}).get("name") != "vlbert":
-      raise ValueError("--config for the visual_bert format must be a vlbert config (configs/vlbert.py).")
+      raise UserError("--config for the visual_bert format must be a vlbert config (configs/vlbert.py).")
   c.method.update(
     arch="visual_bert",
     task="pretrain",
@@ -452,24 +555,24 @@ def read(
   options = dict(num_attention_heads=heads, hidden_act=hidden_act, layer_norm_eps=layer_norm_eps)
   options = {k: v for k, v in options.items() if v is not None}
   weights, config_json, config_yaml = _locate(checkpoint)
-  sd, embedded_config = _state_dict(load_checkpoint(weights), weights)
+  with reading(weights, what="checkpoint (torch.save or safetensors)", hint=tv.CHECKPOINT_HINT):
+    obj = load_checkpoint(weights)
+  sd, embedded_config = _state_dict(obj, weights)
   layout, base, heads, mmf = layout_of(sd)
   notes: dict = {"format": "visual_bert", "source": os.path.abspath(weights), "layout": layout, "dropped": {}}
   missing = [k for k in expected_keys(sd) if k not in sd]
   if missing:
     fmt, best, m, u = closest_format(set(sd))
     if fmt != "visual_bert":
-      raise no_format_error(weights, set(sd), fmt, best, m, u)
-    raise ValueError(f"{weights} is not a complete VisualBERT checkpoint ({layout} layout): it lacks {missing[:5]}.")
+      raise tv.no_format(weights, set(sd))
+    raise BadFile(f"{weights} is not a complete VisualBERT checkpoint ({layout} layout): it lacks {missing[:5]}.")
   mmf_config = _mmf_model_config(config_yaml, embedded_config) if mmf else {}
   bert = _bert_fields(sd, base, mmf, None if mmf else config_json, mmf_config, options, notes)
 
-  if bert["hidden_act"] not in bert_lib._ACTIVATIONS:
-    raise ValueError(
-      f"hidden_act {bert['hidden_act']!r} has no vlrep counterpart; known: {sorted(bert_lib._ACTIVATIONS)}"
-    )
-  if bert["hidden_size"] % bert["num_attention_heads"]:
-    raise ValueError(f"hidden_size {bert['hidden_size']} is not divisible by {bert['num_attention_heads']} heads.")
+  code = sorted(n for n in os.listdir(os.path.dirname(os.path.abspath(weights))) if n.endswith(".py"))
+  if code:  # e.g. a remote-code folder's modeling_*.py: never imported, never copied into the run
+    notes["dropped"]["Python files"] = f"{', '.join(code[:10])}: {_CODE_HOOK_WHY}"
+    logging.warning("%s: not imported, not copied: %s (%s).", os.path.dirname(weights), ", ".join(code), _CODE_HOOK_WHY)
   type_id = int(region_type_id) if region_type_id is not None else (0 if mmf else 1)
 
   # The MLM decoder: a tied copy of the word embeddings (and of the output bias) in both codes.
@@ -490,7 +593,8 @@ def read(
   mlm = any(k in sd for k in mlm_keys)
   alignment = not mmf and f"{heads}seq_relationship.weight" in sd
   expected, model = expected_shapes(bert, type_id, alignment, mlm)
-  converted = key_map(sd).to_vlrep(sd, expected)
+  with tv.tensors_of(weights, "VisualBERT"):
+    converted = key_map(sd).to_vlrep(sd, expected)
   for key, shape in converted.dropped.items():
     notes["dropped"][key] = _why(key, shape)
   params = unflatten(converted.variables)["params"]
@@ -555,7 +659,7 @@ def check_exportable(run) -> None:
   method = run.config.method
   if method.get("name") != "vlbert" or method.get("arch") != "visual_bert":
     what = f"method is {method.get('name')!r}" if method.get("name") != "vlbert" else f"arch is {method.get('arch')!r}"
-    raise ValueError(
+    raise UserError(
       f"{run.path}: --format=visual_bert exports VisualBERT runs (configs/vlbert.py:arch=visual_bert, or a run "
       f"written by vlrep.import_run --format=visual_bert); this run's {what}, which has no Hugging Face VisualBERT "
       "layout."
@@ -564,7 +668,7 @@ def check_exportable(run) -> None:
   differ = [k for k, want in EXPORT_KNOBS.items() if have[k] != want]
   if differ:
     flags = " ".join(f"--config.method.{k}={v}" for k, v in EXPORT_KNOBS.items())
-    raise ValueError(
+    raise UserError(
       f"{run.path} is not Hugging Face's VisualBERT, so it cannot be written as one: "
       + "; ".join(f"{k}={have[k]!r} builds {_NOT_VISUAL_BERT[k]}" for k in differ)
       + ". A trained run's weights belong to the model it was trained as; only a run built with VisualBERT's "
@@ -609,7 +713,7 @@ def _vocab_file(run, vocab_size: int) -> str | None:
       with open(path, encoding="utf-8") as f:
         tokens = sum(1 for _ in f)
       if tokens != vocab_size:
-        raise ValueError(f"{path} has {tokens} tokens but the run's word embedding has {vocab_size} rows.")
+        raise UserError(f"{path} has {tokens} tokens but the run's word embedding has {vocab_size} rows.")
       return path
   return None
 
@@ -631,7 +735,7 @@ def state_dict(run) -> tuple[OrderedDict, dict]:
       "none; the encoder and the MLM head are written)"
     )
   if "regions_embed" not in params or "feature" not in params["regions_embed"]:
-    raise ValueError(f"{run.path} has no regions_embed/feature: not a VisualBERT run's parameters.")
+    raise UserError(f"{run.path} has no regions_embed/feature: not a VisualBERT run's parameters.")
   hidden = bert["hidden_size"]
   bert["visual_embedding_dim"] = int(np.shape(params["regions_embed"]["feature"]["kernel"])[0])
   if "align_head" not in params:
@@ -662,7 +766,7 @@ def state_dict(run) -> tuple[OrderedDict, dict]:
     if k not in flat or tuple(flat[k].shape) != tuple(v)
   ] + [f"{k}: unexpected" for k in sorted(set(flat) - set(expected))]
   if wrong:
-    raise ValueError(
+    raise UserError(
       f"{run.path}'s parameters are not the VisualBERT its config describes ({bert}): {wrong[:5]}"
       + (f" and {len(wrong) - 5} more" if len(wrong) > 5 else "")
     )
@@ -680,7 +784,7 @@ def state_dict(run) -> tuple[OrderedDict, dict]:
       tokens = [line.rstrip("\n") for line in f]
     if "[PAD]" in tokens:  # the row vlrep pads with (BERT's pad_token_id)
       config["pad_token_id"] = tokens.index("[PAD]")
-  config.update(note.get("hf_config", {}))
+  config.update(without_code_hooks(note.get("hf_config", {})))  # a run imported before hooks were dropped
   config.update({k: bert[k] for k in (*vlbert.BERT_ARCHITECTURE, "visual_embedding_dim")})
   config.update({k: bert[k] for k in ("hidden_dropout_prob", "attention_probs_dropout_prob")})
   return out, {"config": dict(sorted(config.items())), "vocab": vocab, "notes": notes}

@@ -19,9 +19,11 @@ import numpy as np
 from absl import app, flags
 from PIL import Image, ImageDraw
 
-from vlrep import run_setup, runs, visualize
+from vlrep import run_setup, visualize
 from vlrep.data import pipeline, tokenizers
-from vlrep.tools.caption import training_size
+from vlrep.errors import UserError, exit_2_on_user_error
+from vlrep.tools import features
+from vlrep.tools.caption import NoImageFile, training_size
 
 
 def define_flags():
@@ -65,11 +67,12 @@ def render(
   in `words`, if given)."""
   import jax
 
-  run = runs.load_run(workdir, checkpoint)
-  _, inputs = run_setup.build(run.config)
+  run = features.load_run(workdir, checkpoint)
+  with features.saved_config_errors(run):
+    _, inputs = run_setup.build(run.config)
   method, tok = inputs.method, inputs.tokenizer
   if not hasattr(method, "attention"):
-    raise ValueError(f"{workdir} is a {run.config.method.name} run; attention maps need a LocTex run.")
+    raise UserError(f"{workdir} is a {run.config.method.name} run; attention maps need a LocTex run.")
   max_len = run.config.method.text.max_len
   tokens = np.stack([tok.encode(c, max_len)[0] for c in captions])
   maps = jax.jit(method.attention)(jax.device_put(run.variables), visualize.normalize(images), tokens)
@@ -110,9 +113,10 @@ def load_inputs(
   if paths:
     if not caption:
       raise app.UsageError("Give --caption with image files (or no files, to use the run's dataset).")
-    missing = [p for p in paths if not os.path.exists(p)]
+    missing = [p for p in paths if not os.path.isfile(p)]
     if missing:
-      raise FileNotFoundError(f"No such image file(s): {missing}")
+      raise NoImageFile(f"No such image file(s): {missing}")
+    visualize.check_images(paths)
     images = np.stack([visualize.load_image(p, size) for p in paths])
     return images, [caption] * len(paths), [os.path.splitext(os.path.basename(p))[0] for p in paths]
   d = run_config.data
@@ -127,7 +131,7 @@ def load_inputs(
 
 def main(argv):
   f = flags.FLAGS
-  run_config = runs.load_run(f.workdir, f.checkpoint).config
+  run_config = features.load_run(f.workdir, f.checkpoint).config
   size = f.size or training_size(run_config)
   images, captions, names = load_inputs(argv[1:], f.caption, run_config, f.split, f.num_examples, size)
   results = render(f.workdir, f.out_dir, images, captions, names, f.checkpoint, f.map, f.upscale, f.words)
@@ -138,4 +142,4 @@ def main(argv):
 if __name__ == "__main__":
   define_flags()
   flags.mark_flags_as_required(["workdir", "out_dir"])
-  app.run(main)
+  app.run(exit_2_on_user_error(main))

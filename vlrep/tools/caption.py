@@ -17,18 +17,18 @@ feature grid for each predicted token, averaged over heads and upsampled bicubic
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
 from absl import app, flags
 from ml_collections import ConfigDict
 
-from vlrep import decoding, run_setup, runs, visualize
+from vlrep import decoding, run_setup, safe_files, visualize
 from vlrep.data import pipeline, registry  # noqa: F401 (pipeline registers the ops)
 from vlrep.data.tokenizers import EOS_ID
-from vlrep.errors import exit_2_on_user_error
+from vlrep.errors import UserError, exit_2_on_user_error
 from vlrep.evaluators.captioning import captioner_for
+from vlrep.tools import features
 
 
 def define_flags():
@@ -49,6 +49,10 @@ def define_flags():
 
 PREPROCESS = ("crop", "virtex_official")
 OFFICIAL_RESIZE, OFFICIAL_CROP = 256, 224  # kdexd/virtex's DEFAULT_IMAGE_TRANSFORM (its evaluation's)
+
+
+class NoImageFile(UserError, FileNotFoundError):
+  """An image file named on the command line does not exist."""
 
 
 def load_images(paths: list[str], preprocess: str, size: int) -> np.ndarray:
@@ -83,17 +87,24 @@ def caption_files(
   import jax
 
   if not paths:
-    raise ValueError("Give at least one image file.")
-  missing = [p for p in paths if not os.path.exists(p)]
+    raise UserError("Give at least one image file.")
+  missing = [p for p in paths if not os.path.isfile(p)]
   if missing:
-    raise FileNotFoundError(f"No such image file(s): {missing}")
-  run = runs.load_run(workdir, checkpoint)
-  inputs = run_setup.build_inputs(run.config)
-  size = size or training_size(run.config)
+    raise NoImageFile(f"No such image file(s): {missing}")
+  visualize.check_images(paths)  # every file an image of a size vlrep decodes, before the model is built
+  run = features.load_run(workdir, checkpoint)
+  with features.saved_config_errors(run):
+    inputs = run_setup.build_inputs(run.config)
+    size = size or training_size(run.config)
   images = load_images(paths, preprocess, size)
   size = images.shape[1]
   cfg = {"decoding": decoding_method, "max_len": max_len, **decode_kwargs}
-  caption = captioner_for(inputs.method, ConfigDict(cfg))
+  try:
+    caption = captioner_for(inputs.method, ConfigDict(cfg))
+  except UserError:
+    raise
+  except ValueError as e:  # a run without a captioning head, or a decoding it does not support: said, not a bug
+    raise UserError(f"--workdir={workdir}: {e}") from e
   tokens, attention = caption(jax.device_put(run.variables), visualize.normalize(images), jax.random.PRNGKey(seed))
   tokens, attention = np.asarray(tokens), np.asarray(attention)
   tok = inputs.tokenizer
@@ -124,8 +135,7 @@ def main(argv):
     if entry.get("attention_pngs"):
       print(f"  {len(entry['attention_pngs'])} attention maps in {os.path.dirname(entry['attention_pngs'][0])}")
   if f.json_out:
-    with open(f.json_out, "w") as fh:
-      json.dump({p: e["caption"] for p, e in results.items()}, fh, indent=2)
+    safe_files.write_json(f.json_out, {p: e["caption"] for p, e in results.items()})
 
 
 if __name__ == "__main__":

@@ -32,11 +32,12 @@ is not a run, a run without a visual backbone, another extension) are errors nam
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 from PIL import Image
@@ -44,7 +45,7 @@ from safetensors.numpy import save_file
 
 from vlrep import runs, visualize
 from vlrep.data import registry
-from vlrep.errors import UserError
+from vlrep.errors import BadFile, UserError, exit_2_on_user_error
 
 TRANSFORMS = ("resize_crop", "squash")
 FEATURES = {"pooled": "pre_logits", "grid": "grid"}  # name in the output -> runs.backbone_fn's key
@@ -85,25 +86,10 @@ def describe(prep: dict) -> str:
   return f"{how} ({prep['resampling']}; size: {prep['size_from']}), {prep['normalization']}"
 
 
-def _open(path: str) -> Image.Image:
-  try:
-    return Image.open(path)
-  except FileNotFoundError as e:
-    raise UserError(f"No image file {path}.") from e
-  except Exception as e:  # noqa: BLE001 -- PIL raises several types for non-images
-    raise UserError(f"{path} is not a readable image file ({type(e).__name__}: {e}).") from e
-
-
 def load_image(path: str, prep: dict) -> np.ndarray:
   """An image file -> uint8 [size, size, 3], as `prep` (from `preprocessing`) says."""
   size = prep["size"]
-  try:
-    with _open(path) as img:
-      img = img.convert("RGB")
-  except UserError:
-    raise
-  except Exception as e:  # noqa: BLE001 -- a truncated or damaged file fails on decoding, after its header read
-    raise UserError(f"{path} is not a readable image file ({type(e).__name__}: {e}).") from e
+  img = Image.fromarray(visualize.read_rgb(path))
   if prep["transform"] == "squash":
     return np.asarray(img.resize((size, size), Image.BICUBIC), np.uint8)
   # The sizes and offsets as torchvision.transforms.Resize(int) and CenterCrop compute them (the longer side
@@ -125,17 +111,55 @@ def check_images(paths) -> list[str]:
   missing = [p for p in paths if not os.path.isfile(p)]
   if missing:
     raise UserError(f"No such image file(s): {missing[:10]}{' ...' if len(missing) > 10 else ''}")
-  for p in paths:
-    _open(p).close()
+  visualize.check_images(paths)
   return paths
 
 
-def load_backbone_run(workdir: str, checkpoint: str = "best") -> runs.Run:
-  """runs.load_run, its failures (no such directory, no checkpoint in it) as the user's errors."""
+def load_run(workdir: str, checkpoint: str = "best") -> runs.Run:
+  """runs.load_run for the tools and vlrep.evaluate: every way a folder fails to be a restorable run (missing, no
+  checkpoint, damaged or crafted checkpoint files) one UserError naming it, not a traceback."""
   try:
-    run = runs.load_run(workdir, checkpoint)
-  except (FileNotFoundError, RuntimeError) as e:
+    return runs.load_run(workdir, checkpoint)
+  except UserError:
+    raise
+  except FileNotFoundError as e:
     raise UserError(f"--workdir={workdir} is not a vlrep run directory with a restorable checkpoint: {e}") from e
+  except Exception as e:  # noqa: BLE001 -- orbax and tensorstore raise many types for damaged or crafted files
+    raise BadFile(
+      f"--workdir={workdir} is not a vlrep run directory with a restorable checkpoint: {type(e).__name__}: {e}. "
+      "Its checkpoint files are damaged or not vlrep's: copy the run folder again from where it came from."
+    ) from e
+
+
+@contextlib.contextmanager
+def saved_config_errors(run: runs.Run):
+  """Context for building a run's model (method, tokenizer, backbone) from the config its checkpoint saved: that
+  config is a file from outside, so one that does not build (a value of the wrong type, a section that is not one,
+  sizes that do not fit the parameters) is one BadFile naming the checkpoint's metadata file, not a traceback."""
+  try:
+    yield
+  except UserError:
+    raise
+  except Exception as e:  # noqa: BLE001 -- Flax, JAX and the methods raise many types for a config that does not build
+    detail = (str(e).splitlines() or [""])[0][:300]
+    raise BadFile(
+      f"{os.path.join(run.path, 'meta', 'metadata')}: the run's saved config does not build its model "
+      f"({type(e).__name__}: {detail}). The run folder is damaged or not vlrep's: copy it again from where it came "
+      "from."
+    ) from e
+
+
+def check_backbone(run: runs.Run) -> None:
+  """The run's backbone, as its saved config describes it, applies to its parameters (traced on a small image,
+  nothing computed): a crafted or damaged config is refused before any image is read or evaluation run."""
+  with saved_config_errors(run):
+    module, variables = runs.backbone_of(run)
+    jax.eval_shape(lambda v: module.apply(v, jnp.zeros((1, 64, 64, 3)), False), variables)
+
+
+def load_backbone_run(workdir: str, checkpoint: str = "best") -> runs.Run:
+  """`load_run`, and a UserError for a run without a visual backbone."""
+  run = load_run(workdir, checkpoint)
   if "backbone" not in run.params:
     raise UserError(
       f"The run {workdir} has no visual backbone (its parameters: {sorted(run.params)}); features need one."
@@ -161,8 +185,10 @@ def extract(
     raise UserError(f"--features={','.join(features)}: choose from {', '.join(FEATURES)}.")
   paths = check_images(images)
   run = load_backbone_run(workdir, checkpoint)
-  prep = preprocessing(run.config, transform, size, resize)
-  backbone = runs.backbone_fn(run)
+  check_backbone(run)
+  with saved_config_errors(run):
+    prep = preprocessing(run.config, transform, size, resize)
+    backbone = runs.backbone_fn(run)
   # A fixed batch shape (one compile), a multiple of the devices the batch is sharded over; the last batch padded.
   devices = jax.device_count()
   batch = -(-min(batch_size, len(paths)) // devices) * devices
@@ -231,14 +257,10 @@ def define_flags():
 
 def main(argv):
   f = flags.FLAGS
-  try:
-    features = f.features or (["pooled"] if f.out.endswith(".npy") else list(FEATURES))
-    check_out(f.out, features, f.overwrite)
-    result = extract(f.workdir, argv[1:], f.checkpoint, features, f.size, f.resize, f.transform, f.batch_size)
-    files = write(result, f.out, f.overwrite)
-  except UserError as e:
-    print(f"ERROR: {e}", file=sys.stderr, flush=True)
-    sys.exit(2)
+  features = f.features or (["pooled"] if f.out.endswith(".npy") else list(FEATURES))
+  check_out(f.out, features, f.overwrite)
+  result = extract(f.workdir, argv[1:], f.checkpoint, features, f.size, f.resize, f.transform, f.batch_size)
+  files = write(result, f.out, f.overwrite)
   shapes = ", ".join(f"{name} {list(result[name].shape)}" for name in FEATURES if name in result)
   print(f"Preprocessing: {describe(result['preprocessing'])}.", flush=True)
   print(f"{len(result['paths'])} images, {shapes} (float32) from {result['run']}: {', '.join(files)}", flush=True)
@@ -247,4 +269,4 @@ def main(argv):
 if __name__ == "__main__":
   define_flags()
   flags.mark_flags_as_required(["workdir", "out"])
-  app.run(main)
+  app.run(exit_2_on_user_error(main))
