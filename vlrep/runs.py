@@ -314,19 +314,27 @@ def backbone_fn(run: Run, mesh=None):
 _MAX_SUMMARY_BYTES = 64 << 20  # a summary is a few KB of metrics; this bounds what a crafted one can make us read
 
 
+def read_summary(workdir: str) -> dict[str, Any]:
+  """WORKDIR/summary.json's metrics ({} without one); a file that is not a JSON object of metrics (a run folder
+  from elsewhere may hold anything there) is one BadFile message."""
+  path = os.path.join(workdir, "summary.json")
+  if not os.path.lexists(path):
+    return {}
+  with errors.reading(path, what="run summary (JSON)", hint="Move it aside; vlrep writes a fresh one."):
+    if not os.path.isfile(path) or os.path.getsize(path) > _MAX_SUMMARY_BYTES:
+      raise ValueError(f"not a regular file of at most {_MAX_SUMMARY_BYTES >> 20} MB")
+    with open(path) as f:
+      summary = json.load(f)
+    if not isinstance(summary, dict):
+      raise ValueError(f"a JSON {type(summary).__name__}, not an object")
+  return summary
+
+
 def write_summary(workdir: str, values: dict[str, Any]) -> None:
   """Merges flat metrics into WORKDIR/summary.json (atomically, through safe_files: a link planted at the name or
   its temporary file is never followed; other tools add their own keys)."""
   path = os.path.join(workdir, "summary.json")
-  summary = {}
-  if os.path.lexists(path):
-    with errors.reading(path, what="run summary (JSON)", hint="Move it aside; vlrep writes a fresh one."):
-      if not os.path.isfile(path) or os.path.getsize(path) > _MAX_SUMMARY_BYTES:
-        raise ValueError(f"not a regular file of at most {_MAX_SUMMARY_BYTES >> 20} MB")
-      with open(path) as f:
-        summary = json.load(f)
-      if not isinstance(summary, dict):
-        raise ValueError(f"a JSON {type(summary).__name__}, not an object")
+  summary = read_summary(workdir)
   summary.update(
     {k: (float(v) if isinstance(v, (np.floating, np.integer, jax.Array)) else v) for k, v in values.items()}
   )

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import os
 import resource
 import sys
@@ -109,7 +108,8 @@ def _train(
   run_setup.check_datasets_prepared(config)
   if has_checkpoints(workdir) and not allow_changed_data:
     try:
-      saved_config = runs.read_config(workdir, checkpoint="latest")  # what the resume continues
+      # What the resume continues (`resuming`: only compared with the user's config, nothing looked up by its names).
+      saved_config = runs.read_config(workdir, resuming=True, checkpoint="latest")
     except RuntimeError:  # no readable metadata: the restore below names the damaged checkpoints
       saved_config = None
     if saved_config is not None:
@@ -329,11 +329,7 @@ def has_checkpoints(workdir: str) -> bool:
 
 
 def previous_summary(workdir: str) -> dict[str, Any]:
-  path = os.path.join(workdir, "summary.json")
-  if not os.path.exists(path):
-    return {}
-  with open(path) as f:
-    return json.load(f)
+  return runs.read_summary(workdir)
 
 
 def finished_at(workdir: str, step: int) -> bool:
