@@ -21,6 +21,18 @@ usable header or row, fewer than 2 classes: exit status 2, naming what was found
 fingerprinted: a dataset already in DATA_DIR is reused only if its source is unchanged (the index file's SHA-256,
 the names, sizes and modification times of its images or shards); otherwise it is rebuilt, and the report's
 `source` says which and why.
+
+A manual_dir may come from someone else, so what prepare reads from it is bounded (vlrep/data/builders/common.py):
+an image file or shard member over --max_file_bytes (256 MiB), an index line or a shard's KEY.txt / KEY.json over
+--max_text_bytes (8 MiB), an image whose header declares more than --max_image_pixels (~179 megapixels: a
+decompression bomb) are skipped and counted in the report, the limit named in the reason, before they are read
+or decoded (a gzip shard that decompresses to more than its tar headers declare is refused as it is read).
+Files that the index, the class folders or the shard listing name and that resolve outside --manual_dir (an
+absolute path, a '../' path, a symlink) stop prepare before anything is written (exit status 2, the count and a
+few named) unless --allow_outside_manual_dir is given; then they are read and the report's
+`outside_manual_dir` counts and names them. A file that cannot be read as a whole (an index that is a folder or
+not a file, an annotation file that is not JSON) is one message and exit status 2. The report is written
+atomically inside --data_dir (a symlink at its name is replaced, never followed).
 """
 
 from __future__ import annotations
@@ -30,7 +42,9 @@ import os
 import shutil
 
 from absl import app, flags, logging
+from PIL import Image
 
+from vlrep import safe_files
 from vlrep.data import pipeline
 from vlrep.data.builders import common, image_folder, image_text
 from vlrep.errors import UserError, exit_2_on_user_error
@@ -50,6 +64,33 @@ flags.DEFINE_enum(
   "Storage: array_record (random access: training reads each host's records from disk) or tfrecord (sequential: "
   "training holds each host's share in memory).",
 )
+flags.DEFINE_bool(
+  "allow_outside_manual_dir",
+  False,
+  "Read files that the index, the class folders or the shard listing name but that resolve outside --manual_dir "
+  "(an absolute path, a '../' path, a symlink: e.g. images symlinked in on purpose). Without it prepare stops "
+  "before writing anything, naming them; with it the report's `outside_manual_dir` counts and names them.",
+)
+flags.DEFINE_integer(
+  "max_file_bytes",
+  common.Limits.max_file_bytes,
+  "Largest image file or shard member read (bytes); larger ones are skipped and counted, unread.",
+  lower_bound=1,
+)
+flags.DEFINE_integer(
+  "max_text_bytes",
+  common.Limits.max_text_bytes,
+  "Longest index line (captions.jsonl, captions.csv, labels.csv, LN JSONL) or shard KEY.txt / KEY.json read "
+  "(bytes); longer ones are skipped and counted.",
+  lower_bound=1,
+)
+flags.DEFINE_integer(
+  "max_image_pixels",
+  common.Limits.max_image_pixels,
+  "Most pixels an image's header may declare (width x height) for it to be decoded; larger ones (decompression "
+  "bombs) are skipped and counted. Decoding holds up to ~8 bytes per pixel.",
+  lower_bound=1,
+)
 FLAGS = flags.FLAGS
 
 # Your own data: checked as a whole before TFDS writes anything, and fingerprinted (image_text.source_changes
@@ -65,19 +106,27 @@ def _is_prepared(builder) -> bool:
   return os.path.exists(os.path.join(builder.data_dir, "dataset_info.json"))
 
 
+def _remove(path: str) -> None:
+  """Removes a file, a link (not what it points to) or a folder."""
+  if os.path.islink(path) or os.path.isfile(path):
+    os.unlink(path)
+  elif os.path.isdir(path):
+    shutil.rmtree(path)
+
+
 def _set_aside(version_dir: str) -> str:
   """Moves a prepared version out of TFDS's sight (beside its dataset folder); returns where it now is."""
   aside = os.path.join(os.path.dirname(version_dir), f".{os.path.basename(version_dir)}.previous")
-  if os.path.exists(aside):  # left by a run that was killed mid-rebuild: the version folder is the newer copy
-    shutil.rmtree(aside)
+  if os.path.lexists(aside):  # left by a run that was killed mid-rebuild: the version folder is the newer copy
+    _remove(aside)
   os.rename(version_dir, aside)
   return aside
 
 
 def _restore(aside: str, version_dir: str) -> None:
   """Puts a version set aside back after a rebuild that failed (its partial output removed)."""
-  if os.path.exists(version_dir):
-    shutil.rmtree(version_dir)
+  if os.path.lexists(version_dir):
+    _remove(version_dir)
   os.rename(aside, version_dir)
   logging.warning("The rebuild failed: the dataset prepared before is kept in %s", version_dir)
 
@@ -88,8 +137,19 @@ def prepare(
   data_dir: str,
   config_name: str | None = None,
   file_format: str = pipeline.FILE_FORMAT,
+  limits: common.Limits | None = None,
 ) -> dict:
+  """Prepares `dataset` from `manual_dir` into `data_dir` and writes its report; `limits`: what one input may make
+  it read (common.Limits(); its fields are the command's flags of the same names)."""
   import tensorflow_datasets as tfds
+
+  common.LIMITS = limits or common.Limits()
+  if common.LIMITS.max_image_pixels > 2 * (Image.MAX_IMAGE_PIXELS or 0) and Image.MAX_IMAGE_PIXELS is not None:
+    # PIL refuses images above twice its own limit before vlrep sees their size: a larger --max_image_pixels is the
+    # user's explicit choice, so PIL's limit is raised to match (in this process).
+    Image.MAX_IMAGE_PIXELS = common.LIMITS.max_image_pixels
+  common.SKIPPED.clear()
+  common.OUTSIDE.clear()
 
   registry = pipeline.builder_classes()
   if dataset not in registry:
@@ -128,7 +188,7 @@ def prepare(
       source_action = f"reused: the source in {manual_dir} is unchanged since {builder.data_dir} was prepared"
   if source is not None and not _is_prepared(builder):
     builder.info.metadata["source"] = source
-  common.SKIPPED.clear()
+  common.SKIPPED.clear()  # check_source's look counts nothing; the generation counts each skip once
   try:
     builder.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
   except BaseException:
@@ -156,16 +216,32 @@ def prepare(
     report["trace_mismatch"] = int(builder.info.metadata["trace_mismatch"])
   if source is not None:
     report["source"] = source_action
-  os.makedirs(data_dir, exist_ok=True)
-  with open(os.path.join(data_dir, f"{dataset}_prepare_report.json"), "w") as f:
-    json.dump(report, f, indent=2)
+  if common.OUTSIDE:
+    outside = sorted(set(common.OUTSIDE))
+    report["outside_manual_dir"] = {"files": len(outside), "first": outside[:10]}
+  limits = common.LIMITS
+  report["limits"] = {
+    "max_file_bytes": limits.max_file_bytes,
+    "max_text_bytes": limits.max_text_bytes,
+    "max_image_pixels": limits.max_image_pixels,
+    "allow_outside_manual_dir": limits.allow_outside_manual_dir,
+  }
+  safe_files.make_dirs(data_dir)
+  # Written atomically inside data_dir: a symlink planted at the report's name is replaced, never followed.
+  safe_files.write_json(os.path.join(data_dir, f"{dataset}_prepare_report.json"), report, root=data_dir)
   return report
 
 
 @exit_2_on_user_error
 def main(argv):
   del argv
-  report = prepare(FLAGS.dataset, FLAGS.manual_dir, FLAGS.data_dir, FLAGS.config_name, FLAGS.file_format)
+  limits = common.Limits(
+    max_file_bytes=FLAGS.max_file_bytes,
+    max_text_bytes=FLAGS.max_text_bytes,
+    max_image_pixels=FLAGS.max_image_pixels,
+    allow_outside_manual_dir=FLAGS.allow_outside_manual_dir,
+  )
+  report = prepare(FLAGS.dataset, FLAGS.manual_dir, FLAGS.data_dir, FLAGS.config_name, FLAGS.file_format, limits)
   print(json.dumps(report, indent=2))
 
 

@@ -7,7 +7,9 @@
 
 Prepared with `python -m vlrep.data.prepare --dataset=coco_captions2017 --manual_dir=MANUAL_DIR`.
 Images that are missing or do not decode, empty captions, and images left without captions are skipped and
-counted (printed by the prepare command and saved in its report).
+counted (printed by the prepare command and saved in its report). An annotation file that is not COCO's JSON is
+one message naming it (exit status 2); an image file_name that resolves outside MANUAL_DIR stops prepare unless
+--allow_outside_manual_dir is given.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ import os
 import numpy as np
 import tensorflow_datasets as tfds
 
+from vlrep import errors
 from vlrep.data.builders import common
+
+_HINT = "Expected COCO's annotations JSON ({'images': [...], 'annotations': [...]}), as downloaded."
 
 _SPLITS = {"train": "train2017", "val": "val2017"}
 
@@ -52,38 +57,42 @@ class CocoCaptions2017(tfds.core.GeneratorBasedBuilder):
       ann = os.path.join(root, "annotations", f"captions_{folder}.json")
       if os.path.exists(ann):
         instances = os.path.join(root, "annotations", f"instances_{folder}.json")
-        out[split] = self._generate_examples(ann, os.path.join(root, folder), instances)
+        out[split] = self._generate_examples(ann, os.path.join(root, folder), instances, os.fspath(root))
     if not out:
       raise FileNotFoundError(f"No annotations/captions_*2017.json under {root}. Expected layout:\n{__doc__}")
     return out
 
-  def _generate_examples(self, annotation_file: str, image_dir: str, instances_file: str = ""):
-    with open(annotation_file) as f:
-      data = json.load(f)
+  def _generate_examples(self, annotation_file: str, image_dir: str, instances_file: str = "", root: str = ""):
     labels = collections.defaultdict(list)
     if instances_file and os.path.exists(instances_file):
-      with open(instances_file) as f:
-        instances = json.load(f)
-      index = {cat["id"]: i for i, cat in enumerate(sorted(instances["categories"], key=lambda c: c["id"]))}
-      for ann in instances["annotations"]:
-        if ann.get("category_id") in index:
-          labels[ann["image_id"]].append(index[ann["category_id"]])
+      with errors.reading(instances_file, "COCO instances annotation file", _HINT):
+        with common.open_regular(instances_file) as f:
+          instances = json.load(f)
+        index = {cat["id"]: i for i, cat in enumerate(sorted(instances["categories"], key=lambda c: c["id"]))}
+        for ann in instances["annotations"]:
+          if ann.get("category_id") in index:
+            labels[ann["image_id"]].append(index[ann["category_id"]])
+          else:
+            common.skip("coco_captions2017", "instance with unknown category", f"annotation {ann.get('id')}")
+    # A file whose structure is not COCO's (a key missing, a list where an object belongs) is a BadFile naming
+    # it: the images are read inside the block, but their own errors are counted skips (readable_image).
+    with errors.reading(annotation_file, "COCO captions annotation file", _HINT):
+      with common.open_regular(annotation_file) as f:
+        data = json.load(f)
+      captions = collections.defaultdict(list)
+      for ann in data["annotations"]:
+        text = (ann.get("caption") or "").strip()
+        if text:
+          captions[ann["image_id"]].append(text)
         else:
-          common.skip("coco_captions2017", "instance with unknown category", f"annotation {ann.get('id')}")
-    captions = collections.defaultdict(list)
-    for ann in data["annotations"]:
-      text = (ann.get("caption") or "").strip()
-      if text:
-        captions[ann["image_id"]].append(text)
-      else:
-        common.skip("coco_captions2017", "empty caption", f"annotation {ann.get('id')}")
-    for image in data["images"]:
-      image_id = image["id"]
-      if not captions.get(image_id):
-        common.skip("coco_captions2017", "image without captions", image["file_name"])
-        continue
-      path = os.path.join(image_dir, image["file_name"])
-      if not common.readable_image(path, "coco_captions2017"):
-        continue
-      objects = {"label": labels.get(image_id, [])}
-      yield image_id, {"image": path, "image_id": image_id, "captions": captions[image_id], "objects": objects}
+          common.skip("coco_captions2017", "empty caption", f"annotation {ann.get('id')}")
+      for image in data["images"]:
+        image_id = image["id"]
+        if not captions.get(image_id):
+          common.skip("coco_captions2017", "image without captions", image["file_name"])
+          continue
+        path = os.path.join(image_dir, image["file_name"])
+        if not common.readable_image(path, "coco_captions2017", root or None):
+          continue
+        objects = {"label": labels.get(image_id, [])}
+        yield image_id, {"image": path, "image_id": image_id, "captions": captions[image_id], "objects": objects}

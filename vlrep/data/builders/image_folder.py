@@ -35,17 +35,16 @@ or without a row.
 from __future__ import annotations
 
 import collections
-import csv
 import hashlib
 import io
 import os
 
 import tensorflow_datasets as tfds
 from absl import logging
-from PIL import Image
 
+from vlrep import errors
 from vlrep.data.builders import common
-from vlrep.data.builders.image_text import BOM, SourceError, csv_header
+from vlrep.data.builders.image_text import SourceError, csv_rows, index_lines
 
 NAME = "image_folder"
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
@@ -96,7 +95,7 @@ class ImageFolder(tfds.core.GeneratorBasedBuilder):
   def _generate_examples(self, root: str, items: list[tuple[str, str]], split: str, counts: dict):
     n = 0
     for path, label in items:
-      jpeg = _jpeg(os.path.join(root, path), path)
+      jpeg = _jpeg(os.path.join(root, path), path, root)
       if jpeg is None:
         continue
       n += 1
@@ -108,18 +107,20 @@ class ImageFolder(tfds.core.GeneratorBasedBuilder):
       raise SourceError(f"{root}: no usable image in split {split!r} ({len(items)} listed); skipped: {skipped}")
 
 
-def _jpeg(path: str, what: str) -> bytes | None:
+def _jpeg(path: str, what: str, root: str) -> bytes | None:
   """The image as JPEG bytes (RGB JPEGs kept as they are; grayscale, palette, RGBA and other modes converted to
-  RGB), or None (counted) if it is missing or does not decode."""
-  try:
-    with open(path, "rb") as f:
-      data = f.read()
-  except OSError:
-    common.skip(NAME, "missing image file", what)
+  RGB), or None (counted) if it is missing, outside `root` (check_source refused those unless they are allowed),
+  over common.LIMITS (file size, pixels) or does not decode."""
+  if common.outside(root, path) is not None and not common.LIMITS.allow_outside_manual_dir:
+    common.skip(NAME, "image outside --manual_dir (not read)", what)
     return None
   try:
-    with Image.open(io.BytesIO(data)) as im:
-      im.load()
+    data = common.read_file(path)
+  except (OSError, common.TooLarge) as e:
+    common.skip(NAME, common.image_skip_reason(e), what)
+    return None
+  try:
+    with common.decode_image(data) as im:
       if im.format == "JPEG" and im.mode == "RGB":
         return data
       rgb = im.convert("RGBA").convert("RGB") if im.mode in ("P", "LA", "PA") else im.convert("RGB")
@@ -127,7 +128,7 @@ def _jpeg(path: str, what: str) -> bytes | None:
       rgb.save(out, "JPEG", quality=95)
       return out.getvalue()
   except Exception as e:  # PIL raises many types for corrupt files
-    common.skip(NAME, f"undecodable image ({type(e).__name__})", what)
+    common.skip(NAME, common.image_skip_reason(e), what)
     return None
 
 
@@ -165,6 +166,9 @@ def _class_folders(root: str, top: str, quiet: bool) -> list[tuple[str, str]]:
   items = []
   for name in entries:
     if os.path.isdir(os.path.join(where, name)):
+      real = common.outside(root, os.path.join(where, name))
+      if real is not None and not common.LIMITS.allow_outside_manual_dir:  # not walked: it may be a link to /
+        common.refuse_outside(root, [(os.path.join(top, name), real)], "the class folders")
       images = _class_images(root, os.path.join(top, name) if top else name, quiet)
       if not images:
         _skip("class folder without an image (class left out)", os.path.join(top, name), quiet)
@@ -223,23 +227,15 @@ def _from_split_folders(root: str, folders: list[str], quiet: bool) -> list[tupl
 
 def _from_index(root: str, quiet: bool) -> list[tuple[str, str, str]]:
   path = os.path.join(root, INDEX_FILE)
-  with open(path, "rb") as f:
-    lines = f.read().split(b"\n")
-  decoded = []
-  for number, raw in enumerate(lines, 1):
-    try:
-      text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-      _skip("line not UTF-8", f"{INDEX_FILE} line {number}", quiet)
-      continue
-    decoded.append((number, text.removeprefix(BOM) if number == 1 else text))
-  decoded = [(n, text) for n, text in decoded if text.strip()]
-  if not decoded or decoded[0][0] != 1:  # the header line missing, empty or not UTF-8
-    raise SourceError(f"{path}: no header on line 1; expected a header image,label[,split]")
-  delimiter, fields = csv_header(path, decoded[0][1], CSV_REQUIRED, CSV_OPTIONAL)
-  reader = csv.DictReader((text for _, text in decoded[1:]), fieldnames=fields, delimiter=delimiter)
+
+  def skip(reason, what):
+    _skip(reason, what, quiet)
+
+  rows = csv_rows(path, index_lines(path, quiet, skip), CSV_REQUIRED, CSV_OPTIONAL, skip)
   given, unassigned, seen = [], [], set()
-  for (number, _), row in zip(decoded[1:], reader, strict=False):
+  n_rows = 0
+  for row, number in rows:
+    n_rows += 1
     what = f"{INDEX_FILE} line {number}"
     image, label = (row.get("image") or "").strip(), (row.get("label") or "").strip()
     split = (row.get("split") or "").strip().lower()
@@ -257,8 +253,7 @@ def _from_index(root: str, quiet: bool) -> list[tuple[str, str, str]]:
         unassigned.append((image, label))
   if not given and not unassigned:
     raise SourceError(
-      f"{path}: no row with an image and a label: {len(decoded) - 1} rows below the header; expected rows "
-      "image,label[,split]"
+      f"{path}: no row with an image and a label: {n_rows} rows below the header; expected rows image,label[,split]"
     )
   return _with_held_out(given, unassigned)
 
@@ -321,10 +316,15 @@ def check_source(root: str) -> dict:
   modification times}."""
   listing = read_listing(root, quiet=True)
   index = os.path.join(root, INDEX_FILE)
+  named = ([INDEX_FILE] if os.path.lexists(index) else []) + [p for p, _, _ in listing]
+  outside = [(p, real) for p in named if (real := common.outside(root, os.path.join(root, p)))]
+  common.refuse_outside(root, outside, INDEX_FILE if os.path.lexists(index) else "the class folders")
   lines = [_stat_line(root, *entry) for entry in listing]
   logging.info("%s: %d images in %d classes in %s", NAME, len(listing), len({c for _, c, _ in listing}), root)
+  with errors.reading(index, "text index"):
+    sha256 = _file_sha256(index) if os.path.isfile(index) else None
   return {
-    "index": {INDEX_FILE: _file_sha256(index)} if os.path.isfile(index) else {},
+    "index": {INDEX_FILE: sha256} if sha256 else {},
     "files": len(lines),
     "files_sha256": hashlib.sha256("\n".join(lines).encode()).hexdigest(),
   }
@@ -332,7 +332,7 @@ def check_source(root: str) -> dict:
 
 def _file_sha256(path: str) -> str:
   digest = hashlib.sha256()
-  with open(path, "rb") as f:
+  with common.open_regular(path) as f:
     for block in iter(lambda: f.read(1 << 20), b""):
       digest.update(block)
   return digest.hexdigest()

@@ -72,21 +72,25 @@ The prepare report's `fields` says how many prepared examples carry each field: 
 
 from __future__ import annotations
 
+import bz2
 import collections
 import csv
 import glob
+import gzip
 import hashlib
 import io
 import json
+import lzma
 import math
 import os
 import tarfile
+import zlib
 
 import numpy as np
 import tensorflow_datasets as tfds
 from absl import logging
-from PIL import Image
 
+from vlrep import errors
 from vlrep.data.builders import common
 from vlrep.data.builders import localized_narratives as ln
 from vlrep.errors import UserError
@@ -199,7 +203,7 @@ def words_spell_caption(timed_caption: list[dict], caption: str) -> bool:
 
 def _source_files(root: str) -> tuple[list[str], str | None]:
   """(the shards, []) or ([], the index file's name) that read_manual_dir reads; NoSource if neither."""
-  shards = sorted(glob.glob(os.path.join(root, "*.tar")))
+  shards = sorted(glob.glob(os.path.join(glob.escape(root), "*.tar")))
   if shards:
     return shards, None
   for name in INDEX_FILES:
@@ -222,7 +226,7 @@ def read_manual_dir(root: str):
 
 def _sha256(path: str) -> str:
   digest = hashlib.sha256()
-  with open(path, "rb") as f:
+  with common.open_regular(path) as f:
     for block in iter(lambda: f.read(1 << 20), b""):
       digest.update(block)
   return digest.hexdigest()
@@ -241,9 +245,13 @@ def check_source(root: str) -> dict:
   dataset prepared from it is still current: {"index": {name: SHA-256 of the file} (the index read, or each
   shard's size and mtime), "files": the images the index names, "files_sha256": SHA-256 of their names, sizes and
   modification times}. Raises SourceError (no traceback from the CLI) when the index cannot give a single row: an
-  empty file, a CSV header without image and caption (or with unknown fields), no JSON object with both."""
+  empty file, a CSV header without image and caption (or with unknown fields), no JSON object with both; and
+  common.OutsideManualDir when shards, the index or the images it names resolve outside `root` (an absolute path,
+  a '../' path, a symlink), all counted and a few named, unless common.LIMITS allows them."""
   shards, index = _source_files(root)
   if shards:
+    outside = [(os.path.basename(s), real) for s in shards if (real := common.outside(root, s))]
+    common.refuse_outside(root, outside, "the shard listing (*.tar)")
     lines = [_stat_line(root, os.path.relpath(s, root)) for s in shards]
     return {"index": {}, "files": len(lines), "files_sha256": hashlib.sha256("\n".join(lines).encode()).hexdigest()}
   path = os.path.join(root, index)
@@ -265,9 +273,14 @@ def check_source(root: str) -> dict:
       'expected one JSON object per line, {"image": "relative/path.jpg", "caption": "..."} (or "captions": '
       '[...]), with optional "tags", "timed_caption", "traces", "boxes", "labels"'
     )
+  named = [index] + sorted(images)
+  outside = [(n, real) for n in named if (real := common.outside(root, os.path.join(root, n)))]
+  common.refuse_outside(root, outside, index)
   lines = [_stat_line(root, image) for image in sorted(images)]
+  with errors.reading(path, "text index"):
+    sha256 = _sha256(path)
   return {
-    "index": {index: _sha256(path)},
+    "index": {index: sha256},
     "files": len(lines),
     "files_sha256": hashlib.sha256("\n".join(lines).encode()).hexdigest(),
   }
@@ -298,17 +311,16 @@ def _count(reason: str, n: int, what: str) -> None:
 
 def _jpeg(data: bytes, what: str) -> tuple[bytes, tuple[int, int]] | None:
   """(the image as JPEG bytes (JPEGs kept as they are), (width, height)), or None (counted) if it does not
-  decode."""
+  decode or its header declares more than common.LIMITS.max_image_pixels."""
   try:
-    with Image.open(io.BytesIO(data)) as im:
-      im.load()
+    with common.decode_image(data) as im:
       if im.format == "JPEG" and im.mode in ("RGB", "L"):
         return data, im.size
       out = io.BytesIO()
       im.convert("RGB").save(out, "JPEG", quality=95)
       return out.getvalue(), im.size
   except Exception as e:  # PIL raises many types for corrupt files
-    common.skip(NAME, f"undecodable image ({type(e).__name__})", what)
+    common.skip(NAME, common.image_skip_reason(e), what)
     return None
 
 
@@ -327,7 +339,12 @@ def _text_fields(meta: dict, what: str) -> tuple[list[str], list[str]]:
 
 
 def _finite(value) -> bool:
-  return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+  if not isinstance(value, int | float) or isinstance(value, bool):
+    return False
+  try:
+    return math.isfinite(value)
+  except OverflowError:  # an integer of hundreds of digits
+    return False
 
 
 def _narration(row: dict, what: str) -> dict | None:
@@ -460,57 +477,160 @@ def _example(key, image, captions, tags, narration, boxes, what) -> dict | None:
   }
 
 
-def _from_shards(shards: list[str]):
-  for shard in shards:
-    members: dict[str, dict[str, bytes]] = collections.defaultdict(dict)
-    key = None  # the key whose member is being read
+# The shard members read (a sample's image and texts); members with other suffixes are passed over unread.
+TEXT_SUFFIXES = (".txt", ".json")
+# A tar header record (a pax header, a GNU long name) is read whole by tarfile before any member: at most this.
+MAX_HEADER_BYTES = common.MIB
+# What a shard stops at: a torn or corrupt tar, gzip, bzip2 or xz stream, a header record over MAX_HEADER_BYTES.
+SHARD_ERRORS = (tarfile.TarError, OSError, EOFError, ValueError, zlib.error, lzma.LZMAError)
+
+
+class _CappedReads:
+  """A shard's (decompressed) stream as tarfile reads it, each read at most `cap` bytes: tarfile reads a pax header
+  or a GNU long name whole, with the size its header declares, before vlrep sees the member."""
+
+  def __init__(self, stream, name: str):
+    self.stream, self.name, self.cap = stream, name, MAX_HEADER_BYTES
+
+  def read(self, n: int = -1) -> bytes:
+    if n is None or n < 0 or n > self.cap:
+      raise common.TooLarge(f"shard header record over {common._size(MAX_HEADER_BYTES)} (rest of the shard skipped)")
+    return self.stream.read(n)
+
+  def seek(self, offset: int, whence: int = 0) -> int:
+    return self.stream.seek(offset, whence)
+
+  def tell(self) -> int:
+    return self.stream.tell()
+
+
+def _decompressed(f):
+  """The tar stream in `f`: gzip, bzip2 and xz shards decompressed (as tarfile.open's 'r:*' would), read as they
+  are needed (a forward seek decompresses and drops, in bounded pieces)."""
+  head = f.read(6)
+  f.seek(0)
+  if head.startswith(b"\x1f\x8b"):
+    return gzip.GzipFile(fileobj=f, mode="rb")
+  if head.startswith(b"BZh"):
+    return bz2.BZ2File(f)
+  if head.startswith(b"\xfd7zXZ\x00"):
+    return lzma.LZMAFile(f)
+  return f
+
+
+def _member_bytes(tar, stream: _CappedReads, member, limit: int, flag: str) -> bytes:
+  """A member's data, refused (TooLarge) when its header declares more than `limit` bytes or its data runs longer:
+  nothing over the limit is held."""
+  reason = f"shard member over {common._size(limit)} (--{flag}; its sample skipped)"
+  if member.size > limit:
+    raise common.TooLarge(reason)
+  stream.cap = limit + 1
+  try:
+    return common.read_capped(tar.extractfile(member), limit, reason)
+  finally:
+    stream.cap = MAX_HEADER_BYTES
+
+
+def _shard_samples(shard: str):
+  """(key, {suffix: bytes} or None when a member of the sample was refused) of a shard's samples in file order: as
+  webdataset groups them, consecutive members with one key (KEY.jpg, KEY.txt, ...) form a sample. One member is
+  held at a time besides the sample's own, each within common.LIMITS, so a shard of any size or compression ratio
+  is read in bounded memory. A torn or corrupt shard keeps the samples before the break (counted)."""
+  limits = common.LIMITS
+  try:
+    f = common.open_regular(shard)
+  except OSError as e:
+    common.skip(NAME, f"unreadable shard or shard tail ({type(e).__name__})", shard)
+    return
+  key, files = None, {}
+  with f:
     try:
-      with tarfile.open(shard) as tar:
-        for member in tar:
-          if member.isfile():
-            key, ext = os.path.splitext(member.name)
-            members[key][ext.lower()] = tar.extractfile(member).read()
-    except (tarfile.TarError, OSError) as e:
-      # A torn download or a damaged file: the examples read before the break are kept; the one being read is
+      stream = _CappedReads(_decompressed(f), shard)
+      tar = tarfile.open(fileobj=stream, mode="r:")
+      while (member := tar.next()) is not None:
+        tar.members.clear()  # one TarInfo at a time: a shard of millions of members is listed in bounded memory
+        if not member.isfile():
+          continue
+        name, ext = os.path.splitext(member.name)
+        if name != key:
+          if key is not None:
+            yield key, files
+          key, files = name, {}
+        ext = ext.lower()
+        if files is None or ext not in IMAGE_SUFFIXES + TEXT_SUFFIXES:
+          continue
+        text = ext in TEXT_SUFFIXES
+        limit, flag = (limits.max_text_bytes, "max_text_bytes") if text else (limits.max_file_bytes, "max_file_bytes")
+        try:
+          files[ext] = _member_bytes(tar, stream, member, limit, flag)
+        except common.TooLarge as e:
+          common.skip(NAME, e.reason, f"{os.path.basename(shard)}:{member.name}")
+          files = None  # the sample is dropped; its other members are not read
+      # tarfile ends an archive at a header it cannot read as silently as at the end-of-archive blocks: what
+      # follows must be zeros (read in bounded pieces; a gzip stream's checksum is checked at its end).
+      while chunk := stream.stream.read(common.MIB):
+        if chunk.strip(b"\0"):
+          raise tarfile.ReadError("data after a header that is not a tar header")
+    except common.TooLarge as e:
+      common.skip(NAME, e.reason, shard)
+      return
+    except SHARD_ERRORS as e:
+      # A torn download or a damaged file: the samples read before the break are kept; the one being read is
       # dropped with everything after it. A file that is no tar at all keeps nothing.
       common.skip(NAME, f"unreadable shard or shard tail ({type(e).__name__})", shard)
-      members.pop(key, None)
-    for key in sorted(members):
-      files, what = members[key], f"{os.path.basename(shard)}:{key}"
-      image = next((files[s] for s in IMAGE_SUFFIXES if s in files), None)
-      meta: dict = {}
-      if ".json" in files:
-        try:
-          meta = json.loads(files[".json"].decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-          common.skip(NAME, "metadata not UTF-8 JSON", what)
-          meta = {}
-        if not isinstance(meta, dict):
-          common.skip(NAME, "metadata not a JSON object", what)
-          meta = {}
-      extra = dict(meta)  # the narration is KEY.json's caption, even beside a KEY.txt
-      if ".txt" in files:
-        try:
-          meta["caption"] = files[".txt"].decode("utf-8")
-        except UnicodeDecodeError:
-          common.skip(NAME, "caption not UTF-8", what)
-      has_text = ".txt" in files or ".json" in files
-      if image is None:
-        if has_text:
-          common.skip(NAME, "caption without an image (mismatched keys)", what)
+      return
+  if key is not None:
+    yield key, files
+
+
+def _from_shards(shards: list[str]):
+  for shard in shards:
+    yielded = set()  # a sample's key, once it gave an example (TFDS keys must be unique)
+    for key, files in _shard_samples(shard):
+      what = f"{os.path.basename(shard)}:{key}"
+      if files is None:  # a member over a limit: counted when it was refused
         continue
-      if not has_text:
-        common.skip(NAME, "image without a caption (mismatched keys)", what)
+      if key in yielded:
+        common.skip(NAME, "sample files apart from the rest of their sample (webdataset keeps them together)", what)
         continue
-      captions, tags = _text_fields(meta, what)
-      if not captions:
-        common.skip(NAME, "image without captions", what)
-        continue
-      example = _example(
-        f"{os.path.basename(shard)}/{key}", image, captions, tags, _narration(extra, what), _boxes(extra, what), what
-      )
+      example = _shard_example(shard, key, files, what)
       if example is not None:
+        yielded.add(key)
         yield example
+
+
+def _shard_example(shard: str, key: str, files: dict[str, bytes], what: str) -> dict | None:
+  image = next((files[s] for s in IMAGE_SUFFIXES if s in files), None)
+  meta: dict = {}
+  if ".json" in files:
+    try:
+      meta = json.loads(files[".json"].decode("utf-8"))
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, an integer too long, nested too deep
+      common.skip(NAME, "metadata not UTF-8 JSON", what)
+      meta = {}
+    if not isinstance(meta, dict):
+      common.skip(NAME, "metadata not a JSON object", what)
+      meta = {}
+  extra = dict(meta)  # the narration is KEY.json's caption, even beside a KEY.txt
+  if ".txt" in files:
+    try:
+      meta["caption"] = files[".txt"].decode("utf-8")
+    except UnicodeDecodeError:
+      common.skip(NAME, "caption not UTF-8", what)
+  has_text = ".txt" in files or ".json" in files
+  if image is None:
+    if has_text:
+      common.skip(NAME, "caption without an image (mismatched keys)", what)
+    return None
+  if not has_text:
+    common.skip(NAME, "image without a caption (mismatched keys)", what)
+    return None
+  captions, tags = _text_fields(meta, what)
+  if not captions:
+    common.skip(NAME, "image without captions", what)
+    return None
+  key = f"{os.path.basename(shard)}/{key}"
+  return _example(key, image, captions, tags, _narration(extra, what), _boxes(extra, what), what)
 
 
 def _skip(reason: str, what: str, quiet: bool) -> None:
@@ -518,25 +638,39 @@ def _skip(reason: str, what: str, quiet: bool) -> None:
     common.skip(NAME, reason, what)
 
 
+def index_lines(path: str, quiet: bool, skip=None):
+  """(line number, text) of an index file's lines, decoded; lines that are not UTF-8 or longer than
+  common.LIMITS.max_text_bytes skipped (counted unless `quiet`; `skip(reason, what)`: image_folder counts its
+  own). A file that cannot be opened or read as a whole (a folder, a FIFO, an I/O error) is a BadFile."""
+  skip = skip or (lambda reason, what: _skip(reason, what, quiet))
+  limit = common.LIMITS.max_text_bytes
+  with errors.reading(path, "text index", "It should be a UTF-8 text file, one row per line."):
+    with common.open_regular(path) as f:
+      for number, raw in common.lines(f, limit):
+        what = f"{os.path.basename(path)} line {number}"
+        if raw is None:
+          skip(f"line over {common._size(limit)} (--max_text_bytes)", what)
+          continue
+        try:
+          text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+          skip("line not UTF-8", what)
+          continue
+        yield number, text.removeprefix(BOM) if number == 1 else text
+
+
 def _jsonl_rows(path: str, quiet: bool = False):
-  with open(path, "rb") as f:
-    for number, raw in enumerate(f, 1):
-      what = f"{os.path.basename(path)} line {number}"
-      try:
-        line = raw.decode("utf-8").strip()
-      except UnicodeDecodeError:
-        _skip("line not UTF-8", what, quiet)
-        continue
-      if number == 1:
-        line = line.removeprefix(BOM).strip()
-      if not line:
-        continue
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError:
-        _skip("line not JSON", what, quiet)
-        continue
-      yield row if isinstance(row, dict) else {}, what
+  for number, text in index_lines(path, quiet):
+    what = f"{os.path.basename(path)} line {number}"
+    line = text.strip()
+    if not line:
+      continue
+    try:
+      row = json.loads(line)
+    except (ValueError, RecursionError):  # not JSON, an integer too long to read, nested too deep
+      _skip("line not JSON", what, quiet)
+      continue
+    yield row if isinstance(row, dict) else {}, what
 
 
 def csv_header(path: str, line: str, required: tuple, optional: tuple, note: str = "") -> tuple[str, list[str]]:
@@ -560,32 +694,55 @@ def csv_header(path: str, line: str, required: tuple, optional: tuple, note: str
   raise SourceError(f"{path}: header {line.strip()!r} has no {' and '.join(required)} fields; expected {expected}")
 
 
-def _csv_header(path: str, line: str) -> tuple[str, list[str]]:
-  """captions.csv's header: image and caption, optionally tags."""
-  note = " (a CSV carries no other field: use captions.jsonl for narrations and boxes)"
-  return csv_header(path, line, CSV_REQUIRED, CSV_OPTIONAL, note)
+def csv_rows(path: str, decoded, required: tuple, optional: tuple, skip, note: str = ""):
+  """(row dict, line number) of a CSV index whose decoded lines are `decoded` ((number, text), as index_lines
+  gives them; blank lines dropped): the header must be line 1 (csv_header); a line the csv module refuses (a field
+  over its 131072 characters) is skipped (`skip(reason, what)`). Shared with image_folder's labels.csv."""
+  decoded = ((n, text) for n, text in decoded if text.strip())
+  first = next(decoded, None)
+  if first is None or first[0] != 1:  # the header line missing, empty, not UTF-8 or too long
+    raise SourceError(f"{path}: no header on line 1; expected a header {','.join(required)}[,{','.join(optional)}]")
+  delimiter, fields = csv_header(path, first[1], required, optional, note)
+  current = [1]  # the number of the line the csv reader took last
+
+  def texts():
+    for number, text in decoded:
+      current[0] = number
+      yield text
+
+  reader = csv.DictReader(texts(), fieldnames=fields, delimiter=delimiter)
+  while True:
+    try:
+      row = next(reader)
+    except StopIteration:
+      return
+    except csv.Error as e:
+      skip(f"line not CSV ({e})", f"{os.path.basename(path)} line {current[0]}")
+      continue
+    yield {k: v for k, v in row.items() if k is not None}, current[0]
 
 
 def _csv_rows(path: str, quiet: bool = False):
-  with open(path, "rb") as f:
-    lines = f.read().split(b"\n")
-  decoded = []
-  for number, raw in enumerate(lines, 1):
-    try:
-      text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-      _skip("line not UTF-8", f"{os.path.basename(path)} line {number}", quiet)
-      continue
-    decoded.append((number, text.removeprefix(BOM) if number == 1 else text))
-  decoded = [(n, text) for n, text in decoded if text.strip()]
-  if not decoded or decoded[0][0] != 1:  # the header line missing, empty or not UTF-8
-    raise SourceError(
-      f"{path}: no header on line 1; expected a header {','.join(CSV_REQUIRED)}[,{','.join(CSV_OPTIONAL)}]"
-    )
-  delimiter, fields = _csv_header(path, decoded[0][1])
-  reader = csv.DictReader((text for _, text in decoded[1:]), fieldnames=fields, delimiter=delimiter)
-  for (number, _), row in zip(decoded[1:], reader, strict=False):
-    yield {k: v for k, v in row.items() if k is not None}, f"{os.path.basename(path)} line {number}"
+  note = " (a CSV carries no other field: use captions.jsonl for narrations and boxes)"
+  rows = csv_rows(
+    path, index_lines(path, quiet), CSV_REQUIRED, CSV_OPTIONAL, lambda reason, what: _skip(reason, what, quiet), note
+  )
+  for row, number in rows:
+    yield row, f"{os.path.basename(path)} line {number}"
+
+
+def _image_file(root: str, image: str) -> bytes | None:
+  """The bytes of the image a row names, or None (counted): missing, not a regular file, over
+  common.LIMITS.max_file_bytes, outside manual_dir (check_source refused those unless they are allowed)."""
+  path = os.path.join(root, image)
+  if common.outside(root, path) is not None and not common.LIMITS.allow_outside_manual_dir:
+    common.skip(NAME, "image outside --manual_dir (not read)", image)
+    return None
+  try:
+    return common.read_file(path)
+  except (OSError, common.TooLarge) as e:
+    common.skip(NAME, common.image_skip_reason(e), image)
+    return None
 
 
 def _from_index(root: str, rows):
@@ -616,12 +773,8 @@ def _from_index(root: str, rows):
     if not entry["captions"]:
       common.skip(NAME, "image without captions", image)
       continue
-    path = os.path.join(root, image)
-    try:
-      with open(path, "rb") as f:
-        data = f.read()
-    except OSError:
-      common.skip(NAME, "missing image file", image)
+    data = _image_file(root, image)
+    if data is None:
       continue
     example = _example(image, data, entry["captions"], entry["tags"], entry["narration"], entry["boxes"], image)
     if example is not None:

@@ -30,6 +30,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from PIL import Image
 
+from vlrep import errors
 from vlrep.data.builders import common
 
 OPEN_IMAGES_SCALE = 0.6
@@ -45,7 +46,7 @@ class LnConfig(tfds.core.BuilderConfig):
 def _float(value) -> float | None:
   try:
     f = float(value)
-  except (TypeError, ValueError):
+  except (TypeError, ValueError, OverflowError):  # OverflowError: an integer of hundreds of digits
     return None
   return f
 
@@ -66,12 +67,25 @@ def timed_word(entry) -> dict | None:
   return {"utterance": str(entry["utterance"]), "start_time": start, "end_time": end}
 
 
+def _list(value) -> list:
+  return value if isinstance(value, list) else []
+
+
+def _int(value) -> int:
+  """An annotator id: an integer (or a string of one) in int64's range; 0 otherwise."""
+  try:
+    n = int(value or 0)
+  except (TypeError, ValueError, OverflowError):
+    return 0
+  return n if -(2**63) <= n < 2**63 else 0
+
+
 def parse_narration(line: str) -> dict | None:
   """One JSONL line -> {source, image_id, annotator_id, narration, timed_caption, traces}; None (counted) if
   the line cannot be used."""
   try:
     record = json.loads(line)
-  except json.JSONDecodeError:
+  except (ValueError, RecursionError):  # not JSON, an integer too long to read, nested too deep
     common.skip(_NAME, "line is not valid JSON", line[:60])
     return None
   if not isinstance(record, dict) or "image_id" not in record or "caption" not in record:
@@ -82,14 +96,14 @@ def parse_narration(line: str) -> dict | None:
     common.skip(_NAME, "empty caption", f"image {record['image_id']}")
     return None
   timed = []
-  for entry in record.get("timed_caption") or []:
+  for entry in _list(record.get("timed_caption")):
     word = timed_word(entry)
     if word is None or word["start_time"] is None or word["end_time"] is None:
       common.SKIPPED[(_NAME, "malformed timed word (dropped)")] += 1
       continue
     timed.append(word)
   points = []
-  for segment in record.get("traces") or []:
+  for segment in _list(record.get("traces")):
     for p in segment if isinstance(segment, list) else []:
       xyt = trace_point(p)
       if xyt is None:
@@ -102,7 +116,7 @@ def parse_narration(line: str) -> dict | None:
   return {
     "source": str(record.get("dataset_id", "")),
     "image_id": str(record["image_id"]),
-    "annotator_id": int(record.get("annotator_id") or 0),
+    "annotator_id": _int(record.get("annotator_id")),
     "narration": caption,
     "timed_caption": timed,
     "traces": traces,
@@ -110,7 +124,8 @@ def parse_narration(line: str) -> dict | None:
 
 
 def _downsampled_jpeg(path: str, scale: float) -> bytes:
-  with Image.open(path) as im:
+  """Read after common.readable_image accepted the file (within common.LIMITS)."""
+  with common.decode_image(common.read_file(path)) as im:
     im = im.convert("RGB")
     size = (max(1, round(im.width * scale)), max(1, round(im.height * scale)))
     out = io.BytesIO()
@@ -172,10 +187,21 @@ class LocalizedNarratives(tfds.core.GeneratorBasedBuilder):
     return out
 
   def _generate_examples(self, files):
+    limit = common.LIMITS.max_text_bytes
     for paths, image_dir, kind in files:
+      root = os.path.dirname(os.path.dirname(paths[0])) if paths else None  # MANUAL_DIR/localized_narratives/..
       for path in paths:
-        with open(path, encoding="utf-8") as f:
-          for line_no, line in enumerate(f):
+        with errors.reading(path, "Localized Narratives JSONL file"), common.open_regular(path) as f:
+          for line_no, raw in common.lines(f, limit):
+            line_no -= 1  # keys count from 0, as before
+            try:
+              line = raw.decode("utf-8") if raw is not None else None
+            except UnicodeDecodeError:
+              common.skip(_NAME, "line not UTF-8", f"{os.path.basename(path)}:{line_no}")
+              continue
+            if line is None:
+              common.skip(_NAME, f"line over {limit:,} bytes (--max_text_bytes)", f"{os.path.basename(path)}:{line_no}")
+              continue
             if not line.strip():
               continue
             n = parse_narration(line)
@@ -188,7 +214,7 @@ class LocalizedNarratives(tfds.core.GeneratorBasedBuilder):
               image_path = os.path.join(image_dir, f"{int(n['image_id']):012d}.jpg")
             else:
               image_path = os.path.join(image_dir, f"{n['image_id']}.jpg")
-            if not common.readable_image(image_path, _NAME):
+            if not common.readable_image(image_path, _NAME, root):
               continue
             image = image_path if kind == "coco" else _downsampled_jpeg(image_path, OPEN_IMAGES_SCALE)
             key = f"{os.path.basename(path)}:{line_no}"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import csv
+import io
 import json
 import os
 import re
@@ -25,6 +26,7 @@ import re
 import numpy as np
 import tensorflow_datasets as tfds
 
+from vlrep import errors
 from vlrep.data.builders import common
 
 NUM_ANSWERS = 10  # VQA 2.0 and VizWiz collect ten human answers per question
@@ -62,11 +64,22 @@ def _answers(raw: list, dataset: str, question_id) -> list[str]:
   return answers + [""] * (NUM_ANSWERS - len(answers))
 
 
+class MissingFile(errors.UserError, FileNotFoundError):
+  """A file the dataset's layout requires is not in manual_dir."""
+
+
 def _load_json(path: str, what: str):
   if not os.path.exists(path):
-    raise FileNotFoundError(f"{what}: {path} does not exist.")
-  with open(path) as f:
-    return json.load(f)
+    raise MissingFile(f"{what}: {path} does not exist.")
+  with errors.reading(path, f"{what.split(' ')[0]} JSON file", "Expected the dataset's official JSON, as downloaded."):
+    with common.open_regular(path) as f:
+      return json.load(f)
+
+
+def _structure(path: str, dataset: str):
+  """errors.reading for the body that walks a parsed file: a key missing or a value of the wrong type there is the
+  file's fault (a BadFile naming it), not vlrep's."""
+  return errors.reading(path, f"{dataset} annotation file", "Expected the dataset's official format, as downloaded.")
 
 
 class Vqa2(tfds.core.GeneratorBasedBuilder):
@@ -93,16 +106,27 @@ class Vqa2(tfds.core.GeneratorBasedBuilder):
       questions = os.path.join(root, f"v2_OpenEnded_mscoco_{folder}_questions.json")
       if os.path.exists(questions):
         annotations = os.path.join(root, f"v2_mscoco_{folder}_annotations.json")
-        out[split] = self._generate_examples(questions, annotations, os.path.join(root, folder), folder)
+        out[split] = self._generate_examples(questions, annotations, os.path.join(root, folder), folder, root)
     if not out:
       raise FileNotFoundError(f"No v2_OpenEnded_mscoco_*_questions.json under {root}. Expected layout:\n{__doc__}")
     return out
 
-  def _generate_examples(self, questions_file, annotations_file, image_dir, folder):
-    questions = _load_json(questions_file, "vqa2")["questions"]
+  def _generate_examples(self, questions_file, annotations_file, image_dir, folder, root=None):
+    with _structure(questions_file, "vqa2"):
+      questions = _load_json(questions_file, "vqa2")["questions"]
     annotations = {}
     if os.path.exists(annotations_file):
-      annotations = {a["question_id"]: a for a in _load_json(annotations_file, "vqa2")["annotations"]}
+      with _structure(annotations_file, "vqa2"):
+        annotations = {a["question_id"]: a for a in _load_json(annotations_file, "vqa2")["annotations"]}
+    with _structure(questions_file, "vqa2"):
+      by_image = self._by_image(questions, annotations)
+    for image_id, qs in sorted(by_image.items()):
+      path = os.path.join(image_dir, f"COCO_{folder}_{image_id:012d}.jpg")
+      if common.readable_image(path, "vqa2", root and os.fspath(root)):
+        yield image_id, {"image": path, "image_id": image_id, "questions": qs}
+
+  @staticmethod
+  def _by_image(questions, annotations) -> dict:
     by_image = collections.defaultdict(list)
     for q in questions:
       text = (q.get("question") or "").strip()
@@ -113,11 +137,8 @@ class Vqa2(tfds.core.GeneratorBasedBuilder):
       if ann is None:
         common.skip("vqa2", "question without an annotation (no answers)", f"question {q['question_id']}")
       answers = _answers(ann["answers"] if ann else [], "vqa2", q["question_id"])
-      by_image[q["image_id"]].append({"question": text, "answers": answers, "question_id": q["question_id"]})
-    for image_id, qs in sorted(by_image.items()):
-      path = os.path.join(image_dir, f"COCO_{folder}_{image_id:012d}.jpg")
-      if common.readable_image(path, "vqa2"):
-        yield image_id, {"image": path, "image_id": image_id, "questions": qs}
+      by_image[int(q["image_id"])].append({"question": text, "answers": answers, "question_id": q["question_id"]})
+    return by_image
 
 
 class Vizwiz(tfds.core.GeneratorBasedBuilder):
@@ -141,13 +162,17 @@ class Vizwiz(tfds.core.GeneratorBasedBuilder):
     for split in ("train", "val"):
       ann = os.path.join(root, "annotations", f"{split}.json")
       if os.path.exists(ann):
-        out[split] = self._generate_examples(ann, os.path.join(root, split))
+        out[split] = self._generate_examples(ann, os.path.join(root, split), root)
     if not out:
       raise FileNotFoundError(f"No annotations/{{train,val}}.json under {root}. Expected layout:\n{__doc__}")
     return out
 
-  def _generate_examples(self, annotation_file, image_dir):
-    for k, item in enumerate(_load_json(annotation_file, "vizwiz")):
+  def _generate_examples(self, annotation_file, image_dir, root=None):
+    items = _load_json(annotation_file, "vizwiz")
+    for k, item in enumerate(items if isinstance(items, list) else []):
+      if not isinstance(item, dict) or not isinstance(item.get("image", ""), str):
+        common.skip("vizwiz", "malformed entry", f"{annotation_file} entry {k}")
+        continue
       name = item.get("image", "")
       text = (item.get("question") or "").strip()
       if not text:
@@ -156,7 +181,7 @@ class Vizwiz(tfds.core.GeneratorBasedBuilder):
       digits = re.findall(r"\d+", name)
       image_id = int(digits[-1]) if digits else k
       path = os.path.join(image_dir, name)
-      if not common.readable_image(path, "vizwiz"):
+      if not common.readable_image(path, "vizwiz", root and os.fspath(root)):
         continue
       q = {"question": text, "answers": _answers(item.get("answers"), "vizwiz", name), "question_id": image_id}
       yield name, {"image": path, "image_id": image_id, "questions": [q]}
@@ -196,37 +221,40 @@ class SnliVe(tfds.core.GeneratorBasedBuilder):
     for split, name in (("train", "train"), ("val", "dev"), ("test", "test")):
       path = os.path.join(root, f"snli_ve_{name}.jsonl")
       if os.path.exists(path):
-        out[split] = self._generate_examples(path, os.path.join(root, "flickr30k_images"))
+        out[split] = self._generate_examples(path, os.path.join(root, "flickr30k_images"), root)
     if not out:
       raise FileNotFoundError(f"No snli_ve_*.jsonl under {root}. Expected layout:\n{__doc__}")
     return out
 
-  def _generate_examples(self, path, image_dir):
+  def _generate_examples(self, path, image_dir, root=None):
     pairs, premises = collections.defaultdict(list), collections.defaultdict(list)
-    with open(path) as f:
-      for n, line in enumerate(f, 1):
-        if not line.strip():
-          continue
+    with errors.reading(path, "SNLI-VE JSONL file"), common.open_regular(path) as f:
+      for n, raw in common.lines(f, common.LIMITS.max_text_bytes):
         try:
+          line = raw.decode("utf-8")
+          if not line.strip():
+            continue
           item = json.loads(line)
           name = item["Flikr30kID"] if "Flikr30kID" in item else item["Flickr30kID"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+          if not isinstance(name, str):
+            raise TypeError(name)
+        except (AttributeError, ValueError, RecursionError, KeyError, TypeError):  # too long, not UTF-8, not JSON
           common.skip("snli_ve", "malformed line", f"{path}:{n}")
           continue
-        label, statement = item.get("gold_label", "-"), (item.get("sentence2") or "").strip()
-        if label not in ENTAILMENT_LABELS:
+        label, statement = item.get("gold_label", "-"), str(item.get("sentence2") or "").strip()
+        if not isinstance(label, str) or label not in ENTAILMENT_LABELS:
           common.skip("snli_ve", "no gold label ('-')", f"pair {item.get('pairID', n)}")
           continue
         if not statement:
           common.skip("snli_ve", "empty hypothesis", f"pair {item.get('pairID', n)}")
           continue
         pairs[name].append({"statement": statement, "label": label})
-        premise = (item.get("sentence1") or "").strip()
+        premise = str(item.get("sentence1") or "").strip()
         if premise and premise not in premises[name]:
           premises[name].append(premise)
     for name, items in sorted(pairs.items()):
       path = os.path.join(image_dir, name)
-      if common.readable_image(path, "snli_ve"):
+      if common.readable_image(path, "snli_ve", root and os.fspath(root)):
         image_id = int(re.sub(r"\D", "", name) or 0)
         yield name, {"image": path, "image_id": image_id, "captions": premises[name], "entailment": items}
 
@@ -262,22 +290,32 @@ class MmImdb(tfds.core.GeneratorBasedBuilder):
     splits = _load_json(os.path.join(root, "split.json"), f"mm_imdb (expected layout:\n{__doc__})")
     names = {"train": "train", "val": "dev", "test": "test"}
     folder = os.path.join(root, "dataset")
-    return {s: self._generate_examples(splits[n], folder) for s, n in names.items() if n in splits}
+    if not isinstance(splits, dict) or not all(isinstance(v, list) for v in splits.values()):
+      raise errors.BadFile(f"{os.path.join(root, 'split.json')}: expected {{'train': [ids], 'dev': [...], ...}}.")
+    return {s: self._generate_examples(splits[n], folder, root) for s, n in names.items() if n in splits}
 
-  def _generate_examples(self, ids, folder):
+  def _generate_examples(self, ids, folder, root=None):
     known = set(MMIMDB_GENRES)
     for movie in ids:
+      if not (isinstance(movie, str) and movie.isdigit()):
+        common.skip("mm_imdb", "movie id not a string of digits", repr(movie)[:60])
+        continue
       meta_path = os.path.join(folder, f"{movie}.json")
       if not os.path.exists(meta_path):
         common.skip("mm_imdb", "missing metadata file", meta_path)
         continue
       meta = _load_json(meta_path, "mm_imdb")
+      if not isinstance(meta, dict) or not isinstance(meta.get("plot") or [], list):
+        common.skip("mm_imdb", "metadata not a JSON object with a plot list", meta_path)
+        continue
       plots = [p.strip() for p in meta.get("plot") or [] if isinstance(p, str) and p.strip()]
       if not plots:
         common.skip("mm_imdb", "movie without a plot", movie)
         continue
       genres = []
-      for g in meta.get("genres") or []:
+      for g in meta.get("genres") if isinstance(meta.get("genres"), list) else []:
+        if not isinstance(g, str):
+          continue
         if g in known and g not in genres:
           genres.append(g)
         elif g not in known:
@@ -286,7 +324,7 @@ class MmImdb(tfds.core.GeneratorBasedBuilder):
         common.skip("mm_imdb", "movie without any of the 23 genres", movie)
         continue
       path = os.path.join(folder, f"{movie}.jpeg")
-      if common.readable_image(path, "mm_imdb"):
+      if common.readable_image(path, "mm_imdb", root and os.fspath(root)):
         yield movie, {"image": path, "image_id": int(movie), "plot": plots[0], "genres": genres}
 
 
@@ -323,18 +361,22 @@ class ConceptualCaptions(tfds.core.GeneratorBasedBuilder):
     root, out = dl_manager.manual_dir, {}
     for split, (tsv, folder) in self.FILES.items():
       if os.path.exists(os.path.join(root, tsv)):
-        out[split] = self._generate_examples(os.path.join(root, tsv), os.path.join(root, folder))
+        out[split] = self._generate_examples(os.path.join(root, tsv), os.path.join(root, folder), root)
     if not out:
       raise FileNotFoundError(f"No Conceptual Captions TSV under {root}. Expected layout:\n{__doc__}")
     return out
 
-  def _generate_examples(self, tsv, image_dir):
-    with open(tsv, newline="", encoding="utf-8") as f:
+  def _generate_examples(self, tsv, image_dir, root=None):
+    with errors.reading(tsv, "Conceptual Captions TSV", "Expected UTF-8 lines caption<TAB>url, as downloaded."):
+      yield from self._rows(tsv, image_dir, root)
+
+  def _rows(self, tsv, image_dir, root):
+    with common.open_regular(tsv) as binary, io.TextIOWrapper(binary, encoding="utf-8", newline="") as f:
       for row, fields in enumerate(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)):
         caption = fields[0].strip() if fields else ""
         if not caption:
           common.skip("conceptual_captions", "empty caption", f"{tsv}:{row}")
           continue
         path = os.path.join(image_dir, f"{row}.jpg")
-        if common.readable_image(path, "conceptual_captions"):
+        if common.readable_image(path, "conceptual_captions", root and os.fspath(root)):
           yield row, {"image": path, "image_id": row, "captions": [caption]}

@@ -11,12 +11,14 @@ counted.
 
 from __future__ import annotations
 
+import io
 import os
 import xml.etree.ElementTree as ET
 
 import numpy as np
 import tensorflow_datasets as tfds
 
+from vlrep import errors
 from vlrep.data.builders import common
 
 CLASSES = (
@@ -82,32 +84,44 @@ class Voc2007(tfds.core.GeneratorBasedBuilder):
     }
 
   def _generate_examples(self, root: str, split: str):
-    with open(os.path.join(root, "ImageSets", "Main", f"{split}.txt")) as f:
-      ids = [line.strip() for line in f if line.strip()]
+    ids_file = os.path.join(root, "ImageSets", "Main", f"{split}.txt")
+    with errors.reading(ids_file, "VOC image set file", "Expected one image id per line, as in VOCdevkit."):
+      with common.open_regular(ids_file) as f:
+        ids = [line.strip() for line in io.TextIOWrapper(f, encoding="utf-8") if line.strip()]
     for image_id in ids:
       image_path = os.path.join(root, "JPEGImages", f"{image_id}.jpg")
       try:
-        tree = ET.parse(os.path.join(root, "Annotations", f"{image_id}.xml"))
-      except (FileNotFoundError, ET.ParseError) as e:
+        with common.open_regular(os.path.join(root, "Annotations", f"{image_id}.xml")) as f:
+          tree = ET.parse(f)
+      except (OSError, ET.ParseError) as e:  # missing, not a regular file, not XML
         common.skip("voc2007", f"bad annotation ({type(e).__name__})", image_id)
         continue
-      if not common.readable_image(image_path, "voc2007"):
+      if not common.readable_image(image_path, "voc2007", root):
         continue
-      size = tree.find("size")
-      w, h = float(size.findtext("width")), float(size.findtext("height"))
-      objects = []
-      for obj in tree.findall("object"):
-        name = obj.findtext("name", "").strip()
-        if name not in CLASSES:
-          common.skip("voc2007", "unknown class name", f"{image_id}/{name!r}")
-          continue
-        box = obj.find("bndbox")
-        xmin, ymin, xmax, ymax = (float(box.findtext(k)) for k in ("xmin", "ymin", "xmax", "ymax"))
-        objects.append(
-          {
-            "label": name,
-            "bbox": tfds.features.BBox(max(ymin - 1, 0) / h, max(xmin - 1, 0) / w, min(ymax / h, 1), min(xmax / w, 1)),
-            "is_difficult": obj.findtext("difficult", "0").strip() == "1",
-          }
-        )
+      try:
+        objects = _objects(tree, image_id)
+      except (TypeError, ValueError, AttributeError, ArithmeticError) as e:  # no numeric size or box coordinates
+        common.skip("voc2007", f"bad annotation ({type(e).__name__})", image_id)
+        continue
       yield image_id, {"image": image_path, "image_id": image_id, "objects": objects}
+
+
+def _objects(tree, image_id: str) -> list[dict]:
+  """The known objects of one VOC annotation; unknown class names and boxes that are not inside the image with
+  min <= max counted and dropped."""
+  size = tree.find("size")
+  w, h = float(size.findtext("width")), float(size.findtext("height"))
+  objects = []
+  for obj in tree.findall("object"):
+    name = obj.findtext("name", "").strip()
+    if name not in CLASSES:
+      common.skip("voc2007", "unknown class name", f"{image_id}/{name!r}")
+      continue
+    box = obj.find("bndbox")
+    xmin, ymin, xmax, ymax = (float(box.findtext(k)) for k in ("xmin", "ymin", "xmax", "ymax"))
+    bbox = tfds.features.BBox(max(ymin - 1, 0) / h, max(xmin - 1, 0) / w, min(ymax / h, 1), min(xmax / w, 1))
+    if not (0 <= bbox.ymin <= bbox.ymax <= 1 and 0 <= bbox.xmin <= bbox.xmax <= 1):  # NaN fails too
+      common.skip("voc2007", "box not inside the image with min <= max (dropped)", f"{image_id}/{name}")
+      continue
+    objects.append({"label": name, "bbox": bbox, "is_difficult": obj.findtext("difficult", "0").strip() == "1"})
+  return objects
