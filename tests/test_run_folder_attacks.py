@@ -112,6 +112,8 @@ def test_a_dotted_method_name_in_a_run_imports_nothing_from_it(tmp_path, good_ru
     runs.load_run(str(run))
   with pytest.raises(runs.ForeignName, match="evilrun.payload"):
     runs.read_config(str(run))
+  # The loop resuming a workdir only compares its saved config with the user's (a method of their own resumes).
+  assert runs.read_config(str(run), resuming=True).method.name == "evilrun.payload"
   os.environ[runs.OWN_MODULES_ENV] = "evilrun.payload"
   try:
     assert runs.read_config(str(run)).method.name == "evilrun.payload"
