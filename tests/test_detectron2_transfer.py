@@ -165,6 +165,20 @@ def test_every_shipped_config_builds_its_model_through_the_driver(yaml, tmp_path
     assert "roi_heads.res5.norm" in names
 
 
+@needs_detectron2
+def test_a_config_with_python_tags_is_refused_not_run(tmp_path):
+  # Detectron2's merge_from_file retries such a YAML with yaml.unsafe_load unless told not to.
+  marker = tmp_path / "ran"
+  yaml_file = tmp_path / "evil.yaml"
+  yaml_file.write_text(
+    f"_BASE_: {CONFIG_DIR}/{YAML}.yaml\nSOLVER:\n  MAX_ITER: !!python/object/apply:os.system ['touch {marker}']\n"
+  )
+  args = d2t.parse_args([f"--workdir={tmp_path}", f"--config-file={yaml_file}"])
+  with pytest.raises(UserError, match="not a plain YAML config"):
+    d2t.build_config(args, _run_config(width=16), world_size=1, cuda=False)
+  assert not marker.exists()
+
+
 def _driver(args):
   """The driver in a fresh interpreter, as a user runs it (not forked from the test's command server: torch
   imported after that server's TensorFlow crashes the process)."""
@@ -212,9 +226,25 @@ def test_a_tiny_resnet50_run_fine_tunes_and_its_metrics_reach_the_summary(tmp_pa
   out = run / "detectron2" / "coco_mask_rcnn_R_50_FPN_2x"
   assert (out / "backbone.pkl").exists() and (out / "model_final.pth").exists()
   assert (out / "log.txt").read_text().count("Total inference time") == 1  # the final model evaluated once
+  # What the driver wrote is recorded with its sha256; the weights Detectron2 loaded were read by the driver.
+  files = json.loads((out / d2t.MANIFEST).read_text())["files"]
+  assert (
+    set(files) == {"backbone.pkl", "model_final.pth"} and (out / "last_checkpoint").read_text() == "model_final.pth"
+  )
+  assert files["model_final.pth"] == d2t.sha256_of(str(out / "model_final.pth"))
   # Rerunning resumes at the end (no export, no training) and evaluates again.
   again = _driver(args)
   assert again.returncode == 0 and "Resuming at iteration" in again.stdout + again.stderr
+  # The checkpoint swapped for a payload, its record forged to match: refused, nothing run.
+  import hashlib
+
+  marker = tmp_path / "ran"
+  _, pth = _payload_files(tmp_path / "payload", marker)
+  os.replace(pth, out / "model_final.pth")
+  files["model_final.pth"] = hashlib.sha256((out / "model_final.pth").read_bytes()).hexdigest()
+  (out / d2t.MANIFEST).write_text(json.dumps({"files": files}))
+  planted = _driver(args)
+  assert planted.returncode == 2 and "asks for builtins.exec" in planted.stderr and not marker.exists()
 
 
 def test_rle_masks_of_a_command_line_set_are_detected(tmp_path):
@@ -354,6 +384,10 @@ def test_links_in_or_above_the_output_folder_are_refused_before_detectron2(tmp_p
   code, err = _refused(run, capsys, monkeypatch)
   assert code == 2 and str(run / "detectron2") in err and "symlink" in err
   assert victim.read_text() == "keep me"
+  (run / "detectron2").unlink()
+  (run / "detectron2").write_text("")
+  code, err = _refused(run, capsys, monkeypatch)
+  assert code == 2 and f"{run / 'detectron2'} is a file" in err
   # A fresh output folder passes these checks and reaches the install instruction (CI has no Detectron2).
   code, err = _refused(run, capsys, monkeypatch, f"--output-dir={tmp_path / 'fresh'}")
   assert code == 2 and "Detectron2 is not installed" in err

@@ -3,6 +3,7 @@ ResNets themselves (the exported file loaded into them with strict=True, their f
 
 import os
 import pickle
+import re
 import sys
 
 import jax
@@ -184,6 +185,71 @@ def test_export_bad_inputs(tmp_path):
   # ... but evaluation rebuilds it with its stem and reads its checkpoint.
   module, variables = runs.backbone_of(runs.load_run(str(tmp_path / "small")))
   assert module.stem == "small" and variables["params"]["conv1"]["kernel"].shape == (3, 3, 3, 8)
+
+
+def test_export_writes_through_no_planted_link(tmp_path):
+  """A link planted at --out or at the name the export used to write first (`--out.tmp`) is replaced, not
+  followed: the file it points to is untouched."""
+  _write_run(tmp_path / "run", depth=50, width=8)
+  folder = tmp_path / "out"
+  folder.mkdir()
+  for fmt, name in (("torchvision", "b.safetensors"), ("torchvision", "b.pth"), ("detectron2", "b.pkl")):
+    out = folder / name
+    victims = {out.name + ".tmp": tmp_path / f"bashrc_tmp_{name}", out.name: tmp_path / f"bashrc_{name}"}
+    for link, victim in victims.items():
+      victim.write_text("keep me")
+      os.symlink(victim, folder / link)
+    export.export(str(tmp_path / "run"), fmt, str(out), "latest")
+    assert all(v.read_text() == "keep me" for v in victims.values()), fmt
+    assert out.is_file() and not out.is_symlink() and out.stat().st_size > 1000
+  # Nothing but the files and the planted links is left in the folder (no temporary file).
+  assert sorted(p.name for p in folder.iterdir()) == sorted(
+    n for name in ("b.safetensors", "b.pth", "b.pkl") for n in (name, name + ".tmp")
+  )
+
+
+def test_export_refusals_are_one_message_and_exit_2(tmp_path):
+  from conftest import run_module
+
+  _write_run(tmp_path / "small", depth=10, width=8, stem="small")
+  commands = {
+    "stem='small'.*only stem='imagenet' backbones": ("--format=detectron2", f"--workdir={tmp_path / 'small'}"),
+    "No run directory": ("--format=detectron2", f"--workdir={tmp_path / 'missing'}"),
+    "must end in .pkl": ("--format=detectron2", f"--workdir={tmp_path / 'small'}", f"--out={tmp_path / 'x.pth'}"),
+  }
+  for message, args in commands.items():
+    proc = run_module("vlrep.export", f"--out={tmp_path / 'x.pkl'}", *args)  # (a later --out wins)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert re.search(message, proc.stderr) and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.count("ERROR: ") == 1 and not (tmp_path / "x.pkl").exists() and not (tmp_path / "x.pth").exists()
+
+
+def test_visual_bert_export_writes_no_code_hook(tmp_path):
+  """A run's saved Hugging Face fields (an imported run's `import.hf_config`, from a run folder anyone may have
+  edited) holding `auto_map` / `trust_remote_code`: the exported config.json has neither, and a note says so."""
+  import json
+
+  transformers = pytest.importorskip("transformers")
+  from vlrep.importers import visual_bert
+
+  config = transformers.VisualBertConfig(
+    vocab_size=8, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=20,
+    max_position_embeddings=12, visual_embedding_dim=8,
+  )  # fmt: skip
+  folder = tmp_path / "hf"
+  transformers.VisualBertForPreTraining(config).save_pretrained(str(folder))
+  (folder / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "b", "c"]) + "\n")
+  imported = visual_bert.read(str(folder))
+  note = json.loads(json.dumps(imported.note))
+  hooks = {"auto_map": {"AutoModel": "payload.Model"}, "trust_remote_code": True, "custom_pipelines": {"x": {}}}
+  note["hf_config"] = {**note.get("hf_config", {}), **hooks}
+  run = runs.Run(
+    config=imported.config, params=imported.params, model_state={}, step=0, path="r", meta={"import": note}
+  )
+  info = export._export_visual_bert(run, str(tmp_path / "exported"), False)
+  written = json.loads((tmp_path / "exported" / "config.json").read_text())
+  assert not set(hooks) & set(written) and written["model_type"] == "visual_bert"
+  assert any("auto_map" in n and "trust_remote_code" in n for n in info["notes"]), info["notes"]
 
 
 def test_coco_subset_is_seeded_nested_and_keeps_annotations():

@@ -226,10 +226,18 @@ def check_input_convention(cfg) -> None:
 
 def build_config(args, run_config, world_size: int, cuda: bool):
   """The Detectron2 config: YAML, overrides, then what follows from the run and this machine."""
+  import yaml
   from detectron2.config import get_cfg
 
   cfg = get_cfg()
-  cfg.merge_from_file(args.config_file)
+  try:  # Detectron2's default (allow_unsafe=True) retries a YAML with Python tags by yaml.unsafe_load: code it names
+    cfg.merge_from_file(args.config_file, allow_unsafe=False)
+  except yaml.YAMLError as e:
+    raise BadFile(
+      f"{args.config_file} (or a _BASE_ file it names) is not a plain YAML config ({type(e).__name__}: "
+      f"{str(e).splitlines()[0][:200] if str(e) else ''}); a Python tag (!!python/...) would run code. Use plain "
+      "YAML values, as configs/detectron2/ does."
+    ) from e
   cfg.merge_from_list(list(args.opts))
   for key, value in backbone_settings(run_config).items():
     _set(cfg, key, value)
@@ -278,6 +286,11 @@ def check_output_dir(out_dir: str, root: str) -> None:
   """Refuses (UserError naming it) a link between `root` and `out_dir`, or a link, FIFO, socket or device anywhere
   under `out_dir`: Detectron2 writes its log, config.yaml, metrics and evaluations there by name, following links."""
   safe_files.check_inside(out_dir, root)
+  folder = out_dir
+  while folder != root and os.path.dirname(folder) != folder:
+    if os.path.lexists(folder) and not os.path.isdir(folder):
+      raise UserError(f"{folder} is a file; the Detectron2 driver writes its output in a folder there.")
+    folder = os.path.dirname(folder)
   if not os.path.isdir(out_dir):
     return
   for folder, dirs, files in os.walk(out_dir):  # os.walk does not descend into linked folders; they are listed
