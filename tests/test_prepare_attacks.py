@@ -397,3 +397,30 @@ def test_an_index_is_a_user_error_when_it_cannot_be_read_as_a_file(tmp_path):
   (root / "captions.jsonl").mkdir()
   with pytest.raises(UserError, match=r"captions.jsonl: cannot be read as a text index \(NotRegularFile"):
     prepare.prepare("image_text", str(root), str(tmp_path / "tfds"))
+
+
+def test_official_formats_refuse_images_outside_and_malformed_files(tmp_path):
+  """The official-format builders check each image as they read it (the first outside manual_dir stops prepare);
+  a file that is not the format's is one UserError naming it."""
+  outside = tmp_path / "outside.jpg"
+  outside.write_bytes(_photo_bytes("coffee.jpg"))
+  coco = tmp_path / "coco"
+  (coco / "annotations").mkdir(parents=True)
+  (coco / "val2017").mkdir()
+  annotations = {
+    "images": [{"id": 1, "file_name": "../../outside.jpg"}],
+    "annotations": [{"id": 1, "image_id": 1, "caption": "a cup of coffee"}],
+  }
+  (coco / "annotations" / "captions_val2017.json").write_text(json.dumps(annotations))
+  with pytest.raises(common.OutsideManualDir, match=r"named by the dataset's annotations .*'../outside.jpg' -> "):
+    prepare.prepare("coco_captions2017", str(coco), str(tmp_path / "tfds"))
+  assert not list((tmp_path / "tfds").glob("**/dataset_info.json"))  # TFDS removed its unfinished output
+  (coco / "annotations" / "captions_val2017.json").write_text(json.dumps({"images": 3}))
+  with pytest.raises(UserError, match=r"captions_val2017.json: cannot be read as a COCO captions annotation file"):
+    prepare.prepare("coco_captions2017", str(coco), str(tmp_path / "tfds"))
+
+  cc = tmp_path / "cc"
+  cc.mkdir()
+  (cc / "Validation_GCC-1.1.0-Validation.tsv").write_bytes(b"a cup\thttp://x\n\xff\xfe\thttp://y\n")
+  with pytest.raises(UserError, match=r"Validation.tsv: cannot be read as a Conceptual Captions TSV \(UnicodeDecode"):
+    prepare.prepare("conceptual_captions", str(cc), str(tmp_path / "tfds"))

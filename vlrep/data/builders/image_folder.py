@@ -25,11 +25,15 @@ The prepare report's `classes` gives each class's image count per split.
 Skipped and counted in the prepare report: undecodable or missing images, files without an image suffix inside a
 class folder, images at the top of MANUAL_DIR (outside any class folder), class folders without an image (the
 class is left out), labels.csv rows without an image or a label, with an unknown split, or naming an image a
-second time. Whole-file problems stop before anything is written (a SourceError, exit status 2, naming what was
-found and what was expected): no class folder and no labels.csv, split folders mixed with other folders, split
-folders without train/ or naming a split twice (val/ and validation/), fewer than 2 classes with images, no image
-for val or test (every class under 3 images), a labels.csv without image and label fields, with an unknown field,
-or without a row.
+second time, images over the prepare command's --max_file_bytes or --max_image_pixels (a decompression bomb),
+labels.csv lines over --max_text_bytes or that the csv module refuses. Images, class folders and labels.csv rows
+that resolve outside MANUAL_DIR (an absolute path, a '../' path, a symlink; a class folder that is a link outside
+is not walked) stop prepare before anything is written (exit status 2, naming them) unless
+--allow_outside_manual_dir is given. Whole-file problems stop before anything is written (a SourceError, exit status
+2, naming what was found and what was expected): no class folder and no labels.csv, split folders mixed with other
+folders, split folders without train/ or naming a split twice (val/ and validation/), fewer than 2 classes with
+images, no image for val or test (every class under 3 images), a labels.csv without image and label fields, with an
+unknown field, or without a row.
 """
 
 from __future__ import annotations

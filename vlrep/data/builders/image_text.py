@@ -20,6 +20,20 @@ images, captions that are not strings, unreadable shards (a torn shard keeps the
 images without a caption and captions without an image (mismatched keys in a shard), shard metadata that is not
 a UTF-8 JSON object.
 
+A manual_dir may come from someone else; what is read from it is bounded (vlrep/data/builders/common.py, the
+limits are `vlrep.data.prepare` flags), each refusal counted under a reason naming its flag: an image file or shard
+member over --max_file_bytes (256 MiB; a member's declared size is checked before it is read, and its read capped,
+so a small gzip shard that inflates to gigabytes is never held), an index line or a shard's KEY.txt / KEY.json
+over --max_text_bytes (8 MiB), an image whose header declares more than --max_image_pixels (~179 megapixels: a
+decompression bomb, never decoded), a CSV line the csv module refuses, a tar header record over 1 MiB (the rest
+of the shard skipped). A shard is read as webdataset reads it, a sample's files (consecutive members with one key)
+together, one sample held at a time; files of a key already prepared that come apart from it are skipped. A shard
+that ends in damaged data (a torn or corrupt gzip stream, a header that is not tar's) keeps the samples before the
+break. Shards, the index and the images it names that resolve outside MANUAL_DIR (an absolute path, a '../'
+path, a symlink) stop prepare before anything is written, counted and a few named (exit status 2), unless
+--allow_outside_manual_dir is given: then they are read and the report's `outside_manual_dir` names them. An
+index that is not a regular file (a folder, a FIFO) or cannot be read is one message naming it (exit status 2).
+
 Optional fields of a captions.jsonl row or a shard's KEY.json (LocTex and the VL pretraining read them):
 
   Localized Narratives, exactly as in LN's JSONL: "caption" (the narration), "timed_caption": [{"utterance",

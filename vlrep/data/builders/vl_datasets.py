@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import csv
-import io
 import json
 import os
 import re
@@ -74,6 +73,16 @@ def _load_json(path: str, what: str):
   with errors.reading(path, f"{what.split(' ')[0]} JSON file", "Expected the dataset's official JSON, as downloaded."):
     with common.open_regular(path) as f:
       return json.load(f)
+
+
+def _texts(f):
+  """The lines of the binary file `f` as text, each at most common.LIMITS.max_text_bytes (TooLarge: the whole
+  file is refused by the errors.reading around it, as a line that is not UTF-8 is)."""
+  limit = common.LIMITS.max_text_bytes
+  for number, raw in common.lines(f, limit):
+    if raw is None:
+      raise common.TooLarge(f"line {number} is over {limit:,} bytes (--max_text_bytes)")
+    yield raw.decode("utf-8")
 
 
 def _structure(path: str, dataset: str):
@@ -371,8 +380,8 @@ class ConceptualCaptions(tfds.core.GeneratorBasedBuilder):
       yield from self._rows(tsv, image_dir, root)
 
   def _rows(self, tsv, image_dir, root):
-    with common.open_regular(tsv) as binary, io.TextIOWrapper(binary, encoding="utf-8", newline="") as f:
-      for row, fields in enumerate(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)):
+    with common.open_regular(tsv) as f:
+      for row, fields in enumerate(csv.reader(_texts(f), delimiter="\t", quoting=csv.QUOTE_NONE)):
         caption = fields[0].strip() if fields else ""
         if not caption:
           common.skip("conceptual_captions", "empty caption", f"{tsv}:{row}")

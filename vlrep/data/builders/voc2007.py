@@ -11,7 +11,6 @@ counted.
 
 from __future__ import annotations
 
-import io
 import os
 import xml.etree.ElementTree as ET
 
@@ -87,7 +86,8 @@ class Voc2007(tfds.core.GeneratorBasedBuilder):
     ids_file = os.path.join(root, "ImageSets", "Main", f"{split}.txt")
     with errors.reading(ids_file, "VOC image set file", "Expected one image id per line, as in VOCdevkit."):
       with common.open_regular(ids_file) as f:
-        ids = [line.strip() for line in io.TextIOWrapper(f, encoding="utf-8") if line.strip()]
+        ids = [_id_line(raw, number) for number, raw in common.lines(f, 4096)]
+        ids = [i for i in ids if i]
     for image_id in ids:
       image_path = os.path.join(root, "JPEGImages", f"{image_id}.jpg")
       try:
@@ -104,6 +104,12 @@ class Voc2007(tfds.core.GeneratorBasedBuilder):
         common.skip("voc2007", f"bad annotation ({type(e).__name__})", image_id)
         continue
       yield image_id, {"image": image_path, "image_id": image_id, "objects": objects}
+
+
+def _id_line(raw: bytes | None, number: int) -> str:
+  if raw is None:
+    raise ValueError(f"line {number} is longer than an image id (4096 bytes)")
+  return raw.decode("utf-8").strip()
 
 
 def _objects(tree, image_id: str) -> list[dict]:
