@@ -175,7 +175,11 @@ class ConceptSet:
 
   @classmethod
   def load(cls, path: str) -> ConceptSet:
-    with errors.reading(path, what="concept set (JSON)", hint="Delete it to rebuild it (training builds it)."):
+    with errors.reading(
+      path,
+      what="concept set (JSON)",
+      hint="It is corrupt or not a concept set: delete it to rebuild it (training builds it).",
+    ):
       with open(path) as f:
         blob = json.load(f)
       return cls(blob["kind"], blob["words"], blob["token_ids"], blob.get("caption_cluster"), blob.get("meta"))
