@@ -43,7 +43,7 @@ def test_every_crafted_file_and_run_folder_is_refused_by_every_command(tmp_path)
   assert proc.returncode == 0, proc.stderr[-3000:]
   results = json.loads(results_path.read_text())
   rows = attack_corpus.judge(cases, results)
-  assert len(rows) == len([c for c in cases if not c.get("baseline")])
+  assert len(rows) == len([c for c in cases if not c.get("baseline") and not c.get("control")])
   # The harness sees what it looks for: children that run code, print a traceback, write outside, create a
   # folder or take 800 MB are each flagged for it.
   controls = {r["case"]: "; ".join(r["why"]) for r in attack_corpus.judge(cases, results, controls=True)}
