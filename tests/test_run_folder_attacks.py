@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT, command_server
 from PIL import Image
 
-from vlrep import checkpoint, runs, safe_files
+from vlrep import checkpoint, run_setup, runs, safe_files
 from vlrep.data import concepts, instances, pipeline, tokenizers
 
 D = os.environ["VLREP_TEST_DATA_DIR"]
@@ -167,6 +167,20 @@ def test_a_loaded_runs_concepts_and_generated_data_are_never_built(tmp_path, tin
     concepts.ensure_concepts(cfg, tiny_builder, None)
   with pytest.raises(pipeline.DatasetNotPrepared, match="does not generate data"):
     pipeline.get_builder("synthetic_scenes", str(tmp_path / "outside"), "tiny", generate=False)
+  outside = tmp_path / "outside"
+  # What the tools that rebuild a loaded run call (attention maps, grounding: run_setup.build; evaluate, caption:
+  # build_inputs) with a saved config whose data_dir is outside: read, never generated into.
+  saved = runs.saved_config(
+    {
+      "method": {"name": "virtex"},
+      "data": {"name": "synthetic_scenes", "config_name": "tiny", "data_dir": str(outside), "split": "train"},
+      "tokenizer": {"path": "", "vocab_size": 50, "corpus_split": "train", "corpus_key": "captions"},
+    },
+    "meta",
+  )
+  for build in (run_setup.build, run_setup.build_inputs):
+    with pytest.raises(pipeline.DatasetNotPrepared, match="does not generate data"):
+      build(saved)
   assert not (tmp_path / "outside").exists()
 
 

@@ -20,9 +20,11 @@ def build(config: ml_collections.ConfigDict, for_training: bool = False):
   a VQA run's answer vocabulary) and the method built with it, on this process.
 
   `for_training` also checks that the training split has the fields the method's recipe requires (a clear error
-  before anything starts, instead of a missing key mid-run)."""
+  before anything starts, instead of a missing key mid-run). Only training generates a dataset generated on first
+  use (synthetic_scenes): the tools that rebuild a loaded run with this function read its data where its saved
+  config says, never write there."""
   data = config.data
-  builder = pipeline.get_builder(data.name, data.data_dir, data.get("config_name"))
+  builder = pipeline.get_builder(data.name, data.data_dir, data.get("config_name"), generate=for_training)
   if for_training:
     pipeline.check_required_fields(builder, data.split, data.get("requires", {}), config.method.name)
   return builder, _run_inputs(config, builder)
