@@ -24,7 +24,7 @@ import tensorflow_datasets as tfds
 from absl import logging
 
 # ops, region_files, traces and vl_ops are imported for their side effect: they register their ops in `registry`.
-from vlrep import preemption
+from vlrep import errors, preemption
 from vlrep.data import builders, caption_views, concepts, ops, records, region_files, registry, traces, vl_ops  # noqa: F401
 from vlrep.errors import DatasetNotPrepared, MissingField, UserError
 
@@ -76,9 +76,11 @@ def prepared_field_counts(builder) -> dict[str, int] | None:
     root = os.path.dirname(root)
     path = os.path.join(root, f"{builder.name}_prepare_report.json")
     if os.path.exists(path):
-      with open(path) as f:
-        counts = json.load(f).get("fields")
-      return {k: int(v) for k, v in counts.items()} if isinstance(counts, dict) else None
+      with errors.reading(path, what="prepare report (JSON)", hint="Prepare the dataset again to rewrite it."):
+        with open(path) as f:
+          report = json.load(f)
+        counts = report.get("fields") if isinstance(report, dict) else None
+        return {k: int(v) for k, v in counts.items()} if isinstance(counts, dict) else None
   return None
 
 
