@@ -159,6 +159,9 @@ class _Marker:
   def __init__(self, name: str):
     self.name = name
 
+  def __repr__(self) -> str:
+    return self.name
+
 
 class _Storage:
   """What a storage global (torch.FloatStorage, ...) stands for: its element type."""
@@ -558,10 +561,21 @@ def _read_zip(path: str, budget: _Budget):
       raise BadFile(f"{path} is a zip file without data.pkl: not a torch checkpoint.")
     prefix = pkl[: -len("data.pkl")]
 
-    def read(member: str, what: str) -> bytes:
-      # The member's declared decompressed size is charged before it is read (zipfile stops at that size).
-      budget.charge(archive.getinfo(member).file_size, f"{what} ({member}, decompressed)")
-      return archive.read(member)
+    def read(member: str, what: str) -> bytearray:
+      # The member's declared decompressed size is charged before it is read (zipfile stops at that size), and it is
+      # read in chunks into one buffer of that size: zipfile's read() would hold it twice while joining its chunks.
+      info = archive.getinfo(member)
+      budget.charge(info.file_size, f"{what} ({member}, decompressed)")
+      buf, pos = bytearray(info.file_size), 0
+      with archive.open(info) as m:
+        while chunk := m.read(min(1 << 20, info.file_size - pos) or 1):
+          if pos + len(chunk) > info.file_size:
+            raise BadFile(f"{path}: its member {member} holds more than the {info.file_size:,} bytes it declares.")
+          buf[pos : pos + len(chunk)] = chunk
+          pos += len(chunk)
+      if pos != info.file_size:
+        raise BadFile(f"{path}: its member {member} holds {pos:,} bytes, not the {info.file_size:,} it declares.")
+      return buf
 
     if f"{prefix}byteorder" in names:
       if archive.getinfo(f"{prefix}byteorder").file_size > 16:
@@ -569,7 +583,7 @@ def _read_zip(path: str, budget: _Budget):
       if archive.read(f"{prefix}byteorder").strip() not in (b"little", b""):
         raise BadFile(f"{path} was written on a big-endian machine; vlrep reads little-endian tensors only.")
 
-    raw: dict[str, bytes] = {}  # each member read once, however many storages refer to it
+    raw: dict[str, bytearray] = {}  # each member read once, however many storages refer to it
     storages: dict[int, np.ndarray] = {}  # by id: the storages handed to the pickle, kept alive
 
     def load_storage(storage_type, key, location, numel, *unused):

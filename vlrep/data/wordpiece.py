@@ -14,6 +14,9 @@ import unicodedata
 
 import numpy as np
 
+from vlrep import errors
+from vlrep.errors import BadFile
+
 MAX_WORD_CHARS = 100
 
 
@@ -79,17 +82,18 @@ class WordPieceTokenizer:
       vocab_path = os.path.join(vocab_path, "vocab.txt")
     if not os.path.exists(vocab_path):
       raise FileNotFoundError(f"WordPiece vocabulary {vocab_path!r} does not exist.")
-    with open(vocab_path, encoding="utf-8") as f:
-      self.pieces = [line.rstrip("\n") for line in f]
+    with errors.reading(vocab_path, what="WordPiece vocabulary (vocab.txt, UTF-8 text)"):
+      with open(vocab_path, encoding="utf-8") as f:
+        self.pieces = [line.rstrip("\n") for line in f]
     self.ids = {p: i for i, p in enumerate(self.pieces)}
     missing = [t for t in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]") if t not in self.ids]
     if missing:
-      raise ValueError(f"{vocab_path} lacks the special tokens {missing}: not a BERT vocabulary.")
+      raise BadFile(f"{vocab_path} lacks the special tokens {missing}: not a BERT vocabulary.")
     self.path, self.lower = vocab_path, lower
     self.pad_id, self.unk_id = self.ids["[PAD]"], self.ids["[UNK]"]
     self.cls_id, self.sep_id, self.mask_id = self.ids["[CLS]"], self.ids["[SEP]"], self.ids["[MASK]"]
     if self.pad_id != 0:
-      raise ValueError(f"{vocab_path}: [PAD] must be id 0 (it is {self.pad_id}).")
+      raise BadFile(f"{vocab_path}: [PAD] must be id 0 (it is {self.pad_id}).")
     self.special_ids = frozenset(self.ids[p] for p in self.pieces if p.startswith("[") and p.endswith("]"))
 
   @property

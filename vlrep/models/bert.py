@@ -12,6 +12,11 @@ attention weights, as Hugging Face's) applies only with deterministic=False: fin
 The MLM head (dense, GELU, LayerNorm, then the word-embedding matrix transposed plus a bias) is a separate module:
 checkpoints fine-tuned for sentence embeddings (MiniLM here) do not carry it, and then ICMLM trains it.
 
+config.json is checked before anything is built from it (types, ranges, and its sizes against the weights'
+shapes: a config claiming 100000 layers is one error) and vocab.txt must be UTF-8 text; `model.safetensors` is read
+by `vlrep.torch_files.load_safetensors` (its header checked against the file first). Every malformed file of the
+folder is a `vlrep.errors.BadFile` naming it.
+
 `pytorch_model.bin` (torch.save's zip or legacy format) is read without executing its pickle, by
 `vlrep.torch_files.load_state_dict`: tensors are rebuilt from the raw storages, nothing in the file is imported or
 run, a file that asks for any other object (a global outside the restricted unpickler's table) is an error naming
@@ -23,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 from typing import Any
 
@@ -31,8 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vlrep import torch_files
-from vlrep.errors import UserError
+from vlrep import errors, torch_files
+from vlrep.errors import BadFile, UserError
 
 _ACTIVATIONS = {
   "gelu": lambda x: jax.nn.gelu(x, approximate=False),
@@ -60,23 +66,97 @@ class BertConfig:
 
   @classmethod
   def from_json(cls, path: str) -> BertConfig:
-    with open(path) as f:
-      raw = json.load(f)
+    """A Hugging Face BERT folder's config.json, every field checked (`check_fields`); a malformed file is a
+    `vlrep.errors.BadFile` naming it."""
+    with errors.reading(path, what="BERT config.json", hint=_CONFIG_HINT):
+      with open(path, encoding="utf-8") as f:
+        raw = json.load(f)
+    if not isinstance(raw, dict):
+      raise BadFile(f"{path} holds a JSON {type(raw).__name__}, not a BERT config.json object.")
     if raw.get("model_type", "bert") != "bert":
-      raise ValueError(f"{path}: model_type {raw['model_type']!r} is not 'bert'.")
+      raise BadFile(f"{path}: model_type {str(raw['model_type'])[:50]!r} is not 'bert'.")
     if raw.get("position_embedding_type", "absolute") != "absolute":
-      raise ValueError(f"{path}: only absolute position embeddings are supported.")
+      raise BadFile(f"{path}: only absolute position embeddings are supported.")
     fields = {f.name for f in dataclasses.fields(cls)}
     optional = {"layer_norm_eps", "type_vocab_size", "hidden_dropout_prob", "attention_probs_dropout_prob"}
     missing = sorted(fields - set(raw) - optional)
     if missing:
-      raise ValueError(f"{path} lacks {missing}: not a BERT config.json.")
-    cfg = cls(**{k: v for k, v in raw.items() if k in fields})
-    if cfg.hidden_act not in _ACTIVATIONS:
-      raise ValueError(f"{path}: hidden_act {cfg.hidden_act!r} not supported; known: {sorted(_ACTIVATIONS)}")
-    if cfg.hidden_size % cfg.num_attention_heads:
-      raise ValueError(f"{path}: hidden_size {cfg.hidden_size} not divisible by {cfg.num_attention_heads} heads.")
-    return cfg
+      raise BadFile(f"{path} lacks {missing}: not a BERT config.json.")
+    return cls(**check_fields({k: v for k, v in raw.items() if k in fields}, path))
+
+
+# The ranges a BERT config's sizes may take (bert-large: 24 layers, 1024 wide, 16 heads, 4096 intermediate; the
+# bounds are far above any published BERT and keep a crafted config from sizing a model before the weights are
+# compared with it).
+_SIZE_FIELDS = {
+  "vocab_size": 10_000_000,
+  "hidden_size": 65_536,
+  "num_hidden_layers": 1_024,
+  "num_attention_heads": 1_024,
+  "intermediate_size": 262_144,
+  "max_position_embeddings": 1_048_576,
+  "type_vocab_size": 65_536,
+}
+_CONFIG_HINT = "It should be a Hugging Face BERT folder's config.json (JSON, UTF-8)."
+
+
+def check_fields(fields: dict, path: str) -> dict:
+  """BertConfig fields read from a file (`path`, named in errors), checked: sizes are integers from 1 to a bound far
+  above any BERT's (_SIZE_FIELDS), the hidden size a multiple of the heads, rates in [0, 1), the LayerNorm epsilon
+  a positive number below 1, the activation one vlrep has. A `vlrep.errors.BadFile` naming the field otherwise.
+  Returns the fields (floats as floats)."""
+  out = dict(fields)
+  for name, bound in _SIZE_FIELDS.items():
+    if name not in out:
+      continue
+    v = out[name]
+    if not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= bound):
+      raise BadFile(f"{path}: {name} is {repr(v)[:50]}; it must be an integer from 1 to {bound:,}.")
+  for name, low, high in (
+    ("layer_norm_eps", 0.0, 1.0),
+    ("hidden_dropout_prob", 0.0, 1.0),
+    ("attention_probs_dropout_prob", 0.0, 1.0),
+  ):
+    if name not in out:
+      continue
+    v = out[name]
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    ok = ok and (low < v < high if name == "layer_norm_eps" else low <= v < high)
+    if not ok:
+      raise BadFile(f"{path}: {name} is {repr(v)[:50]}; it must be a number in [{low}, {high}).")
+    out[name] = float(v)
+  if "hidden_act" in out and (not isinstance(out["hidden_act"], str) or out["hidden_act"] not in _ACTIVATIONS):
+    raise BadFile(f"{path}: hidden_act {repr(out['hidden_act'])[:50]} not supported; known: {sorted(_ACTIVATIONS)}")
+  if "hidden_size" in out and "num_attention_heads" in out and out["hidden_size"] % out["num_attention_heads"]:
+    raise BadFile(
+      f"{path}: hidden_size {out['hidden_size']} is not divisible by its {out['num_attention_heads']} attention heads."
+    )
+  return out
+
+
+def layers_in(sd: dict, prefix: str = "encoder.layer.") -> int:
+  """How many transformer layers a Hugging Face state dict holds: 1 + the largest N of its `{prefix}N.` keys."""
+  found = [k[len(prefix) :].split(".", 1)[0] for k in sd if isinstance(k, str) and k.startswith(prefix)]
+  return 1 + max((int(n) for n in found if n.isdigit()), default=-1)
+
+
+def check_against_weights(config: BertConfig, sd: dict, path: str, config_path: str = "config.json") -> None:
+  """A config.json's layer count must be the weights' (`sd`, a Hugging Face BERT state dict; `path` names the
+  folder): checked before any model is built from the config, so a config that claims 100000 layers is one error,
+  not minutes of building (the other sizes are compared tensor by tensor once the parameters are converted, which
+  costs no building). A `vlrep.errors.BadFile` naming both."""
+  sd = {k.removeprefix("bert."): v for k, v in sd.items() if isinstance(k, str)}
+  layers = layers_in(sd)
+  if layers < config.num_hidden_layers:
+    raise BadFile(
+      f"{path}: the checkpoint lacks tensor 'encoder.layer.{layers}.*' that {config_path}'s num_hidden_layers="
+      f"{config.num_hidden_layers} needs: the weights hold {layers} layers."
+    )
+  if layers > config.num_hidden_layers:
+    raise BadFile(
+      f"{path}: {config_path} says num_hidden_layers={config.num_hidden_layers}, but the weights hold {layers} "
+      "layers (encoder.layer.N): not the config of these weights."
+    )
 
 
 class BertLayer(nn.Module):
@@ -198,9 +278,7 @@ def read_state_dict(folder: str) -> dict[str, np.ndarray]:
   """Tensors of a Hugging Face checkpoint as numpy arrays, from model.safetensors or pytorch_model.bin."""
   st, pt = os.path.join(folder, "model.safetensors"), os.path.join(folder, "pytorch_model.bin")
   if os.path.exists(st):
-    from safetensors.numpy import load_file
-
-    return load_file(st)
+    return torch_files.load_safetensors(st)  # its header checked against the file before anything is read
   if os.path.exists(pt):
     return torch_files.load_state_dict(pt)
   raise FileNotFoundError(f"{folder} has neither model.safetensors nor pytorch_model.bin.")
@@ -245,7 +323,7 @@ def convert_state_dict(sd: dict[str, np.ndarray], config: BertConfig) -> tuple[d
         "output_LayerNorm": _norm(sd, p + "output.LayerNorm"),
       }
   except KeyError as e:
-    raise ValueError(f"The checkpoint lacks tensor {e.args[0]!r} that config.json's architecture needs.") from e
+    raise BadFile(f"The checkpoint lacks tensor {e.args[0]!r} that config.json's architecture needs.") from e
   if enc["pooler"] is None:  # some checkpoints drop the pooler; keep the tree complete and say so
     h = config.hidden_size
     enc["pooler"] = {"kernel": np.eye(h, dtype=np.float32), "bias": np.zeros(h, np.float32)}
@@ -269,20 +347,23 @@ def load_pretrained(path: str = "") -> tuple[BertConfig, dict, dict | None, str]
     if not os.path.exists(os.path.join(folder, required)):
       raise FileNotFoundError(f"BERT folder {folder!r} lacks {required}.")
   config = BertConfig.from_json(os.path.join(folder, "config.json"))
-  enc, head = convert_state_dict(read_state_dict(folder), config)
+  sd = read_state_dict(folder)
+  check_against_weights(config, sd, folder)
+  enc, head = convert_state_dict(sd, config)
   want = jax.eval_shape(lambda: BertEncoder(config).init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32))["params"])
   enc = jax.tree.map(lambda a: np.asarray(a, np.float32), enc)
   flat_want = dict(jax.tree_util.tree_flatten_with_path(want)[0])
   for key, arr in jax.tree_util.tree_flatten_with_path(enc)[0]:
     if key not in flat_want or flat_want[key].shape != arr.shape:
       shape = flat_want[key].shape if key in flat_want else "no such parameter"
-      raise ValueError(
+      raise BadFile(
         f"{folder}: tensor {jax.tree_util.keystr(key)} has shape {arr.shape} but config.json implies {shape}."
       )
-  with open(os.path.join(folder, "vocab.txt"), encoding="utf-8") as f:
+  vocab = os.path.join(folder, "vocab.txt")
+  with errors.reading(vocab, what="WordPiece vocabulary (vocab.txt, UTF-8 text)"), open(vocab, encoding="utf-8") as f:
     vocab_lines = sum(1 for _ in f)
   if vocab_lines != config.vocab_size:
-    raise ValueError(f"{folder}: vocab.txt has {vocab_lines} entries but config.json says {config.vocab_size}.")
+    raise BadFile(f"{folder}: vocab.txt has {vocab_lines} entries but config.json says {config.vocab_size}.")
   if head is not None:
     head = jax.tree.map(lambda a: np.asarray(a, np.float32), head)
   return config, enc, head, folder

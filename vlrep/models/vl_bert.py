@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vlrep.errors import UserError
 from vlrep.models import bert as bert_lib
 from vlrep.models import resnet
 
@@ -39,6 +40,26 @@ TEXT_POOLS = ("cls", "mean")
 FUSIONS = ("mul", "sum")
 REGION_NORMS = ("own", "shared")
 REGION_TYPE_EMBEDDINGS = ("segment", "tables")
+
+
+def _check_sizes(model) -> None:
+  """The sizes of a model built from a run's saved config (a run folder may come from elsewhere): positive
+  integers, widths that split into their heads, ViLBERT's visual layers no more than the text's; a UserError naming
+  the value (exit 2 from a command), not a ZeroDivisionError or a model built at an absurd size."""
+  c = model.bert
+  sizes = {"bert.hidden_size": c.hidden_size, "bert.num_attention_heads": c.num_attention_heads}
+  if model.arch == "vilbert":
+    sizes.update(v_layers=model.v_layers, v_hidden=model.v_hidden, v_heads=model.v_heads)
+    sizes.update(v_intermediate=model.v_intermediate, bi_hidden=model.bi_hidden, bi_heads=model.bi_heads)
+  bad = {k: v for k, v in sizes.items() if not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 65_536)}
+  if bad:
+    raise UserError(f"The model's sizes {bad} must be integers from 1 to 65536 (the run's config).")
+  pairs = [("bert.hidden_size", "bert.num_attention_heads")]
+  if model.arch == "vilbert":
+    pairs += [("v_hidden", "v_heads"), ("bi_hidden", "bi_heads")]
+  for width, heads in pairs:
+    if sizes[width] % sizes[heads]:
+      raise UserError(f"{width}={sizes[width]} is not divisible by {heads}={sizes[heads]} (the run's config).")
 
 
 def box_features(boxes: jax.Array) -> jax.Array:
@@ -190,6 +211,7 @@ class VLBertModel(nn.Module):
     if self.region_type_embedding not in REGION_TYPE_EMBEDDINGS:
       raise ValueError(f"Unknown region_type_embedding {self.region_type_embedding!r}; known: {REGION_TYPE_EMBEDDINGS}")
     c = self.bert
+    _check_sizes(self)
     vlrep_regions = (self.region_boxes, self.region_norm, self.region_type_embedding) == (True, "own", "segment")
     if self.arch == "vilbert" and not vlrep_regions:
       raise ValueError(
