@@ -240,7 +240,9 @@ def _array_from_bytes(raw, dtype: np.dtype, shape: tuple, order: str, budget: _B
       f"(it needs {math.prod(shape) * dtype.itemsize})."
     )
   budget.charge(len(raw), f"a numpy array of shape {shape}")
-  return np.frombuffer(raw, dtype).reshape(shape, order=order).copy()
+  array = np.frombuffer(raw, dtype).reshape(shape, order=order)
+  # A bytearray (protocol 5's in-band buffer) is the pickle's own writable copy; bytes are read-only: copied.
+  return array if isinstance(raw, bytearray) else array.copy()
 
 
 def _dtype_of(storage_type: _Storage, path: str) -> np.dtype:
@@ -561,21 +563,11 @@ def _read_zip(path: str, budget: _Budget):
       raise BadFile(f"{path} is a zip file without data.pkl: not a torch checkpoint.")
     prefix = pkl[: -len("data.pkl")]
 
-    def read(member: str, what: str) -> bytearray:
-      # The member's declared decompressed size is charged before it is read (zipfile stops at that size), and it is
-      # read in chunks into one buffer of that size: zipfile's read() would hold it twice while joining its chunks.
+    def read(member: str, what: str) -> bytes:
+      # The member's declared decompressed size is charged before it is read; zipfile stops at that size.
       info = archive.getinfo(member)
       budget.charge(info.file_size, f"{what} ({member}, decompressed)")
-      buf, pos = bytearray(info.file_size), 0
-      with archive.open(info) as m:
-        while chunk := m.read(min(1 << 20, info.file_size - pos) or 1):
-          if pos + len(chunk) > info.file_size:
-            raise BadFile(f"{path}: its member {member} holds more than the {info.file_size:,} bytes it declares.")
-          buf[pos : pos + len(chunk)] = chunk
-          pos += len(chunk)
-      if pos != info.file_size:
-        raise BadFile(f"{path}: its member {member} holds {pos:,} bytes, not the {info.file_size:,} it declares.")
-      return buf
+      return archive.read(info)
 
     if f"{prefix}byteorder" in names:
       if archive.getinfo(f"{prefix}byteorder").file_size > 16:
@@ -583,7 +575,7 @@ def _read_zip(path: str, budget: _Budget):
       if archive.read(f"{prefix}byteorder").strip() not in (b"little", b""):
         raise BadFile(f"{path} was written on a big-endian machine; vlrep reads little-endian tensors only.")
 
-    raw: dict[str, bytearray] = {}  # each member read once, however many storages refer to it
+    raw: dict[str, bytes] = {}  # each member read once, however many storages refer to it
     storages: dict[int, np.ndarray] = {}  # by id: the storages handed to the pickle, kept alive
 
     def load_storage(storage_type, key, location, numel, *unused):
