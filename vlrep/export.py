@@ -134,7 +134,7 @@ def _by_design(call, *args):
 
 def _root_of(out: str) -> str:
   """The folder the user named for --out: every file is written inside it, never through a link in it."""
-  return os.path.dirname(os.path.abspath(os.path.expanduser(out)))
+  return os.path.dirname(os.path.abspath(out))
 
 
 def export(workdir: str, fmt: str, out: str, checkpoint: str = "best", overwrite: bool = False) -> dict:
@@ -178,7 +178,7 @@ def export(workdir: str, fmt: str, out: str, checkpoint: str = "best", overwrite
     with safe_files.atomic_path(out, ".safetensors", root=root) as tmp:
       save_file(dict(sd), tmp, metadata={"format": "pt", "source": run.path})
   elif fmt == "torchvision":
-    torch = _torch(".pth needs PyTorch; install torch or export to .safetensors instead.")
+    torch = _torch("Writing .pth needs PyTorch; install torch or export to .safetensors instead.")
     with safe_files.atomic_path(out, ".pth", root=root) as tmp:
       torch.save(OrderedDict((k, torch.from_numpy(np.array(v))) for k, v in sd.items()), tmp)
   else:
@@ -198,7 +198,7 @@ def _torch(why: str):
   try:
     import torch
   except ImportError as e:
-    raise NotExportable(f"Writing {why} (import torch failed: {e})") from e
+    raise NotExportable(f"{why} (import torch failed: {e})") from e
   return torch
 
 
