@@ -51,6 +51,8 @@ pickle.load and a checkpoint with torch.load, which can run code the file names.
   anything but a file or folder) anywhere under OUTPUT_DIR is refused before training, since Detectron2 writes its
   logs, config.yaml, metrics and evaluations there by name; the driver's own files (checkpoints, last_checkpoint,
   the record, transfer_results.json) are written through vlrep.safe_files.
+- The YAML (and each _BASE_ it names) is read as plain YAML: Detectron2's merge_from_file would retry one with
+  Python tags (`!!python/object/apply:...`) by yaml.unsafe_load, which runs what they name; here it is refused.
 
 Detectron2 is not on the package index. Build it from its source (CPU or CUDA; minutes):
   git clone https://github.com/facebookresearch/detectron2 && cd detectron2
