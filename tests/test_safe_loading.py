@@ -34,6 +34,7 @@ from conftest import ROOT, run_module
 
 from vlrep import import_run, runs, torch_files
 from vlrep.data import region_files
+from vlrep.errors import BadFile
 from vlrep.models import bert
 from vlrep.models.torch_resnet import ResNet as TorchResNet
 
@@ -467,3 +468,79 @@ def test_training_checkpoints_with_optimizer_scheduler_and_scaler_state_load(tmp
   assert got["optimizer"]["param_groups"][0]["nesterov"] is True
   assert int(got["adamw"]["state"][0]["step"]) == 1 and got["scheduler"]["last_epoch"] == 1
   assert got["extra"]["size"] == (2, 3) and list(got["extra"]["tagged"]) == [1, 1]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# numpy values: every plain dtype rebuilds as numpy pickles it; nothing else does (vlrep builds the dtype and the
+# array, numpy never sees a dtype state or raw bytes it could misread).
+# ------------------------------------------------------------------------------------------------------------------
+class _Reduce:
+  """An object whose pickle is exactly `reduce` (a crafted numpy value)."""
+
+  def __init__(self, *reduce):
+    self.reduce = reduce
+
+  def __reduce__(self):
+    return self.reduce
+
+
+_PLAIN = (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)
+_PLAIN += (np.float16, np.float32, np.float64, np.complex64, np.complex128)
+
+
+def test_numpy_arrays_and_scalars_of_every_plain_dtype_rebuild_in_every_protocol():
+  rng = np.random.default_rng(0)
+  for dtype in _PLAIN:
+    values = {
+      "0-d": np.asarray(rng.integers(0, 100)).astype(dtype),
+      "1-d": rng.integers(0, 100, size=5).astype(dtype),
+      "F order": np.asfortranarray(rng.integers(0, 100, size=(2, 3)).astype(dtype)),
+      "empty": np.zeros((0, 4), dtype),
+      "scalar": np.asarray(rng.integers(0, 100)).astype(dtype)[()],
+      "big-endian": rng.integers(0, 100, size=3).astype(np.dtype(dtype).newbyteorder(">")),
+    }
+    for protocol in (2, 3, 4, 5):
+      # (protocol 2 pickles an empty array's b'' as builtins.bytes(), a global outside the table)
+      values = {k: v for k, v in values.items() if protocol > 2 or v.size}
+      got = torch_files.load_pickle(io.BytesIO(pickle.dumps(values, protocol=protocol)), "v.pkl")
+      for kind, want in values.items():
+        assert type(got[kind]) is type(want) and got[kind].dtype == want.dtype, (dtype, protocol, kind)
+        np.testing.assert_array_equal(got[kind], want, err_msg=f"{dtype} {protocol} {kind}")
+  # np.save of a dict (MMF's info files): a 0-d object array, the one object array built (from its one item).
+  got = torch_files.load_pickle(io.BytesIO(pickle.dumps(np.array({"a": np.ones(2)}, dtype=object))), "info.npy")
+  assert got.shape == () and got.dtype == object and set(got.item()) == {"a"}
+
+
+def test_numpy_values_that_are_not_plain_numbers_are_refused_before_numpy_builds_them(tmp_path):
+  reconstruct = np.zeros(()).__reduce__()[0]
+  void_with_object = _Reduce(np.dtype, ("V8", False, True), (3, "|", None, ("a",), {"a": (np.dtype("O"), 0)}, 8, 1, 0))
+  f8_with_fields = _Reduce(np.dtype, ("f8", False, True), (3, "<", None, ("a",), {"a": (np.dtype("O"), 0)}, 8, 1, 0))
+  raw_array = lambda dtype, shape, raw: _Reduce(reconstruct, (np.ndarray, (0,), b"b"), (1, shape, dtype, False, raw))
+  cases = {
+    "unicode": (np.array(["ab"]), "numpy dtype 'U2'"),
+    "bytes": (np.array([b"ab"]), "numpy dtype 'S2'"),
+    "structured": (np.zeros(2, "i4,f4"), "numpy dtype"),
+    "datetime": (np.array(["2020-01-01"], "datetime64[D]"), "numpy dtype 'M8'"),
+    "object 1-d": (np.array([1, "a"], dtype=object), "object array of shape (2,)"),
+    "the dtype trick": (raw_array(void_with_object, (1,), bytes(8)), "numpy dtype 'V8'"),
+    "a float dtype given fields": (raw_array(f8_with_fields, (1,), bytes(8)), "not a plain dtype's"),
+    "more elements than bytes": (raw_array(np.dtype("f8"), (1000,), bytes(8)), "from 8 bytes of data"),
+    "an object array from bytes": (raw_array(np.dtype("O"), (), bytes(8)), "object array of shape ()"),
+    "_reconstruct allocating": (_Reduce(reconstruct, (np.ndarray, (2**28,), b"O")), "numpy's _reconstruct of"),
+    "a scalar of the wrong size": (_Reduce(np.float64(0).__reduce__()[0], (np.dtype("f8"), b"abc")), "from 3 bytes"),
+  }
+  for name, (value, words) in cases.items():
+    data = pickle.dumps(value, protocol=2)
+    with pytest.raises(BadFile) as e:
+      torch_files.load_pickle(io.BytesIO(data), f"{name}.pkl")
+    assert str(e.value).startswith(f"{name}.pkl") and words in str(e.value), (name, str(e.value))
+  # pickle's BUILD on a callable of the table (numpy.dtype itself) sets nothing: refused.
+  with pytest.raises(BadFile, match="sets the state of _Callable"):
+    torch_files.load_pickle(io.BytesIO(b"\x80\x02cnumpy\ndtype\n}b."), "build.pkl")
+  # The same checks hold for the MMF info files' loader.
+  path = tmp_path / "1_info.npy"
+  with open(path, "wb") as f:
+    np.lib.format.write_array_header_1_0(f, {"descr": "|O", "fortran_order": False, "shape": ()})
+    f.write(pickle.dumps(raw_array(void_with_object, (1,), bytes(8)), protocol=2))
+  with pytest.raises(BadFile, match=re.escape(f"{path}: a numpy dtype 'V8'")):
+    region_files.load_pickled_npy(str(path))
