@@ -399,14 +399,33 @@ def pickle_payloads(root) -> list[dict]:
   return cases
 
 
-def numpy_dtype_trick(root) -> list[dict]:
-  """A void dtype whose __setstate__ gives it an object field (flags 0), then raw bytes as its contents: the bytes
-  are read as object pointers (a segfault), inside a zip torch file beside a real tensor."""
+def _resnet_zip(path, replace: dict) -> str:
+  """A valid torchvision ResNet-18 (width 8) state dict as a hand-written zip torch file, with the entries of
+  `replace` (name -> crafted object) in place of its tensors: what reaches the importer's conversion."""
+  torch.manual_seed(0)
+  entries, storages = collections.OrderedDict(), {}
+  for i, (name, value) in enumerate(TorchResNet(18, 8).state_dict().items()):
+    if name.endswith("num_batches_tracked"):
+      continue
+    if name in replace:
+      entries[name] = replace[name]
+      continue
+    storages[str(i)] = value.float().contiguous().numpy().tobytes()
+    entries[name] = _tensor(_Storage(str(i), value.numel()), 0, tuple(value.shape), tuple(value.stride()))
+  return _torch_zip(path, _archive_pickle(entries), storages)
+
+
+def _void_object_array(shape=(1,)):
+  """A void dtype whose __setstate__ gives it an object field (flags 0), then raw bytes as its contents: numpy reads
+  the bytes as object pointers (a segfault when the array is copied or converted)."""
   dtype = _Reduce(np.dtype, ("V8", False, True), (3, "|", None, ("f",), {"f": (np.dtype("O"), 0)}, 8, 1, 0))
-  array = _Reduce(np._core.multiarray._reconstruct, (np.ndarray, (0,), b"b"), (1, (1,), dtype, False, b"\x41" * 8))
-  storage = _Storage("0", 4)
-  data = _archive_pickle(collections.OrderedDict([("fc.bias", _tensor(storage, 0, (4,), (1,))), ("fc.weight", array)]))
-  path = _torch_zip(os.path.join(root, "numpy", "segv.pth"), data, {"0": np.zeros(4, np.float32).tobytes()})
+  raw = b"\x41" * (8 * int(np.prod(shape)))
+  return _Reduce(np._core.multiarray._reconstruct, (np.ndarray, (0,), b"b"), (1, tuple(shape), dtype, False, raw))
+
+
+def numpy_dtype_trick(root) -> list[dict]:
+  """The void-dtype object array as conv1.weight of an otherwise valid torchvision state dict."""
+  path = _resnet_zip(os.path.join(root, "numpy", "segv.pth"), {"conv1.weight": _void_object_array((8, 3, 7, 7))})
   return _import_cases(root, "object field in a void dtype", "numpy dtype trick", path)
 
 
@@ -417,9 +436,8 @@ def memory_bombs(root) -> list[dict]:
   memo = b"\x80\x02Nr" + struct.pack("<I", 2**27) + b"."  # LONG_BINPUT 2**27: the unpickler's memo grows to it
   files = {"memo index 2**27 (bare)": _write(os.path.join(d, "memo.pth"), memo)}
   files["memo index 2**27 (zip data.pkl)"] = _torch_zip(os.path.join(d, "memo_zip.pth"), memo, {})
-  objects = _Reduce(np._core.multiarray._reconstruct, (np.ndarray, (2**28,), b"b"), None)
-  data = _archive_pickle({"w": objects})
-  files["object ndarray of 2**28"] = _torch_zip(os.path.join(d, "objects.pth"), data, {})
+  objects = _Reduce(np._core.multiarray._reconstruct, (np.ndarray, (2**28,), np.dtype("O")), None)
+  files["object ndarray of 2**28"] = _resnet_zip(os.path.join(d, "objects.pth"), {"conv1.weight": objects})
   data = _archive_pickle(
     {
       "w": _Reduce(
@@ -552,14 +570,13 @@ def malformed_mmf(root) -> list[dict]:
 
   memo = b"\x80\x02Nr" + struct.pack("<I", 2**27) + b"."
   source("memo bomb _info.npy", object_npy(memo))
-  objects = pickle.dumps(_Reduce(np._core.multiarray._reconstruct, (np.ndarray, (2**28,), b"b")), protocol=2)
+  objects = pickle.dumps(_Reduce(np._core.multiarray._reconstruct, (np.ndarray, (2**28,), np.dtype("O"))), protocol=2)
   source("object ndarray bomb _info.npy", object_npy(objects))
   source("_info.npy truncated", object_npy(pickle.dumps({"bbox": np.zeros((2, 4))}, protocol=2)[:-9]))
   source("_info.npy not an npy file", b"not numpy at all")
   source("_info.npy nested 100000 deep", object_npy(b"\x80\x02" + b"]" * 100000 + b"a" * 99999 + b"."))
-  dtype = _Reduce(np.dtype, ("V8", False, True), (3, "|", None, ("f",), {"f": (np.dtype("O"), 0)}, 8, 1, 0))
-  array = _Reduce(np._core.multiarray._reconstruct, (np.ndarray, (0,), b"b"), (1, (1,), dtype, False, b"\x41" * 8))
-  source("_info.npy numpy dtype trick", object_npy(pickle.dumps({"bbox": array, "num_boxes": 1}, protocol=2)))
+  trick = pickle.dumps({"bbox": _void_object_array(), "num_boxes": 1}, protocol=2)
+  source("_info.npy numpy dtype trick", object_npy(trick))
   header = io.BytesIO()
   np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": (2**40, 2048)})
   info = io.BytesIO()
@@ -602,7 +619,7 @@ def _tar_bomb(path, member_bytes: int) -> str:
 
 
 def prepare_sources(root) -> list[dict]:
-  """`vlrep.data.prepare --dataset=image_text`: a 2 MB gzip shard with a 2 GB member; index rows naming files
+  """`vlrep.data.prepare --dataset=image_text`: a 1 MB gzip shard with a 1 GB member; index rows naming files
   outside --manual_dir (an absolute path, ../, a symlink)."""
   cases = []
   outside = _write(os.path.join(root, "outside_data", "secret.png"), _png(8, 8))
@@ -613,8 +630,8 @@ def prepare_sources(root) -> list[dict]:
     cases.append(_case(f"prepare: {name}", kind, "vlrep.data.prepare", argv, names=manual))
 
   manual = os.path.join(root, "prepare", "bomb")
-  _tar_bomb(os.path.join(manual, "shard-000.tar"), 2**31)
-  case("gzip shard with a 2 GB member", manual, "memory bomb")
+  _tar_bomb(os.path.join(manual, "shard-000.tar"), 2**30)  # 1 GB: twice the margin, half the time to skip
+  case("gzip shard with a 1 GB member", manual, "memory bomb")
   for name, image in (
     ("absolute path", outside),
     ("../ path", "../../outside_data/secret.png"),
@@ -774,8 +791,8 @@ MODEL:
   RESNETS:
     STRIDE_IN_1X1: False
 DATASETS:
-  TRAIN: ("stub_train",)
-  TEST: ()
+  TRAIN: [stub_train]
+  TEST: []
 """
 
 
@@ -890,8 +907,9 @@ def run_folders(root, base: str) -> list[dict]:
   captioning = os.path.join(ROOT, "configs", "eval", "captioning.py")
   finetune = os.path.join(ROOT, "tests", "tiny_finetune.py")
 
-  def commands(run, tag, markers=(), absent=(), sentinels=(), expect=(2,), cwd=None, only=None):
-    """The run through evaluate, caption, features, export and main --config.init_from."""
+  def commands(run, tag, markers=(), absent=(), sentinels=(), expect=(2,), cwd=None, only=None, names=None):
+    """The run through evaluate, caption, features, export and main --config.init_from; a refusal names the run
+    (or `names`)."""
     o = os.path.join(out, _slug(tag))
     each = {
       "evaluate": ("vlrep.evaluate", [f"--config={captioning}", f"--workdir={run}"]),
@@ -916,6 +934,7 @@ def run_folders(root, base: str) -> list[dict]:
           absent=list(absent),
           sentinels=list(sentinels),
           target=os.path.join(cwd, run) if cwd else run,
+          names=names or (os.path.join(cwd, run) if cwd else run),
         )
       )
 
@@ -940,7 +959,7 @@ def run_folders(root, base: str) -> list[dict]:
         cwd=start,
         mode="subprocess",
         markers=[marker],
-        target=os.path.join(start, "evilrun"),
+        names=os.path.join(start, "evilrun"),
       )
     )
 
@@ -1013,7 +1032,7 @@ def run_folders(root, base: str) -> list[dict]:
     c["data"].update(name="synthetic_scenes", config_name="tiny", data_dir=data_dir)
 
   run = _copy_run(base, os.path.join(root, "runs", "tokenizer_outside"), tokenizer_outside)
-  commands(run, "tokenizer.path outside", absent=[outside_tok], only=("evaluate", "caption"))
+  commands(run, "tokenizer.path outside", absent=[outside_tok], only=("evaluate", "caption"), names=outside_tok)
 
   # A vocabulary that is not a sentencepiece model, inside the run.
   bad_vocab = _write(os.path.join(root, "runs", "bad_vocab_files", "vocab.model"), np.random.default_rng(1).bytes(600))
@@ -1056,7 +1075,7 @@ def run_folders(root, base: str) -> list[dict]:
       "vlrep.main",
       [f"--config={finetune}", f"--config.init_from={path}", f"--workdir={os.path.join(out, 'init_from_file')}"],
       markers=[marker],
-      target=path,
+      names=path,
     )
   )
 
@@ -1087,7 +1106,7 @@ def run_folders(root, base: str) -> list[dict]:
       [f"--workdir={run}", f"--config-file={yaml_path}"],
       path_add=[stub],
       markers=[marker],
-      target=run,
+      names=run,
     )
   )
   # Its output folder a symlink to a folder outside the run: nothing may be written there.
@@ -1106,7 +1125,7 @@ def run_folders(root, base: str) -> list[dict]:
       [f"--workdir={run}", f"--config-file={yaml_path}"],
       path_add=[stub],
       absent=[os.path.join(elsewhere, n) for n in ("backbone.pkl", "last_checkpoint", "transfer_results.json")],
-      target=run,
+      names=run,
     )
   )
   return cases
