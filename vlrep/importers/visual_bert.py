@@ -411,14 +411,14 @@ def _tensor_sizes(sd, base: str, mmf: bool, path: str) -> dict:
 
 
 def _check_fields(fields: dict, sizes: dict, where: str) -> None:
-  """BertConfig fields of the right types and ranges, the sizes those the tensors show (checked before any model is
-  built: a config.json that claims 100000 layers over a two-layer checkpoint is refused, not built)."""
+  """BertConfig fields of the right types and ranges, and the layer count the tensors show (checked before any model
+  is built: a config.json that claims 100000 layers over a two-layer checkpoint is refused, not built)."""
   wrong = []
   for k in (*sizes, "num_attention_heads"):
     v = fields[k]
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
       wrong.append(f"{k}={v!r} (a positive integer)")
-    elif k in sizes and v != sizes[k]:
+    elif k == "num_hidden_layers" and v != sizes[k]:  # the other sizes: to_vlrep names the tensor and both shapes
       wrong.append(f"{k}={v} (the checkpoint's tensors have {sizes[k]})")
   if not wrong and fields["hidden_size"] % fields["num_attention_heads"]:
     wrong.append(f"num_attention_heads={fields['num_attention_heads']} (does not divide hidden_size)")

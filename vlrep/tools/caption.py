@@ -93,11 +93,14 @@ def caption_files(
     raise NoImageFile(f"No such image file(s): {missing}")
   visualize.check_images(paths)  # every file an image of a size vlrep decodes, before the model is built
   run = features.load_run(workdir, checkpoint)
+  if "backbone" in run.params:
+    features.check_backbone(run)  # the saved config builds the backbone it describes, before anything else
+  with features.saved_config_errors(run):
+    size = size or training_size(run.config)
+  images = load_images(paths, preprocess, size)  # decoded (a damaged file refused) before the model is built
+  size = images.shape[1]
   with features.saved_config_errors(run):
     inputs = run_setup.build_inputs(run.config)
-    size = size or training_size(run.config)
-  images = load_images(paths, preprocess, size)
-  size = images.shape[1]
   cfg = {"decoding": decoding_method, "max_len": max_len, **decode_kwargs}
   try:
     caption = captioner_for(inputs.method, ConfigDict(cfg))
