@@ -110,6 +110,11 @@ _PLAIN_DTYPE = re.compile(r"[<>|=]?(b1|[iu][1248]|f(2|4|8|16)|c(8|16|32))")
 _OBJECT_DTYPE = re.compile(r"\|?O[48]?")
 
 
+class MissingFile(UserError, FileNotFoundError):
+  """A file or folder vlrep was given (on the command line, or named by a run or a config) that is not there: a
+  command exits 2 with its name, no traceback (still a FileNotFoundError to code that catches one)."""
+
+
 class UnsafeFile(UserError):
   """A pickle asked for a global outside the restricted unpickler's table; nothing of it was imported or run."""
 
@@ -674,7 +679,7 @@ def load_checkpoint(path: str) -> Any:
   the restricted unpickler: any global outside its table is an `UnsafeFile` error naming the file and the global
   (nothing in the file is imported or run); a file that is neither format, or is malformed, is a `BadFile`."""
   if not os.path.exists(path):
-    raise FileNotFoundError(f"No checkpoint file {path}.")
+    raise MissingFile(f"No checkpoint file {path}.")
   with errors.reading(path, what="torch checkpoint (torch.save file)"):
     budget = _Budget(path, os.path.getsize(path))
     if zipfile.is_zipfile(path):
@@ -796,7 +801,7 @@ def load_safetensors(path: str) -> dict[str, np.ndarray]:
   """A .safetensors file as {name: numpy array}, its header checked by `safetensors_header` before any tensor is
   read; a malformed file is a `BadFile` naming it."""
   if not os.path.exists(path):
-    raise FileNotFoundError(f"No safetensors file {path}.")
+    raise MissingFile(f"No safetensors file {path}.")
   tensors, _, start = safetensors_header(path)
   out = {}
   with errors.reading(path, what="safetensors file"), open(path, "rb") as f:

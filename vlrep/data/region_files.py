@@ -164,12 +164,14 @@ class RegionStore:
   def __init__(self, directory: str, max_regions: int, class_probs: bool = False):
     directory = os.path.expanduser(directory)
     if not os.path.isdir(directory):
-      raise FileNotFoundError(f"Region feature directory {directory!r} does not exist (see vlrep.data.region_files).")
+      raise torch_files.MissingFile(
+        f"Region feature directory {directory!r} does not exist (see vlrep.data.region_files)."
+      )
     self.directory, self.max_regions, self.class_probs = directory, max_regions, class_probs
     self._cache: dict[str, tuple] = {}
     first = next((f for f in sorted(os.listdir(directory)) if f.endswith(".npz")), None)
     if first is None:
-      raise FileNotFoundError(f"{directory} holds no <image_id>.npz region files.")
+      raise torch_files.MissingFile(f"{directory} holds no <image_id>.npz region files.")
     first_path = os.path.join(directory, first)
     with errors.reading(first_path, what="region-feature file (.npz)", hint=_HINT):
       z = load_npz(first_path)

@@ -16,6 +16,7 @@ import numpy as np
 
 from vlrep import errors
 from vlrep.errors import BadFile
+from vlrep.torch_files import MissingFile
 
 MAX_WORD_CHARS = 100
 
@@ -81,7 +82,7 @@ class WordPieceTokenizer:
     if os.path.isdir(vocab_path):
       vocab_path = os.path.join(vocab_path, "vocab.txt")
     if not os.path.exists(vocab_path):
-      raise FileNotFoundError(f"WordPiece vocabulary {vocab_path!r} does not exist.")
+      raise MissingFile(f"WordPiece vocabulary {vocab_path!r} does not exist.")
     with errors.reading(vocab_path, what="WordPiece vocabulary (vocab.txt, UTF-8 text)"):
       with open(vocab_path, encoding="utf-8") as f:
         self.pieces = [line.rstrip("\n") for line in f]

@@ -113,7 +113,7 @@ def load_state_dict(path: str) -> dict[str, np.ndarray]:
   a 'module.' prefix on every key (a DistributedDataParallel model's) is removed. The last file read is kept
   (--format=auto reads it first)."""
   if not os.path.exists(path):
-    raise FileNotFoundError(f"No checkpoint file {path}.")
+    raise torch_files.MissingFile(f"No checkpoint file {path}.")
   stat = os.stat(path)
   key = (os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
   if _LAST_READ.get("key") != key:

