@@ -63,6 +63,42 @@ def test_flip_swaps_left_and_right_in_captions():
   assert kept["captions"].numpy()[0].decode() == "a circle to the left of a star"
 
 
+def _py3round(number: float) -> int:
+  """albumentations' py3round (albumentations/augmentations/functional.py), which SmallestMaxSize's new size uses."""
+  if abs(round(number) - number) == 0.5:
+    return int(2.0 * round(number / 2.0))
+  return int(round(number))
+
+
+def test_official_resize_rounds_the_new_size_as_albumentations_does():
+  """`resize_small(256, official=True)` (configs/eval/captioning.py:official) sizes an image as kdexd/virtex's
+  SmallestMaxSize(256): py3round(side * 256 / shorter side). At 300x451 the longer side scales to 384.85: 385, not
+  the truncated 384 (whose pixels then differ wholesale after the centre crop). The sizes that round down keep
+  their results; the pixels are OpenCV's INTER_LINEAR (vlrep.visualize.resize_bilinear) at that size."""
+  from vlrep import visualize
+
+  rng = np.random.default_rng(0)
+  op = registry.parse("resize_small(256, official=True)").example_fn
+  expected = {
+    (300, 451): (256, 385),
+    (451, 300): (385, 256),
+    (333, 500): (256, 384),
+    (480, 640): (256, 341),
+    (200, 150): (341, 256),
+    (299, 500): (256, 428),
+    (256, 300): (256, 300),
+  }
+  for (h, w), want in expected.items():
+    scale = 256 / float(min(w, h))
+    assert (_py3round(h * scale), _py3round(w * scale)) == want  # the reference itself
+    image = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+    out = op({"image": tf.constant(image)})["image"].numpy()
+    assert out.shape[:2] == want, (h, w, out.shape)
+    # TF's float32 interpolation and numpy's differ by one level where a value lands on .5 (< 0.5% of pixels).
+    diff = np.abs(out.astype(int) - visualize.resize_bilinear(image, *want).astype(int))
+    assert diff.max() <= 1 and (diff > 0).mean() < 0.005, (h, w, diff.max(), (diff > 0).mean())
+
+
 def test_unknown_op_lists_known_ops():
   with pytest.raises(ValueError, match="Unknown preprocessing op 'blur'.*inception_crop"):
     registry.parse("decode|blur(3)")
