@@ -46,7 +46,8 @@ Every malformed file is a `vlrep.errors.BadFile` (a UserError: commands exit 2 w
   as_state_dict(obj, path) -> dict[str, np.ndarray]   the state dict of an object already read
   load_pickle(file, path) -> Any                      one plain pickle (no tensors) from an open file
   load_safetensors(path) -> dict[str, np.ndarray]     a .safetensors file, its header checked first
-  safetensors_header(path) -> dict                    that check alone: {name: (dtype, shape, begin, end)}
+  safetensors_header(path) -> (tensors, metadata, start)   that check alone: {name: (dtype, shape, begin, end)}
+A file that is not there is a `MissingFile` (a UserError and a FileNotFoundError).
 
 A leaf module: it imports only vlrep.errors (itself a leaf), so any layer (data, models, importers, tools) may read
 foreign files through it.
@@ -425,7 +426,7 @@ def _read_pickle_bytes(f, path: str, part: str) -> bytes:
   except UserError:
     raise
   except Exception as e:  # noqa: BLE001 -- whatever genops makes of malformed bytes: the file is bad
-    raise BadFile(f"{path}{part} is not a well-formed pickle: {type(e).__name__}: {str(e)[:200]}") from e
+    raise BadFile(f"{path}{part}: not a well-formed pickle ({type(e).__name__}: {str(e)[:200]}).") from e
   stop = f.tell()
   f.seek(start)
   data = f.read(stop - start)
@@ -619,7 +620,8 @@ def _read_legacy(path: str, budget: _Budget):
     except UnsafeFile:
       raise
     except BadFile as e:
-      raise BadFile(f"{path} is neither a zip nor a legacy torch checkpoint: {e}") from e
+      detail = str(e).removeprefix(path).removeprefix(" (its first pickle, the magic number)").lstrip(": ")
+      raise BadFile(f"{path} is neither a zip nor a legacy torch checkpoint: {detail}") from e
     if not (isinstance(magic, int) and magic == _LEGACY_MAGIC):
       raise BadFile(f"{path} is neither a zip nor a legacy torch checkpoint (wrong magic number).")
     protocol = _load(f, path, " (the protocol version)", budget)
