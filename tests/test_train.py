@@ -64,6 +64,35 @@ def test_checkpoint_restores_bit_exactly_and_rejects_other_models(tmp_path):
     ckpt.restore(7, other)
 
 
+def test_loading_a_run_logs_no_missing_orbax_metadata(tmp_path):
+  """runs.load_run reads a checkpoint through its step's manager: pointing a standalone checkpointer at the `state`
+  item folder made orbax look there for the step's _CHECKPOINT_METADATA and warn "Metadata file does not exist" on
+  every load."""
+  import logging as pylogging
+
+  from vlrep import checkpoint, runs
+
+  state = {"params": {"backbone": {"w": np.arange(3, dtype=np.float32)}}, "model_state": {}, "opt_state": {}}
+  config = {"method": {"name": "virtex"}, "data": {"name": "synthetic_scenes", "split": "train"}}
+  ckpt = checkpoint.Checkpointer(str(tmp_path), async_save=False)
+  ckpt.save(3, state, {"signature": checkpoint.signature(state["params"]), "config": config})
+  ckpt.wait()
+  ckpt.close()
+  records = []
+  handler = pylogging.Handler(pylogging.WARNING)
+  handler.emit = records.append
+  pylogging.getLogger().addHandler(handler)
+  pylogging.getLogger("absl").addHandler(handler)
+  try:
+    run = runs.load_run(str(tmp_path), "latest")
+  finally:
+    pylogging.getLogger().removeHandler(handler)
+    pylogging.getLogger("absl").removeHandler(handler)
+  np.testing.assert_array_equal(run.params["backbone"]["w"], np.arange(3))
+  assert run.step == 3
+  assert not [r.getMessage() for r in records if "Metadata file does not exist" in r.getMessage()]
+
+
 def test_unknown_config_key_is_an_error(tmp_path):
   proc = run_main(tmp_path / "w", "--config.optim.learning_rat=0.1")
   assert proc.returncode != 0 and "learning_rat" in proc.stderr
@@ -102,7 +131,10 @@ def test_init_from_brings_the_source_runs_backbone_architecture_and_a_resume_kee
   saved = ConfigDict({"method": {"backbone": {"depth": 18, "width": 8}}})
   available = {"/runs/quick": source}
 
-  def read_config(workdir):
+  reads = []
+
+  def read_config(workdir, resuming=False):
+    reads.append((workdir, resuming))
     if workdir not in available:
       raise FileNotFoundError(f"No run directory {workdir}.")
     return available[workdir]
@@ -123,3 +155,5 @@ def test_init_from_brings_the_source_runs_backbone_architecture_and_a_resume_kee
     8,
     "imagenet",
   )
+  # Its own workdir is read as resuming (a run of the user's own method resumes); RUN as another run's config.
+  assert reads[-1] == ("/runs/ft", True) and ("/runs/quick", False) in reads

@@ -210,14 +210,21 @@ def saved_config(config: dict, where: str) -> ConfigDict:
 def _restore_run(directory: str, step: int) -> Run:
   meta = _restore_meta(directory, step)
   config = saved_config(meta.get("config"), _meta_path(directory, step))
-  # Onto this process's first device, whatever device count and sharding wrote the checkpoint.
-  state_path = os.path.join(directory, str(step), "state")
+  # Onto this process's first device, whatever device count and sharding wrote the checkpoint. Read through the
+  # step's manager, as it was written: a standalone checkpointer pointed at the `state` item folder looks there
+  # for the step's _CHECKPOINT_METADATA, which lives one level up, and logs "Metadata file does not exist" on
+  # every load.
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  checkpointer = ocp.StandardCheckpointer()
-  abstract = jax.tree.map(
-    lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), checkpointer.metadata(state_path).item_metadata
+  mngr = ocp.CheckpointManager(
+    directory, item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
   )
-  state = checkpointer.restore(state_path, abstract)
+  try:
+    abstract = jax.tree.map(
+      lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), mngr.item_metadata(step)["state"]
+    )
+    state = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+  finally:
+    mngr.close()
   to_np = lambda tree: {k: to_np(v) if isinstance(v, dict) else np.asarray(v) for k, v in tree.items()}
   return Run(
     config=config,

@@ -117,7 +117,7 @@ def adopt_init_from_architecture(config: ml_collections.ConfigDict, workdir: str
   if not config.get("init_from") or "backbone" not in config.get("method", {}):
     return
   try:
-    source, saved = workdir, runs.read_config(workdir)  # resuming: what this run was built with
+    source, saved = workdir, runs.read_config(workdir, resuming=True)  # resuming: what this run was built with
   except (FileNotFoundError, RuntimeError):
     source, saved = config.init_from, runs.read_config(config.init_from)
   if "backbone" not in saved.method:
