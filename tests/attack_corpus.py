@@ -14,13 +14,15 @@ r"""Issue 76's attack corpus: crafted files and run folders, each run through th
             must not change);
   baseline  a trivial case (missing file, or a valid run stopped early) whose peak memory is the entry point's
             baseline; `mode`: 'fork' or 'subprocess' (a real `python -m` process, for the cases where `python -m`'s
-            sys.path and working directory are what the attack needs).
+            sys.path and working directory are what the attack needs); `path_add`: folders put first on sys.path
+            (the Detectron2 stand-in); `forbidden`: strings the written run must not carry (code hooks);
+  target    the crafted file or folder (the corpus's count); `control`: code a control child runs instead.
 
 `python tests/attack_corpus.py CASES.json RESULTS.json` is the driver: it imports JAX, TensorFlow, torch and
 vlrep's command modules once (no JAX backend started), then for each case forks a child that runs the command's
 module as `__main__` (runpy, as `python -m`, its working directory first on sys.path; absl's `app.run` with the
 command's own exit-2 wiring), its stdout and stderr in a file. `os.wait4` gives each child's exit status and its
-own peak RSS; a watchdog kills a child past its time or past BASELINE + KILL_MB of RSS (the memory bombs would
+own peak RSS; a watchdog kills a child past its time or past the driver's RSS + KILL_MB (the memory bombs would
 otherwise take the machine). After each case it records which markers exist (and removes them), which absent
 paths appeared and which sentinels changed (and restores them), so each finding belongs to one case.
 """
@@ -51,6 +53,7 @@ import numpy as np
 import torch
 from test_safe_loading import _bert_folder, _crafted_files, _legacy_bytes, _legacy_parts, _payloads, _zip_of
 
+from vlrep import import_run
 from vlrep.models.torch_resnet import ResNet as TorchResNet
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -811,7 +814,7 @@ def _edit_config(run: str, edit) -> None:
 def hugging_face_folders(root) -> list[dict]:
   """A valid tiny Hugging Face VisualBERT folder (config.json, model.safetensors, vocab.txt), each file then
   damaged or crafted: `vlrep.import_run --format=visual_bert` (and auto) of the folder."""
-  import transformers
+  import transformers  # here only: the driver, which imports this module too, never needs it (seconds, memory)
 
   torch.manual_seed(0)
   words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(11)]
@@ -877,8 +880,6 @@ def hugging_face_folders(root) -> list[dict]:
 
 def base_run(root) -> str:
   """A valid run: a random torchvision ResNet-18 (width 8) imported by vlrep.import_run."""
-  from vlrep import import_run
-
   torch.manual_seed(0)
   weights = os.path.join(root, "base", "r18w8.pth")
   os.makedirs(os.path.dirname(weights))
