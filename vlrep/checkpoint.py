@@ -20,6 +20,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from vlrep import safe_files
+from vlrep.errors import UserError
 from vlrep.optim import param_paths
 
 
@@ -29,8 +30,9 @@ def signature(params) -> dict[str, list[int]]:
   return dict(zip(paths, shapes, strict=True))
 
 
-class ModelMismatchError(ValueError):
-  """The checkpoint holds another model's parameters (never a reason to fall back to an older checkpoint)."""
+class ModelMismatchError(UserError, ValueError):
+  """The checkpoint holds another model's parameters (never a reason to fall back to an older checkpoint). The
+  user's to fix (another config or workdir): vlrep.main prints it and exits 2, no traceback."""
 
 
 class CheckpointSaveError(RuntimeError):

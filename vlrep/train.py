@@ -128,7 +128,12 @@ def _train(
   selected_on = evaluators.selection_rule(
     config.get("evals", {}), config.get("best_metric", ""), config.get("select_on_test", False)
   )
-  builder, run_inputs = run_setup.build(config, for_training=True)
+  # The prepared data and tokenizer checked against what this run was trained with (and recorded), before the
+  # tokenizer is built: a changed dataset is refused unless allowed, and a run's tokenizer is never rebuilt.
+  run_data = run_setup.RunData(
+    workdir, has_checkpoints(workdir), saved_steps(workdir), allow_changed_data, config.get("init_from", "")
+  )
+  builder, run_inputs = run_setup.build(config, for_training=True, run_data=run_data)
   method = run_inputs.method
   split, fraction = records.split_name(config.data.split)
   num_examples = int(builder.info.splits[split].num_examples * fraction)
@@ -326,6 +331,13 @@ def has_checkpoints(workdir: str) -> bool:
   """Whether `workdir` holds periodic checkpoints (a run to resume), without creating anything."""
   folder = os.path.join(workdir, "checkpoints")
   return os.path.isdir(folder) and any(p.isdigit() for p in os.listdir(folder))
+
+
+def saved_steps(workdir: str) -> int:
+  """The newest periodic checkpoint's step in `workdir` (0 without one), from the folder names alone."""
+  folder = os.path.join(workdir, "checkpoints")
+  steps = [int(p) for p in os.listdir(folder) if p.isdigit()] if os.path.isdir(folder) else []
+  return max(steps, default=0)
 
 
 def previous_summary(workdir: str) -> dict[str, Any]:
