@@ -5,8 +5,10 @@ jax.distributed.initialize(), which reads the cluster's environment; or give --c
 --num_processes and --process_id explicitly. Failures are bounded in time: a runtime that does not form within
 --init_timeout seconds (a wrong process count or coordinator address, an unreachable coordinator) is a clear
 error, and when a process dies the others stop within about --heartbeat_timeout seconds. Rerunning the same
-command on all hosts resumes from the last checkpoint; a resume with other training data, tokenizer or method than
-the run was trained with is refused unless --allow_changed_data. A duration set with --config (total_steps,
+command on all hosts resumes from the last checkpoint; a resume with other training data (another dataset, or the
+same one prepared again from changed files: WORKDIR/data_identity.json records its fingerprint), tokenizer or
+method than the run was trained with is refused unless --allow_changed_data, and a run's tokenizer is never
+rebuilt (it keeps its own copy in WORKDIR/tokenizer/). A duration set with --config (total_steps,
 total_epochs or total_examples; optim.warmup_*) replaces the config file's, in whatever unit that gave it.
 """
 
@@ -45,8 +47,11 @@ flags.DEFINE_integer("heartbeat_timeout", 100, "Seconds without a heartbeat afte
 flags.DEFINE_bool(
   "allow_changed_data",
   False,
-  "Resume the run in --workdir although its dataset (name, config, data_dir, split), tokenizer or method differ "
-  "from those it was trained with (without it, such a resume is refused, naming both).",
+  "Resume the run in --workdir although its dataset (name, config, data_dir, split, or the prepared data itself: "
+  "its source fingerprint and example counts, WORKDIR/data_identity.json), tokenizer or method differ from those "
+  "it was trained with, or start from --config.init_from=RUN on RUN's own dataset prepared again since (without "
+  "it, these are refused, naming both). A resumed run keeps its own vocabulary (WORKDIR/tokenizer/), never "
+  "rebuilt.",
 )
 flags.mark_flags_as_required(["config", "workdir"])
 
