@@ -10,6 +10,7 @@ import numpy as np
 from test_own_data import _add, _image
 
 from vlrep.data import pipeline, prepare, records
+from vlrep.data.builders import image_text
 
 W, H = 40, 30  # every test image's size (test_own_data._image's default)
 CAPTION = "In this picture a red square on the left."
@@ -197,7 +198,10 @@ def test_narrations_and_boxes_from_a_folder_are_checked_counted_and_stored(tmp_p
   for e in (c, d):
     assert e["narration"].numpy() == b"" and e["traces"].numpy().shape == (0, 3) and e["boxes"].numpy().shape == (0, 4)
     assert e["timed_caption"]["utterance"].numpy().size == 0 and e["box_labels"].numpy().size == 0
-  assert len(_text(c["captions"])) == 6 and _text(d["tags"]) == ["white"]
+  # c's four rows with the default caption give it once (issue 77: identical captions of one image kept once,
+  # counted), beside its two other captions.
+  assert _text(c["captions"]) == [CAPTION, "green", "green again"] and _text(d["tags"]) == ["white"]
+  assert report["merged"] == {image_text.DUPLICATE_CAPTION: 3}, report.get("merged")
 
   # The counts live with the dataset: a prepare that finds it ready reports the same fields.
   again = prepare.prepare("image_text", str(tmp_path / "mine"), str(tmp_path / "tfds"))
@@ -226,9 +230,11 @@ def test_narrations_and_boxes_in_a_shards_json(tmp_path):
   np.testing.assert_array_equal(first["boxes"].numpy(), np.asarray([[4, 3, 36, 27.5]], np.float32))
   assert _text(first["box_labels"]) == ["square"]
   assert ex["00000.tar/001"]["narration"].numpy() == b"" and ex["00000.tar/001"]["traces"].numpy().shape == (0, 3)
-  # KEY.json's caption is the narration; KEY.txt's the caption in `captions`.
+  # KEY.json's caption is the narration; KEY.txt's caption and the narration's are both in `captions` (issue 77:
+  # no caption dropped; a narration's caption is among the captions, as in captions.jsonl).
   green = ex["00000.tar/002"]
-  assert green["narration"].numpy().decode() == "A green one." and _text(green["captions"]) == ["a green square"]
+  assert green["narration"].numpy().decode() == "A green one."
+  assert _text(green["captions"]) == ["a green square", "A green one."]
   assert _text(ex["00000.tar/003"]["captions"]) == ["a gray square"]
 
 

@@ -37,9 +37,14 @@ atomically inside --data_dir (a symlink at its name is replaced, never followed)
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import re
 import shutil
+import signal
+import threading
 
 from absl import app, flags, logging
 from PIL import Image
@@ -102,6 +107,82 @@ class NoManualDir(UserError, FileNotFoundError):
   """--manual_dir is missing, not a folder or empty."""
 
 
+class Busy(UserError):
+  """Another prepare is writing the same dataset folder."""
+
+
+class Terminated(SystemExit):
+  """SIGTERM arrived while preparing: raised in the main thread so that TFDS's and prepare's clean-ups run as
+  they do for Ctrl-C (SIGINT's KeyboardInterrupt); the process then exits with status 143 (128 + SIGTERM)."""
+
+  def __init__(self):
+    super().__init__(128 + signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _sigterm_cleans_up():
+  """While preparing, SIGTERM raises Terminated (once; a second SIGTERM during the clean-up is ignored) instead
+  of killing the process where it stands, which would leave TFDS's incomplete.* folder behind."""
+  if threading.current_thread() is not threading.main_thread():
+    yield  # signal handlers can only be set in the main thread
+    return
+
+  def terminate(signum, frame):
+    del signum, frame
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.warning("SIGTERM: stopping prepare, removing its unfinished output")
+    raise Terminated()
+
+  previous = signal.signal(signal.SIGTERM, terminate)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _locked(folder: str):
+  """An exclusive lock on the dataset's folder (flock on the folder itself: no file is written) while it is
+  prepared: a second prepare into it stops (Busy) rather than removing the first one's work in progress."""
+  fd = os.open(folder, os.O_RDONLY)
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      raise Busy(
+        f"{folder} is being prepared by another process (it holds the folder's lock); wait for it to finish, or "
+        "prepare into another --data_dir"
+      ) from None
+    yield
+  finally:
+    os.close(fd)  # releases the lock
+
+
+def _remove_leftovers(version_dir: str) -> list[str]:
+  """Removes what an interrupted prepare of this dataset left beside `version_dir` and returns their names:
+  TFDS's unfinished output (incomplete.XXXXXX_<version>, left by a kill TFDS could not clean up after) and a
+  version set aside for a rebuild (.<version>.previous: put back if the version itself is missing, so the
+  fingerprint decides reuse or rebuild as before the kill; removed if the version is there)."""
+  parent, version = os.path.split(version_dir)
+  pattern = re.compile(rf"incomplete\.[A-Z0-9]{{6}}_{re.escape(version)}")
+  removed = []
+  for name in sorted(os.listdir(parent)):
+    if pattern.fullmatch(name):
+      _remove(os.path.join(parent, name))
+      removed.append(name)
+  aside = os.path.join(parent, f".{version}.previous")
+  if os.path.lexists(aside):
+    if os.path.lexists(version_dir):
+      _remove(aside)
+      removed.append(os.path.basename(aside))
+    else:
+      os.rename(aside, version_dir)
+      logging.warning("%s: restored the version a killed rebuild had set aside", version_dir)
+  for name in removed:
+    logging.warning("Removed %s in %s: left by an interrupted prepare", name, parent)
+  return removed
+
+
 def _is_prepared(builder) -> bool:
   return os.path.exists(os.path.join(builder.data_dir, "dataset_info.json"))
 
@@ -141,8 +222,6 @@ def prepare(
 ) -> dict:
   """Prepares `dataset` from `manual_dir` into `data_dir` and writes its report; `limits`: what one input may make
   it read (common.Limits(); its fields are the command's flags of the same names)."""
-  import tensorflow_datasets as tfds
-
   common.LIMITS = limits or common.Limits()
   if common.LIMITS.max_image_pixels > 2 * (Image.MAX_IMAGE_PIXELS or 0) and Image.MAX_IMAGE_PIXELS is not None:
     # PIL refuses images above twice its own limit before vlrep sees their size: a larger --max_image_pixels is the
@@ -150,6 +229,7 @@ def prepare(
     Image.MAX_IMAGE_PIXELS = common.LIMITS.max_image_pixels
   common.SKIPPED.clear()
   common.OUTSIDE.clear()
+  common.CONVERTED.clear()
 
   registry = pipeline.builder_classes()
   if dataset not in registry:
@@ -172,6 +252,24 @@ def prepare(
   data_dir = os.path.expanduser(data_dir)
   kwargs = {"config": config_name} if config_name else {}
   builder = cls(data_dir=data_dir, file_format=file_format, **kwargs)
+  folder = os.path.dirname(builder.data_dir)  # the dataset's folder: its versions and TFDS's incomplete.* ones
+  safe_files.make_dirs(folder)
+  with _locked(folder), _sigterm_cleans_up():
+    leftovers = _remove_leftovers(builder.data_dir)
+    builder = cls(data_dir=data_dir, file_format=file_format, **kwargs)  # a version put back is seen
+    report = _prepare_locked(dataset, manual_dir, data_dir, builder, source, cls, file_format, kwargs)
+  if leftovers:
+    report["removed_leftovers"] = leftovers
+  safe_files.make_dirs(data_dir)
+  # Written atomically inside data_dir: a symlink planted at the report's name is replaced, never followed.
+  safe_files.write_json(os.path.join(data_dir, f"{dataset}_prepare_report.json"), report, root=data_dir)
+  return report
+
+
+def _prepare_locked(dataset, manual_dir, data_dir, builder, source, cls, file_format, kwargs) -> dict:
+  """prepare's work once it holds the dataset folder's lock: reuse, rebuild or build, and the report."""
+  import tensorflow_datasets as tfds
+
   source_action = "prepared"
   previous = None  # the prepared version set aside while it is rebuilt
   if source is not None and _is_prepared(builder):
@@ -219,6 +317,13 @@ def prepare(
   if common.OUTSIDE:
     outside = sorted(set(common.OUTSIDE))
     report["outside_manual_dir"] = {"files": len(outside), "first": outside[:10]}
+  # Own photos: the images stored after a conversion (vlrep.data.images: EXIF orientation, 16-bit range,
+  # transparency over white, CMYK, the first frame of an animation), the rows and captions merged, the row fields
+  # read and ignored; kept in the dataset's metadata, so a dataset found prepared reports them too.
+  metadata = builder.info.metadata or {}
+  for key in ("converted", "merged", "row_fields"):
+    if key in metadata:
+      report[key] = json.loads(json.dumps(metadata[key]))
   limits = common.LIMITS
   report["limits"] = {
     "max_file_bytes": limits.max_file_bytes,
@@ -226,9 +331,6 @@ def prepare(
     "max_image_pixels": limits.max_image_pixels,
     "allow_outside_manual_dir": limits.allow_outside_manual_dir,
   }
-  safe_files.make_dirs(data_dir)
-  # Written atomically inside data_dir: a symlink planted at the report's name is replaced, never followed.
-  safe_files.write_json(os.path.join(data_dir, f"{dataset}_prepare_report.json"), report, root=data_dir)
   return report
 
 

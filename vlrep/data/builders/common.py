@@ -29,10 +29,14 @@ import warnings
 from absl import logging
 from PIL import Image
 
+from vlrep.data import images
 from vlrep.errors import UserError
 
 # Counts of skipped inputs per (dataset, reason); `vlrep.data.prepare` prints and saves them.
 SKIPPED: collections.Counter = collections.Counter()
+# Images stored after a conversion that changes how their pixels are read (vlrep.data.images' notes: EXIF
+# orientation, 16-bit range, transparency over white, CMYK, first frame of an animation), per (dataset, note).
+CONVERTED: collections.Counter = collections.Counter()
 # Files read from outside manual_dir because `allow_outside_manual_dir` allowed it (the prepare report names them).
 OUTSIDE: list[str] = []
 
@@ -153,6 +157,26 @@ def decode_image(data: bytes) -> Image.Image:
     warnings.simplefilter("ignore", Image.DecompressionBombWarning)
     im.load()
   return im
+
+
+def viewer_jpeg(data: bytes, dataset: str, what: str) -> tuple[bytes, tuple[int, int]] | None:
+  """(JPEG bytes of the image in `data` as a viewer shows it (vlrep.data.images: EXIF orientation, 16-bit range,
+  transparency over white, CMYK, first frame), its (width, height)), or None (a counted skip) when it is over
+  LIMITS or does not decode. Each conversion is counted in CONVERTED."""
+  try:
+    with decode_image(data) as im:
+      jpeg, size, notes = images.viewer_jpeg(im, data)
+  except Exception as e:  # PIL raises many types for corrupt files
+    skip(dataset, image_skip_reason(e), what)
+    return None
+  for note in notes:
+    CONVERTED[(dataset, note)] += 1
+  return jpeg, size
+
+
+def converted(dataset: str) -> dict[str, int]:
+  """CONVERTED's counts of `dataset`: {note: images}."""
+  return {note: n for (name, note), n in sorted(CONVERTED.items()) if name == dataset}
 
 
 def image_skip_reason(e: Exception) -> str:

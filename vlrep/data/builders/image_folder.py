@@ -47,11 +47,12 @@ import tensorflow_datasets as tfds
 from absl import logging
 
 from vlrep import errors
+from vlrep.data import images
 from vlrep.data.builders import common
 from vlrep.data.builders.image_text import SourceError, csv_rows, index_lines
 
 NAME = "image_folder"
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
+IMAGE_SUFFIXES = images.IMAGE_SUFFIXES  # the same in every input format
 SPLITS = ("train", "val", "test")
 # Split folders of layout (b), and split values of labels.csv, by the split they name.
 SPLIT_NAMES = {"train": "train", "val": "val", "validation": "val", "test": "test"}
@@ -94,6 +95,7 @@ class ImageFolder(tfds.core.GeneratorBasedBuilder):
     by_split = {split: [(path, label) for path, label, s in listing if s == split] for split in SPLITS}
     counts = {name: dict.fromkeys(SPLITS, 0) for name in names}  # filled as images decode
     self.info.metadata["classes"] = counts
+    self.info.metadata["converted"] = {}  # filled as images are stored (common.CONVERTED)
     return {split: self._generate_examples(root, items, split, counts) for split, items in by_split.items() if items}
 
   def _generate_examples(self, root: str, items: list[tuple[str, str]], split: str, counts: dict):
@@ -104,6 +106,7 @@ class ImageFolder(tfds.core.GeneratorBasedBuilder):
         continue
       n += 1
       counts[label][split] += 1
+      self.info.metadata["converted"].update(common.converted(NAME))
       yield path, {"image": io.BytesIO(jpeg), "label": label, "key": path}
     if not n:
       # Raised before TFDS finalizes the split (which would assert "No examples were yielded").
@@ -112,9 +115,10 @@ class ImageFolder(tfds.core.GeneratorBasedBuilder):
 
 
 def _jpeg(path: str, what: str, root: str) -> bytes | None:
-  """The image as JPEG bytes (RGB JPEGs kept as they are; grayscale, palette, RGBA and other modes converted to
-  RGB), or None (counted) if it is missing, outside `root` (check_source refused those unless they are allowed),
-  over common.LIMITS (file size, pixels) or does not decode."""
+  """The image as JPEG bytes as a viewer shows it (vlrep.data.images: EXIF orientation applied, 16-bit scaled by
+  its range, transparency over white, the first frame; upright RGB and grayscale JPEGs kept as they are), or None
+  (counted) if it is missing, outside `root` (check_source refused those unless they are allowed), over
+  common.LIMITS (file size, pixels) or does not decode."""
   if common.outside(root, path) is not None and not common.LIMITS.allow_outside_manual_dir:
     common.skip(NAME, "image outside --manual_dir (not read)", what)
     return None
@@ -123,17 +127,8 @@ def _jpeg(path: str, what: str, root: str) -> bytes | None:
   except (OSError, common.TooLarge) as e:
     common.skip(NAME, common.image_skip_reason(e), what)
     return None
-  try:
-    with common.decode_image(data) as im:
-      if im.format == "JPEG" and im.mode == "RGB":
-        return data
-      rgb = im.convert("RGBA").convert("RGB") if im.mode in ("P", "LA", "PA") else im.convert("RGB")
-      out = io.BytesIO()
-      rgb.save(out, "JPEG", quality=95)
-      return out.getvalue()
-  except Exception as e:  # PIL raises many types for corrupt files
-    common.skip(NAME, common.image_skip_reason(e), what)
-    return None
+  stored = common.viewer_jpeg(data, NAME, what)
+  return stored and stored[0]
 
 
 def _skip(reason: str, what: str, quiet: bool) -> None:
@@ -242,6 +237,7 @@ def _from_index(root: str, quiet: bool) -> list[tuple[str, str, str]]:
     n_rows += 1
     what = f"{INDEX_FILE} line {number}"
     image, label = (row.get("image") or "").strip(), (row.get("label") or "").strip()
+    image = os.path.normpath(image) if image else image  # `./a.jpg` is `a.jpg`: listed twice, not two images
     split = (row.get("split") or "").strip().lower()
     if not image or not label:
       _skip("row without an image or a label", what, quiet)

@@ -105,12 +105,19 @@ import tensorflow_datasets as tfds
 from absl import logging
 
 from vlrep import errors
+from vlrep.data import images
 from vlrep.data.builders import common
 from vlrep.data.builders import localized_narratives as ln
 from vlrep.errors import UserError
 
 NAME = "image_text"
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
+# The same image suffixes in every input format (vlrep.data.images): a shard's KEY.gif or KEY.tif is its image.
+IMAGE_SUFFIXES = images.IMAGE_SUFFIXES
+# The row fields (captions.jsonl, captions.csv, a shard's KEY.json) that are read; the report's `row_fields`
+# counts the rows giving each, and each other field (ignored) by name.
+ROW_FIELDS = ("image", "caption", "captions", "tags", "timed_caption", "traces", "boxes", "labels")
+DUPLICATE_CAPTION = "identical caption of one image (kept once)"
+SAME_FILE = "rows naming an image by another spelling of its path (merged into one example)"
 # How far (in [0, 1] image units) a trace point may lie outside the image and still be kept, clipped onto it.
 TRACE_TOLERANCE = 0.02
 # How far (pixels) a box may reach outside the image and still be kept, clipped to it.
@@ -180,7 +187,8 @@ class ImageText(tfds.core.GeneratorBasedBuilder):
     counts = dict.fromkeys(COUNTED_FIELDS, 0)
     mismatched = 0  # narrations whose timed words do not spell their caption
     n = 0
-    for n, example in enumerate(read_manual_dir(root), 1):
+    stats = new_stats()
+    for n, example in enumerate(read_manual_dir(root, stats), 1):
       for field in COUNTED_FIELDS:
         value = example[field]
         counts[field] += bool(any(value) if field == "box_labels" else len(value))
@@ -194,6 +202,18 @@ class ImageText(tfds.core.GeneratorBasedBuilder):
       raise SourceError(f"{root}: no usable example: every row, image or shard member was skipped: {skipped}")
     self.info.metadata["fields"] = counts
     self.info.metadata["trace_mismatch"] = mismatched
+    # What was read of the rows, merged and converted: kept with the dataset, so the report of a dataset found
+    # prepared says it too.
+    self.info.metadata["row_fields"] = {k: dict(sorted(v.items())) for k, v in stats["row_fields"].items()}
+    self.info.metadata["merged"] = dict(sorted(stats["merged"].items()))
+    self.info.metadata["converted"] = common.converted(NAME)
+
+
+def new_stats() -> dict:
+  """What one reading of a source counts besides its skips: {"row_fields": {"read": {field: rows}, "ignored":
+  {field: rows}}, "merged": {what: n}} (SAME_FILE rows, DUPLICATE_CAPTION captions)."""
+  counter = collections.Counter
+  return {"row_fields": {"read": counter(), "ignored": counter()}, "merged": counter()}
 
 
 TRACE_MISMATCH = (
@@ -228,14 +248,16 @@ def _source_files(root: str) -> tuple[list[str], str | None]:
   )
 
 
-def read_manual_dir(root: str):
+def read_manual_dir(root: str, stats: dict | None = None):
   """One dict per usable image of `root`, in key order: key, image (JPEG bytes), captions, tags, narration,
-  timed_caption, traces, boxes, box_labels; skips counted in common."""
+  timed_caption, traces, boxes, box_labels; skips counted in common, the fields read or ignored and the merges in
+  `stats` (new_stats())."""
+  stats = stats or new_stats()
   shards, index = _source_files(root)
   if shards:
-    return _from_shards(shards)
+    return _from_shards(shards, stats)
   read = _jsonl_rows if index == "captions.jsonl" else _csv_rows
-  return _from_index(root, read(os.path.join(root, index)))
+  return _from_index(root, read(os.path.join(root, index)), stats)
 
 
 def _sha256(path: str) -> str:
@@ -275,7 +297,7 @@ def check_source(root: str) -> dict:
     n_rows += 1
     keys.update(list(row))  # the keys, not their values
     if isinstance(row.get("image"), str) and row["image"] and ("caption" in row or "captions" in row):
-      images.add(row["image"])
+      images.add(os.path.normpath(row["image"]))  # as read_manual_dir reads it (`./a.jpg` is `a.jpg`)
   if not images:
     if index == "captions.csv":
       raise SourceError(
@@ -324,23 +346,35 @@ def _count(reason: str, n: int, what: str) -> None:
 
 
 def _jpeg(data: bytes, what: str) -> tuple[bytes, tuple[int, int]] | None:
-  """(the image as JPEG bytes (JPEGs kept as they are), (width, height)), or None (counted) if it does not
-  decode or its header declares more than common.LIMITS.max_image_pixels."""
-  try:
-    with common.decode_image(data) as im:
-      if im.format == "JPEG" and im.mode in ("RGB", "L"):
-        return data, im.size
-      out = io.BytesIO()
-      im.convert("RGB").save(out, "JPEG", quality=95)
-      return out.getvalue(), im.size
-  except Exception as e:  # PIL raises many types for corrupt files
-    common.skip(NAME, common.image_skip_reason(e), what)
-    return None
+  """(the image as JPEG bytes as a viewer shows it (vlrep.data.images; a JPEG already upright kept as it is),
+  its (width, height)), or None (counted) if it does not decode or its header declares more than
+  common.LIMITS.max_image_pixels."""
+  return common.viewer_jpeg(data, NAME, what)
 
 
-def _text_fields(meta: dict, what: str) -> tuple[list[str], list[str]]:
-  captions = meta.get("caption", meta.get("captions", []))
-  captions = list(captions) if isinstance(captions, list | tuple) else [captions]
+def _count_fields(row: dict, stats: dict, read=ROW_FIELDS) -> None:
+  """Counts the row's fields, read (`read`) or ignored, for the report's `row_fields`."""
+  for field in row:
+    stats["row_fields"]["read" if field in read else "ignored"][str(field)] += 1
+
+
+def _unique(captions: list[str], what: str, stats: dict) -> list[str]:
+  """The captions with repeats of one text dropped (first kept), counted (DUPLICATE_CAPTION)."""
+  kept = list(dict.fromkeys(captions))
+  if len(kept) < len(captions):
+    stats["merged"][DUPLICATE_CAPTION] += len(captions) - len(kept)
+    logging.info("%s: %s: %d x %s", NAME, what, len(captions) - len(kept), DUPLICATE_CAPTION)
+  return kept
+
+
+def _text_fields(meta: dict, what: str, first: tuple = ()) -> tuple[list[str], list[str]]:
+  """(captions, tags) of a row: `first` (a shard's KEY.txt), then "caption", then "captions" (each one string or
+  a list of them: both fields together keep all), stripped; non-strings and empty ones dropped (counted)."""
+  captions = list(first)
+  for field in ("caption", "captions"):
+    if field in meta:
+      value = meta[field]
+      captions.extend(value if isinstance(value, list | tuple) else [value])
   tags = meta.get("tags") or []
   tags = tags.split("|") if isinstance(tags, str) else list(tags) if isinstance(tags, list | tuple) else []
   strings = [c for c in captions if isinstance(c, str)]
@@ -571,7 +605,10 @@ def _shard_samples(shard: str):
             yield key, files
           key, files = name, {}
         ext = ext.lower()
-        if files is None or ext not in IMAGE_SUFFIXES + TEXT_SUFFIXES:
+        if files is None:
+          continue
+        if ext not in IMAGE_SUFFIXES + TEXT_SUFFIXES:
+          files.setdefault("other", []).append(ext or member.name)  # named in the report, not read
           continue
         text = ext in TEXT_SUFFIXES
         limit, flag = (limits.max_text_bytes, "max_text_bytes") if text else (limits.max_file_bytes, "max_file_bytes")
@@ -597,7 +634,7 @@ def _shard_samples(shard: str):
     yield key, files
 
 
-def _from_shards(shards: list[str]):
+def _from_shards(shards: list[str], stats: dict):
   for shard in shards:
     yielded = set()  # a sample's key, once it gave an example (TFDS keys must be unique)
     for key, files in _shard_samples(shard):
@@ -607,14 +644,16 @@ def _from_shards(shards: list[str]):
       if key in yielded:
         common.skip(NAME, "sample files apart from the rest of their sample (webdataset keeps them together)", what)
         continue
-      example = _shard_example(shard, key, files, what)
+      example = _shard_example(shard, key, files, what, stats)
       if example is not None:
         yielded.add(key)
         yield example
 
 
-def _shard_example(shard: str, key: str, files: dict[str, bytes], what: str) -> dict | None:
+def _shard_example(shard: str, key: str, files: dict, what: str, stats: dict) -> dict | None:
   image = next((files[s] for s in IMAGE_SUFFIXES if s in files), None)
+  for ext in files.get("other", []):
+    stats["row_fields"]["ignored"][f"shard member *{ext}"] += 1
   meta: dict = {}
   if ".json" in files:
     try:
@@ -626,20 +665,33 @@ def _shard_example(shard: str, key: str, files: dict[str, bytes], what: str) -> 
       common.skip(NAME, "metadata not a JSON object", what)
       meta = {}
   extra = dict(meta)  # the narration is KEY.json's caption, even beside a KEY.txt
+  first = ()
   if ".txt" in files:
     try:
-      meta["caption"] = files[".txt"].decode("utf-8")
+      first = (files[".txt"].decode("utf-8"),)
     except UnicodeDecodeError:
       common.skip(NAME, "caption not UTF-8", what)
+    stats["row_fields"]["read"]["shard member *.txt"] += 1
+    caption = meta.get("caption")
+    if first and isinstance(caption, str) and caption.strip() == first[0].strip():
+      meta.pop("caption")  # KEY.txt and KEY.json's caption as img2dataset writes them: one caption, twice
+  _count_fields(extra, stats)
   has_text = ".txt" in files or ".json" in files
   if image is None:
     if has_text:
-      common.skip(NAME, "caption without an image (mismatched keys)", what)
+      other = files.get("other")
+      reason = (
+        f"image in a format vlrep does not read ({', '.join(sorted(set(other)))}; read: {' '.join(IMAGE_SUFFIXES)})"
+        if other
+        else "caption without an image (mismatched keys)"
+      )
+      common.skip(NAME, reason, what)
     return None
   if not has_text:
     common.skip(NAME, "image without a caption (mismatched keys)", what)
     return None
-  captions, tags = _text_fields(meta, what)
+  captions, tags = _text_fields(meta, what, first)
+  captions = _unique(captions, what, stats)
   if not captions:
     common.skip(NAME, "image without captions", what)
     return None
@@ -759,15 +811,38 @@ def _image_file(root: str, image: str) -> bytes | None:
     return None
 
 
-def _from_index(root: str, rows):
+def _file_identity(root: str, path: str) -> tuple[int, int] | None:
+  """(device, inode) of the file `path` (under root) is, links followed; None if it cannot be seen."""
+  try:
+    st = os.stat(os.path.join(root, path))
+  except (OSError, ValueError):  # missing, a name the OS refuses (counted when it is read)
+    return None
+  return (st.st_dev, st.st_ino)
+
+
+def _from_index(root: str, rows, stats: dict):
+  """Rows grouped by the file they name: spellings of one path (`a.jpg`, `./a.jpg`, `x/../a.jpg`) and names of
+  one file (a link, a hard link) are one example with all their captions (SAME_FILE counts the rows spelled
+  otherwise than the first); an image's identical captions are kept once (DUPLICATE_CAPTION)."""
   grouped: dict[str, dict] = {}
+  by_spelling: dict[str, str] = {}  # the path as a row gives it -> its example's key
+  by_identity: dict[tuple[int, int], str] = {}
   for row, what in rows:
+    _count_fields(row, stats)
     image = row.get("image")
     if not isinstance(image, str) or not image or "caption" not in row and "captions" not in row:
       common.skip(NAME, "row without an image or caption field", what)
       continue
     captions, tags = _text_fields(row, what)
-    entry = grouped.setdefault(image, {"captions": [], "tags": [], "narration": None, "boxes": None})
+    if image not in by_spelling:
+      normal = os.path.normpath(image)
+      identity = _file_identity(root, normal)
+      by_spelling[image] = by_identity.setdefault(identity, normal) if identity else normal
+    key = by_spelling[image]
+    entry = grouped.setdefault(key, {"captions": [], "tags": [], "narration": None, "boxes": None, "spelling": image})
+    if image != entry["spelling"]:
+      stats["merged"][SAME_FILE] += 1
+      logging.info("%s: %s: %r is %r (merged into one example)", NAME, what, image, entry["spelling"])
     entry["captions"].extend(captions)
     entry["tags"].extend(t for t in tags if t not in entry["tags"])
     if entry["narration"] is None:
@@ -784,6 +859,7 @@ def _from_index(root: str, rows):
       common.skip(NAME, "labels without boxes (labels ignored)", what)
   for image in sorted(grouped):
     entry = grouped[image]
+    entry["captions"] = _unique(entry["captions"], image, stats)
     if not entry["captions"]:
       common.skip(NAME, "image without captions", image)
       continue
