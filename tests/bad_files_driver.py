@@ -14,6 +14,10 @@ import json
 import runpy
 import sys
 import traceback
+import warnings
+
+# runpy's note that the module was imported before (the driver imports it once, on purpose).
+warnings.filterwarnings("ignore", message=".*found in sys.modules.*", category=RuntimeWarning)
 
 
 def run_case(module: str, args: list[str]) -> dict:

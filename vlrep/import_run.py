@@ -34,7 +34,7 @@ import shutil
 from absl import app, flags, logging
 from ml_collections import ConfigDict
 
-from vlrep import importers
+from vlrep import importers, safe_files
 from vlrep.errors import BadFile, UserError, exit_2_on_user_error
 from vlrep.importers import torchvision as tv
 
@@ -123,20 +123,23 @@ def _jsonable(x):
 
 def write_run(workdir: str, imported: importers.ImportedRun, overwrite: bool) -> None:
   """Writes the run as training does (vlrep.checkpoint.Checkpointer: best and latest checkpoints of step 0, the
-  config in their metadata), into a sibling directory first and renamed into place when complete."""
+  config in their metadata), into a fresh sibling directory first (safe_files.atomic_dir) and renamed into place
+  when complete."""
   import numpy as np
 
   from vlrep import checkpoint as ckpt_lib
   from vlrep import runs
 
-  tmp = workdir + ".importing"
-  if os.path.exists(tmp):
-    shutil.rmtree(tmp)
-  os.makedirs(tmp)
-  try:
+  parent = os.path.dirname(workdir)
+  safe_files.make_dirs(parent)
+  with safe_files.atomic_dir(workdir) as tmp:  # a fresh folder beside WORKDIR: nothing planted there is followed
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(tmp, 0o777 & ~mask)  # mkdtemp's 0700 -> what os.makedirs would have made
     for rel, src in imported.files.items():
-      os.makedirs(os.path.dirname(os.path.join(tmp, rel)), exist_ok=True)
-      shutil.copyfile(src, os.path.join(tmp, rel))
+      safe_files.make_dirs(os.path.dirname(os.path.join(tmp, rel)), root=tmp)
+      with safe_files.open_atomic(os.path.join(tmp, rel), "wb", root=tmp) as out, open(src, "rb") as f:
+        shutil.copyfileobj(f, out)
     to_np = lambda t: {k: to_np(v) if isinstance(v, dict) else np.asarray(v) for k, v in t.items()}
     params, model_state = to_np(imported.params), to_np(imported.model_state)
     state = {"step": np.int32(0), "params": params, "model_state": model_state}
@@ -153,15 +156,8 @@ def write_run(workdir: str, imported: importers.ImportedRun, overwrite: bool) ->
     ck.close()
     note = imported.note
     runs.write_summary(tmp, {"import/format": note.get("format", ""), "import/source": note.get("source", "")})
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
-  if os.path.exists(workdir):
-    if not overwrite and os.listdir(workdir):
-      shutil.rmtree(tmp, ignore_errors=True)
+    if os.path.lexists(workdir) and not overwrite and (not os.path.isdir(workdir) or os.listdir(workdir)):
       raise WorkdirExists(f"--workdir={workdir} appeared while importing; nothing was replaced.")
-    shutil.rmtree(workdir)
-  os.replace(tmp, workdir)
 
 
 def import_run(

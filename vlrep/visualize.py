@@ -8,7 +8,7 @@ import warnings
 import numpy as np
 from PIL import Image
 
-from vlrep import errors
+from vlrep import errors, safe_files
 from vlrep.data.ops import IMAGENET_MEAN, IMAGENET_STD
 
 # The most pixels an image file may claim: PIL's own bound (Image.MAX_IMAGE_PIXELS, about 89 million; PIL only warns
@@ -143,7 +143,7 @@ def save_token_overlays(
   image: np.ndarray, attention: np.ndarray, words: list[str], out_dir: str, upscale: int = 1
 ) -> list[str]:
   """One PNG per predicted token: `attention` [T, h*w] (a square grid); returns the written paths."""
-  os.makedirs(out_dir, exist_ok=True)
+  safe_files.make_dirs(out_dir)
   side = int(round(np.sqrt(attention.shape[-1])))
   if side * side != attention.shape[-1]:
     raise ValueError(f"Attention over {attention.shape[-1]} positions is not a square grid.")
@@ -153,6 +153,7 @@ def save_token_overlays(
   for t, word in enumerate(words):
     safe = "".join(ch if ch.isalnum() else "_" for ch in word)[:20] or "token"
     path = os.path.join(out_dir, f"{t:02d}_{safe}.png")
-    Image.fromarray(overlay(image, attention[t].reshape(side, side))).save(path)
+    with safe_files.atomic_path(path, suffix=".png") as tmp:
+      Image.fromarray(overlay(image, attention[t].reshape(side, side))).save(tmp)
     paths.append(path)
   return paths

@@ -52,7 +52,7 @@ from absl import logging
 from ml_collections import ConfigDict
 from safetensors.numpy import save_file
 
-from vlrep import config_utils
+from vlrep import config_utils, safe_files
 from vlrep.errors import BadFile, UserError, reading
 from vlrep.importers import (
   TRANSFORMS,
@@ -223,6 +223,10 @@ def _state_dict(obj, path: str) -> tuple[dict[str, np.ndarray], dict | None]:
 # ------------------------------------------------------------------------------------------------------------ #
 # Reading.
 # ------------------------------------------------------------------------------------------------------------ #
+class MissingFile(UserError, FileNotFoundError):
+  """A file the folder (or the run being exported) should hold is not there."""
+
+
 def _locate(checkpoint: str) -> tuple[str, str | None, str | None]:
   """(weights file, Hugging Face config.json or None, MMF config.yaml or None)."""
   checkpoint = os.path.expanduser(checkpoint)
@@ -236,7 +240,7 @@ def _locate(checkpoint: str) -> tuple[str, str | None, str | None]:
       config_yaml if os.path.exists(config_yaml) else None,
     )
   if not os.path.isdir(checkpoint):
-    raise FileNotFoundError(f"--checkpoint {checkpoint!r} does not exist.")
+    raise MissingFile(f"--checkpoint {checkpoint!r} does not exist.")
   if os.path.exists(os.path.join(checkpoint, "model.safetensors.index.json")) or os.path.exists(
     os.path.join(checkpoint, "pytorch_model.bin.index.json")
   ):
@@ -245,11 +249,11 @@ def _locate(checkpoint: str) -> tuple[str, str | None, str | None]:
     if os.path.exists(os.path.join(checkpoint, name)):
       config_json = os.path.join(checkpoint, "config.json")
       if not os.path.exists(config_json):
-        raise FileNotFoundError(f"{checkpoint} has {name} but no config.json (a Hugging Face folder has both).")
+        raise MissingFile(f"{checkpoint} has {name} but no config.json (a Hugging Face folder has both).")
       return os.path.join(checkpoint, name), config_json, None
   found = sorted(n for n in os.listdir(checkpoint) if n.endswith((".pth", ".ckpt", ".pt")))
   if len(found) != 1:
-    raise FileNotFoundError(
+    raise MissingFile(
       f"{checkpoint} holds no model.safetensors / pytorch_model.bin (Hugging Face) and "
       + (f"several torch files {found}: pass one of them." if found else "no .pth / .ckpt file (MMF).")
     )
@@ -441,7 +445,7 @@ def _vocab_folder(vocab: str | None, checkpoint_folder: str, vocab_size: int) ->
   embedding's size and BERT's special tokens."""
   if vocab is None:
     if not os.path.exists(os.path.join(checkpoint_folder, "vocab.txt")):
-      raise FileNotFoundError(
+      raise MissingFile(
         f"No vocabulary: {checkpoint_folder} has no vocab.txt. Pass --vocab=PATH, the WordPiece vocab.txt the model "
         "was trained with (VisualBERT's and MMF's: bert-base-uncased's)."
       )
@@ -452,7 +456,7 @@ def _vocab_folder(vocab: str | None, checkpoint_folder: str, vocab_size: int) ->
   if not os.path.isdir(vocab) and os.path.basename(vocab) != "vocab.txt":
     raise UserError(f"--vocab {vocab}: vlrep's WordPiece tokenizer reads FOLDER/vocab.txt; name the file vocab.txt.")
   if not os.path.exists(path):
-    raise FileNotFoundError(f"--vocab: {path} does not exist.")
+    raise MissingFile(f"--vocab: {path} does not exist.")
   with reading(path, what="WordPiece vocab.txt (UTF-8 text)", hint=_FOLDER_HINT):
     _check_size(path)
     with open(path, encoding="utf-8") as f:
@@ -687,7 +691,7 @@ def _bert_of(run) -> dict:
     folder = bert_lib.resolve_path(method.get("bert_path", ""))
     path = os.path.join(folder, "config.json")
     if not os.path.exists(path):
-      raise FileNotFoundError(
+      raise MissingFile(
         f"{run.path} was built from the BERT folder {folder!r} (method.bert_path), whose config.json says what the "
         "weights' shapes do not (heads, activation, LayerNorm eps); it is not there."
       )
@@ -807,22 +811,13 @@ def write_folder(run, out: str, overwrite: bool = False) -> dict:
 
   check_out()
   sd, info = state_dict(run)
-  tmp = out + ".exporting"
-  shutil.rmtree(tmp, ignore_errors=True)
-  os.makedirs(tmp)
-  try:
+  with safe_files.atomic_dir(out) as tmp:  # a fresh folder beside OUT, renamed into place when whole
     save_file(dict(sd), os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-      f.write(json.dumps(info["config"], indent=2) + "\n")
+    safe_files.write_text(os.path.join(tmp, "config.json"), json.dumps(info["config"], indent=2) + "\n", root=tmp)
     if info["vocab"]:
-      shutil.copyfile(info["vocab"], os.path.join(tmp, "vocab.txt"))
+      with safe_files.open_atomic(os.path.join(tmp, "vocab.txt"), "wb", root=tmp) as f, open(info["vocab"], "rb") as v:
+        shutil.copyfileobj(v, f)
     check_out()  # (it may have appeared meanwhile)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
-  if os.path.isdir(out):
-    shutil.rmtree(out)
-  os.replace(tmp, out)
   copies = set(tied(*LAYOUTS["huggingface"][:2]))
   return {
     "keys": len(sd),

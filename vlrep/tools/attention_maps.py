@@ -19,7 +19,7 @@ import numpy as np
 from absl import app, flags
 from PIL import Image, ImageDraw
 
-from vlrep import run_setup, visualize
+from vlrep import run_setup, safe_files, visualize
 from vlrep.data import pipeline, tokenizers
 from vlrep.errors import UserError, exit_2_on_user_error
 from vlrep.tools import features
@@ -93,7 +93,8 @@ def render(
     flat = att[i][keep].reshape(len(keep), -1)
     pngs = visualize.save_token_overlays(big[i], flat, pieces, os.path.join(out_dir, name))
     path = os.path.join(out_dir, f"{name}.png")
-    strip(big[i], att[i][keep], pieces).save(path)
+    with safe_files.atomic_path(path, suffix=".png") as tmp:
+      strip(big[i], att[i][keep], pieces).save(tmp)
     out[name] = {"tokens": pieces, "pngs": pngs, "strip": path, "map": map_name}
   return out
 

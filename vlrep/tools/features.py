@@ -43,7 +43,7 @@ from absl import app, flags
 from PIL import Image
 from safetensors.numpy import save_file
 
-from vlrep import runs, visualize
+from vlrep import runs, safe_files, visualize
 from vlrep.data import registry
 from vlrep.errors import BadFile, UserError, exit_2_on_user_error
 
@@ -120,10 +120,10 @@ def load_run(workdir: str, checkpoint: str = "best") -> runs.Run:
   checkpoint, damaged or crafted checkpoint files) one UserError naming it, not a traceback."""
   try:
     return runs.load_run(workdir, checkpoint)
+  except FileNotFoundError as e:  # no such folder, or no checkpoint in it (runs.NotARun)
+    raise UserError(f"--workdir={workdir} is not a vlrep run directory with a restorable checkpoint: {e}") from e
   except UserError:
     raise
-  except FileNotFoundError as e:
-    raise UserError(f"--workdir={workdir} is not a vlrep run directory with a restorable checkpoint: {e}") from e
   except Exception as e:  # noqa: BLE001 -- orbax and tensorstore raise many types for damaged or crafted files
     raise BadFile(
       f"--workdir={workdir} is not a vlrep run directory with a restorable checkpoint: {type(e).__name__}: {e}. "
@@ -227,18 +227,15 @@ def write(result: dict, out: str, overwrite: bool = False) -> list[str]:
   files = check_out(out, names, overwrite)
   meta = {"paths": result["paths"], "preprocessing": result["preprocessing"], "run": result["run"]}
   meta["step"] = result["step"]
-  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-  tmp = out + ".writing" + ext  # numpy adds .npy to a name without it
+  safe_files.make_dirs(os.path.dirname(os.path.abspath(out)))
   if ext == ".safetensors":
     arrays = {name: np.ascontiguousarray(result[name]) for name in names}
-    save_file(arrays, tmp, metadata={k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()})
-    os.replace(tmp, out)
+    with safe_files.atomic_path(out, suffix=ext) as tmp:
+      save_file(arrays, tmp, metadata={k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()})
     return files
-  np.save(tmp, np.ascontiguousarray(result[names[0]]))
-  with open(out + ".json.writing", "w") as f:
-    json.dump({"array": names[0], "shape": list(result[names[0]].shape), **meta}, f, indent=2)
-  os.replace(tmp, out)
-  os.replace(out + ".json.writing", out + ".json")
+  with safe_files.atomic_path(out, suffix=ext) as tmp:  # numpy adds .npy to a name without it
+    np.save(tmp, np.ascontiguousarray(result[names[0]]))
+  safe_files.write_json(out + ".json", {"array": names[0], "shape": list(result[names[0]].shape), **meta})
   return files
 
 
