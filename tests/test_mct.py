@@ -442,3 +442,25 @@ def test_pretrained_bert_text_tower_trains_with_dropout_set_by_the_config():
   assert (keep.hidden_dropout_prob, keep.attention_probs_dropout_prob) == (0.1, 0.1)
   with pytest.raises(ValueError, match="bert_dropout"):
     build(1.0)
+
+
+def test_the_tag_set_is_said_to_be_built_from_tags(tmp_path, monkeypatch, caplog):
+  """MCT's tag set on own data (concepts.kind='tags', corpus_key='tags') is built from the examples' tags: the log
+  says "tags" (it said "captions")."""
+  import types
+
+  from ml_collections import ConfigDict
+
+  from vlrep.data import concepts, records
+
+  tags = ["cat", "animal", "cat", "sofa", "cup", "coffee", "cat"]
+  monkeypatch.setattr(records, "read_texts", lambda builder, split, key: list(tags) if key == "tags" else [])
+  builder = types.SimpleNamespace(name="image_text", data_dir=str(tmp_path))
+  config = ConfigDict(
+    dict(kind="tags", size=3, corpus_split="train[5%:]", corpus_key="tags", path=str(tmp_path / "tags.json"))
+  )
+  with caplog.at_level("INFO"):
+    built = concepts.ensure_concepts(config, builder, None)
+  said = [r.getMessage() for r in caplog.records if "Building concept set" in r.getMessage()]
+  assert said == [f"Building concept set {tmp_path / 'tags.json'} (tags) from 7 tags of image_text/train[5%:]."]
+  assert len(built) == 3 and "cat" in built.words

@@ -309,7 +309,17 @@ def ensure_concepts(config, builder, tokenizer, bert_path: str = "") -> ConceptS
       )
     if records.jax_process_index() == 0:
       captions = list(records.read_texts(builder, config.corpus_split, config.corpus_key))
-      logging.info("Building concept set %s from %d captions.", path, len(captions))
+      # Named as what they are: MCT's tag set on own data is built from the examples' tags, not captions.
+      what = {"captions": "captions", "tags": "tags"}.get(config.corpus_key, f"'{config.corpus_key}' texts")
+      logging.info(
+        "Building concept set %s (%s) from %d %s of %s/%s.",
+        path,
+        config.kind,
+        len(captions),
+        what,
+        builder.name,
+        config.corpus_split,
+      )
       if config.kind == "postag":
         concepts = postag_concepts(captions, config.size, _pos(config), tokenizer, resolve_tagger(config.tagger))
       elif config.kind == "tags":
