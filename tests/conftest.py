@@ -56,6 +56,7 @@ SLOWEST_FIRST = (
   "test_multihost.py",
   "test_vlbert.py",
   "test_faults.py",
+  "test_attack_corpus.py",  # about 250 forked commands: 1.5-4 min
   "test_mct.py",
   "test_own_data.py",
   "test_own_data_real_photos.py",
@@ -64,6 +65,8 @@ SLOWEST_FIRST = (
   "test_evaluation.py",
   "test_import_run.py",
   "test_own_labelled.py",
+  "test_run_folder_attacks.py",
+  "test_prepare_attacks.py",
   "test_nothing_lost.py",
   "test_distributed.py",
   "test_data.py",
