@@ -61,7 +61,7 @@ def fixtures() -> dict[str, bytes]:
   palette_rgb = palette.getpalette()[: 63 * 3] + [0, 0, 0]
   transparent = Image.fromarray(index, "P")
   transparent.putpalette(palette_rgb)
-  frames = [Image.fromarray(np.roll(coffee, 40 * k, axis=1)).quantize(colors=128) for k in range(3)]
+  frames = [Image.fromarray(np.roll(camera, 40 * k, axis=1)).convert("RGB").quantize(256) for k in range(3)]
   gif = io.BytesIO()
   frames[0].save(gif, "GIF", save_all=True, append_images=frames[1:], duration=100, loop=0)
   moon = skdata.moon()[100:356, 100:356].astype(np.float32)
@@ -181,8 +181,8 @@ def test_every_kind_prepares_to_what_a_viewer_shows_from_an_index(photos, tmp_pa
   (root / "captions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
   report = prepare.prepare("image_text", str(root), str(tmp_path / "tfds"))
   assert report["splits"] == {"train": len(photos)} and report["skipped"] == {}, report
-  assert report["converted"] == EXPECTED_CONVERTED, report.get("converted")
   _check_pixels(_stored(str(tmp_path / "tfds"), "image_text"), photos, os.path.basename)
+  assert report["converted"] == EXPECTED_CONVERTED, report.get("converted")
 
 
 def test_shards_read_every_image_suffix_and_store_what_a_viewer_shows(photos, tmp_path):
@@ -203,9 +203,9 @@ def test_shards_read_every_image_suffix_and_store_what_a_viewer_shows(photos, tm
   # The .heic sample: named for what it is, not as a caption without an image.
   assert list(report["skipped"]) == [next(r for r in report["skipped"] if r.startswith("image in a format"))]
   assert ".heic" in next(iter(report["skipped"])) and report["row_fields"]["ignored"] == {"shard member *.heic": 1}
-  assert report["converted"] == EXPECTED_CONVERTED
   names = dict(enumerate(photos))
   _check_pixels(_stored(str(tmp_path / "tfds"), "image_text"), photos, lambda key: names[int(key[-3:])])
+  assert report["converted"] == EXPECTED_CONVERTED
 
 
 def test_labelled_folders_store_what_a_viewer_shows(photos, tmp_path):
@@ -216,8 +216,8 @@ def test_labelled_folders_store_what_a_viewer_shows(photos, tmp_path):
     (folder / name).write_bytes(photos[name])
   report = prepare.prepare("image_folder", str(tmp_path / "labelled"), str(tmp_path / "tfds"))
   assert sum(report["splits"].values()) == len(photos) and report["skipped"] == {}, report
-  assert report["converted"] == EXPECTED_CONVERTED
   _check_pixels(_stored(str(tmp_path / "tfds"), "image_folder"), photos, os.path.basename)
+  assert report["converted"] == EXPECTED_CONVERTED
 
 
 # ---------------------------------------------------------------------------------------------------- #
