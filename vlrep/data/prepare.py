@@ -33,6 +33,17 @@ few named) unless --allow_outside_manual_dir is given; then they are read and th
 `outside_manual_dir` counts and names them. A file that cannot be read as a whole (an index that is a folder or
 not a file, an annotation file that is not JSON) is one message and exit status 2. The report is written
 atomically inside --data_dir (a symlink at its name is replaced, never followed).
+
+Your own photos (image_text, image_folder) are stored as a viewer shows them (vlrep/data/images.py): the report's
+`converted` counts each conversion (EXIF orientation, 16-bit range, transparency over white, CMYK, the first frame
+of an animation); image_text's report also has `merged` (rows naming one file, identical captions kept once) and
+`row_fields` (the rows giving each field read, and each field ignored, by name).
+
+SIGTERM stops prepare as Ctrl-C does (exit status 143): TFDS removes its unfinished incomplete.* folder and a
+version set aside for a rebuild is put back. What a kill that nothing sees leaves (TFDS's incomplete.XXXXXX_<version>
+folders of the dataset, a stale .<version>.previous) is removed by the next prepare of that dataset, logged and
+named in the report's `removed_leftovers`. The dataset's folder is locked while it is prepared (flock on the
+folder: nothing written): a second prepare into it stops with exit status 2.
 """
 
 from __future__ import annotations

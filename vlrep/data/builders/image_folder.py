@@ -1,8 +1,9 @@
 """Your own labelled images (manual_dir), for the linear probe, the VOC07-style SVM probe and zero-shot
 classification, in one of three layouts:
 
-  (a) a folder per class:  MANUAL_DIR/<class>/*.jpg (or .jpeg, .png, .webp, .bmp, .tif, .tiff; subfolders of a
-      class folder are read too); the class names are the folder names;
+  (a) a folder per class:  MANUAL_DIR/<class>/*.jpg (or any suffix of vlrep.data.images.IMAGE_SUFFIXES: .jpeg,
+      .png, .webp, .gif, .bmp, .tif, .tiff, ...; subfolders of a class folder are read too); the class names are
+      the folder names;
   (b) split folders:       MANUAL_DIR/train/<class>/*.jpg, MANUAL_DIR/val/<class>/..., MANUAL_DIR/test/<class>/...
       (`validation/` is read as val); only train/ is required;
   (c) an index:            MANUAL_DIR/labels.csv with the header image,label[,split]: image paths relative to
@@ -18,8 +19,11 @@ MANUAL_DIR; the first 15% (rounded, at least 1) go to test, the next 15% (at lea
 class with fewer than 3 such images stays in train only. The split is decided from the file names before any image
 is decoded, so an image keeps its split when others are added or fixed.
 
-Stored: `image` (JPEG; grayscale, palette and RGBA images converted to RGB), `label` (a ClassLabel whose names are
-the classes, sorted; zero-shot prompts read them, underscores as spaces) and `key` (the path under MANUAL_DIR).
+Stored: `image` (JPEG, as a viewer shows it: vlrep.data.images applies EXIF orientation, scales 16-bit by the
+type's range and 32-bit/float by their min..max, composites transparency over white, converts CMYK and palette,
+keeps an animation's first frame; each conversion counted in the report's `converted`), `label` (a ClassLabel
+whose names are the classes, sorted; zero-shot prompts read them, underscores as spaces) and `key` (the path under
+MANUAL_DIR).
 The prepare report's `classes` gives each class's image count per split.
 
 Skipped and counted in the prepare report: undecodable or missing images, files without an image suffix inside a

@@ -1,6 +1,7 @@
 """Your own image-text data (manual_dir), in either of two layouts:
 
-  (a) webdataset / img2dataset shards:  MANUAL_DIR/*.tar, each holding KEY.jpg (or .jpeg, .png, .webp) beside
+  (a) webdataset / img2dataset shards:  MANUAL_DIR/*.tar, each holding KEY.jpg (or any suffix of
+      vlrep.data.images.IMAGE_SUFFIXES: .jpeg, .png, .webp, .gif, .bmp, .tif, .tiff, ...) beside
       KEY.txt (the caption) and/or KEY.json ({"caption": "...", "tags": ["...", ...]}, as img2dataset writes,
       with the optional fields below);
   (b) a folder of images with MANUAL_DIR/captions.jsonl, one {"image": "relative/path.jpg", "caption": "...",
@@ -14,7 +15,16 @@ raised by check_source before anything is prepared; so is a source of which no e
 
 Prepared with `python -m vlrep.data.prepare --dataset=image_text --manual_dir=MANUAL_DIR`; one split, 'train'
 (take a validation set with 'train[:N%]' elsewhere or keep one in another folder). Rows naming the same image are
-grouped into one example holding all its captions and tags. Skipped and counted in the prepare report: lines that
+grouped into one example holding all its captions and tags: the same file under another spelling (`./a.jpg`,
+`x/../a.jpg`) or another name (a link) too, counted in the report's `merged` (SAME_FILE); an image's identical
+captions are kept once, counted (DUPLICATE_CAPTION). A row's `caption` and `captions` are both read (`caption`
+first); in a shard KEY.txt, KEY.json's `caption` and its `captions` all are (KEY.txt equal to KEY.json's caption,
+as img2dataset writes them, is one caption). The report's `row_fields` counts the rows giving each field read and
+names each field ignored (`url`, `width`, ...; shard members of other suffixes as "shard member *.EXT").
+
+Images are stored as a viewer shows them (vlrep.data.images: EXIF orientation applied, 16-bit scaled by the type's
+range, 32-bit and float by their min..max, transparency over white, CMYK converted, the first frame of an
+animation), each conversion counted in the report's `converted`. Skipped and counted in the prepare report: lines that
 are not UTF-8 or not JSON, rows without an image or caption field, empty captions, missing and undecodable
 images, captions that are not strings, unreadable shards (a torn shard keeps the examples before the break),
 images without a caption and captions without an image (mismatched keys in a shard), shard metadata that is not
@@ -42,7 +52,7 @@ Optional fields of a captions.jsonl row or a shard's KEY.json (LocTex and the VL
   image has none), `timed_caption` (utterance, start_time, end_time: float32) and `traces` (float32 [N, 3]: x, y,
   t, the segments concatenated), as the localized_narratives builder stores them. An image's narration comes from
   its first row (file order) with usable `traces`; the narration's caption also goes into `captions`. In a shard
-  the narration is KEY.json's "caption" (KEY.txt, if present, is the caption in `captions`).
+  the narration is KEY.json's "caption" (it is in `captions` too, after KEY.txt's caption if present).
   Checks, each counted under the reason quoted:
     - a row with "traces" once its image has a narration: "second narration of an image (its caption kept, its
       trace not)";
