@@ -39,13 +39,15 @@ def train_data(name: str, pp: str, **settings) -> dict:
   batches prepared 2 ahead on each host and transferred 2 ahead to the devices; no decoded-image cache
   (cache_image_size > 0 decodes every image once into host memory at that shorter side, docs/speed.md) and no
   in-memory records (in_memory=True holds this host's encoded records in memory; ArrayRecord splits are read from
-  disk)."""
+  disk). Of the examples, at least `min_field_fraction` must carry each field the method needs (`requires`, set
+  for your own data: LocTex's narrations, MCT's tags), or the run stops before training with the counts."""
   return dict(
     dict(
       name=name,
       config_name="",
       data_dir="",
       split="train",
+      min_field_fraction=0.5,
       prefetch=2,
       cache_image_size=0,
       in_memory=False,

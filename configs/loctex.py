@@ -20,7 +20,13 @@ Ablations (arguments combine with commas; any key can also be overridden with --
   steps=N                               training steps instead of the recipe's epochs
   data=DIR  val=P                       your own image_text dataset prepared in DIR, with Localized Narratives'
                                         traces (README, "Train on your own data"); its first P% (default 5) held
-                                        out. The localization evaluator (ground-truth object masks) is off then
+                                        out. The localization evaluator (ground-truth object masks) is off then.
+                                        At least data.min_field_fraction (0.5) of the examples must be narrated,
+                                        or the run stops before training with the counts
+  untraced=skip|captions                (data=DIR) images without a narration: skip (no text: the recipe's, LN
+                                        narrates every image) or captions: L_C on one of their plain captions,
+                                        L_L only where traces are present (the tokenizer then learns from every
+                                        caption; no minimum share of narrated images)
 """
 
 from ml_collections import ConfigDict
@@ -31,6 +37,7 @@ common = config_module(__file__, "common.py")  # the blocks every recipe shares
 
 LOSSES = {"both": (1.0, 1.0), "contrastive": (1.0, 0.0), "localization": (0.0, 1.0)}
 CONTRASTIVE_GROUPS = {"per_gpu": 128, "global": 0}
+UNTRACED = ("skip", "captions")  # what trains on an image without a narration (own data): nothing, or its captions
 
 
 def get_config(arg=None):
@@ -45,9 +52,14 @@ def get_config(arg=None):
     steps=0,
     data="",
     val=0.0,
+    untraced="skip",
   )
   if arg.loss not in LOSSES:
     raise ValueError(f"Unknown loss={arg.loss!r}; known: {sorted(LOSSES)}")
+  if arg.untraced not in UNTRACED:
+    raise ValueError(f"Unknown untraced={arg.untraced!r}; known: {', '.join(UNTRACED)}")
+  if arg.untraced == "captions" and not arg.data:
+    raise ValueError("untraced=captions reads your own data's plain captions: give data=DIR too.")
   if arg.contrastive not in CONTRASTIVE_GROUPS:
     raise ValueError(f"Unknown contrastive={arg.contrastive!r}; known: {sorted(CONTRASTIVE_GROUPS)}")
   scales = tuple(int(s) for s in str(arg.scales).split("+"))
@@ -131,6 +143,13 @@ def get_config(arg=None):
       drop_evals=("localization",),
       image_size=image_size,
     )
+    if arg.untraced == "captions":
+      # The paper's data narrates every image; own data may narrate a few. Every image then trains L_C on a
+      # caption (its narration, else one of its plain captions), L_L where traces are present; the vocabulary is
+      # built from every caption (narrations included: prepare puts each narration among its image's captions).
+      c.data.pp = "text_or_caption('narration', 'captions')|" + c.data.pp
+      c.tokenizer.corpus_key = "captions"
+      c.data.min_field_fraction = 0.0
   return c
 
 

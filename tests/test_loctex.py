@@ -641,3 +641,85 @@ def test_detectron2_extra_bn_closes_res5_in_the_roi_head_as_moco(monkeypatch):
     assert model["ROI_HEADS"]["NAME"] == plugin.NAME and model["ROI_HEADS"]["IN_FEATURES"] == ["res4"], name
     assert model["BACKBONE"]["NAME"] == "build_resnet_backbone", name  # res4, which the RPN sees, is not normalised
   assert _detectron2_yaml("voc_faster_rcnn_R_50_C4_24k.yaml")["MODEL"]["ROI_HEADS"]["NAME"] == "Res5ROIHeads"
+
+
+# ---------------------------------------------------------------------------------------------------- #
+# Own data with few narrations (issue 77): LocTex says what it will train on, refuses, or falls back to captions.
+# ---------------------------------------------------------------------------------------------------- #
+def _few_narrations(root, images=8, narrated=2) -> None:
+  """`images` one-colour photos with two plain captions each; the first `narrated` also narrated (LN's fields)."""
+  os.makedirs(root / "imgs")
+  colours = ("red", "blue", "green", "yellow", "white", "black", "purple", "orange", "gray", "pink")
+  rows = []
+  for i in range(images):
+    Image.new("RGB", (48, 40), colours[i]).save(root / "imgs" / f"{i}.jpg")
+    rows.append({"image": f"imgs/{i}.jpg", "caption": f"the photo shows a {colours[i]} thing"})
+    row = {"image": f"imgs/{i}.jpg", "caption": f"a {colours[i]} square on a table"}
+    if i < narrated:
+      words = row["caption"].split()
+      row["timed_caption"] = [{"utterance": w, "start_time": j, "end_time": j + 0.9} for j, w in enumerate(words)]
+      row["traces"] = [[{"x": 0.1 + 0.1 * t, "y": 0.5, "t": 0.5 * t} for t in range(12)]]
+    rows.append(row)
+  (root / "captions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_text_or_caption_gives_untraced_images_one_of_their_captions():
+  op = registry.parse("text_or_caption('narration', 'captions')").example_fn
+  plain = {
+    "narration": tf.constant(""),
+    "captions": tf.constant(["a red square", "a red thing"]),
+    "_rng": tf.constant([0, 3], tf.int64),
+  }
+  out = op(plain)
+  assert out["narration"].numpy().decode() in ("a red square", "a red thing") and bool(out["stat_caption_fallback"])
+  narrated = dict(plain, narration=tf.constant("a red square on a table"))
+  out = op(narrated)
+  assert out["narration"].numpy().decode() == "a red square on a table" and not bool(out["stat_caption_fallback"])
+  none = dict(plain, captions=tf.zeros([0], tf.string))
+  assert op(none)["narration"].numpy().decode() == "" and not bool(op(none)["stat_caption_fallback"])
+
+
+def test_few_narrations_are_refused_before_training_and_the_caption_fallback_trains(tmp_path, caplog):
+  import tiny_loctex
+
+  from vlrep import train
+
+  _few_narrations(tmp_path / "mine")
+  data_dir = tmp_path / "tfds"
+  report = prepare.prepare("image_text", str(tmp_path / "mine"), str(data_dir))
+  assert report["fields"]["narration"] == 2 and report["splits"] == {"train": 8}, report
+
+  config = tiny_loctex.get_config(f"data={data_dir},val=25")
+  config.evals, config.total_steps, config.batch_size = {}, 2, 4
+  with pytest.raises(pipeline.SparseField) as caught, caplog.at_level("INFO"):
+    train.run(config, str(tmp_path / "refused"))
+  said = str(caught.value)
+  assert "loctex needs 'narration'" in said and "only 2 of 8 prepared examples" in said and "(25%" in said, said
+  assert "data.min_field_fraction=0.5" in said and "configs/loctex.py:data=DIR,untraced=captions" in said
+  assert "--config.data.min_field_fraction=0.25" in said
+  assert any("2 of 8 prepared examples carry it (25%)" in r.getMessage() for r in caplog.records)  # said first
+  assert not (tmp_path / "refused" / "checkpoints").exists()
+  assert not [f for f in os.listdir(pipeline.get_builder("image_text", str(data_dir)).data_dir) if "bpe" in f]
+
+  # The fallback: L_C on every image (its plain captions where it has no narration), L_L where traces are.
+  config = tiny_loctex.get_config(f"data={data_dir},val=25,untraced=captions")
+  config.evals, config.total_steps, config.batch_size = {}, 2, 4
+  assert config.tokenizer.corpus_key == "captions" and config.data.pp.startswith("text_or_caption(")
+  summary = train.run(config, str(tmp_path / "fallback"))
+  assert summary["steps"] == 2 and np.isfinite(summary["train/loss"])
+  assert (summary["data/narration_examples"], summary["data/narration_fraction"]) == (2, 0.25)
+  builder = pipeline.get_builder("image_text", str(data_dir))
+  batches = pipeline.train_stream(
+    builder,
+    config.data,
+    ("image", "tokens"),
+    6,
+    seed=0,
+    context={"tokenizer": tokenizers.Tokenizer(tokenizers.default_path(config.tokenizer, builder))},
+  )
+  batch = next(iter(batches))
+  assert not batch["stat_empty"].any() and batch["stat_caption_fallback"].sum() >= 4  # 6 training images, <= 2 narrated
+  batches.close()
+
+  with pytest.raises(ValueError, match="untraced=captions reads your own data"):
+    tiny_loctex.get_config("untraced=captions")

@@ -33,8 +33,14 @@ def build(config: ml_collections.ConfigDict, for_training: bool = False, run_dat
   refused unless allowed, and a run's tokenizer is never rebuilt: its own copy is used), then recorded."""
   data = config.data
   builder = pipeline.get_builder(data.name, data.data_dir, data.get("config_name"), generate=for_training)
+  coverage = {}
   if for_training:
-    pipeline.check_required_fields(builder, data.split, data.get("requires", {}), config.method.name)
+    min_fraction = data.get("min_field_fraction", pipeline.MIN_FIELD_FRACTION)
+    coverage = pipeline.check_required_fields(
+      builder, data.split, data.get("requires", {}), config.method.name, min_fraction
+    )
+  if run_data:
+    run_data.fields = coverage
   own_tokenizer = run_data.check(config, builder) if run_data else None
   inputs = _run_inputs(config, builder, own_tokenizer)
   if run_data:
@@ -278,6 +284,7 @@ class RunData:
     self.allow, self.init_from = allow_changed_data, init_from
     self.saved = read_identity(workdir) if resuming else None
     self.changes: list[str] = []
+    self.fields: dict = {}  # {field: {"examples", "of", "fraction"}}: the fields the method needs, counted
 
   def check(self, config, builder) -> str | None:
     """Refuses (ChangedDataError) to continue on other prepared data or another vocabulary than the run's, unless

@@ -169,6 +169,9 @@ def _train(
   else:
     state = train_state.fresh(layout, method, tx, init_rng, first_batch, config.get("init_from", ""))
   summary["best_checkpoint_selected_on"] = selected_on
+  for field, counted in run_data.fields.items():  # what the method trains on: its fields' coverage
+    summary[f"data/{field}_examples"] = counted["examples"]
+    summary[f"data/{field}_fraction"] = counted["fraction"]
   logging.info(
     "%s: %.2fM parameters, %d steps (%.1f epochs of %d examples), warmup %d.",
     config.method.name,

@@ -262,6 +262,28 @@ def get_choose_caption(num_captions: int = 5, key: str = "captions", out: str = 
   return op
 
 
+@register
+def get_text_or_caption(key: str = "narration", captions: str = "captions"):
+  """Where the example's `key` text is empty (an image without a narration), one of its plain `captions` (drawn
+  with the example's seed) instead: LocTex's fallback for own data with few narrations (configs/loctex.py
+  untraced=captions), L_C trained on every image's captions and L_L only where traces are present (the caption's
+  words get no trace). `stat_caption_fallback` counts the examples that took a caption
+  (`data/caption_fallback_count`)."""
+
+  def op(ex):
+    ex = dict(ex)
+    text, caps = ex[key], ex[captions]
+    n = tf.shape(caps)[0]
+    idx = tf.random.stateless_uniform([], next_rng(ex), 0, tf.maximum(n, 1), dtype=tf.int32)
+    missing = tf.equal(tf.strings.length(tf.strings.strip(text)), 0)
+    fallback = missing & (n > 0)
+    ex[key] = tf.cond(fallback, lambda: tf.gather(caps, idx), lambda: text)
+    ex["stat_caption_fallback"] = fallback
+    return ex
+
+  return op
+
+
 @register_host
 def get_tokenize(max_len: int, key: str = "caption", out: str = "tokens", context=None):
   """SentencePiece-encodes the strings `key` to int32[B, max_len] on the host. Emits `stat_truncated` and

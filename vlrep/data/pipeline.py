@@ -84,29 +84,69 @@ def prepared_field_counts(builder) -> dict[str, int] | None:
   return None
 
 
-def check_required_fields(builder, split: str, requires: dict, method: str) -> None:
+# What a method can train on instead when few examples carry a field it needs (the refusal's message names it).
+FIELD_FALLBACKS = {
+  "narration": "train L_C on the plain captions of the images without a narration and L_L only where traces are "
+  "present: configs/loctex.py:data=DIR,untraced=captions",
+  "tags": "train without the tag loss: configs/mct.py:data=DIR,tags=False",
+}
+# The share of the training data that must carry each field a method needs (`data.min_field_fraction`).
+MIN_FIELD_FRACTION = 0.5
+
+
+class SparseField(UserError):
+  """Fewer examples than data.min_field_fraction carry a field the method trains on."""
+
+
+def _carries(value) -> bool:
+  value = np.asarray(value)
+  return bool(value.size) and value.reshape(-1)[0] not in (b"", "")
+
+
+def check_required_fields(
+  builder, split: str, requires: dict, method: str, min_fraction: float = 0.0
+) -> dict[str, dict[str, float]]:
   """Before anything trains: every field in `requires` ({field: what needs it, and the alternative}) is in the
   dataset and carried by some prepared example, else a MissingField error naming the field, what needs it and the
-  format that carries it. Counts come from the prepare report, else from the split's first 1,000 examples."""
+  format that carries it; and by at least `min_fraction` of them (`data.min_field_fraction`), else SparseField,
+  with the counts and what the method can train on instead (FIELD_FALLBACKS). Counts come from the prepare report
+  (over the whole prepared dataset), else from the split's first 1,000 examples. Returns {field: {"examples": n,
+  "of": examples counted, "fraction": n / of}}, which the loop logs and records."""
   if not requires:
-    return
+    return {}
   counts = prepared_field_counts(builder)
   features = builder.info.features
+  prepared = sum(int(s.num_examples) for s in builder.info.splits.values())
+  coverage = {}
   for field, why in dict(requires).items():
     if field in features and counts is not None and field in counts:
-      present = counts[field] > 0
+      n, of, where = counts[field], prepared, "prepared examples"
     elif field in features:
-      present = any(
-        np.asarray(ex[field]).size and np.asarray(ex[field]).reshape(-1)[0] not in (b"", "")
-        for ex in records.examples(builder, split).take(1000).as_numpy_iterator()
-      )
+      seen = [_carries(ex[field]) for ex in records.examples(builder, split).take(1000).as_numpy_iterator()]
+      n, of, where = sum(seen), len(seen), f"first examples of {split}"
     else:
-      present = False
-    if not present:
+      n, of, where = 0, prepared, "prepared examples"
+    if not n:
       raise MissingField(
         f"{method} needs '{field}' ({why}), and {builder.name}/{split} in {builder.data_dir} has none. Your data "
         f"carries it as {FIELD_FORMATS.get(field, field)}; add it and prepare again ({prepare_command(builder.name)})."
       )
+    fraction = n / max(of, 1)
+    logging.info(
+      "%s trains on '%s' (%s): %d of %d %s carry it (%.0f%%).", method, field, why, n, of, where, 100 * fraction
+    )
+    if fraction < min_fraction:
+      instead = FIELD_FALLBACKS.get(field)
+      raise SparseField(
+        f"{method} needs '{field}' ({why}), and only {n} of {of} {where} of {builder.name} in {builder.data_dir} "
+        f"carry it ({100 * fraction:.0f}%, below data.min_field_fraction={min_fraction:g}): the other "
+        f"{of - n} would train on nothing of it. Add it to more of your data ({FIELD_FORMATS.get(field, field)}) "
+        f"and prepare again"
+        + (f"; or {instead}" if instead else "")
+        + f"; or accept it: --config.data.min_field_fraction={math.floor(100 * fraction) / 100:g}."
+      )
+    coverage[field] = {"examples": n, "of": of, "fraction": fraction}
+  return coverage
 
 
 def get_builder(
