@@ -183,6 +183,8 @@ def test_every_kind_prepares_to_what_a_viewer_shows_from_an_index(photos, tmp_pa
   assert report["splits"] == {"train": len(photos)} and report["skipped"] == {}, report
   _check_pixels(_stored(str(tmp_path / "tfds"), "image_text"), photos, os.path.basename)
   assert report["converted"] == EXPECTED_CONVERTED, report.get("converted")
+  again = prepare.prepare("image_text", str(root), str(tmp_path / "tfds"))  # reused: the counts live with it
+  assert again["source"].startswith("reused") and again["converted"] == EXPECTED_CONVERTED
 
 
 def test_shards_read_every_image_suffix_and_store_what_a_viewer_shows(photos, tmp_path):
