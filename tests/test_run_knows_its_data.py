@@ -167,6 +167,21 @@ def test_changes_are_named_and_a_changed_vocabulary_is_refused(tmp_path):
   (tmp_path / "run" / "tokenizer" / "vocab.model").write_bytes(b"one vocabulary")
   own = run_setup.RunData(str(tmp_path / "run"), True, 6, allow_changed_data=True).check(config, Builder())
   assert own == str(tmp_path / "run" / "tokenizer" / "vocab.model")
+  # init_from=RUN on RUN's own dataset prepared again since: refused unless allowed; on another dataset (the
+  # transfer init_from is for) or the same data, accepted.
+  (tmp_path / "source").mkdir()
+  (tmp_path / "source" / "data_identity.json").write_text(
+    json.dumps({"dataset": {**old, "splits": {"train": 70, "val": 16}}, "tokenizer": None})
+  )
+  fresh = lambda allow=False: run_setup.RunData(str(tmp_path / "new"), False, 0, allow, str(tmp_path / "source"))
+  with pytest.raises(run_setup.ChangedDataError, match=r"init_from=.*split train: 70 -> 64 examples.*held-out"):
+    fresh().check(config, Builder())
+  assert fresh(allow=True).check(config, Builder()) is None
+  (tmp_path / "source" / "data_identity.json").write_text(
+    json.dumps({"dataset": {**old, "name": "coco_captions2017", "splits": {"train": 70}}, "tokenizer": None})
+  )
+  assert fresh().check(config, Builder()) is None
+
   # A malformed identity file is one BadFile message naming it.
   (tmp_path / "run" / "data_identity.json").write_text("[1, 2")
   with pytest.raises(Exception, match="data_identity.json") as caught:

@@ -400,7 +400,7 @@ class RunData:
           safe_files.write_bytes(copy, f.read(), root=self.workdir)
         tok["copy"] = os.path.relpath(copy, self.workdir)
     now = dataset_identity(builder)
-    entry = {"from_step": start_step, "dataset": now, "allowed_changed_data": bool(self.changes)}
+    entry = {"from_step": start_step, "dataset": now, "fields": self.fields, "allowed_changed_data": bool(self.changes)}
     history = list((previous or {}).get("history") or []) + [entry]
     identity = {"dataset": now, "tokenizer": tok, "history": history[-100:]}
     safe_files.write_json(os.path.join(self.workdir, IDENTITY_FILE), identity, root=self.workdir, indent=1)
