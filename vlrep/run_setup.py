@@ -350,6 +350,9 @@ class RunData:
         own,
       )
       return own
+    if tok_now is not None and not saved_tok.get("copy"):  # a vocabulary vlrep never builds (a BERT's), allowed
+      logging.warning("--allow_changed_data: the run continues with the changed vocabulary %s.", configured)
+      return None
     raise ChangedDataError(
       f"The run in {self.workdir} was trained with the tokenizer {saved_tok.get('path')} (sha256 "
       f"{str(saved_tok.get('sha256'))[:12]}), which is {'missing' if tok_now is None else 'another file now'}, and "
