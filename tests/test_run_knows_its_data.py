@@ -182,8 +182,15 @@ def test_changes_are_named_and_a_changed_vocabulary_is_refused(tmp_path):
   )
   assert fresh().check(config, Builder()) is None
 
-  # A malformed identity file is one BadFile message naming it.
-  (tmp_path / "run" / "data_identity.json").write_text("[1, 2")
-  with pytest.raises(Exception, match="data_identity.json") as caught:
-    run_setup.RunData(str(tmp_path / "run"), True, 6)
-  assert type(caught.value).__name__ == "BadFile"
+  # A malformed identity file (a run folder may come from elsewhere) is one BadFile message naming it.
+  for text in (
+    "[1, 2",
+    "[]",
+    '{"dataset": {"source": [1]}}',
+    '{"dataset": {"splits": 3}}',
+    '{"dataset": {}, "tokenizer": 1}',
+  ):
+    (tmp_path / "run" / "data_identity.json").write_text(text)
+    with pytest.raises(Exception, match="data_identity.json") as caught:
+      run_setup.RunData(str(tmp_path / "run"), True, 6)
+    assert type(caught.value).__name__ == "BadFile", text

@@ -269,6 +269,11 @@ def read_identity(workdir: str) -> dict | None:
       raise ValueError("not a JSON object with a 'dataset' object")
     if identity.get("tokenizer") is not None and not isinstance(identity["tokenizer"], dict):
       raise ValueError("its 'tokenizer' is not an object")
+    dataset, source = identity["dataset"], identity["dataset"].get("source")
+    if source is not None and not (isinstance(source, dict) and isinstance(source.get("index", {}), dict)):
+      raise ValueError("its dataset's 'source' is not a fingerprint object")
+    if not all(isinstance(dataset.get(k, {}), dict) for k in ("splits", "num_bytes")):
+      raise ValueError("its dataset's 'splits' or 'num_bytes' is not an object")
   return identity
 
 
