@@ -146,11 +146,6 @@ def test_decode_file_shows_what_a_viewer_shows(photos, tmp_path):
     images.decode_file(photos["sixteen_bit.png"], max_pixels=100)
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="until vlrep/visualize.py's read_rgb decodes through vlrep.data.images.viewer_rgb (issue 77; the change is "
-  "in helper 77's report): then remove this marker",
-)
 def test_the_features_and_caption_tools_read_files_as_a_viewer_shows_them(photos, tmp_path):
   """visualize.read_rgb / load_image are how the features, caption and attention tools read image files."""
   from vlrep import visualize

@@ -9,6 +9,7 @@ import numpy as np
 from PIL import Image
 
 from vlrep import errors, safe_files
+from vlrep.data import images
 from vlrep.data.ops import IMAGENET_MEAN, IMAGENET_STD
 
 # The most pixels an image file may claim: PIL's own bound (Image.MAX_IMAGE_PIXELS, about 89 million; PIL only warns
@@ -65,11 +66,12 @@ def check_images(paths: list[str]) -> None:
 
 
 def read_rgb(path: str) -> np.ndarray:
-  """An image file -> uint8 [H, W, 3]; a file that is not an image, is damaged or claims too many pixels is a
-  BadFile naming it."""
+  """An image file -> uint8 [H, W, 3] as a viewer shows it (vlrep.data.images.viewer_rgb, as prepare stores own
+  photos: EXIF orientation applied, 16-bit by the type's range, transparency over white, the first frame); a file
+  that is not an image, is damaged or claims too many pixels is a BadFile naming it."""
   with open_image(path) as img:
     try:
-      return np.asarray(img.convert("RGB"), np.uint8)
+      return np.asarray(images.viewer_rgb(img)[0], np.uint8)
     except Exception as e:  # noqa: BLE001 -- a truncated or damaged file fails on decoding, after its header read
       raise _unreadable(path, e) from e
 
@@ -92,7 +94,8 @@ def load_image_official(path: str, resize: int = 256, crop: int = 224) -> np.nda
   img = read_rgb(path)
   h, w = img.shape[:2]
   scale = resize / min(h, w)
-  img = resize_bilinear(img, int(h * scale), int(w * scale))  # albumentations truncates the new size
+  # albumentations' SmallestMaxSize rounds the new size (py3round: Python's round): 300x451 -> 256x385
+  img = resize_bilinear(img, round(h * scale), round(w * scale))
   h, w = img.shape[:2]
   top, left = (h - crop) // 2, (w - crop) // 2
   return img[top : top + crop, left : left + crop]
