@@ -1,13 +1,17 @@
 """Lookup by module convention: which modules of a package define a given name (a method package's `Method`, an
 evaluator package's `Evaluator`, the methods with an `embed`), found by reading their source, not importing it, so
-listing what exists (an unknown name's error) costs no imports. A leaf: imports nothing of vlrep."""
+listing what exists (an unknown name's error) costs no imports; and the one way a user's own module named by a dotted
+path is imported. A leaf: imports only vlrep.errors."""
 
 from __future__ import annotations
 
 import ast
+import importlib
 import os
 import pkgutil
 import threading
+
+from vlrep.errors import UserError
 
 # CPython 3.11 can fail `ast.parse` run from several threads at once ("SystemError: AST constructor recursion depth
 # mismatch", seen when vlrep.bench.benchmark --compile_threads built variants together): one parse at a time.
@@ -51,3 +55,14 @@ def modules_defining(package_dir: str, name: str, anywhere: bool = False) -> tup
       if not m.ispkg and found(os.path.join(package_dir, f"{m.name}.py"), name)
     )
   )
+
+
+def import_own(name: str, what: str):
+  """The user's own module `name` (a dotted path in their config); one that is not on the Python path is the
+  user's to fix (a module it imports that is missing stays the module's own error)."""
+  try:
+    return importlib.import_module(name)
+  except ModuleNotFoundError as e:
+    if e.name and (name == e.name or name.startswith(e.name + ".")):
+      raise UserError(f"{what}={name!r}: no module {e.name!r} on the Python path (PYTHONPATH).") from e
+    raise

@@ -42,17 +42,6 @@ class Evaluator(Protocol):
     """{metric: value} of `model`, the same on every host (each reads its shard of the split)."""
 
 
-def _import_own(name: str, what: str):
-  """The user's own module `name` (a dotted path in their config); one that is not on the Python path is the
-  user's to fix (a module it imports that is missing stays the module's own error)."""
-  try:
-    return importlib.import_module(name)
-  except ModuleNotFoundError as e:
-    if e.name and (name == e.name or name.startswith(e.name + ".")):
-      raise UserError(f"{what}={name!r}: no module {e.name!r} on the Python path (PYTHONPATH).") from e
-    raise
-
-
 @functools.cache
 def available() -> tuple[str, ...]:
   """The evaluator types vlrep has: the modules of this package that define `Evaluator`."""
@@ -68,7 +57,7 @@ def _module(evaluator_type: str):
       f"Evaluator type {evaluator_type!r} is neither one of vlrep's evaluators nor a module's dotted path."
     )
   if "." in evaluator_type:
-    return _import_own(evaluator_type, "evaluator type")
+    return package_modules.import_own(evaluator_type, "evaluator type")
   if evaluator_type not in available():
     raise UserError(f"Unknown evaluator type {evaluator_type!r}. Known evaluators: {', '.join(available())}")
   return importlib.import_module(f"{__name__}.{evaluator_type}")

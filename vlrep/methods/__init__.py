@@ -62,17 +62,6 @@ class NamesPretrainedRuns(Protocol):
     """{name: workdir} of the runs `pretrained_variables` receives."""
 
 
-def _import_own(name: str, what: str):
-  """The user's own module `name` (a dotted path in their config); one that is not on the Python path is the
-  user's to fix (a module it imports that is missing stays the module's own error)."""
-  try:
-    return importlib.import_module(name)
-  except ModuleNotFoundError as e:
-    if e.name and (name == e.name or name.startswith(e.name + ".")):
-      raise UserError(f"{what}={name!r}: no module {e.name!r} on the Python path (PYTHONPATH).") from e
-    raise
-
-
 @functools.cache
 def available() -> tuple[str, ...]:
   """The methods vlrep has: the modules of this package that define `Method`."""
@@ -86,7 +75,7 @@ def _module(name: str):
   if not isinstance(name, str) or not all(part.isidentifier() for part in name.split(".")):
     raise UserError(f"method.name={name!r} is neither one of vlrep's methods nor a module's dotted path.")
   if "." in name:
-    return _import_own(name, "method.name")
+    return package_modules.import_own(name, "method.name")
   if name not in available():
     raise UserError(f"Unknown method {name!r}. Known methods: {', '.join(available())}, or a module's dotted path")
   return importlib.import_module(f"{__name__}.{name}")
