@@ -10,14 +10,12 @@ Restoring a run and its backbone is `vlrep.runs`' job.
 from __future__ import annotations
 
 import functools
-import json
-import os
 
 import jax
 from absl import app, flags, logging
 from ml_collections import ConfigDict, config_flags
 
-from vlrep import errors, evaluators, run_setup, runs
+from vlrep import evaluators, run_setup, runs
 from vlrep.errors import UserError, exit_2_on_user_error
 from vlrep.tools import features
 
@@ -29,7 +27,7 @@ def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", na
   if unknown:
     raise UserError(f"Unknown evaluations {unknown}; this config defines {sorted(evals_cfg)}.")
   run = features.load_run(workdir, checkpoint)
-  read_summary(workdir)  # a damaged summary.json is refused before the evaluations, not after them
+  runs.read_summary(workdir)  # a damaged summary.json is refused before the evaluations, not after them
   with features.saved_config_errors(run):
     logging.info("Evaluating %s (step %d, %s).", run.path, run.step, run.config.method.get("name"))
   if "backbone" in run.params:
@@ -59,24 +57,6 @@ def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", na
   if run_inputs.host == 0:
     runs.write_summary(workdir, results)
   return results
-
-
-def read_summary(workdir: str) -> dict:
-  """WORKDIR/summary.json ({} when there is none); one that is not a JSON object of bounded size is a BadFile."""
-  path = os.path.join(workdir, "summary.json")
-  if not os.path.lexists(path):
-    return {}
-  with errors.reading(path, what="run summary (JSON)", hint="Move it aside; vlrep writes a fresh one."):
-    if not os.path.isfile(path) or os.path.getsize(path) > MAX_SUMMARY_BYTES:
-      raise ValueError(f"not a regular file of at most {MAX_SUMMARY_BYTES >> 20} MB")
-    with open(path, encoding="utf-8") as f:
-      summary = json.load(f)
-    if not isinstance(summary, dict):
-      raise ValueError(f"a JSON {type(summary).__name__}, not an object")
-  return summary
-
-
-MAX_SUMMARY_BYTES = 64 << 20  # a summary is a few KB of metrics
 
 
 def backbone_features(run: runs.Run):
