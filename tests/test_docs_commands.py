@@ -973,7 +973,7 @@ def test_an_entry_whose_command_fails_or_refuses_wrongly_fails(world):
   ctx, runner = world
   log = os.path.join(ctx["tmp"], "logs", "self_test.log")
   bad = "python -m vlrep.evaluate --config=configs/eval/voc07_svm.py:runlocal --workdir=/tmp/no_such_run"
-  with pytest.raises(AssertionError, match="exit 1"):
+  with pytest.raises(AssertionError, match="exit 2"):
     check(bad, Run(), ctx, runner, log)
   with pytest.raises(AssertionError, match="does not say"):
     check(bad, Refuses("a message it does not print"), ctx, runner, log)
