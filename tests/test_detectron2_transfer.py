@@ -20,6 +20,7 @@ from conftest import ROOT
 from ml_collections import ConfigDict
 from PIL import Image, ImageDraw
 
+from vlrep import safe_files
 from vlrep.errors import UserError
 from vlrep.tools import detectron2_transfer as d2t
 
@@ -231,7 +232,7 @@ def test_a_tiny_resnet50_run_fine_tunes_and_its_metrics_reach_the_summary(tmp_pa
   assert (
     set(files) == {"backbone.pkl", "model_final.pth"} and (out / "last_checkpoint").read_text() == "model_final.pth"
   )
-  assert files["model_final.pth"] == d2t.sha256_of(str(out / "model_final.pth"))
+  assert files["model_final.pth"] == safe_files.sha256_of(str(out / "model_final.pth"))
   # Rerunning resumes at the end (no export, no training) and evaluates again.
   again = _driver(args)
   assert again.returncode == 0 and "Resuming at iteration" in again.stdout + again.stderr

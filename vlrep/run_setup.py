@@ -4,7 +4,6 @@ dataset the run reads is prepared, and a resumed run reads the data, tokenizer a
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 
@@ -227,14 +226,6 @@ def dataset_changes(old: dict, new: dict) -> list[str]:
   return changes
 
 
-def _sha256(path: str) -> str:
-  digest = hashlib.sha256()
-  with open(path, "rb") as f:
-    for block in iter(lambda: f.read(1 << 20), b""):
-      digest.update(block)
-  return digest.hexdigest()
-
-
 def configured_tokenizer_file(tok_config, builder) -> str | None:
   """The vocabulary file a tokenizer config names (a vlrep BPE without a path: beside the dataset, where
   `tokenizers.ensure_tokenizer` builds it; a WordPiece: its BERT folder's vocab.txt); None without a tokenizer."""
@@ -251,7 +242,7 @@ def configured_tokenizer_file(tok_config, builder) -> str | None:
 def tokenizer_identity(path: str | None) -> dict | None:
   if not path or not os.path.isfile(path):
     return None
-  return {"path": os.path.abspath(path), "sha256": _sha256(path), "bytes": os.path.getsize(path)}
+  return {"path": os.path.abspath(path), "sha256": safe_files.sha256_of(path), "bytes": os.path.getsize(path)}
 
 
 def read_identity(workdir: str) -> dict | None:
@@ -347,7 +338,7 @@ class RunData:
     # The configured vocabulary is missing (a re-prepare replaced the folder it lived in) or differs (allowed):
     # the run's embeddings belong to its own vocabulary, which it keeps; never rebuilt from the new data.
     own = os.path.join(self.workdir, RUN_TOKENIZER_DIR, os.path.basename(str(saved_tok.get("copy") or "")))
-    if saved_tok.get("copy") and os.path.isfile(own) and _sha256(own) == saved_tok.get("sha256"):
+    if saved_tok.get("copy") and os.path.isfile(own) and safe_files.sha256_of(own) == saved_tok.get("sha256"):
       logging.warning(
         "The run's tokenizer %s is %s: the run keeps its own copy %s (a run never changes or rebuilds its vocabulary).",
         configured,

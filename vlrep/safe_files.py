@@ -14,6 +14,7 @@ caller names the root that must contain the file (the workdir, the `--out` the u
   write_text / write_bytes / write_json    the one-call forms
   make_dirs(path, root=None)               os.makedirs that refuses symlinked components under `root`
   check_inside(path, root)                 refuses (UserError) a path that resolves outside `root`
+  sha256_of(path)                          a file's SHA-256, read in blocks (what a run or a driver records it wrote)
 
 A leaf module: imports only vlrep.errors.
 """
@@ -21,6 +22,7 @@ A leaf module: imports only vlrep.errors.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -154,3 +156,12 @@ def write_json(path: str, value: Any, root: str | None = None, **dump_kwargs) ->
   dump_kwargs.setdefault("indent", 2)
   with open_atomic(path, "w", root=root, encoding="utf-8") as f:
     json.dump(value, f, **dump_kwargs)
+
+
+def sha256_of(path: str) -> str:
+  """The hex SHA-256 of the file at `path`, read in 4 MiB blocks."""
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 22), b""):
+      digest.update(block)
+  return digest.hexdigest()

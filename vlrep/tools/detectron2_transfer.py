@@ -64,7 +64,6 @@ cannot hold, a dataset that is not registered, a wrong input convention) is an e
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.util
 import json
 import math
@@ -306,14 +305,6 @@ def check_output_dir(out_dir: str, root: str) -> None:
         )
 
 
-def sha256_of(path: str) -> str:
-  digest = hashlib.sha256()
-  with open(path, "rb") as f:
-    for block in iter(lambda: f.read(1 << 22), b""):
-      digest.update(block)
-  return digest.hexdigest()
-
-
 def _small_text(path: str, what: str) -> str:
   """A short text file of OUTPUT_DIR (the record, last_checkpoint): a regular file, not a link, at most 1 MB."""
   if os.path.islink(path) or not os.path.isfile(path):
@@ -343,7 +334,7 @@ def read_manifest(out_dir: str) -> dict[str, str]:
 
 def record_written(out_dir: str, name: str, root: str) -> str:
   """Adds `name` (a file the driver just wrote in `out_dir`) with its sha256 to the record; returns the sha256."""
-  digest = sha256_of(os.path.join(out_dir, name))
+  digest = safe_files.sha256_of(os.path.join(out_dir, name))
   files = {**read_manifest(out_dir), name: digest}
   record = {"written_by": "vlrep.tools.detectron2_transfer", "files": dict(sorted(files.items()))}
   safe_files.write_json(os.path.join(out_dir, MANIFEST), record, root=root)
@@ -363,7 +354,7 @@ def verified_file(out_dir: str, name: str, named_by: str) -> str:
       f"{path} ({named_by}) was not written by the Detectron2 driver: {os.path.join(out_dir, MANIFEST)} does not "
       f"list it. A run folder from elsewhere may ship a file that runs code when Detectron2 loads it; {fresh}."
     )
-  digest = sha256_of(path)
+  digest = safe_files.sha256_of(path)
   if digest != recorded:
     raise UserError(
       f"{path} ({named_by}) is not the file the Detectron2 driver wrote: its sha256 is {digest}, the record's "

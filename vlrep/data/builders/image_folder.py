@@ -50,7 +50,7 @@ import os
 import tensorflow_datasets as tfds
 from absl import logging
 
-from vlrep import errors
+from vlrep import errors, safe_files
 from vlrep.data import images
 from vlrep.data.builders import common
 from vlrep.data.builders.image_text import SourceError, csv_rows, index_lines
@@ -326,20 +326,12 @@ def check_source(root: str) -> dict:
   lines = [_stat_line(root, *entry) for entry in listing]
   logging.info("%s: %d images in %d classes in %s", NAME, len(listing), len({c for _, c, _ in listing}), root)
   with errors.reading(index, "text index"):
-    sha256 = _file_sha256(index) if os.path.isfile(index) else None
+    sha256 = safe_files.sha256_of(index) if os.path.isfile(index) else None
   return {
     "index": {INDEX_FILE: sha256} if sha256 else {},
     "files": len(lines),
     "files_sha256": hashlib.sha256("\n".join(lines).encode()).hexdigest(),
   }
-
-
-def _file_sha256(path: str) -> str:
-  digest = hashlib.sha256()
-  with common.open_regular(path) as f:
-    for block in iter(lambda: f.read(1 << 20), b""):
-      digest.update(block)
-  return digest.hexdigest()
 
 
 def eval_pp(size: int = 224) -> str:

@@ -114,7 +114,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from absl import logging
 
-from vlrep import errors
+from vlrep import errors, safe_files
 from vlrep.data import images
 from vlrep.data.builders import common
 from vlrep.data.builders import localized_narratives as ln
@@ -270,14 +270,6 @@ def read_manual_dir(root: str, stats: dict | None = None):
   return _from_index(root, read(os.path.join(root, index)), stats)
 
 
-def _sha256(path: str) -> str:
-  digest = hashlib.sha256()
-  with common.open_regular(path) as f:
-    for block in iter(lambda: f.read(1 << 20), b""):
-      digest.update(block)
-  return digest.hexdigest()
-
-
 def _stat_line(root: str, relative: str) -> str:
   try:
     st = os.stat(os.path.join(root, relative))
@@ -324,7 +316,7 @@ def check_source(root: str) -> dict:
   common.refuse_outside(root, outside, index)
   lines = [_stat_line(root, image) for image in sorted(images)]
   with errors.reading(path, "text index"):
-    sha256 = _sha256(path)
+    sha256 = safe_files.sha256_of(path)
   return {
     "index": {index: sha256},
     "files": len(lines),
