@@ -54,6 +54,7 @@ import torch
 from test_safe_loading import _bert_folder, _crafted_files, _legacy_bytes, _legacy_parts, _payloads, _zip_of
 
 from vlrep import import_run
+from vlrep.bench import forkserver
 from vlrep.models.torch_resnet import ResNet as TorchResNet
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -77,16 +78,7 @@ ENTRY_POINTS = (
 # What the commands import, imported once by the driver before it forks (no JAX backend is started).
 PREIMPORT = (
   "torch",
-  "absl.app",
-  "flax.linen",
-  "jax",
-  "jax.numpy",
-  "ml_collections",
-  "optax",
-  "orbax.checkpoint",
-  "sklearn.svm",
-  "tensorflow",
-  "tensorflow_datasets",
+  *forkserver.HEAVY,
   "safetensors.numpy",
   "sentencepiece",
   "PIL.Image",

@@ -377,7 +377,10 @@ def test_evaluate_bad_inputs(tiny_run, tmp_path):
   bad_split = _tiny_eval_config(svm={**dict(load_tiny_config().evals.probe), "test_split": "probe_valid"})
   with pytest.raises(ValueError, match="Split 'probe_valid' not in"):
     evaluate.evaluate(bad_split, tiny_run, names=["svm"])
-  with pytest.raises(FileNotFoundError, match="has no checkpoint"):
+  from vlrep.errors import UserError
+
+  # A folder that is not a run is the user's to fix: one message, exit 2 from the command (issue 76).
+  with pytest.raises(UserError, match="has no checkpoint"):
     evaluate.evaluate(_tiny_eval_config(), str(tmp_path))
   with pytest.raises(ValueError, match="Unknown dataset"):
     evaluate.evaluate(
