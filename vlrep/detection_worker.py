@@ -24,7 +24,6 @@ import time
 
 import numpy as np
 import torch
-from PIL import Image
 from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
@@ -38,6 +37,7 @@ from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredic
 from torchvision.ops import FrozenBatchNorm2d, MultiScaleRoIAlign
 
 from vlrep import safe_files
+from vlrep.data import images as image_files  # numpy and PIL only: no TensorFlow or JAX in this process
 from vlrep.models import torch_resnet
 
 DETECTORS = ("faster_rcnn", "mask_rcnn")
@@ -136,7 +136,17 @@ class CocoInstances(torch.utils.data.Dataset):
   def __getitem__(self, index):
     image_id = self.ids[index]
     info = self.coco.loadImgs(image_id)[0]
-    image = np.asarray(Image.open(os.path.join(self.images, info["file_name"])).convert("RGB"))
+    path = os.path.join(self.images, info["file_name"])
+    # As a viewer shows it, the one decoding vlrep uses for files (EXIF orientation, CMYK, 16-bit range, ...).
+    image, _ = image_files.decode_file(path)
+    annotated = (info.get("height"), info.get("width"))
+    if None not in annotated and annotated != image.shape[:2]:
+      # Boxes and masks are in the annotation's pixel frame: an image shown at another size (an EXIF orientation
+      # the annotator did not see) would train and score on misplaced objects.
+      raise ValueError(
+        f"{path}: the annotations give {annotated[1]} x {annotated[0]} pixels (width x height), the image as a viewer "
+        f"shows it is {image.shape[1]} x {image.shape[0]} (EXIF orientation applied): fix the image or its entry."
+      )
     anns = [a for a in self.coco.loadAnns(self.coco.getAnnIds(imgIds=image_id)) if not a.get("iscrowd", 0)]
     anns = [a for a in anns if a["bbox"][2] > 0 and a["bbox"][3] > 0]
     boxes = torch.tensor([[x, y, x + w, y + h] for x, y, w, h in (a["bbox"] for a in anns)], dtype=torch.float32)

@@ -9,7 +9,9 @@ Prepared with `python -m vlrep.data.prepare --dataset=coco_captions2017 --manual
 Images that are missing or do not decode, empty captions, and images left without captions are skipped and
 counted (printed by the prepare command and saved in its report). An annotation file that is not COCO's JSON is
 one message naming it (exit status 2); an image file_name that resolves outside MANUAL_DIR stops prepare unless
---allow_outside_manual_dir is given.
+--allow_outside_manual_dir is given. Images are stored as a viewer shows them (vlrep.data.images): an upright RGB or
+grayscale JPEG byte for byte, an EXIF-rotated, CMYK, 16-bit, transparent or non-JPEG file converted and counted in
+the report's `converted`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from vlrep.data.builders import common
 _HINT = "Expected COCO's annotations JSON ({'images': [...], 'annotations': [...]}), as downloaded."
 
 _SPLITS = {"train": "train2017", "val": "val2017"}
+_NAME = "coco_captions2017"
 
 
 class CocoCaptions2017(tfds.core.GeneratorBasedBuilder):
@@ -48,10 +51,13 @@ class CocoCaptions2017(tfds.core.GeneratorBasedBuilder):
         }
       ),
       homepage="https://cocodataset.org",
+      # `converted`: the images stored after a conversion (vlrep.data.images), in the prepare report.
+      metadata=tfds.core.MetadataDict(),
     )
 
   def _split_generators(self, dl_manager):
     root = dl_manager.manual_dir
+    self.info.metadata["converted"] = {}  # filled as images are stored (common.CONVERTED)
     out = {}
     for split, folder in _SPLITS.items():
       ann = os.path.join(root, "annotations", f"captions_{folder}.json")
@@ -75,7 +81,7 @@ class CocoCaptions2017(tfds.core.GeneratorBasedBuilder):
           else:
             common.skip("coco_captions2017", "instance with unknown category", f"annotation {ann.get('id')}")
     # A file whose structure is not COCO's (a key missing, a list where an object belongs) is a BadFile naming
-    # it: the images are read inside the block, but their own errors are counted skips (readable_image).
+    # it: the images are read inside the block, but their own errors are counted skips (common.viewer_jpeg).
     with errors.reading(annotation_file, "COCO captions annotation file", _HINT):
       with common.open_regular(annotation_file) as f:
         data = json.load(f)
@@ -92,7 +98,12 @@ class CocoCaptions2017(tfds.core.GeneratorBasedBuilder):
           common.skip("coco_captions2017", "image without captions", image["file_name"])
           continue
         path = os.path.join(image_dir, image["file_name"])
-        if not common.readable_image(path, "coco_captions2017", root or None):
+        # Stored as a viewer shows it (common.viewer_jpeg): an upright RGB or grayscale JPEG, as nearly all of
+        # COCO's are, byte for byte; an EXIF-rotated, CMYK or non-JPEG file converted and counted.
+        raw = common.read_image_file(path, _NAME, root or None)
+        stored = None if raw is None else common.viewer_jpeg(raw, _NAME, path)
+        if stored is None:
           continue
+        self.info.metadata["converted"] = common.converted(_NAME)
         objects = {"label": labels.get(image_id, [])}
-        yield image_id, {"image": path, "image_id": image_id, "captions": captions[image_id], "objects": objects}
+        yield image_id, {"image": stored[0], "image_id": image_id, "captions": captions[image_id], "objects": objects}

@@ -12,7 +12,8 @@ Prepared with `python -m vlrep.data.prepare --dataset=localized_narratives --man
 "end_time"}], "traces": [[{"x", "y", "t"}, ...], ...]}. Every narration becomes one example; its trace
 segments are concatenated into points [N, 3] (x, y, t) kept as recorded (points outside the image are dropped
 and counted at training time by `clean_traces`). Open Images pictures are downsampled by 0.6 (LocTex: to
-match COCO's resolution).
+match COCO's resolution). Images are stored as a viewer shows them (vlrep.data.images): a COCO JPEG that is upright
+RGB or grayscale byte for byte, others converted and counted in the report's `converted`.
 
 Skipped and counted (printed by the prepare command and saved in its report): lines that are not valid JSON or
 lack caption/image_id, empty captions, missing or undecodable images. Malformed timed words or trace points
@@ -31,6 +32,7 @@ import tensorflow_datasets as tfds
 from PIL import Image
 
 from vlrep import errors
+from vlrep.data import images
 from vlrep.data.builders import common
 
 OPEN_IMAGES_SCALE = 0.6
@@ -123,13 +125,20 @@ def parse_narration(line: str) -> dict | None:
   }
 
 
-def _downsampled_jpeg(path: str, scale: float) -> bytes:
-  """Read after common.readable_image accepted the file (within common.LIMITS)."""
-  with common.decode_image(common.read_file(path)) as im:
-    im = im.convert("RGB")
-    size = (max(1, round(im.width * scale)), max(1, round(im.height * scale)))
-    out = io.BytesIO()
-    im.resize(size, Image.BICUBIC).save(out, format="JPEG", quality=95)
+def _downsampled_jpeg(data: bytes, scale: float, what: str) -> bytes | None:
+  """An Open Images picture as a viewer shows it (vlrep.data.images; each conversion counted in common.CONVERTED)
+  scaled by `scale`, as JPEG; None (a counted skip) when it is over common.LIMITS or does not decode."""
+  try:
+    with common.decode_image(data) as im:
+      rgb, notes = images.viewer_rgb(im)
+  except Exception as e:  # PIL raises many types for corrupt files
+    common.skip(_NAME, common.image_skip_reason(e), what)
+    return None
+  for note in notes:
+    common.CONVERTED[(_NAME, note)] += 1
+  size = (max(1, round(rgb.width * scale)), max(1, round(rgb.height * scale)))
+  out = io.BytesIO()
+  rgb.resize(size, Image.BICUBIC).save(out, format="JPEG", quality=images.JPEG_QUALITY, subsampling=0)
   return out.getvalue()
 
 
@@ -160,9 +169,12 @@ class LocalizedNarratives(tfds.core.GeneratorBasedBuilder):
         }
       ),
       homepage="https://google.github.io/localized-narratives/",
+      # `converted`: the images stored after a conversion (vlrep.data.images), in the prepare report.
+      metadata=tfds.core.MetadataDict(),
     )
 
   def _split_generators(self, dl_manager):
+    self.info.metadata["converted"] = {}  # filled as images are stored (common.CONVERTED)
     root = os.fspath(dl_manager.manual_dir)
     ann = os.path.join(root, "localized_narratives")
     sources = {
@@ -214,8 +226,18 @@ class LocalizedNarratives(tfds.core.GeneratorBasedBuilder):
               image_path = os.path.join(image_dir, f"{int(n['image_id']):012d}.jpg")
             else:
               image_path = os.path.join(image_dir, f"{n['image_id']}.jpg")
-            if not common.readable_image(image_path, _NAME, root):
+            # Stored as a viewer shows it: a COCO image that already is (an upright RGB or grayscale JPEG) byte
+            # for byte (common.viewer_jpeg); an Open Images picture downsampled from what a viewer shows.
+            raw = common.read_image_file(image_path, _NAME, root)
+            if raw is None:
               continue
-            image = image_path if kind == "coco" else _downsampled_jpeg(image_path, OPEN_IMAGES_SCALE)
+            if kind == "coco":
+              stored = common.viewer_jpeg(raw, _NAME, image_path)
+              image = None if stored is None else stored[0]
+            else:
+              image = _downsampled_jpeg(raw, OPEN_IMAGES_SCALE, image_path)
+            if image is None:
+              continue
+            self.info.metadata["converted"] = common.converted(_NAME)
             key = f"{os.path.basename(path)}:{line_no}"
             yield key, {**n, "image": image}

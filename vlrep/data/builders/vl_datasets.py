@@ -9,9 +9,12 @@ of its texts:
   mm_imdb              plot (the first plot summary), genres (of the 23 used in the MM-IMDB paper)
   conceptual_captions  captions (one)
 
-Inputs that cannot be used are skipped and counted (the prepare command prints the counts and saves them): missing
-or undecodable images, empty questions or statements, SNLI-VE pairs without a gold label ('-'), MM-IMDB movies
-without a plot or without any of the 23 genres, genres outside them (dropped, counted).
+Images are stored as a viewer shows them (vlrep.data.images): an upright RGB or grayscale JPEG byte for byte, an
+EXIF-rotated, CMYK, 16-bit, transparent or non-JPEG file (a PNG or GIF saved as .jpg by a downloader) converted and
+counted in the report's `converted`. Inputs that cannot be used are skipped and counted (the prepare command prints
+the counts and saves them): missing or undecodable images, empty questions or statements, SNLI-VE pairs without a
+gold label ('-'), MM-IMDB movies without a plot or without any of the 23 genres, genres outside them (dropped,
+counted).
 """
 
 from __future__ import annotations
@@ -63,6 +66,18 @@ def _answers(raw: list, dataset: str, question_id) -> list[str]:
   return answers + [""] * (NUM_ANSWERS - len(answers))
 
 
+def _stored_image(builder, path: str, dataset: str, root) -> bytes | None:
+  """The image file at `path` as a viewer shows it, as JPEG (common.viewer_jpeg: an upright RGB or grayscale JPEG
+  byte for byte, others converted and counted in the builder's metadata `converted`, the prepare report's), or
+  None (a counted skip): missing, outside manual_dir, over common.LIMITS or undecodable."""
+  raw = common.read_image_file(path, dataset, root and os.fspath(root))
+  stored = None if raw is None else common.viewer_jpeg(raw, dataset, path)
+  if stored is None:
+    return None
+  builder.info.metadata["converted"] = common.converted(dataset)
+  return stored[0]
+
+
 class MissingFile(errors.UserError, FileNotFoundError):
   """A file the dataset's layout requires is not in manual_dir."""
 
@@ -107,9 +122,12 @@ class Vqa2(tfds.core.GeneratorBasedBuilder):
   SPLITS = {"train": "train2014", "val": "val2014"}
 
   def _info(self):
-    return self.dataset_info_from_configs(features=_qa_features(), homepage="https://visualqa.org")
+    return self.dataset_info_from_configs(
+      features=_qa_features(), homepage="https://visualqa.org", metadata=tfds.core.MetadataDict()
+    )
 
   def _split_generators(self, dl_manager):
+    self.info.metadata["converted"] = {}  # filled as images are stored (_stored_image)
     root, out = dl_manager.manual_dir, {}
     for split, folder in self.SPLITS.items():
       questions = os.path.join(root, f"v2_OpenEnded_mscoco_{folder}_questions.json")
@@ -131,8 +149,9 @@ class Vqa2(tfds.core.GeneratorBasedBuilder):
       by_image = self._by_image(questions, annotations)
     for image_id, qs in sorted(by_image.items()):
       path = os.path.join(image_dir, f"COCO_{folder}_{image_id:012d}.jpg")
-      if common.readable_image(path, "vqa2", root and os.fspath(root)):
-        yield image_id, {"image": path, "image_id": image_id, "questions": qs}
+      image = _stored_image(self, path, "vqa2", root)
+      if image is not None:
+        yield image_id, {"image": image, "image_id": image_id, "questions": qs}
 
   @staticmethod
   def _by_image(questions, annotations) -> dict:
@@ -164,9 +183,12 @@ class Vizwiz(tfds.core.GeneratorBasedBuilder):
   MANUAL_DOWNLOAD_INSTRUCTIONS = __doc__
 
   def _info(self):
-    return self.dataset_info_from_configs(features=_qa_features(), homepage="https://vizwiz.org")
+    return self.dataset_info_from_configs(
+      features=_qa_features(), homepage="https://vizwiz.org", metadata=tfds.core.MetadataDict()
+    )
 
   def _split_generators(self, dl_manager):
+    self.info.metadata["converted"] = {}  # filled as images are stored (_stored_image)
     root, out = dl_manager.manual_dir, {}
     for split in ("train", "val"):
       ann = os.path.join(root, "annotations", f"{split}.json")
@@ -190,10 +212,11 @@ class Vizwiz(tfds.core.GeneratorBasedBuilder):
       digits = re.findall(r"\d+", name)
       image_id = int(digits[-1]) if digits else k
       path = os.path.join(image_dir, name)
-      if not common.readable_image(path, "vizwiz", root and os.fspath(root)):
+      image = _stored_image(self, path, "vizwiz", root)
+      if image is None:
         continue
       q = {"question": text, "answers": _answers(item.get("answers"), "vizwiz", name), "question_id": image_id}
-      yield name, {"image": path, "image_id": image_id, "questions": [q]}
+      yield name, {"image": image, "image_id": image_id, "questions": [q]}
 
 
 class SnliVe(tfds.core.GeneratorBasedBuilder):
@@ -223,9 +246,11 @@ class SnliVe(tfds.core.GeneratorBasedBuilder):
         }
       ),
       homepage="https://github.com/necla-ml/SNLI-VE",
+      metadata=tfds.core.MetadataDict(),  # `converted` (_stored_image)
     )
 
   def _split_generators(self, dl_manager):
+    self.info.metadata["converted"] = {}  # filled as images are stored (_stored_image)
     root, out = dl_manager.manual_dir, {}
     for split, name in (("train", "train"), ("val", "dev"), ("test", "test")):
       path = os.path.join(root, f"snli_ve_{name}.jsonl")
@@ -263,9 +288,10 @@ class SnliVe(tfds.core.GeneratorBasedBuilder):
           premises[name].append(premise)
     for name, items in sorted(pairs.items()):
       path = os.path.join(image_dir, name)
-      if common.readable_image(path, "snli_ve", root and os.fspath(root)):
+      image = _stored_image(self, path, "snli_ve", root)
+      if image is not None:
         image_id = int(re.sub(r"\D", "", name) or 0)
-        yield name, {"image": path, "image_id": image_id, "captions": premises[name], "entailment": items}
+        yield name, {"image": image, "image_id": image_id, "captions": premises[name], "entailment": items}
 
 
 class MmImdb(tfds.core.GeneratorBasedBuilder):
@@ -292,9 +318,11 @@ class MmImdb(tfds.core.GeneratorBasedBuilder):
         }
       ),
       homepage="http://lisi1.unal.edu.co/mmimdb/",
+      metadata=tfds.core.MetadataDict(),  # `converted` (_stored_image)
     )
 
   def _split_generators(self, dl_manager):
+    self.info.metadata["converted"] = {}  # filled as images are stored (_stored_image)
     root = dl_manager.manual_dir
     splits = _load_json(os.path.join(root, "split.json"), f"mm_imdb (expected layout:\n{__doc__})")
     names = {"train": "train", "val": "dev", "test": "test"}
@@ -333,8 +361,9 @@ class MmImdb(tfds.core.GeneratorBasedBuilder):
         common.skip("mm_imdb", "movie without any of the 23 genres", movie)
         continue
       path = os.path.join(folder, f"{movie}.jpeg")
-      if common.readable_image(path, "mm_imdb", root and os.fspath(root)):
-        yield movie, {"image": path, "image_id": int(movie), "plot": plots[0], "genres": genres}
+      image = _stored_image(self, path, "mm_imdb", root)
+      if image is not None:
+        yield movie, {"image": image, "image_id": int(movie), "plot": plots[0], "genres": genres}
 
 
 class ConceptualCaptions(tfds.core.GeneratorBasedBuilder):
@@ -364,9 +393,11 @@ class ConceptualCaptions(tfds.core.GeneratorBasedBuilder):
         }
       ),
       homepage="https://ai.google.com/research/ConceptualCaptions",
+      metadata=tfds.core.MetadataDict(),  # `converted` (_stored_image)
     )
 
   def _split_generators(self, dl_manager):
+    self.info.metadata["converted"] = {}  # filled as images are stored (_stored_image)
     root, out = dl_manager.manual_dir, {}
     for split, (tsv, folder) in self.FILES.items():
       if os.path.exists(os.path.join(root, tsv)):
@@ -387,5 +418,6 @@ class ConceptualCaptions(tfds.core.GeneratorBasedBuilder):
           common.skip("conceptual_captions", "empty caption", f"{tsv}:{row}")
           continue
         path = os.path.join(image_dir, f"{row}.jpg")
-        if common.readable_image(path, "conceptual_captions", root and os.fspath(root)):
-          yield row, {"image": path, "image_id": row, "captions": [caption]}
+        image = _stored_image(self, path, "conceptual_captions", root)
+        if image is not None:
+          yield row, {"image": image, "image_id": row, "captions": [caption]}

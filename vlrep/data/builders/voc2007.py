@@ -6,16 +6,20 @@
 
 Prepared with `python -m vlrep.data.prepare --dataset=voc2007 --manual_dir=PATH`. Objects keep their
 'difficult' flag, which the VOC07 protocol ignores; unknown class names and unreadable images are skipped and
-counted.
+counted. Images are stored as a viewer shows them (vlrep.data.images): an upright RGB or grayscale JPEG (all of
+VOC2007's) byte for byte, others converted and counted in the report's `converted`; an image whose EXIF orientation
+turns it across its annotation's size (the boxes were drawn on the stored pixels) is skipped and counted.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import xml.etree.ElementTree as ET
 
 import numpy as np
 import tensorflow_datasets as tfds
+from PIL import Image
 
 from vlrep import errors
 from vlrep.data.builders import common
@@ -43,6 +47,8 @@ CLASSES = (
   "tvmonitor",
 )
 
+TURNED_ACROSS = "EXIF orientation turns the image across its annotation's size (its boxes would be misplaced)"
+
 
 class Voc2007(tfds.core.GeneratorBasedBuilder):
   """VOC2007 images with object labels, boxes and 'difficult' flags (trainval and test)."""
@@ -67,9 +73,12 @@ class Voc2007(tfds.core.GeneratorBasedBuilder):
         }
       ),
       homepage="http://host.robots.ox.ac.uk/pascal/VOC/voc2007/",
+      # `converted`: the images stored after a conversion (vlrep.data.images), in the prepare report.
+      metadata=tfds.core.MetadataDict(),
     )
 
   def _split_generators(self, dl_manager):
+    self.info.metadata["converted"] = {}  # filled as images are stored (common.CONVERTED)
     root = str(dl_manager.manual_dir)
     if os.path.isdir(os.path.join(root, "VOC2007")):
       root = os.path.join(root, "VOC2007")
@@ -96,14 +105,26 @@ class Voc2007(tfds.core.GeneratorBasedBuilder):
       except (OSError, ET.ParseError) as e:  # missing, not a regular file, not XML
         common.skip("voc2007", f"bad annotation ({type(e).__name__})", image_id)
         continue
-      if not common.readable_image(image_path, "voc2007", root):
+      raw = common.read_image_file(image_path, "voc2007", root)
+      stored = None if raw is None else common.viewer_jpeg(raw, "voc2007", image_path)
+      if stored is None:
         continue
       try:
         objects = _objects(tree, image_id)
+        annotated = (float(tree.find("size").findtext("width")), float(tree.find("size").findtext("height")))
       except (TypeError, ValueError, AttributeError, ArithmeticError) as e:  # no numeric size or box coordinates
         common.skip("voc2007", f"bad annotation ({type(e).__name__})", image_id)
         continue
-      yield image_id, {"image": image_path, "image_id": image_id, "objects": objects}
+      self.info.metadata["converted"] = common.converted("voc2007")
+      width, height = stored[1]
+      with Image.open(io.BytesIO(raw)) as im:  # the header only: the stored size, before any EXIF orientation
+        turned = im.size != stored[1]
+      if turned and annotated == (height, width):
+        # The boxes (normalised by the annotation's size) were drawn on the stored pixels: turned upright, they
+        # would lie across the wrong part of the image.
+        common.skip("voc2007", TURNED_ACROSS, image_id)
+        continue
+      yield image_id, {"image": stored[0], "image_id": image_id, "objects": objects}
 
 
 def _id_line(raw: bytes | None, number: int) -> str:
