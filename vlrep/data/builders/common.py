@@ -236,22 +236,6 @@ def read_image_file(path: str, dataset: str, root: str | None = None) -> bytes |
   return None
 
 
-def readable_image(path: str, dataset: str, root: str | None = None) -> bool:
-  """True if the file fully decodes as an image within LIMITS; otherwise logs, counts a skip and returns False.
-  `root`: the manual_dir the file must lie in (check_inside)."""
-  data = read_image_file(path, dataset, root)
-  if data is None:
-    return False
-  try:
-    with decode_image(data):
-      return True
-  except Exception as e:  # PIL raises many types for corrupt files
-    reason = image_skip_reason(e)
-  SKIPPED[(dataset, reason)] += 1
-  logging.warning("%s: skipping %s: %s", dataset, path, reason)
-  return False
-
-
 def skip(dataset: str, reason: str, what: str) -> None:
   SKIPPED[(dataset, reason)] += 1
   logging.warning("%s: skipping %s: %s", dataset, what, reason)
