@@ -70,3 +70,27 @@ def test_official_decoding_reproduces_the_official_beam_search(imported):
   # The two candidates per beam matter here too: with five, other captions.
   wide = _decode(run, method, images, "virtex_official", steps, beam_size=5, per_node_beam_size=5)
   assert not np.array_equal(wide, _official_as_vlrep(captured["tokens_beam5"]))
+
+
+@pytest.mark.parametrize("height, width", [(300, 451), (451, 300), (480, 640)])
+def test_the_official_transform_rounds_the_resized_size_as_albumentations(tmp_path, height, width):
+  """albumentations' SmallestMaxSize(256) rounds the long side (py3round): 300x451 -> 256x385, where truncating
+  gives 384 and moves the centre crop by half a pixel, changing the photo's pixels wholesale (issue 77)."""
+  from PIL import Image
+  from skimage import data as photos
+
+  photo = np.asarray(Image.fromarray(photos.astronaut()).resize((width, height)))
+  path = str(tmp_path / "photo.png")
+  Image.fromarray(photo).save(path)
+  out = visualize.load_image_official(path)
+
+  def crop_of(long_side):
+    resized = visualize.resize_bilinear(photo, *((256, long_side) if height < width else (long_side, 256)))
+    top, left = (resized.shape[0] - 224) // 2, (resized.shape[1] - 224) // 2
+    return resized[top : top + 224, left : left + 224].astype(int)
+
+  rounded = round(max(height, width) * 256 / min(height, width))
+  np.testing.assert_array_equal(out, crop_of(rounded))
+  truncated = int(max(height, width) * 256 / min(height, width))
+  if truncated != rounded:  # 300x451: 384.85 -> 385, where truncation gave 384 and other pixels
+    assert np.abs(crop_of(truncated) - out).mean() > 1
