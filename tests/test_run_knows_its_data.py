@@ -105,6 +105,16 @@ def test_a_run_refuses_to_resume_on_a_dataset_prepared_again_from_changed_captio
   builder = pipeline.get_builder("image_text", str(data_dir))
   assert run_setup.RunData(str(run), True, 4).check(_config(data_dir, 6), builder) == str(run / vocab["copy"])
 
+  # Reading the run (vlrep.evaluate, the caption tool) uses its own vocabulary too: the configured one is gone.
+  from vlrep import runs
+
+  loaded = runs.load_run(str(run), "latest")
+  assert loaded.workdir == str(run)
+  with pytest.raises(FileNotFoundError):  # what the tools met before: the vocabulary beside the old version
+    run_setup.build_inputs(loaded.config)
+  inputs = run_setup.build_inputs(loaded.config, loaded.workdir)
+  assert inputs.tokenizer.path == str(run / vocab["copy"])
+
   # A run saved by an older vlrep (no data_identity.json) resumes with a warning, and is recorded from then on.
   os.remove(run / "data_identity.json")
   caplog.clear()

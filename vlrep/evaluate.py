@@ -34,7 +34,8 @@ def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", na
     features.check_backbone(run)
   if any(evaluators.needs_method(cfg) for cfg in evals_cfg.values()):
     with features.saved_config_errors(run):
-      run_inputs = run_setup.build_inputs(run.config)  # the method and tokenizer, rebuilt as training built them
+      # the method and tokenizer, rebuilt as training built them (its own vocabulary copy where it has one)
+      run_inputs = run_setup.build_inputs(run.config, run.workdir)
   else:
     run_inputs = evaluators.RunInputs(host=jax.process_index(), num_hosts=jax.process_count())
   model = evaluators.Model(

@@ -50,7 +50,7 @@ def build(config: ml_collections.ConfigDict, for_training: bool = False, run_dat
   return builder, inputs
 
 
-def build_inputs(config: ml_collections.ConfigDict):
+def build_inputs(config: ml_collections.ConfigDict, workdir: str | None = None):
   """`RunInputs` of a trained or imported run, for commands that only apply it (vlrep.evaluate, the caption tool):
   the training data's builder is opened only when building them needs it (a vocabulary built from or stored next
   to the training data, a concept set, a method's `setup`), so an imported run with its own vocabulary needs no
@@ -58,18 +58,37 @@ def build_inputs(config: ml_collections.ConfigDict):
 
   `config` is a run's saved config (`vlrep.runs` checked its names and turned its `build_if_missing` off), and
   everything it names is only read: a missing tokenizer, concept set or generated dataset is an error, never
-  written at a path the run folder chose."""
+  written at a path the run folder chose.
+
+  `workdir`: the run's folder; its own copy of its vocabulary (WORKDIR/tokenizer/, checked against the sha256 in
+  WORKDIR/data_identity.json) is read instead of the configured file, which a later prepare may have replaced."""
   data = config.data
   builder = None
-  if _needs_training_data(config):  # read only: a saved config's data_dir is never generated into
+  own_tokenizer = run_tokenizer_copy(workdir) if workdir and config.get("tokenizer") else None
+  if _needs_training_data(config, own_tokenizer):  # read only: a saved config's data_dir is never generated into
     builder = pipeline.get_builder(data.name, data.data_dir, data.get("config_name"), generate=False)
-  return _run_inputs(config, builder)
+  return _run_inputs(config, builder, own_tokenizer)
 
 
-def _needs_training_data(config) -> bool:
+def run_tokenizer_copy(workdir: str) -> str | None:
+  """WORKDIR/tokenizer/<file>, the vocabulary the run was trained with, when data_identity.json records one and
+  the copy is intact (its sha256 as recorded); None otherwise (an older run, a run without a vocabulary)."""
+  identity = read_identity(workdir)
+  saved = (identity or {}).get("tokenizer") or {}
+  if not saved.get("copy"):
+    return None
+  own = os.path.join(workdir, RUN_TOKENIZER_DIR, os.path.basename(str(saved["copy"])))
+  if not os.path.isfile(own) or safe_files.sha256_of(own) != saved.get("sha256"):
+    logging.warning("The run's own vocabulary copy %s is missing or not the one it recorded; not used.", own)
+    return None
+  return own
+
+
+def _needs_training_data(config, tokenizer_file: str | None = None) -> bool:
   tok = config.get("tokenizer")
   own_bpe = tok and tok.get("kind", "bpe") == "bpe" and tok.get("special_tokens", "vlrep") == "vlrep"
-  vocab_missing = own_bpe and not (tok.get("path") and os.path.exists(os.path.expanduser(tok.path)))
+  path = tokenizer_file or (tok.get("path") if tok else None)
+  vocab_missing = own_bpe and not (path and os.path.exists(os.path.expanduser(path)))
   return bool(vocab_missing or config.get("concepts") or methods.has_setup(config.method.name))
 
 

@@ -56,6 +56,11 @@ class Run:
   def variables(self) -> dict:
     return {"params": self.params, **self.model_state}
 
+  @property
+  def workdir(self) -> str:
+    """The run's folder (`path` is WORKDIR/checkpoints/<step> or WORKDIR/best/<step>)."""
+    return os.path.dirname(os.path.dirname(self.path))
+
 
 def load_run(workdir: str, checkpoint: str = "best") -> Run:
   """Restores WORKDIR's 'best' or 'latest' checkpoint, or the one of a given step (as a string of digits).

@@ -100,7 +100,7 @@ def caption_files(
   images = load_images(paths, preprocess, size)  # decoded (a damaged file refused) before the model is built
   size = images.shape[1]
   with features.saved_config_errors(run):
-    inputs = run_setup.build_inputs(run.config)
+    inputs = run_setup.build_inputs(run.config, run.workdir)
   cfg = {"decoding": decoding_method, "max_len": max_len, **decode_kwargs}
   try:
     caption = captioner_for(inputs.method, ConfigDict(cfg))

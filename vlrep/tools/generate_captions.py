@@ -40,7 +40,7 @@ def generate(
   seed: int = 0,
 ) -> dict[str, list[str]]:
   run = runs.load_run(workdir, "best")
-  inputs = run_setup.build_inputs(run.config)  # the run's saved config: what it names is only read
+  inputs = run_setup.build_inputs(run.config, run.workdir)  # the run's saved config: what it names is only read
   size = training_size(run.config)
   builder = pipeline.get_builder(dataset, data_dir or None, config_name or None)
   kwargs = {"beam_size": beam_size} if decoding == "beam" else {}
