@@ -147,9 +147,17 @@ def test_a_tokenizer_path_outside_the_run_is_only_read_never_built(tmp_path, goo
   def point_outside(c):
     c["tokenizer"].update(path=str(outside / "sub" / "vocab.model"), build_if_missing=True)
 
-  crafted_run(good_run, tmp_path, "run", point_outside)
+  run = crafted_run(good_run, tmp_path, "run", point_outside)
   photo = tmp_path / "photo.png"
   Image.fromarray(np.full((32, 32, 3), 128, np.uint8)).save(photo)
+  # The run's own vocabulary copy (WORKDIR/tokenizer/, sha-checked against data_identity.json) is what the tools
+  # read: the path the saved config names is neither read nor created.
+  assert (run / "tokenizer").is_dir()
+  ok = command(tmp_path, "vlrep.tools.caption", "--workdir=run", str(photo))
+  assert ok.returncode == 0 and "Traceback" not in ok.stderr, ok.stderr[-3000:]
+  assert not outside.exists()
+  # Without that copy the configured path is only read: missing, so a refusal, and nothing created there.
+  shutil.rmtree(run / "tokenizer")
   assert_refused(command(tmp_path, "vlrep.tools.caption", "--workdir=run", str(photo)), "vocab.model", "does not exist")
   assert_refused(command(tmp_path, "vlrep.evaluate", *CAPTIONING, "--workdir=run"), "vocab.model")
   assert not outside.exists()
