@@ -3,7 +3,8 @@ r"""Issue 76's attack corpus: crafted files and run folders, each run through th
 `write_corpus(root)` writes every crafted file and run folder under `root` and returns the cases: dicts of
   name      unique, for the table;
   kind      the corpus kind (pickle payload, memory bomb, malformed safetensors, crafted run folder, ...);
-  entry     the module run as `python -m` (vlrep.import_run, vlrep.evaluate, ...); `label` the entry as the table
+  entry     the module run as `python -m` (vlrep.interop.import_run, vlrep.evaluate, ...); `label` the entry as the
+  table
             shows it (with import_run's --format);
   argv      its arguments; `cwd` the folder it starts from;
   expect    the exit statuses allowed (2: refused with one message; a planted symlink beside a legitimate run may
@@ -53,9 +54,9 @@ import numpy as np
 import torch
 from test_safe_loading import _bert_folder, _crafted_files, _legacy_bytes, _legacy_parts, _payloads, _zip_of
 
-from vlrep import import_run
 from vlrep.bench import forkserver
-from vlrep.models.torch_resnet import ResNet as TorchResNet
+from vlrep.interop import import_run
+from vlrep.pytorch.resnet import ResNet as TorchResNet
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -64,12 +65,12 @@ TIMEOUT_S = 90
 MARGIN_MB = 500  # issue 76: peak memory under the command's baseline + 500 MB
 # Every command that reads a foreign file or run folder (issue 76's list).
 ENTRY_POINTS = (
-  "vlrep.import_run",
-  "vlrep.export",
+  "vlrep.interop.import_run",
+  "vlrep.interop.export",
   "vlrep.evaluate",
   "vlrep.tools.caption",
   "vlrep.tools.features",
-  "vlrep.tools.detectron2_transfer",
+  "vlrep.pytorch.detectron2_transfer",
   "vlrep.data.prepare",
   "vlrep.tools.convert_regions",
   "vlrep.main",
@@ -82,14 +83,14 @@ PREIMPORT = (
   "safetensors.numpy",
   "sentencepiece",
   "PIL.Image",
-  "vlrep.import_run",
-  "vlrep.export",
+  "vlrep.interop.import_run",
+  "vlrep.interop.export",
   "vlrep.evaluate",
   "vlrep.train",
   "vlrep.tools.caption",
   "vlrep.tools.features",
   "vlrep.tools.convert_regions",
-  "vlrep.tools.detectron2_transfer",
+  "vlrep.pytorch.detectron2_transfer",
   "vlrep.data.pipeline",
 )
 
@@ -291,7 +292,7 @@ def _case(name: str, kind: str, entry: str, argv, **kw) -> dict:
 
 
 def _import_cases(root, name, kind, checkpoint, formats=IMPORT_FORMATS, markers=(), argv=()) -> list[dict]:
-  """`vlrep.import_run` of one file in each --format: refused naming it, no workdir left."""
+  """`vlrep.interop.import_run` of one file in each --format: refused naming it, no workdir left."""
   cases = []
   for fmt in formats:
     work = os.path.join(root, "out", _slug(f"{name} {fmt}"))
@@ -300,7 +301,7 @@ def _import_cases(root, name, kind, checkpoint, formats=IMPORT_FORMATS, markers=
       _case(
         f"{name} [{fmt}]",
         kind,
-        "vlrep.import_run",
+        "vlrep.interop.import_run",
         args,
         label=f"import_run --format={fmt}",
         names=os.fspath(checkpoint),
@@ -805,7 +806,7 @@ def _edit_config(run: str, edit) -> None:
 
 def hugging_face_folders(root) -> list[dict]:
   """A valid tiny Hugging Face VisualBERT folder (config.json, model.safetensors, vocab.txt), each file then
-  damaged or crafted: `vlrep.import_run --format=visual_bert` (and auto) of the folder."""
+  damaged or crafted: `vlrep.interop.import_run --format=visual_bert` (and auto) of the folder."""
   import transformers  # here only: the driver, which imports this module too, never needs it (seconds, memory)
 
   torch.manual_seed(0)
@@ -871,7 +872,7 @@ def hugging_face_folders(root) -> list[dict]:
 
 
 def base_run(root) -> str:
-  """A valid run: a random torchvision ResNet-18 (width 8) imported by vlrep.import_run."""
+  """A valid run: a random torchvision ResNet-18 (width 8) imported by vlrep.interop.import_run."""
   torch.manual_seed(0)
   weights = os.path.join(root, "base", "r18w8.pth")
   os.makedirs(os.path.dirname(weights))
@@ -908,7 +909,7 @@ def run_folders(root, base: str) -> list[dict]:
       "evaluate": ("vlrep.evaluate", [f"--config={captioning}", f"--workdir={run}"]),
       "caption": ("vlrep.tools.caption", [f"--workdir={run}", photo]),
       "features": ("vlrep.tools.features", [f"--workdir={run}", f"--out={o}_features.npy", "--size=32", photo]),
-      "export": ("vlrep.export", [f"--workdir={run}", "--format=torchvision", f"--out={o}_export.safetensors"]),
+      "export": ("vlrep.interop.export", [f"--workdir={run}", "--format=torchvision", f"--out={o}_export.safetensors"]),
       "main": ("vlrep.main", [f"--config={finetune}", f"--config.init_from={run}", f"--workdir={o}_main"]),
     }
     for key, (entry, argv) in each.items():
@@ -992,7 +993,7 @@ def run_folders(root, base: str) -> list[dict]:
     _case(
       "backbone.pkl.tmp symlink [export --format=detectron2]",
       "crafted run folder",
-      "vlrep.export",
+      "vlrep.interop.export",
       [f"--workdir={run}", "--format=detectron2", f"--out={os.path.join(run, 'backbone.pkl')}"],
       expect=[0, 2],
       sentinels=[sentinel],
@@ -1095,7 +1096,7 @@ def run_folders(root, base: str) -> list[dict]:
     _case(
       "Detectron2 last_checkpoint shipped in the run [detectron2_transfer]",
       "crafted run folder",
-      "vlrep.tools.detectron2_transfer",
+      "vlrep.pytorch.detectron2_transfer",
       [f"--workdir={run}", f"--config-file={yaml_path}"],
       path_add=[stub],
       markers=[marker],
@@ -1114,7 +1115,7 @@ def run_folders(root, base: str) -> list[dict]:
     _case(
       "Detectron2 output folder a symlink outside [detectron2_transfer]",
       "crafted run folder",
-      "vlrep.tools.detectron2_transfer",
+      "vlrep.pytorch.detectron2_transfer",
       [f"--workdir={run}", f"--config-file={yaml_path}"],
       path_add=[stub],
       absent=[os.path.join(elsewhere, n) for n in ("backbone.pkl", "last_checkpoint", "transfer_results.json")],
@@ -1142,14 +1143,14 @@ def baselines(root, base: str) -> list[dict]:
   stub = os.path.join(root, "d2stub")
   run = _copy_run(base, os.path.join(root, "runs", "baseline"))
   each = [
-    ("vlrep.import_run", [f"--checkpoint={weights}", f"--workdir={out}/baseline_import"], {}),
-    ("vlrep.import_run", [f"--checkpoint={root}/missing.pth", f"--workdir={out}/baseline_import2"], {}),
+    ("vlrep.interop.import_run", [f"--checkpoint={weights}", f"--workdir={out}/baseline_import"], {}),
+    ("vlrep.interop.import_run", [f"--checkpoint={root}/missing.pth", f"--workdir={out}/baseline_import2"], {}),
     ("vlrep.tools.convert_regions", [f"--src={mmf}", f"--dst={out}/baseline_mmf"], {}),
     ("vlrep.data.prepare", ["--dataset=image_text", f"--manual_dir={manual}", f"--data_dir={out}/baseline_tfds"], {}),
     ("vlrep.evaluate", [f"--config={eval_none}", f"--workdir={run}"], {}),
     ("vlrep.tools.caption", [f"--workdir={run}", photo], {}),
     ("vlrep.tools.features", [f"--workdir={run}", f"--out={out}/baseline.npy", "--size=32", photo], {}),
-    ("vlrep.export", [f"--workdir={run}", "--format=torchvision", f"--out={out}/baseline.safetensors"], {}),
+    ("vlrep.interop.export", [f"--workdir={run}", "--format=torchvision", f"--out={out}/baseline.safetensors"], {}),
     (
       "vlrep.main",
       [
@@ -1160,7 +1161,7 @@ def baselines(root, base: str) -> list[dict]:
       {},
     ),
     (
-      "vlrep.tools.detectron2_transfer",
+      "vlrep.pytorch.detectron2_transfer",
       [f"--workdir={root}/missing", f"--config-file={d2_yaml}"],
       {"path_add": [stub]},
     ),
@@ -1190,7 +1191,7 @@ def controls(root) -> list[dict]:
     kw = dict(kw)
     if "folder" in name:
       kw["absent"] = [os.path.join(root, "outside", "made")]
-    cases.append(_case(name, "control", "vlrep.import_run", [], control=code, expect=[2], **kw))
+    cases.append(_case(name, "control", "vlrep.interop.import_run", [], control=code, expect=[2], **kw))
   return cases
 
 

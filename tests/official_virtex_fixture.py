@@ -10,7 +10,7 @@ decoding against; nothing of the official code):
   bicaptioning_tiny.pth  a randomly initialised official `BidirectionalCaptioningModel` (seed 0), saved as the model
                          zoo saves checkpoints ({"model": state_dict, "iteration": 0}); its textual heads are the
                          official `TransformerDecoderTextualHead`, its `visual.cnn` a ResNet-50 of width 4 in
-                         torchvision's layout (torchvision's constructor has no width; vlrep/models/torch_resnet.py)
+                         torchvision's layout (torchvision's constructor has no width; vlrep/pytorch/resnet.py)
   vocab.model            a SentencePiece BPE vocabulary in the official layout (<unk> 0, [SOS] 1, [EOS] 2, [MASK] 3)
   captured.npz           `images` (uint8 [N, 64, 64, 3]) and, per beam size, `tokens_beam{K}`: the official model's
                          `forward({"image": ...})["predictions"]` (official ids, [EOS] repeated to the end)
@@ -37,7 +37,7 @@ from torch import nn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from vlrep.models.torch_resnet import ResNet  # noqa: E402 (after the path; torch only, no TensorFlow)
+from vlrep.pytorch.resnet import ResNet  # noqa: E402 (after the path; torch only, no TensorFlow)
 
 OUT = os.path.join(ROOT, "tests", "fixtures", "virtex_official")
 SETTINGS = dict(width=4, hidden=32, layers=2, heads=2, feedforward=64, positions=12, vocab=64, images=6, size=64)

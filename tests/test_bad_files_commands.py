@@ -1,7 +1,7 @@
 """Every bad file given to a command is one message and exit status 2 (issue 76, item 5), and a Hugging Face folder's
 code hooks are neither imported nor exported (item 6).
 
-The commands, run as `python -m` runs them (their own flags and `app.run` wrappers): `vlrep.import_run` (every
+The commands, run as `python -m` runs them (their own flags and `app.run` wrappers): `vlrep.interop.import_run` (every
 --format) on malformed checkpoints (empty, truncated, random bytes, a zip whose tensor entry is a symlink, an unknown
 compression method, an encrypted entry, pickles nested 100000 deep or containing themselves, safetensors headers that
 overflow, are not JSON, overlap) and on VisualBERT folders whose config.json or vocab.txt is malformed (not JSON,
@@ -29,8 +29,9 @@ from conftest import run_module
 from ml_collections import ConfigDict
 from safetensors.numpy import save_file
 
-from vlrep import import_run, runs
-from vlrep.importers import ImportedRun, KeyMap, visual_bert
+from vlrep import runs
+from vlrep.interop import import_run
+from vlrep.interop.formats import ImportedRun, KeyMap, visual_bert
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -202,7 +203,7 @@ def bad_images(root) -> dict[str, str]:
 
 
 def _resnet_run(workdir, config: dict) -> str:
-  """A run folder with a ResNet-10 (width 8) backbone, written as vlrep.import_run writes runs."""
+  """A run folder with a ResNet-10 (width 8) backbone, written as vlrep.interop.import_run writes runs."""
   import jax
   import jax.numpy as jnp
 
@@ -330,7 +331,7 @@ def test_import_run_refuses_every_malformed_file_with_one_message(tmp_path):
   cases["visual_bert: weights truncated"] = ["--format=visual_bert", f"--checkpoint={folder}"]
   cases["visual_bert: weights truncated"].append(f"--workdir={tmp_path / 'runs' / 'w'}")
   names["visual_bert: weights truncated"] = weights
-  assert_refused(run_cases("vlrep.import_run", cases, tmp_path), names)
+  assert_refused(run_cases("vlrep.interop.import_run", cases, tmp_path), names)
   assert not os.path.exists(tmp_path / "runs")  # nothing written
 
 
@@ -410,7 +411,9 @@ def test_a_folders_code_hooks_are_dropped_on_import_and_never_exported(tmp_path,
   with open(os.path.join(folder, "modeling_evil.py"), "w") as f:
     f.write("open('pwned', 'w').close()\n")
   workdir = str(tmp_path / "run")
-  proc = run_module("vlrep.import_run", "--format=visual_bert", f"--checkpoint={folder}", f"--workdir={workdir}")
+  proc = run_module(
+    "vlrep.interop.import_run", "--format=visual_bert", f"--checkpoint={folder}", f"--workdir={workdir}"
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   for key in ("auto_map", "custom_pipelines", "trust_remote_code", "text_config.auto_map", "Python files"):
     assert f"dropped config.json {key}:" in proc.stdout or f"dropped {key}:" in proc.stdout, (key, proc.stdout)

@@ -155,7 +155,7 @@ def test_caption_log_likelihood_is_the_teacher_forced_sum_up_to_eos(cappa):
 def test_cappa_trains_resumes_captions_and_exports(tmp_path):
   """Two steps; a restart that resumes to four and runs the recipe's evaluators, the captioning one decoding
   autoregressively; the backbone's Detectron2 export (the ImageNet stem: the small one has no Detectron2 layout)."""
-  from vlrep import export
+  from vlrep.interop import export
 
   workdir = tmp_path / "run"
   config = "tests/tiny_virtex.py:task=cappa"

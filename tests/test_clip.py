@@ -149,7 +149,7 @@ def test_recipe_follows_clip_and_runlocal_compares_with_virtex_runlocal():
 def test_clip_trains_resumes_and_exports_its_backbone(tmp_path):
   """loss=softmax: the tiny run logs the learned temperature, evaluates (probe, retrieval with its own towers),
   continues from its checkpoint when started again with more steps, and its backbone exports to torchvision."""
-  from vlrep import export
+  from vlrep.interop import export
 
   run = tmp_path / "run"
   res = run_main(run, "--config.total_steps=2", "--config.evals={}", config="tests/tiny_clip.py")

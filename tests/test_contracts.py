@@ -99,10 +99,10 @@ def test_the_checks_catch_a_missing_member_and_a_wrong_signature():
   class OldCallingMode:
     config = None
 
-    def run(self, features_fn, variables=None):
+    def evaluate(self, features_fn, variables=None):
       return {}
 
-  class NoRun:
+  class NoEvaluate:
     config = None
 
   class NoFeatures:
@@ -115,11 +115,11 @@ def test_the_checks_catch_a_missing_member_and_a_wrong_signature():
       return 0.0, {}, {}
 
   assert contract_violations(OldCallingMode, evaluators.Evaluator) == [
-    "OldCallingMode.run(self, features_fn, variables): the contract's is run(self, model)"
+    "OldCallingMode.evaluate(self, features_fn, variables): the contract's is evaluate(self, model)"
   ]
   assert isinstance(OldCallingMode(), evaluators.Evaluator)  # why the parameters are checked as well
-  assert contract_violations(NoRun, evaluators.Evaluator) == ["NoRun has no method run"]
-  assert not isinstance(NoRun(), evaluators.Evaluator)
+  assert contract_violations(NoEvaluate, evaluators.Evaluator) == ["NoEvaluate has no method evaluate"]
+  assert not isinstance(NoEvaluate(), evaluators.Evaluator)
   assert contract_violations(NoFeatures, methods.Method) == ["NoFeatures has no method features"]
   assert not isinstance(NoFeatures(), methods.Method)
 

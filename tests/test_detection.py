@@ -1,6 +1,6 @@
 """Detection transfer: the backbone's conversion to PyTorch, synthetic_scenes' COCO instances, and a short
 fine-tune of torchvision's Mask R-CNN around a vlrep backbone, scored by pycocotools (vlrep.evaluators.detection,
-vlrep.detection_worker, vlrep.data.instances)."""
+vlrep.pytorch.detection_worker, vlrep.data.instances)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from ml_collections import ConfigDict
 from PIL import Image
 from pycocotools.coco import COCO
 
-from vlrep import detection_worker
 from vlrep.data import instances, pipeline, records
 from vlrep.errors import UserError
 from vlrep.evaluators import detection
 from vlrep.evaluators.run_inputs import Model, RunInputs
 from vlrep.models import resnet, vgg
+from vlrep.pytorch import detection_worker
 
 torch.set_num_threads(1)  # the test machine's cores are shared
 
@@ -132,7 +132,7 @@ def test_short_fine_tune_end_to_end(tmp_path):
   module = resnet.ResNet(depth=10, width=8, stem="small")
   variables = _trained_looking(module.init(jax.random.PRNGKey(0), np.zeros((1, 32, 32, 3), np.float32)))
   config = _tiny_evaluation(test_limit=8, seeds=(0,), detector={**_tiny_detector(), "iterations": 16, "log_every": 4})
-  metrics = detection.Detection(config, RunInputs()).run(Model(variables, None, lambda: (module, variables)))
+  metrics = detection.Detection(config, RunInputs()).evaluate(Model(variables, None, lambda: (module, variables)))
   assert np.isfinite(metrics["loss_first"]) and np.isfinite(metrics["loss_last"])
   assert metrics["loss_last"] < 0.8 * metrics["loss_first"], metrics
   for key in detection.AP_METRICS:
@@ -184,7 +184,7 @@ def test_parallel_workers_overlap_and_keep_the_seeds_order(monkeypatch, tmp_path
   config = _tiny_evaluation(
     train_limit=4, test_limit=4, seeds=(5, 6, 7), parallel=2, detector={**_tiny_detector(), "threads": 0}
   )
-  metrics = detection.Detection(config, RunInputs()).run(Model(variables, None, lambda: (module, variables)))
+  metrics = detection.Detection(config, RunInputs()).evaluate(Model(variables, None, lambda: (module, variables)))
   assert spans[6][0] < spans[5][1] and spans[5][0] < spans[6][1]  # 5 and 6 ran at the same time
   assert max(start for start, _ in spans.values()) >= min(end for _, end in spans.values())  # never 3 at once
   assert threads == {5: 2, 6: 2, 7: 2}

@@ -1,4 +1,4 @@
-"""`python -m vlrep.tools.detectron2_transfer`: the papers' detection transfer through Detectron2.
+"""`python -m vlrep.pytorch.detectron2_transfer`: the papers' detection transfer through Detectron2.
 
 Detectron2 is not on the package index, so CI has none: there the tests check the refusal (exit 2 with the install
 instruction), the mapping of a run's backbone to Detectron2's ResNet keys, the input-convention check and the
@@ -22,7 +22,7 @@ from PIL import Image, ImageDraw
 
 from vlrep import safe_files
 from vlrep.errors import UserError
-from vlrep.tools import detectron2_transfer as d2t
+from vlrep.pytorch import detectron2_transfer as d2t
 
 HAVE_DETECTRON2 = d2t.detectron2_missing() is None
 CONFIG_DIR = os.path.join(ROOT, "configs", "detectron2")
@@ -38,7 +38,7 @@ def test_without_detectron2_the_command_exits_2_with_the_install_instruction(tmp
   (tmp_path / "run").mkdir()
   code = (
     "import sys; sys.modules['detectron2'] = None\n"
-    "from vlrep.tools import detectron2_transfer as d\n"
+    "from vlrep.pytorch import detectron2_transfer as d\n"
     f"sys.exit(d.main(['--workdir={tmp_path / 'run'}', '--config-file={CONFIG_DIR}/voc_faster_rcnn_R_50_C4_24k.yaml']))"
   )
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -184,7 +184,7 @@ def _driver(args):
   """The driver in a fresh interpreter, as a user runs it (not forked from the test's command server: torch
   imported after that server's TensorFlow crashes the process)."""
   env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-  cmd = [sys.executable, "-m", "vlrep.tools.detectron2_transfer", *args]
+  cmd = [sys.executable, "-m", "vlrep.pytorch.detectron2_transfer", *args]
   return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
 
 
@@ -403,7 +403,7 @@ def test_the_command_refuses_a_planted_checkpoint_with_one_message(tmp_path):
   (out / "last_checkpoint").write_text("model_0000999.pth")
   code = (
     "import sys; sys.modules['detectron2'] = None\n"
-    "from vlrep.tools import detectron2_transfer as d\n"
+    "from vlrep.pytorch import detectron2_transfer as d\n"
     f"sys.exit(d.main(['--workdir={run}', '--config-file={CONFIG_DIR}/{YAML}.yaml']))"
   )
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)

@@ -474,29 +474,29 @@ COMMANDS: dict[str, object] = {
   "python -m vlrep.data.instances --dataset=synthetic_scenes --config_name=tiny --split=val --out=/tmp/scenes_tiny/in"
   "stances.json --images=/tmp/scenes_tiny/images": Run(add=(f"--data_dir={D}",), expect="Wrote 16 images and"),
   # The worker imports torch, which crashes in the forkserver's pre-warmed TensorFlow process; the evaluator runs it
-  # as a fresh `python -m vlrep.detection_worker` process, which tests/test_detection.py's fine-tune does.
+  # as a fresh `python -m vlrep.pytorch.detection_worker` process, which tests/test_detection.py's fine-tune does.
   **{
     c: Covered("tests/test_detection.py")
     for c in (
-      "python -m vlrep.detection_worker --spec=SPEC.json --out=METRICS.json",
-      "python -m vlrep.detection_worker",
+      "python -m vlrep.pytorch.detection_worker --spec=SPEC.json --out=METRICS.json",
+      "python -m vlrep.pytorch.detection_worker",
     )
   },
   # --- Export. ---------------------------------------------------------------------------------------- #
-  "python -m vlrep.export --workdir=RUN --format=torchvision --out=backbone.safetensors": Refuses(
+  "python -m vlrep.interop.export --workdir=RUN --format=torchvision --out=backbone.safetensors": Refuses(
     SMALL_STEM, replace=(("RUN", VIRTEX), ("backbone.safetensors", "{tmp}/backbone.safetensors"))
   ),
-  "python -m vlrep.export --workdir=RUN --format=detectron2 --out=backbone.pkl": Refuses(
+  "python -m vlrep.interop.export --workdir=RUN --format=detectron2 --out=backbone.pkl": Refuses(
     SMALL_STEM, replace=(("RUN", VIRTEX), ("backbone.pkl", "{tmp}/backbone.pkl"))
   ),
-  "python -m vlrep.export --workdir=DIR --format=torchvision --out=backbone.safetensors": Refuses(
+  "python -m vlrep.interop.export --workdir=DIR --format=torchvision --out=backbone.safetensors": Refuses(
     SMALL_STEM, replace=(("DIR", VIRTEX), ("backbone.safetensors", "{tmp}/backbone_dir.safetensors"))
   ),
-  "python -m vlrep.export --workdir=DIR --format=detectron2 --out=backbone.pkl": Refuses(
+  "python -m vlrep.interop.export --workdir=DIR --format=detectron2 --out=backbone.pkl": Refuses(
     SMALL_STEM, replace=(("DIR", VIRTEX), ("backbone.pkl", "{tmp}/backbone_dir.pkl"))
   ),
   # The quick start's run is a VirTex, not a VisualBERT: a clear refusal (tests/test_import_visual_bert.py exports).
-  "python -m vlrep.export --workdir=DIR --format=visual_bert --out=FOLDER": Refuses(
+  "python -m vlrep.interop.export --workdir=DIR --format=visual_bert --out=FOLDER": Refuses(
     r"exports VisualBERT runs", replace=(("DIR", VIRTEX), ("FOLDER", "{tmp}/visual_bert_hf"))
   ),
   # --- Tools on the runs above. ------------------------------------------------------------------------ #
@@ -519,14 +519,14 @@ COMMANDS: dict[str, object] = {
   "python -m vlrep.tools.features --workdir=/runs/in1k_r50 photo.jpg --resize=256 --size=224 --out=/tmp/pooled.npy": Run(
     replace=(("{tmp}/runs/in1k_r50", VIRTEX), (" photo.jpg", " {image}")), expect=r"1 images, pooled \[1, \d+\]"
   ),
-  # vlrep.tools.detectron2_transfer (docs/detectron2.md): Detectron2 is not on the package index, so CI has none;
+  # vlrep.pytorch.detectron2_transfer (docs/detectron2.md): Detectron2 is not on the package index, so CI has none;
   # tests/test_detectron2_transfer.py checks its refusal, and where Detectron2 is built, runs it end to end.
-  "python -m vlrep.tools.detectron2_transfer --workdir=RUN --config-file=configs/detectron2/FILE.yaml": Synopsis(),
-  "python -m vlrep.tools.detectron2_transfer --workdir=RUN --config-file=configs/detectron2/FILE.yaml "
+  "python -m vlrep.pytorch.detectron2_transfer --workdir=RUN --config-file=configs/detectron2/FILE.yaml": Synopsis(),
+  "python -m vlrep.pytorch.detectron2_transfer --workdir=RUN --config-file=configs/detectron2/FILE.yaml "
   "[KEY VALUE ...]": Synopsis(),
-  "python -m vlrep.tools.detectron2_transfer --workdir=/runs/virtex_r50 "
+  "python -m vlrep.pytorch.detectron2_transfer --workdir=/runs/virtex_r50 "
   "--config-file=configs/detectron2/voc_faster_rcnn_R_50_C4_24k.yaml --num-gpus=8": Refuses(r"no such run directory"),
-  "python -m vlrep.tools.detectron2_transfer --workdir=/runs/loctex_r50 "
+  "python -m vlrep.pytorch.detectron2_transfer --workdir=/runs/loctex_r50 "
   "--config-file=configs/detectron2/coco_mask_rcnn_R_50_FPN_2x.yaml "
   "--dataset=mine_train=coco:/data/mine/train.json:/data/mine/images "
   "--dataset=mine_val=coco:/data/mine/val.json:/data/mine/images --train=mine_train --test=mine_val "
@@ -546,7 +546,7 @@ COMMANDS: dict[str, object] = {
   "--out=/tmp/scenes_d2/val/instances.json --images=/tmp/scenes_d2/val/images": Run(
     add=("--config_name=tiny", f"--data_dir={D}"), expect="Wrote 16 images and"
   ),
-  "python -m vlrep.tools.detectron2_transfer --workdir=/tmp/d2run_r50 "
+  "python -m vlrep.pytorch.detectron2_transfer --workdir=/tmp/d2run_r50 "
   "--config-file=configs/detectron2/coco_mask_rcnn_R_50_FPN_2x.yaml "
   "--dataset=scenes_train=coco:/tmp/scenes_d2/train/instances.json:/tmp/scenes_d2/train/images "
   "--dataset=scenes_val=coco:/tmp/scenes_d2/val/instances.json:/tmp/scenes_d2/val/images "
@@ -642,14 +642,14 @@ COMMANDS: dict[str, object] = {
     # before anything is built)
     c: Refuses(r"No checkpoint \S+\.|No such image file|No run directory|is not prepared in .*Prepare it")
     for c in (
-      "python -m vlrep.import_run --format=torchvision --checkpoint=resnet50-0676ba61.pth --workdir=/runs/in1k_r50",
-      "python -m vlrep.import_run --format=virtex --checkpoint=bicaptioning_R_50_L1_H2048.pth --vocab=coco_10k.model "
+      "python -m vlrep.interop.import_run --format=torchvision --checkpoint=resnet50-0676ba61.pth --workdir=/runs/in1k_r50",
+      "python -m vlrep.interop.import_run --format=virtex --checkpoint=bicaptioning_R_50_L1_H2048.pth --vocab=coco_10k.model "
       "--workdir=/runs/virtex_zoo",
-      "python -m vlrep.import_run --format=virtex --checkpoint=bicaptioning_R_50_L1_H2048.pth --vocab=coco_10k.model "
+      "python -m vlrep.interop.import_run --format=virtex --checkpoint=bicaptioning_R_50_L1_H2048.pth --vocab=coco_10k.model "
       "--workdir=/runs/virtex_zoo_h2048",
-      "python -m vlrep.import_run --format=visual_bert --checkpoint=visualbert-vqa-coco-pre/ "
+      "python -m vlrep.interop.import_run --format=visual_bert --checkpoint=visualbert-vqa-coco-pre/ "
       "--vocab=bert-base-uncased/vocab.txt --workdir=/runs/visualbert_coco",
-      "python -m vlrep.export --workdir=/runs/visualbert_coco --format=visual_bert --out=visualbert_coco_hf",
+      "python -m vlrep.interop.export --workdir=/runs/visualbert_coco --format=visual_bert --out=visualbert_coco_hf",
       "python -m vlrep.evaluate --config=configs/eval/voc07_svm.py --workdir=/runs/in1k_r50",
       "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal --workdir=/runs/in1k_r50",
       "python -m vlrep.evaluate --config=configs/eval/detection.py:runlocal --workdir=/runs/virtex_zoo",
@@ -661,16 +661,16 @@ COMMANDS: dict[str, object] = {
       "python -m vlrep.tools.caption --workdir=/runs/virtex_zoo_h2048 photo.jpg",
       "python -m vlrep.main --config=configs/finetune.py --config.init_from=/runs/virtex_zoo --workdir=/runs/inat_ft",
       "python -m vlrep.main --config=configs/finetune.py --config.init_from=/runs/in1k_r50 --workdir=/runs/inat_ft",
-      "python -m vlrep.export --workdir=/runs/virtex_zoo --format=virtex --out=bicaptioning.pth",
-      "python -m vlrep.export --workdir=/runs/virtex_zoo_h2048 --format=virtex --out=bicaptioning.pth",
+      "python -m vlrep.interop.export --workdir=/runs/virtex_zoo --format=virtex --out=bicaptioning.pth",
+      "python -m vlrep.interop.export --workdir=/runs/virtex_zoo_h2048 --format=virtex --out=bicaptioning.pth",
     )
   },
   "python -m vlrep.main --config=configs/vlbert.py:arch=visual_bert,stage=finetune,task=vqa,bert=$BERT,"
   "regions=$REGIONS --config.method.pretrained_run=/runs/visualbert_coco --config.method.region_type_id=1 "
   "--workdir=/runs/vb_vqa": Refuses(NOT_PREPARED),
-  "python -m vlrep.import_run --format=auto --checkpoint=FILE --workdir=RUN": Synopsis(),
+  "python -m vlrep.interop.import_run --format=auto --checkpoint=FILE --workdir=RUN": Synopsis(),
   # The quick start's run has the small stem, which the official ResNet lacks: a clear refusal.
-  "python -m vlrep.export --workdir=DIR --format=virtex --out=virtex.pth": Refuses(
+  "python -m vlrep.interop.export --workdir=DIR --format=virtex --out=virtex.pth": Refuses(
     SMALL_STEM, replace=(("DIR", VIRTEX), ("virtex.pth", "{tmp}/virtex.pth"))
   ),
   # --- vlrep.bench: the multi-process harnesses, run by their own tests. ---------------------------- #

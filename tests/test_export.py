@@ -16,7 +16,8 @@ from ml_collections import ConfigDict
 from torchvision.models.feature_extraction import create_feature_extractor
 
 from vlrep import checkpoint as ckpt_lib
-from vlrep import export, runs
+from vlrep import runs
+from vlrep.interop import export
 from vlrep.models import resnet
 
 
@@ -218,7 +219,7 @@ def test_export_refusals_are_one_message_and_exit_2(tmp_path):
     "must end in .pkl": ("--format=detectron2", f"--workdir={tmp_path / 'small'}", f"--out={tmp_path / 'x.pth'}"),
   }
   for message, args in commands.items():
-    proc = run_module("vlrep.export", f"--out={tmp_path / 'x.pkl'}", *args)  # (a later --out wins)
+    proc = run_module("vlrep.interop.export", f"--out={tmp_path / 'x.pkl'}", *args)  # (a later --out wins)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert re.search(message, proc.stderr) and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert proc.stderr.count("ERROR: ") == 1 and not (tmp_path / "x.pkl").exists() and not (tmp_path / "x.pth").exists()
@@ -230,7 +231,7 @@ def test_visual_bert_export_writes_no_code_hook(tmp_path):
   import json
 
   transformers = pytest.importorskip("transformers")
-  from vlrep.importers import visual_bert
+  from vlrep.interop.formats import visual_bert
 
   config = transformers.VisualBertConfig(
     vocab_size=8, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=20,

@@ -48,7 +48,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
   config.optim.grad_clip_norm = 0.0
   config.optim.warmup_steps = 0
   with pytest.raises(train.NonFiniteLossError, match="last good checkpoint"):
-    train.run(config, str(tmp_path))
+    train.train_and_evaluate(config, str(tmp_path))
   ckpts = [int(p) for p in os.listdir(tmp_path / "checkpoints") if p.isdigit()]
   for step in ckpts:  # whatever was saved holds finite parameters
     params = final_params(str(tmp_path))[1]
@@ -62,7 +62,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_pat
   config.evals = {}
   config.total_steps = 8
   config.checkpoint.update(every_steps=4, keep=3, async_save=False)
-  train.run(config, str(tmp_path))
+  train.train_and_evaluate(config, str(tmp_path))
   ckpts = tmp_path / "checkpoints"
   assert sorted(int(p) for p in os.listdir(ckpts) if p.isdigit()) == [4, 8]
 
@@ -90,7 +90,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_pat
   caplog.clear()
   config.total_steps = 10
   with caplog.at_level("WARNING"):
-    train.run(config, str(tmp_path))
+    train.train_and_evaluate(config, str(tmp_path))
   text = caplog.text
   assert "Checkpoint at step 8 does not restore" in text and "newest intact checkpoint, instead of 8" in text
   # It trained steps 5..10 from step 4's state; the damaged step 8 was moved aside, not deleted, and saved anew.
@@ -101,7 +101,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_pat
     damage(step)
   config.total_steps = 12
   with pytest.raises(checkpoint.NoIntactCheckpointError, match="(?s)would start again from step 0.*step 10"):
-    train.run(config, str(tmp_path))
+    train.train_and_evaluate(config, str(tmp_path))
 
 
 def test_a_failed_save_is_a_clear_error_and_keeps_the_earlier_checkpoints(tmp_path, monkeypatch):
@@ -120,7 +120,7 @@ def test_a_failed_save_is_a_clear_error_and_keeps_the_earlier_checkpoints(tmp_pa
 
   monkeypatch.setattr(ocp.CheckpointManager, "save", disk_full_after_step_4)
   with pytest.raises(checkpoint.CheckpointSaveError, match=r"(?s)step 8.*No space left.*steps \[4\]\) are untouched"):
-    train.run(config, str(tmp_path))
+    train.train_and_evaluate(config, str(tmp_path))
   monkeypatch.setattr(ocp.CheckpointManager, "save", real_save)
   assert sorted(int(p) for p in os.listdir(tmp_path / "checkpoints") if p.isdigit()) == [4]
   assert final_params(tmp_path)[0] == 4  # and it restores

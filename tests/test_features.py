@@ -18,9 +18,10 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
-from vlrep import import_run, runs, visualize
+from vlrep import runs, visualize
 from vlrep.data.ops import IMAGENET_MEAN, IMAGENET_STD
 from vlrep.errors import UserError
+from vlrep.interop import import_run
 from vlrep.tools import features
 
 torch = pytest.importorskip("torch")
@@ -178,7 +179,7 @@ def test_bad_inputs_exit_2_naming_what_was_wrong(tiny_virtex_run, photos, tmp_pa
   # A run without a visual backbone (e.g. an imported VisualBERT, which reads region features).
   from ml_collections import ConfigDict
 
-  from vlrep.importers import ImportedRun
+  from vlrep.interop.formats import ImportedRun
 
   text_only = ImportedRun(
     ConfigDict({"method": {"name": "vlbert"}}), {"bert": {"w": np.ones((2, 2), np.float32)}}, {}, {}

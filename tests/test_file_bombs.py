@@ -1,10 +1,10 @@
 """Foreign files crafted to crash vlrep or to take its memory: each is one BadFile naming the file, in bounded memory.
 
 The attacks of issue 76 against the loaders of torch files, numpy files, safetensors, BERT folders and region files
-(vlrep.torch_files, vlrep.importers, vlrep.data.region_files, vlrep.models.bert, vlrep.data.wordpiece):
+(vlrep.interop.torch_files, vlrep.interop.formats, vlrep.data.region_files, vlrep.models.bert, vlrep.data.wordpiece):
 
   - the numpy dtype trick: a void dtype whose pickled state gives it an object field, then an array of it rebuilt
-    from raw bytes, which numpy reads as object pointers (a segfault of `python -m vlrep.import_run`);
+    from raw bytes, which numpy reads as object pointers (a segfault of `python -m vlrep.interop.import_run`);
   - memory bombs of a few bytes: a pickle memo index of 2**27 (9 bytes), a 2**28-element object array (32 bytes), a
     stride-0 23000 x 23000 tensor over one float, one deflated zip member referenced by 8 tensors, a zip member
     declaring 320 MB, legacy storage counts past the file, .npy / .npz headers declaring gigabytes;
@@ -14,7 +14,8 @@ The attacks of issue 76 against the loaders of torch files, numpy files, safeten
 
 The files are written here; one child process loads them all through the API and reports, for each, the error and
 its peak memory (`ru_maxrss` of the child itself, which only grows: the last value is the peak over every bomb);
-a few go through `python -m vlrep.import_run` as a user would run it, its peak memory measured by a wrapper process
+a few go through `python -m vlrep.interop.import_run` as a user would run it, its peak memory measured by a wrapper
+process
 (`RUSAGE_CHILDREN` of the wrapper: that one command). Every bomb must stay under the baseline + 500 MB.
 """
 
@@ -35,7 +36,7 @@ import pytest
 import torch
 from conftest import ROOT
 
-from vlrep.models.torch_resnet import ResNet as TorchResNet
+from vlrep.pytorch.resnet import ResNet as TorchResNet
 
 MB = 2**20
 HEADROOM = 500 * MB  # what a bomb may add to the baseline's peak memory
@@ -291,7 +292,8 @@ def _crafted(d) -> list[tuple[str, str, str]]:
 # a vlrep UserError, its message, the process's peak memory so far).
 _CHILD = r"""
 import json, os, resource, sys, traceback
-from vlrep import errors, importers, torch_files
+from vlrep import errors
+from vlrep.interop import formats, torch_files
 from vlrep.data import region_files, wordpiece
 from vlrep.models import bert
 
@@ -299,8 +301,8 @@ def peak():
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 LOADERS = {
-  "checkpoint": lambda p: importers.load_state_dict(p),
-  "safetensors": lambda p: importers.load_checkpoint(p),
+  "checkpoint": lambda p: formats.load_state_dict(p),
+  "safetensors": lambda p: formats.load_checkpoint(p),
   "info_npy": lambda p: region_files.load_pickled_npy(p),
   "npy": lambda p: region_files.load_npy(p),
   "npz": lambda p: region_files.RegionStore(os.path.dirname(p), 4),
@@ -440,7 +442,7 @@ def test_no_bomb_takes_more_than_the_baseline_plus_500_mb(results):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# As a user runs it: python -m vlrep.import_run, each command's peak memory measured by a wrapper process.
+# As a user runs it: python -m vlrep.interop.import_run, each command's peak memory measured by a wrapper process.
 # ------------------------------------------------------------------------------------------------------------------
 _WRAPPER = (
   "import resource, subprocess, sys; p = subprocess.run(sys.argv[1:]); "
@@ -450,9 +452,9 @@ _WRAPPER = (
 
 
 def _import_command(checkpoint, workdir) -> tuple[int, str, int]:
-  """(exit status, stderr, peak memory in bytes) of `python -m vlrep.import_run --format=torchvision`; a signal
+  """(exit status, stderr, peak memory in bytes) of `python -m vlrep.interop.import_run --format=torchvision`; a signal
   is 128 + its number (139: a segfault)."""
-  argv = [sys.executable, "-m", "vlrep.import_run", "--format=torchvision", f"--checkpoint={checkpoint}"]
+  argv = [sys.executable, "-m", "vlrep.interop.import_run", "--format=torchvision", f"--checkpoint={checkpoint}"]
   proc = subprocess.run(
     [sys.executable, "-c", _WRAPPER, *argv, f"--workdir={workdir}"],
     cwd=ROOT,

@@ -287,7 +287,7 @@ def test_icmlm_linear_probe_learns_a_separable_imagenet_format_set_and_skips_div
 
   model = Model(variables=None, features=features)
   evaluator = linear_probe.LinearProbe(probe, RunInputs())
-  result = evaluator.run(model)
+  result = evaluator.evaluate(model)
   assert set(seen) == {(224, 224, 3)}
   assert result["top1"] == 100.0 and result["top1_val"] == 100.0
   lrs, wds = linear_probe.search_draws(probe)
@@ -301,4 +301,4 @@ def test_icmlm_linear_probe_learns_a_separable_imagenet_format_set_and_skips_div
     return w, b
 
   monkeypatch.setattr(linear_probe, "train_linear_search", poisoned)
-  assert evaluator.run(model)["lr"] == pytest.approx(float(lrs[-1]))
+  assert evaluator.evaluate(model)["lr"] == pytest.approx(float(lrs[-1]))

@@ -1,10 +1,10 @@
-"""vlrep.import_run: published checkpoints as vlrep runs, checked against independent torch references.
+"""vlrep.interop.import_run: published checkpoints as vlrep runs, checked against independent torch references.
 
 The references: `torchvision.models` ResNets themselves (random weights and BatchNorm statistics, saved as
 torchvision's state dicts), and the official VirTex model's layout (kdexd/virtex: `CaptioningModel` over a
 `TransformerDecoderTextualHead` of torch.nn.TransformerDecoderLayer, its embedding with LayerNorm eps 1e-8 and
 learned positions, the output layer tied to the word embedding), written as the model zoo writes checkpoints. The
-VirTex reference's visual backbone is torchvision's ResNet-50 at width 8 (vlrep/models/torch_resnet.py: torchvision
+VirTex reference's visual backbone is torchvision's ResNet-50 at width 8 (vlrep/pytorch/resnet.py: torchvision
 builds width 64 only, 30x the compute and 60x the file size of these tests' models), a copy checked here against
 `torchvision.models.resnet50` itself. Every run is used as imported (no override of its config) and loaded as users
 load runs (`vlrep.runs.load_run`).
@@ -25,9 +25,10 @@ from ml_collections import ConfigDict
 from torch import nn
 from torchvision.models.feature_extraction import create_feature_extractor
 
-from vlrep import export, import_run, methods, runs, train
+from vlrep import methods, runs, train
 from vlrep.data import tokenizers
-from vlrep.models.torch_resnet import ResNet as TorchResNet
+from vlrep.interop import export, import_run
+from vlrep.pytorch.resnet import ResNet as TorchResNet
 
 TINY_VIRTEX = os.path.join(ROOT, "tests", "tiny_virtex.py")
 TINY_FINETUNE = os.path.join(ROOT, "tests", "tiny_finetune.py")
@@ -271,7 +272,7 @@ def test_torchvision_resnet50_imports_and_computes_torchvisions_features(tmp_pat
 
 
 def test_torchvision_depths_and_widths_are_read_from_the_shapes():
-  from vlrep.importers import torchvision as tv
+  from vlrep.interop.formats import torchvision as tv
 
   models = {
     (18, 1): torchvision.models.resnet18,
@@ -287,7 +288,7 @@ def test_torchvision_depths_and_widths_are_read_from_the_shapes():
 
 
 def test_the_virtex_references_resnet_is_torchvisions():
-  """vlrep/models/torch_resnet.py (the VirTex reference's backbone, at width 8 there) at width 64 is
+  """vlrep/pytorch/resnet.py (the VirTex reference's backbone, at width 8 there) at width 64 is
   torchvision.models.resnet50: the same names and shapes (strict load both ways) and the same grid and pooled
   features."""
   torch.manual_seed(4)
@@ -299,7 +300,7 @@ def test_the_virtex_references_resnet_is_torchvisions():
   with torch.no_grad():
     grid, pooled = copy(torch.from_numpy(images.transpose(0, 3, 1, 2).copy()))
   rel_grid, rel_pooled = _rel(grid.numpy().transpose(0, 2, 3, 1), grid_t), _rel(pooled.numpy(), pooled_t)
-  print(f"vlrep/models/torch_resnet.py vs torchvision.models.resnet50: grid {rel_grid:.2e}, pooled {rel_pooled:.2e}")
+  print(f"vlrep/pytorch/resnet.py vs torchvision.models.resnet50: grid {rel_grid:.2e}, pooled {rel_pooled:.2e}")
   assert rel_grid < 1e-6 and rel_pooled < 1e-6
 
 
@@ -481,7 +482,7 @@ def test_virtex_export_of_a_vlrep_trained_run_loads_strictly(zoo, tmp_path):
   run = runs.load_run(zoo["workdir"])
   c = ConfigDict(run.config.to_dict())
   c.tokenizer.special_tokens = "vlrep"
-  from vlrep.importers import virtex as virtex_format
+  from vlrep.interop.formats import virtex as virtex_format
 
   native = runs.Run(c, run.params, run.model_state, 3, run.path, {})
   sd, official = virtex_format.state_dict(native)
@@ -506,12 +507,12 @@ def _probe_config():
 
 
 def _finetune_one_step(init_from: str, workdir) -> None:
-  """tests/tiny_finetune.py from `init_from` for one step at LR 0, in this process (vlrep.train.run, as
+  """tests/tiny_finetune.py from `init_from` for one step at LR 0, in this process (vlrep.train.train_and_evaluate, as
   `python -m vlrep.main` runs it; no evaluations): the backbone must arrive unchanged."""
   config = tiny_finetune.get_config()
   config.update(init_from=init_from, total_steps=1, evals={})
   config.optim.lr_groups = ((".*", 0.0),)
-  train.run(config, str(workdir))
+  train.train_and_evaluate(config, str(workdir))
 
 
 def test_imported_virtex_run_evaluates_captions_and_exports(zoo, tmp_path):
@@ -557,18 +558,18 @@ def test_imported_backbone_initialises_a_finetuning_run(tmp_path):
 
 
 def test_the_command_computes_in_float32_unless_asked(tmp_path):
-  """`python -m vlrep.import_run`: float32 by default, `--dtype=bfloat16` when asked (said on the console and in
+  """`python -m vlrep.interop.import_run`: float32 by default, `--dtype=bfloat16` when asked (said on the console and in
   the run's note); a dtype it does not offer is refused before anything is written."""
   torch.manual_seed(5)
   torch.save(_randomize(TorchResNet(18, 8)).state_dict(), tmp_path / "r18w8.pth")
   for dtype in ("float32", "bfloat16"):
     args = ["--format=torchvision", f"--checkpoint={tmp_path / 'r18w8.pth'}", f"--workdir={tmp_path / dtype}"]
-    proc = run_module("vlrep.import_run", *args, *([f"--dtype={dtype}"] if dtype != "float32" else []))
+    proc = run_module("vlrep.interop.import_run", *args, *([f"--dtype={dtype}"] if dtype != "float32" else []))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"it computes in {dtype}." in proc.stdout
     run = runs.load_run(str(tmp_path / dtype))
     assert run.config.method.dtype == dtype and run.meta["import"]["dtype"].startswith(dtype)
-  proc = run_module("vlrep.import_run", *args[:2], f"--workdir={tmp_path / 'f16'}", "--dtype=float16")
+  proc = run_module("vlrep.interop.import_run", *args[:2], f"--workdir={tmp_path / 'f16'}", "--dtype=float16")
   assert proc.returncode != 0 and "one of <float32|bfloat16>" in proc.stderr and not (tmp_path / "f16").exists()
 
 

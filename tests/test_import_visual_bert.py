@@ -1,9 +1,10 @@
 """The `visual_bert` import format against transformers' VisualBERT (an independent implementation): a tiny random
-`VisualBertForPreTraining` saved with `save_pretrained`, imported as a user imports it (`vlrep.import_run` with no
+`VisualBertForPreTraining` saved with `save_pretrained`, imported as a user imports it (`vlrep.interop.import_run`
+with no
 options), loaded as users load runs (`vlrep.runs.load_run`, the method built from the run's config as
 `vlrep.evaluate` builds it, nothing overridden) and run by vlrep on the same inputs; MMF's layout
 (and torch's zip and legacy files) imports to the same parameters; bad inputs are clear errors; the imported run
-starts a downstream run through `method.pretrained_run`; export (`vlrep.export --format=visual_bert`) writes the
+starts a downstream run through `method.pretrained_run`; export (`vlrep.interop.export --format=visual_bert`) writes the
 folder back bit for bit, writes a vlrep-trained VisualBERT that transformers loads and computes as vlrep does, and
 refuses any other model.
 
@@ -28,8 +29,9 @@ from safetensors.numpy import load_file
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from vlrep import import_run, methods, runs  # noqa: E402
-from vlrep.importers import visual_bert  # noqa: E402
+from vlrep import methods, runs  # noqa: E402
+from vlrep.interop import import_run  # noqa: E402
+from vlrep.interop.formats import visual_bert  # noqa: E402
 from vlrep.methods import vlbert  # noqa: E402
 from vlrep.models import vl_bert  # noqa: E402
 
@@ -91,7 +93,7 @@ def imported(hf_folder):
 
 @pytest.fixture(scope="module")
 def imported_dir(hf_folder, tmp_path_factory):
-  """The folder imported as the command imports it (`python -m vlrep.import_run --format=visual_bert
+  """The folder imported as the command imports it (`python -m vlrep.interop.import_run --format=visual_bert
   --checkpoint=FOLDER --workdir=RUN`: the format's default config, no options)."""
   workdir = str(tmp_path_factory.mktemp("imported") / "run")
   import_run.import_run("visual_bert", hf_folder, workdir)
@@ -408,10 +410,10 @@ def test_visual_bert_tables_start_from_berts_when_bert_initialises_the_run():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Export: the same key map read the other way (vlrep.export --format=visual_bert).
+# Export: the same key map read the other way (vlrep.interop.export --format=visual_bert).
 # ---------------------------------------------------------------------------------------------------------
 def _exportable(imported):
-  """The imported run as vlrep.export reads it from its directory (the import note in its metadata)."""
+  """The imported run as vlrep.interop.export reads it from its directory (the import note in its metadata)."""
   return _as_run(imported, "/runs/imported/best/0", meta={"import": json.loads(json.dumps(imported.note))})
 
 
@@ -464,7 +466,7 @@ def test_export_round_trip_is_bit_exact_and_transformers_computes_the_same(hf_mo
 def test_the_round_trip_comparison_sees_a_transposed_kernel_and_unswapped_logits(hf_folder, imported, monkeypatch):
   """The bit-exact comparison has teeth: an exporter that wrote square Dense kernels untransposed (which no shape
   check sees) or the sentence-image logits in vlrep's order would fail it, on exactly those tensors."""
-  from vlrep.importers import TRANSFORMS
+  from vlrep.interop.formats import TRANSFORMS
 
   original = load_file(os.path.join(hf_folder, "model.safetensors"))
   right, _ = visual_bert.state_dict(_exportable(imported))
@@ -484,7 +486,7 @@ def test_export_of_a_vlrep_trained_visual_bert_computes_its_outputs_in_transform
   first layer, with another activation and LayerNorm eps; MMF's region type 0; no alignment head): transformers
   loads the export and computes vlrep's outputs."""
   from vlrep.config_utils import sibling_config
-  from vlrep.importers import unflatten
+  from vlrep.interop.formats import unflatten
   from vlrep.models import bert as bert_lib
 
   bert_dir = tmp_path / "bert"
@@ -544,9 +546,6 @@ def test_export_refuses_a_model_that_is_not_visual_berts(imported):
 # ---------------------------------------------------------------------------------------------------------
 # The CLI end to end: import, then a downstream run from the imported run.
 # ---------------------------------------------------------------------------------------------------------
-@pytest.mark.skipif(
-  not os.path.exists(os.path.join(ROOT, "vlrep", "import_run.py")), reason="vlrep/import_run.py (the CLI) not there yet"
-)
 def test_cli_import_then_downstream_run_loads_it_through_pretrained_run(tmp_path):
 
   from vlrep.data import region_files
@@ -576,7 +575,8 @@ def test_cli_import_then_downstream_run_loads_it_through_pretrained_run(tmp_path
     "  return c\n"
   )
   run_dir = tmp_path / "imported"
-  # What `python -m vlrep.import_run` calls, in this process (the command's flags are run by the docs-commands test).
+  # What `python -m vlrep.interop.import_run` calls, in this process (the command's flags are run by the docs-commands
+  # test).
   # The run keeps --config's data and evaluations (the tiny dataset and its region files).
   import_run.import_run(
     "visual_bert",
@@ -593,8 +593,8 @@ def test_cli_import_then_downstream_run_loads_it_through_pretrained_run(tmp_path
     loaded.params["regions_embed"]["feature"]["kernel"],
     model.visual_bert.embeddings.visual_projection.weight.detach().numpy().T,
   )
-  # ... and the run on disk exports back (vlrep.export): the folder's tensors, bit for bit.
-  from vlrep import export
+  # ... and the run on disk exports back (vlrep.interop.export): the folder's tensors, bit for bit.
+  from vlrep.interop import export
 
   info = export.export(str(run_dir), "visual_bert", str(tmp_path / "exported"))
   assert info["files"] == ["config.json", "model.safetensors", "vocab.txt"]

@@ -20,7 +20,7 @@ from PIL import Image
 from test_import_run import OfficialVirTex, _official_vocab, _randomize
 
 from vlrep.bench.forkserver import Server
-from vlrep.models.torch_resnet import ResNet as TorchResNet
+from vlrep.pytorch.resnet import ResNet as TorchResNet
 
 DOCS = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "docs", "interop.md")]
 D = os.environ.get("VLREP_TEST_DATA_DIR", "/tmp/vlrep_test_data")
@@ -34,10 +34,11 @@ TINY_DETECTION = (
   *(f"--config.evals.detection.detector.{k}" for k in ("min_size=32", "max_size=32", "threads=1")),
 )
 IMPORT_TORCHVISION = (
-  "python -m vlrep.import_run --format=torchvision --checkpoint=resnet50-0676ba61.pth --workdir=/runs/in1k_r50"
+  "python -m vlrep.interop.import_run --format=torchvision --checkpoint=resnet50-0676ba61.pth --workdir=/runs/in1k_r50"
 )
 IMPORT_VIRTEX = (
-  "python -m vlrep.import_run --format=virtex --checkpoint=bicaptioning_R_50_L1_H2048.pth --vocab=coco_10k.model "
+  "python -m vlrep.interop.import_run --format=virtex --checkpoint=bicaptioning_R_50_L1_H2048.pth "
+  "--vocab=coco_10k.model "
   "--workdir=/runs/virtex_zoo"
 )
 # (documented command, extra flags for its smallest real form, text its output must show), in order.
@@ -76,8 +77,8 @@ COMMANDS = [
     (),
     "the backbone takes the architecture of",
   ),
-  ("python -m vlrep.export --workdir=/runs/virtex_zoo --format=virtex --out=bicaptioning.pth", (), ""),
-  ("python -m vlrep.import_run --format=auto --checkpoint=FILE --workdir=RUN", (), "Imported"),
+  ("python -m vlrep.interop.export --workdir=/runs/virtex_zoo --format=virtex --out=bicaptioning.pth", (), ""),
+  ("python -m vlrep.interop.import_run --format=auto --checkpoint=FILE --workdir=RUN", (), "Imported"),
   # The detection worker (torch, a process of its own) fine-tunes the imported ResNet-50s for 2 iterations.
   *(
     (

@@ -692,7 +692,7 @@ def test_few_narrations_are_refused_before_training_and_the_caption_fallback_tra
   config = tiny_loctex.get_config(f"data={data_dir},val=25")
   config.evals, config.total_steps, config.batch_size = {}, 2, 4
   with pytest.raises(pipeline.SparseField) as caught, caplog.at_level("INFO"):
-    train.run(config, str(tmp_path / "refused"))
+    train.train_and_evaluate(config, str(tmp_path / "refused"))
   said = str(caught.value)
   assert "loctex needs 'narration'" in said and "only 2 of 8 prepared examples" in said and "(25%" in said, said
   assert "data.min_field_fraction=0.5" in said and "configs/loctex.py:data=DIR,untraced=captions" in said
@@ -705,7 +705,7 @@ def test_few_narrations_are_refused_before_training_and_the_caption_fallback_tra
   config = tiny_loctex.get_config(f"data={data_dir},val=25,untraced=captions")
   config.evals, config.total_steps, config.batch_size = {}, 2, 4
   assert config.tokenizer.corpus_key == "captions" and config.data.pp.startswith("text_or_caption(")
-  summary = train.run(config, str(tmp_path / "fallback"))
+  summary = train.train_and_evaluate(config, str(tmp_path / "fallback"))
   assert summary["steps"] == 2 and np.isfinite(summary["train/loss"])
   assert (summary["data/narration_examples"], summary["data/narration_fraction"]) == (2, 0.25)
   builder = pipeline.get_builder("image_text", str(data_dir))

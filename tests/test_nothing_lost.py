@@ -53,7 +53,7 @@ def test_a_failing_evaluation_saves_the_trained_state_first_and_the_last_step_is
   # An evaluation that fails after 2 steps, with no checkpoint due: the error propagates, step 2 is saved first.
   fail = FailingCaptioning(workdir, fail_at={1}).install(monkeypatch)
   with pytest.raises(RuntimeError, match="evaluation 1 failed") as caught:
-    train.run(_config(4), workdir)
+    train.train_and_evaluate(_config(4), workdir)
   assert fail.calls == [[]]  # nothing was saved when it ran: the save came after it failed
   assert final_params(workdir)[0] == 2  # step 2 on disk, and it restores
   note = "\n".join(caught.value.__notes__)
@@ -63,19 +63,19 @@ def test_a_failing_evaluation_saves_the_trained_state_first_and_the_last_step_is
   # Resumed, it trains steps 3-4; the final evaluation runs with step 4 already on disk, and fails.
   fail = FailingCaptioning(workdir, fail_at={1}).install(monkeypatch)
   with pytest.raises(RuntimeError, match="evaluation 1 failed") as caught:
-    train.run(_config(4), workdir)
+    train.train_and_evaluate(_config(4), workdir)
   assert fail.calls == [[2, 4]]
   assert f"stopped at step 4, which is saved in {workdir}/checkpoints/4" in "\n".join(caught.value.__notes__)
 
   # Run again once the evaluation works: nothing to train, the final evaluation runs on step 4 and the run finishes.
   fine = FailingCaptioning(workdir, fail_at=()).install(monkeypatch)
-  summary = train.run(_config(4), workdir)
+  summary = train.train_and_evaluate(_config(4), workdir)
   assert fine.calls == [[2, 4]] and summary["steps"] == 4 and summary["captioning/cider"] == 1.0
   saved = json.loads((tmp_path / "run" / "summary.json").read_text())
   assert saved["preempted"] is False and saved["captioning/cider"] == 1.0
   # Once finished, a rerun evaluates nothing again and keeps the summary's metrics.
   again = FailingCaptioning(workdir, fail_at={1}).install(monkeypatch)
-  assert train.run(_config(4), workdir)["captioning/cider"] == 1.0 and again.calls == []
+  assert train.train_and_evaluate(_config(4), workdir)["captioning/cider"] == 1.0 and again.calls == []
 
   # The same run on other data (a different split) is refused before anything is built, naming both splits ...
   proc = run_main(workdir, "--config.data.split=train[:50%]", "--config.total_steps=5", "--config.evals={}")
@@ -114,7 +114,7 @@ def test_every_dataset_the_run_reads_is_checked_before_anything_is_built(tmp_pat
   monkeypatch.setattr(train_state, "fresh", must_not_run)
   t0 = time.time()
   with pytest.raises(DatasetNotPrepared) as caught:
-    train.run(config, str(tmp_path / "run"))
+    train.train_and_evaluate(config, str(tmp_path / "run"))
   seconds = time.time() - t0
   said = str(caught.value)
   assert said.startswith("2 dataset(s) this run reads are not prepared"), said

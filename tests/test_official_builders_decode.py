@@ -167,7 +167,7 @@ def test_localized_narratives_and_vqa2_store_what_a_viewer_shows(photos, tmp_pat
 
 def test_the_detection_worker_reads_images_as_a_viewer_shows_them(photos, tmp_path):
   pytest.importorskip("pycocotools")
-  from vlrep import detection_worker
+  from vlrep.pytorch import detection_worker
 
   folder = tmp_path / "images"
   os.makedirs(folder)

@@ -3,7 +3,7 @@
 tests/fixtures/virtex_official/ was written by tests/official_virtex_fixture.py running the official code (its
 `BidirectionalCaptioningModel`, `TransformerDecoderTextualHead` and `AutoRegressiveBeamSearch`, from a fetched
 copy) on a tiny randomly initialised model: the checkpoint in the model zoo's layout, its vocabulary, six images and
-the official predictions for beam sizes 5, 3 and 1. Here the checkpoint goes through `vlrep.import_run
+the official predictions for beam sizes 5, 3 and 1. Here the checkpoint goes through `vlrep.interop.import_run
 --format=virtex` and vlrep's captioner decodes the same images.
 """
 
@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-from vlrep import decoding, import_run, methods, runs, visualize
+from vlrep import decoding, methods, runs, visualize
 from vlrep.data import tokenizers
+from vlrep.interop import import_run
 
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "virtex_official")
 
@@ -24,7 +25,8 @@ FIXTURE = os.path.join(ROOT, "tests", "fixtures", "virtex_official")
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("official") / "run")
-  # As `python -m vlrep.import_run --format=virtex --checkpoint=... --vocab=... --heads=2` (the head count has no
+  # As `python -m vlrep.interop.import_run --format=virtex --checkpoint=... --vocab=... --heads=2` (the head count has
+  # no
   # shape; tests/test_imported_commands.py runs the command line itself).
   import_run.import_run("virtex", f"{FIXTURE}/bicaptioning_tiny.pth", workdir, vocab=f"{FIXTURE}/vocab.model", heads=2)
   run = runs.load_run(workdir)

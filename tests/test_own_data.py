@@ -214,7 +214,7 @@ def test_every_method_trains_and_evaluates_on_your_own_data_with_one_switch(tmp_
   config = tiny.get_config(",".join(a for a in (args, f"data={own_data}", "val=25") if a))
   config.total_steps, config.batch_size = 2, 4
   # In process (the `vlrep.main` path is run by the tests beside): the loop on the held-out split's complement.
-  summary = train.run(config, str(tmp_path / "run"))
+  summary = train.train_and_evaluate(config, str(tmp_path / "run"))
   builder = pipeline.get_builder("image_text", str(own_data))
   # Training read the 9 images after the held-out first 25% (3 images), never those.
   assert config.data.split == "train[25%:]" and records.split_range(builder, config.data.split) == ("train", 3, 9)
@@ -237,7 +237,7 @@ def test_a_field_the_method_needs_is_a_clear_error_before_training(tmp_path):
   import tiny_mct
 
   with pytest.raises(MissingField) as caught:
-    train.run(tiny_mct.get_config(f"data={data_dir}"), str(tmp_path / "run"))
+    train.train_and_evaluate(tiny_mct.get_config(f"data={data_dir}"), str(tmp_path / "run"))
   said = str(caught.value)
   assert "mct needs 'tags' (MCT's tag loss J_tag (or train without it: configs/mct.py:data=DIR,tags=False))" in said
   assert '"tags": [...] on a captions.jsonl row' in said

@@ -189,7 +189,7 @@ def test_vsepp_trains_and_ranks_every_caption_of_real_photos(tmp_path, photos):
   # The features: each image's mean colour and brightness spread, as a frozen backbone would give per image.
   stats = lambda x: np.concatenate([x.mean((1, 2)), x.std((1, 2))], -1).astype(np.float32)
   model = Model(variables={}, features=lambda batch, key: (stats(batch["image"]), batch))
-  out = vsepp.Evaluator(e, run).run(model)
+  out = vsepp.Evaluator(e, run).evaluate(model)
   assert all(np.isfinite(v) for v in out.values()), out
   held_out = records.split_range(builder, e.test_split)[2]
   assert out["chance_r1"] == pytest.approx(100 / held_out)  # every held-out photo ranked
@@ -211,7 +211,7 @@ def test_a_recipe_trains_and_evaluates_on_real_photos_at_its_resolution(tmp_path
   config.update(total_steps=2, batch_size=4, log_every_steps=1)
   config.checkpoint.async_save = False
   config.evals.captioning.update(batch_size=4, decoding="greedy", max_len=6)
-  summary = train.run(config, str(tmp_path / "run"))
+  summary = train.train_and_evaluate(config, str(tmp_path / "run"))
   assert summary["steps"] == 2 and np.isfinite(summary["train/loss"])
   captioning = {k: v for k, v in summary.items() if k.startswith("captioning/")}
   assert "captioning/cider" in captioning and all(np.isfinite(v) for v in captioning.values()), captioning

@@ -125,13 +125,13 @@ def test_the_probes_read_the_splits_labels_and_class_count_of_your_classes(label
   assert probe.num_classes == len(CLASSES)  # counted from the dataset (num_classes=0 in the config)
   sums, labels = known_images(run, probe_cfg, probe.builder)
   assert len(np.unique(np.round(sums, 1))) == len(sums)  # each image found by its pixel sum
-  got = probe.run(knowing_model(sums, labels, wrong=True))
+  got = probe.evaluate(knowing_model(sums, labels, wrong=True))
   assert got["top1"] == 100.0 and got["top1_val"] == 100.0, got
   assert 0.01 <= got["lr"] <= 10.0 and got["weight_decay"] == 0.0, got
 
   svm_cfg = eval_config("voc07_svm", data).evals.voc07_svm
   svm = voc07_svm.Evaluator(svm_cfg, run)
-  got = svm.run(knowing_model(sums, labels))
+  got = svm.evaluate(knowing_model(sums, labels))
   assert got["map"] == pytest.approx(100.0) and got["map_val"] == pytest.approx(100.0), got
   assert got["map_cv"] == pytest.approx(100.0), got
 
@@ -344,7 +344,7 @@ def test_zero_shot_prompts_name_the_class_folders_with_spaces_in_label_order(lab
   towers = Towers(looked_up(sums, np.eye(NUM_CLASSES)[labels]))  # test_zero_shot's 10-d class space
   evaluator = zero_shot.Evaluator(cfg, RunInputs(tokenizer=PhraseTokenizer(spaced), method=towers))
   assert evaluator.class_names == spaced
-  assert evaluator.run(Model(variables={}, features=None)) == {"top1": 100.0, "chance": 100 / len(CLASSES)}
+  assert evaluator.evaluate(Model(variables={}, features=None)) == {"top1": 100.0, "chance": 100 / len(CLASSES)}
   # Looking for the folder names as written, those with an underscore are no prompt's: their test images tie over
   # all 6 classes (1/6 credit each), the others stay right.
   blind = zero_shot.Evaluator(cfg, RunInputs(tokenizer=PhraseTokenizer(CLASSES), method=towers))
@@ -352,4 +352,4 @@ def test_zero_shot_prompts_name_the_class_folders_with_spaces_in_label_order(lab
   credit = [1 / len(CLASSES) if "_" in CLASSES[k] else 1.0 for k in test_labels]
   assert 0 < sum(c < 1 for c in credit) < len(credit)
   expected = 100 * np.mean(credit)
-  assert blind.run(Model(variables={}, features=None))["top1"] == pytest.approx(expected)
+  assert blind.evaluate(Model(variables={}, features=None))["top1"] == pytest.approx(expected)

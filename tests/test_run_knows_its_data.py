@@ -57,7 +57,7 @@ def test_a_run_refuses_to_resume_on_a_dataset_prepared_again_from_changed_captio
   write_photos(manual)
   first = prepare.prepare("image_text", str(manual), str(data_dir))
   assert first["splits"] == {"train": 8}, first
-  train.run(_config(data_dir, 2), str(run))
+  train.train_and_evaluate(_config(data_dir, 2), str(run))
   identity = json.loads((run / "data_identity.json").read_text())
   assert identity["dataset"]["splits"] == {"train": 8} and identity["dataset"]["source"]["files"] == 8
   vocab = identity["tokenizer"]
@@ -91,7 +91,7 @@ def test_a_run_refuses_to_resume_on_a_dataset_prepared_again_from_changed_captio
 
   # Knowingly: the run continues on the new data with its own vocabulary (never rebuilt from the new captions).
   with caplog.at_level("WARNING"):
-    summary = train.run(_config(data_dir, 4), str(run), allow_changed_data=True)
+    summary = train.train_and_evaluate(_config(data_dir, 4), str(run), allow_changed_data=True)
   assert summary["steps"] == 4
   assert not os.path.exists(vocab["path"])
   assert any("keeps its own copy" in r.getMessage() for r in caplog.records)
@@ -119,7 +119,7 @@ def test_a_run_refuses_to_resume_on_a_dataset_prepared_again_from_changed_captio
   os.remove(run / "data_identity.json")
   caplog.clear()
   with caplog.at_level("WARNING"):
-    assert train.run(_config(data_dir, 6), str(run))["steps"] == 6
+    assert train.train_and_evaluate(_config(data_dir, 6), str(run))["steps"] == 6
   assert any("has no data_identity.json" in r.getMessage() for r in caplog.records)
   assert json.loads((run / "data_identity.json").read_text())["history"][0]["from_step"] == 4
 

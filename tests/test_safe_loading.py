@@ -2,7 +2,8 @@
 
 Every payload here is live: unpickled by a plain `pickle.loads` (or `torch.load(weights_only=False)`) it creates a
 marker file. Each route must refuse it where the pickle asks for the callable, with an error naming the file and
-the global (vlrep.torch_files.UnsafeFile), and the marker must not appear. The kinds: a bare pickle; a legacy-format
+the global (vlrep.interop.torch_files.UnsafeFile), and the marker must not appear. The kinds: a bare pickle; a
+legacy-format
 torch file with the payload in each of its five pickles (magic number, protocol, system info, object, storage
 keys), among them a valid legacy ResNet-18 whose storage-key list is the payload; a zip-format file with the
 payload inside its data.pkl or as the whole data.pkl; an MMF training checkpoint with a payload entry; a Hugging
@@ -32,11 +33,12 @@ import pytest
 import torch
 from conftest import ROOT, run_module
 
-from vlrep import import_run, runs, torch_files
+from vlrep import runs
 from vlrep.data import region_files
 from vlrep.errors import BadFile
+from vlrep.interop import import_run, torch_files
 from vlrep.models import bert
-from vlrep.models.torch_resnet import ResNet as TorchResNet
+from vlrep.pytorch.resnet import ResNet as TorchResNet
 
 FORMATS = ("torchvision", "virtex", "visual_bert", "auto")
 
@@ -236,11 +238,12 @@ def test_import_run_and_the_bert_folder_loader_refuse_every_kind(tmp_path, resne
 
 
 def _cli_import(fmt, checkpoint, workdir):
-  return run_module("vlrep.import_run", f"--format={fmt}", f"--checkpoint={checkpoint}", f"--workdir={workdir}")
+  return run_module("vlrep.interop.import_run", f"--format={fmt}", f"--checkpoint={checkpoint}", f"--workdir={workdir}")
 
 
 def test_the_reported_files_are_refused_by_the_import_command(tmp_path, resnet18_legacy):
-  # The three files that ran code through `python -m vlrep.import_run --format=torchvision` (or auto), and a BERT
+  # The three files that ran code through `python -m vlrep.interop.import_run --format=torchvision` (or auto), and a
+  # BERT
   # folder through --format=visual_bert, a zip-format payload through --format=virtex.
   marker = tmp_path / "pwned"
   payload, asks = _payloads(marker)["GLOBAL os.system"]

@@ -1,7 +1,7 @@
 """The zero-shot evaluator where the answer is known: toy methods whose towers (or caption likelihoods) point each
 image at its own classes score top-1 100 and mAP 100; scores that cannot tell classes apart score chance; a method
 without a text side is refused with the methods that have one. Nothing is trained; the one test through
-`Evaluator(config, run).run(model)` reads the tiny synthetic_scenes' probe_test (40 images) for the class names and
+`Evaluator(config, run).evaluate(model)` reads the tiny synthetic_scenes' probe_test (40 images) for the class names and
 both label forms."""
 
 import os
@@ -231,7 +231,7 @@ def test_the_evaluator_reads_class_names_and_both_label_forms_of_synthetic_scene
     assert len(np.unique(np.round(sums, 2))) == len(sums) == 40  # each image found by its pixel sum
     evaluator = zero_shot.Evaluator(cfg, RunInputs(tokenizer=WordTokenizer(), method=toy(looked_up(sums, rows))))
     assert evaluator.class_names == list(SHAPES)
-    got[name] = evaluator.run(model)
+    got[name] = evaluator.evaluate(model)
   assert got["zero_shot"] == {"top1": 100.0, "chance": 10.0}
   assert got["zero_shot_multi"]["map"] == pytest.approx(100.0) and 0 < got["zero_shot_multi"]["chance"] < 100
   # A run without a tokenizer, or with a method without a text side, is refused when the evaluator is built.

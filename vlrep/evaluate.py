@@ -51,7 +51,7 @@ def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", na
       raise
     except ValueError as e:  # an evaluation the run cannot take (no tokenizer, no captioning head): said, not a bug
       raise UserError(f"--config's evaluation {name!r} does not apply to the run {run.path}: {e}") from e
-    metrics = evaluator.run(model)
+    metrics = evaluator.evaluate(model)
     results.update({f"{name}/{k}": v for k, v in metrics.items()})
     results[f"{name}/checkpoint_step"] = run.step
     logging.info("%s: %s", name, ", ".join(f"{k}={v:.2f}" for k, v in metrics.items()))

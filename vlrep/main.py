@@ -108,7 +108,7 @@ def main(argv):
   if cleared:
     logging.info("The command line's duration replaces the recipe's: %s set to 0.", ", ".join(cleared))
   try:
-    summary = train.run(
+    summary = train.train_and_evaluate(
       FLAGS.config, FLAGS.workdir, on_preempted=_exit_preempted, allow_changed_data=FLAGS.allow_changed_data
     )
   except UserError as e:

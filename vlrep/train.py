@@ -74,7 +74,7 @@ def apply_duration_overrides(config: ml_collections.ConfigDict, set_keys) -> lis
   return cleared
 
 
-def run(
+def train_and_evaluate(
   config: ml_collections.ConfigDict, workdir: str, on_preempted=None, allow_changed_data: bool = False
 ) -> dict[str, Any]:
   """Trains (or resumes) the run defined by `config` in `workdir`; returns the final summary.
@@ -505,7 +505,7 @@ def run_evaluators(evals: dict, names: list[str], model: evaluators.Model) -> di
   out = {}
   try:
     for name in names:
-      out.update({f"{name}/{k}": v for k, v in evals[name].run(model).items()})
+      out.update({f"{name}/{k}": v for k, v in evals[name].evaluate(model).items()})
   except preemption_lib.Interrupted:
     logging.warning("Evaluations interrupted by SIGTERM.")
     return None

@@ -1,6 +1,6 @@
 """The PyTorch baseline a user would otherwise write: VirTex's model and train step in plain PyTorch, timed.
 
-ResNet-50 in torchvision's layout (`vlrep.models.torch_resnet`, so it needs `torch` alone), a linear visual
+ResNet-50 in torchvision's layout (`vlrep.pytorch.resnet`, so it needs `torch` alone), a linear visual
 projection, word + position embeddings with LayerNorm, one `nn.TransformerDecoder` per direction (post-LN,
 GELU, H/64 heads, 4H feed-forward), output tied to the word embeddings, bicaptioning cross-entropy, and vlrep's
 VirTex optimizer: SGD with momentum 0.9 and weight decay 1e-4 (backbone LR 0.2, head 1e-3; no decay on the head's
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from vlrep.bench import device_turns
-from vlrep.models.torch_resnet import ResNet
+from vlrep.pytorch.resnet import ResNet
 
 PAD_ID = 0
 

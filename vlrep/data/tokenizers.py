@@ -5,7 +5,8 @@ script keeps letters and punctuation in separate pieces (no 'dog?' tokens). Spec
 models and losses can rely on them: [PAD]=0, [UNK]=1, [SOS]=2, [EOS]=3, [MASK]=4.
 
 An official VirTex vocabulary (kdexd/virtex's `coco_10k.model`: <unk>=0, which is also its padding, [SOS]=1,
-[EOS]=2, [MASK]=3, pieces from 4) is read with `tokenizer.special_tokens='virtex'` (what `vlrep.import_run` sets):
+[EOS]=2, [MASK]=3, pieces from 4) is read with `tokenizer.special_tokens='virtex'` (what `vlrep.interop.import_run`
+sets):
 its ids are presented in vlrep's layout (`virtex_vocabulary_order`), one more id than the file has (vlrep's [UNK]
 slot, which the official layout lacks and the tokenizer never produces), and captions are cut as the official
 code cuts them ([SOS] + pieces + [EOS], then the first max_len ids: a long caption loses its [EOS]).
@@ -210,7 +211,8 @@ def ensure_tokenizer(config, builder) -> Tokenizer:
   if config.get("kind", "bpe") != "bpe":
     raise ValueError(f"Unknown tokenizer kind {config.kind!r}; known: bpe, wordpiece.")
   special_tokens = config.get("special_tokens", "vlrep")
-  if special_tokens != "vlrep":  # a published vocabulary (vlrep.import_run copies it into the run): never built here
+  # A published vocabulary (vlrep.interop.import_run copies it into the run): never built here.
+  if special_tokens != "vlrep":
     if not config.path:
       raise ValueError(f"tokenizer.special_tokens={special_tokens!r} needs tokenizer.path (the vocabulary file).")
     return Tokenizer(os.path.expanduser(config.path), special_tokens)

@@ -38,7 +38,7 @@ class Evaluator(Protocol):
   config: Any
   """Its entry of `config.evals` (`every_steps`: when the loop runs it)."""
 
-  def run(self, model: Model) -> dict[str, float]:
+  def evaluate(self, model: Model) -> dict[str, float]:
     """{metric: value} of `model`, the same on every host (each reads its shard of the split)."""
 
 

@@ -19,7 +19,7 @@ class Accuracy:
     self.builder = run.builder(config)
     self.run_inputs = run
 
-  def run(self, model: Model) -> dict[str, float]:
+  def evaluate(self, model: Model) -> dict[str, float]:
     c = self.config
     features_fn = model.extractor(self.feature_key)
     logits, labels = extract_labeled(

@@ -61,7 +61,7 @@ class Captioning:
     self.builder = run.builder(config)
     self.run_inputs = run
 
-  def run(self, model: Model) -> dict[str, float]:
+  def evaluate(self, model: Model) -> dict[str, float]:
     from jax.experimental import multihost_utils
 
     c = self.config

@@ -4,9 +4,10 @@ measure backbones this way, with Detectron2).
 
 In this process (JAX): the backbone's variables (or, with `random_init`, fresh ones from vlrep's initialiser for
 the same architecture: the baseline a pretraining effect is measured against) become a torchvision-named state dict
-(`vlrep.importers.torchvision.state_dict`, the key map `vlrep.export` writes with) in a temporary safetensors file,
+(`vlrep.interop.formats.torchvision.state_dict`, the key map `vlrep.interop.export` writes with) in a temporary
+safetensors file,
 and the data becomes COCO instances (synthetic_scenes' through `vlrep.data.instances`; any other COCO-format set
-is read where it is). In a process of its own, `python -m vlrep.detection_worker`, PyTorch fine-tunes and scores
+is read where it is). In a process of its own, `python -m vlrep.pytorch.detection_worker`, PyTorch fine-tunes and scores
 the detector (torch and JAX never share a process or contend for one accelerator's memory in it; on a GPU, start
 vlrep.evaluate with XLA_PYTHON_CLIENT_PREALLOCATE=false so JAX leaves the memory to it). One worker per seed,
 `parallel` of them at once (on a CPU, each with the cores divided among them unless `detector.threads` is set: a
@@ -22,7 +23,7 @@ instance maps: synthetic_scenes), `train_split`, `test_split`, `train_limit`, `t
 0 = all), or `train_annotations`, `train_images`, `test_annotations`, `test_images` (COCO instances JSON files and
 their image folders: real COCO, VOC converted); `seeds`; `parallel` (workers at once, default 1); `random_init`;
 `detector` (the worker's spec: every key
-of `vlrep.detection_worker.DEFAULTS` but the backbone, weights and data, which this evaluator sets).
+of `vlrep.pytorch.detection_worker.DEFAULTS` but the backbone, weights and data, which this evaluator sets).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from vlrep import safe_files
 from vlrep.data import instances
 from vlrep.errors import UserError
 from vlrep.evaluators.run_inputs import Model, RunInputs
-from vlrep.importers import torchvision as tv_importer
+from vlrep.interop.formats import torchvision as tv_importer
 from vlrep.models import resnet
 
 AP_METRICS = ("box_ap", "box_ap50", "box_ap75", "mask_ap", "mask_ap50", "mask_ap75")
@@ -55,7 +56,7 @@ DATA_FILES = ("train_annotations", "train_images", "test_annotations", "test_ima
 
 
 def torch_architecture(module) -> dict:
-  """The `vlrep.models.torch_resnet.ResNet` arguments that rebuild a run's Flax backbone; a clear error for one
+  """The `vlrep.pytorch.resnet.ResNet` arguments that rebuild a run's Flax backbone; a clear error for one
   that PyTorch's twin cannot build."""
   if not isinstance(module, resnet.ResNet):
     raise UserError(
@@ -123,7 +124,7 @@ class Detection:
       paths.update({f"{part}_annotations": annotations, f"{part}_images": images})
     return paths
 
-  def run(self, model: Model) -> dict[str, float]:
+  def evaluate(self, model: Model) -> dict[str, float]:
     if model.backbone is None:
       raise UserError(
         "The detection evaluator converts the run's backbone to PyTorch: run it after training with "
@@ -161,10 +162,10 @@ class Detection:
 
 
 def run_worker(spec: dict, folder: str, seed: int) -> dict[str, float]:
-  """Runs `python -m vlrep.detection_worker` on `spec` (its progress on this process's stderr); its metrics."""
+  """Runs `python -m vlrep.pytorch.detection_worker` on `spec` (its progress on this process's stderr); its metrics."""
   spec_path, out_path = os.path.join(folder, f"spec_{seed}.json"), os.path.join(folder, f"metrics_{seed}.json")
   safe_files.write_json(spec_path, spec, root=folder)
-  command = [sys.executable, "-m", "vlrep.detection_worker", f"--spec={spec_path}", f"--out={out_path}"]
+  command = [sys.executable, "-m", "vlrep.pytorch.detection_worker", f"--spec={spec_path}", f"--out={out_path}"]
   logging.info("Detection worker (seed %d): %s", seed, " ".join(command))
   done = subprocess.run(command, check=False)
   if done.returncode != 0:

@@ -33,7 +33,7 @@ class HeldOutLoss:
     key = jax.random.PRNGKey(config.get("seed", 0))
     self.loss = jax.jit(lambda v, b: self.method.loss(v, b, key, False)[:2])
 
-  def run(self, model: Model) -> dict[str, float]:
+  def evaluate(self, model: Model) -> dict[str, float]:
     from jax.experimental import multihost_utils
 
     c = self.config

@@ -195,7 +195,7 @@ class LinearProbe:
       self.run_inputs, self.builder, split, pp, self.label_key, self.config.batch_size, features_fn
     )
 
-  def run(self, model: Model) -> dict[str, float]:
+  def evaluate(self, model: Model) -> dict[str, float]:
     c = self.config
     features_fn = model.extractor(self.feature_key)
     t0 = time.time()

@@ -63,7 +63,7 @@ class Localization:
     self.run_inputs = run
     self.attention = jax.jit(self.method.attention)
 
-  def run(self, model: Model) -> dict[str, float]:
+  def evaluate(self, model: Model) -> dict[str, float]:
     from jax.experimental import multihost_utils
 
     c = self.config

@@ -54,7 +54,7 @@ class MaskedTokens:
       return np.zeros((0,), np.int64), np.zeros((0, self.config.max_len), np.int32), np.zeros((0,), np.int32)
     return np.array(rows), np.stack(toks), np.array(pos, np.int32)
 
-  def run(self, model: Model) -> dict[str, float]:
+  def evaluate(self, model: Model) -> dict[str, float]:
     from jax.experimental import multihost_utils
 
     c = self.config

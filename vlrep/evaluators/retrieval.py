@@ -83,7 +83,7 @@ class Retrieval:
     self.embed_images = jax.jit(lambda v, x: self.method.embed(v, images=x)["image"])
     self.embed_texts = jax.jit(lambda v, t: self.method.embed(v, tokens=t)["text"])
 
-  def run(self, model: Model) -> dict[str, float]:
+  def evaluate(self, model: Model) -> dict[str, float]:
     from jax.experimental import multihost_utils
 
     c = self.config

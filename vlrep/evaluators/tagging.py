@@ -164,7 +164,7 @@ class Tagging:
       raise FloatingPointError(f"The backbone gave non-finite features on {split!r}; the checkpoint is broken.")
     return x, np.concatenate(tags) > 0
 
-  def run(self, model: Model) -> dict[str, float]:
+  def evaluate(self, model: Model) -> dict[str, float]:
     c = self.config
     features_fn = model.extractor(self.feature_key)
     t0 = time.time()

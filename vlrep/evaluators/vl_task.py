@@ -45,7 +45,7 @@ class VLTask:
     self._classify = jax.jit(method.classify)
     self._mlm = jax.jit(method.mlm_predictions)
 
-  def run(self, model: Model) -> dict[str, float]:
+  def evaluate(self, model: Model) -> dict[str, float]:
     c, variables = self.config, model.variables
     if self.run_inputs.num_hosts > 1:
       raise NotImplementedError("vl_task evaluates on one host; run `vlrep.evaluate` on a single host.")

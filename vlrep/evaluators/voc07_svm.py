@@ -305,7 +305,7 @@ class Voc07Svm:
       y = one_vs_rest(y, num_classes)
     return x, y
 
-  def run(self, model: Model) -> dict[str, float]:
+  def evaluate(self, model: Model) -> dict[str, float]:
     features_fn = model.extractor(self.feature_key)
     t0 = time.time()
     train_x, train_y = self._features(self.config.train_split, features_fn)

@@ -184,7 +184,7 @@ class VsePP:
       raise FloatingPointError(f"The backbone gave non-finite features on {split!r}; the checkpoint is broken.")
     return x, np.concatenate(tokens), np.concatenate(has).astype(bool)
 
-  def run(self, model: Model) -> dict[str, float]:
+  def evaluate(self, model: Model) -> dict[str, float]:
     c = self.config
     features_fn = model.extractor(self.feature_key)
     t0 = time.time()

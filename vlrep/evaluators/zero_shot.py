@@ -307,7 +307,7 @@ class ZeroShot:
       logging.warning("zero_shot: %d prompts cut to max_len=%d, e.g. %r", len(cut), config.get("max_len", 24), cut[0])
     self.tokens = np.stack([ids for ids, _ in encoded]).astype(np.int32)
 
-  def run(self, model: Model) -> dict[str, float]:
+  def evaluate(self, model: Model) -> dict[str, float]:
     from jax.experimental import multihost_utils
 
     c = self.config

@@ -110,7 +110,8 @@ class VirTex:
       directions=_DIRECTIONS.get(config.task, ()),
       dtype=jnp.dtype(config.dtype),
       init_std=config.init_std,
-      # Optional (imported runs set them; vlrep.import_run): the head's attention heads and feed-forward width when
+      # Optional (imported runs set them; vlrep.interop.import_run): the head's attention heads and feed-forward width
+      # when
       # not hidden // 64 and 4 * hidden, and the decoder LayerNorms' epsilon (vlrep's 1e-8 unless set).
       num_heads=config.get("num_heads") or None,
       mlp_dim=config.get("mlp_dim") or None,

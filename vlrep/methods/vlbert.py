@@ -6,7 +6,7 @@ Config (`configs/vlbert.py`):
                   bert_layers: keep only its first N layers (0 = all).
   bert_config     (optional) BERT's architecture as a dict of `BertConfig` fields instead of bert_path's config.json
                   and weights: bert_path then only supplies vocab.txt and the weights come from the run's own
-                  checkpoint or `pretrained_run` (an imported run: `vlrep.import_run --format=visual_bert`).
+                  checkpoint or `pretrained_run` (an imported run: `vlrep.interop.import_run --format=visual_bert`).
   region_boxes, region_norm, region_type_embedding, region_type_id
                   VisualBERT's region embeddings (vlrep.models.vl_bert; VisualBERT only): True / 'own' / 'segment'
                   are vlrep's (a box embedding, the regions' own LayerNorm, one learned segment vector); False /
@@ -264,7 +264,7 @@ class VLBert:
     if "pretrained_run" not in pretrained and self._bert is None:
       raise ValueError(
         "method.bert_config gives BERT's architecture without weights: this run would start from random weights. "
-        "Set method.pretrained_run (e.g. a run written by `python -m vlrep.import_run`), or clear "
+        "Set method.pretrained_run (e.g. a run written by `python -m vlrep.interop.import_run`), or clear "
         "method.bert_config so that BERT's weights are read from method.bert_path."
       )
     out = {"params": {"bert": self._bert}}

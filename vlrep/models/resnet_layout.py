@@ -1,5 +1,5 @@
 """The ResNet depths vlrep builds, as blocks per stage: shared by the Flax ResNet (`vlrep.models.resnet`) and its
-PyTorch twin (`vlrep.models.torch_resnet`) without either importing the other's framework."""
+PyTorch twin (`vlrep.pytorch.resnet`) without either importing the other's framework."""
 
 DEPTHS = {
   10: (1, 1, 1, 1),  # tests only: one block per stage

@@ -9,7 +9,8 @@ or from Python, the same in one call:
   from vlrep.tools import features
   out = features.extract("/runs/in1k_r50", ["photo1.jpg", "photo2.png"])  # {'pooled', 'grid', 'paths', ...}
 
-Any vlrep run with a visual backbone: a trained one or an imported one (vlrep.import_run). The backbone is the one
+Any vlrep run with a visual backbone: a trained one or an imported one (vlrep.interop.import_run). The backbone is the
+one
 every transfer evaluation uses (`vlrep.runs.load_run` + `runs.backbone_fn`: BatchNorm in inference mode, float32);
 'pooled' is its `pre_logits` (the grid's spatial mean), 'grid' its final feature map.
 
@@ -241,7 +242,7 @@ def write(result: dict, out: str, overwrite: bool = False) -> list[str]:
 
 def define_flags():
   """Command-line flags (defined only when run as a command, so importing the module defines none)."""
-  flags.DEFINE_string("workdir", None, "The run directory (trained, or imported with vlrep.import_run).")
+  flags.DEFINE_string("workdir", None, "The run directory (trained, or imported with vlrep.interop.import_run).")
   flags.DEFINE_string("checkpoint", "best", "'best', 'latest' or a step number.")
   flags.DEFINE_string("out", None, "The output file: .safetensors (pooled and grid) or .npy (one array).")
   flags.DEFINE_list("features", [], "pooled, grid or both (default: both for .safetensors, pooled for .npy).")

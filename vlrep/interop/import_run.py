@@ -1,18 +1,20 @@
-r"""Imports a published checkpoint as a vlrep run directory: the second door for weights (vlrep.export is the first).
+r"""Imports a published checkpoint as a vlrep run directory: the second door for weights (vlrep.interop.export is the
+first).
 
-  python -m vlrep.import_run --format=virtex --checkpoint=bicaptioning_R_50_L1_H2048.pth \
+  python -m vlrep.interop.import_run --format=virtex --checkpoint=bicaptioning_R_50_L1_H2048.pth \
       --vocab=coco_10k.model --workdir=/runs/virtex_zoo
-  python -m vlrep.import_run --format=torchvision --checkpoint=resnet50-0676ba61.pth --workdir=/runs/in1k_r50
-  python -m vlrep.import_run --format=auto --checkpoint=FILE --workdir=RUN       # the format that fits the keys
+  python -m vlrep.interop.import_run --format=torchvision --checkpoint=resnet50-0676ba61.pth --workdir=/runs/in1k_r50
+  python -m vlrep.interop.import_run --format=auto --checkpoint=FILE --workdir=RUN       # the format that fits the keys
 
 and then, as with any trained run:
 
   python -m vlrep.evaluate --config=configs/eval/voc07_svm.py --workdir=/runs/in1k_r50
   python -m vlrep.tools.caption --workdir=/runs/virtex_zoo photo.jpg
   python -m vlrep.main --config=configs/finetune.py --config.init_from=/runs/in1k_r50 --workdir=/runs/inat_ft
-  python -m vlrep.export --workdir=/runs/virtex_zoo --format=virtex --out=bicaptioning.pth
+  python -m vlrep.interop.export --workdir=/runs/virtex_zoo --format=virtex --out=bicaptioning.pth
 
-A format is a module `vlrep.importers.<format>` (see vlrep/importers/__init__.py for the contract); --format=auto
+A format is a module `vlrep.interop.formats.<format>` (see vlrep/interop/formats/__init__.py for the contract);
+--format=auto
 picks the one whose `score` of the file's keys is highest. The run directory is what training writes: a 'best'
 and a latest checkpoint (step 0) whose metadata holds the run's config (the format's default recipe config, or
 --config, with the method built from the checkpoint's shapes) and an `import` note (source, format, what was
@@ -34,11 +36,12 @@ import shutil
 from absl import app, flags, logging
 from ml_collections import ConfigDict
 
-from vlrep import importers, safe_files
+from vlrep import safe_files
 from vlrep.errors import BadFile, UserError, exit_2_on_user_error
-from vlrep.importers import torchvision as tv
+from vlrep.interop import formats
+from vlrep.interop.formats import torchvision as tv
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The compute dtypes an imported run's `method.dtype` may take; the first is the default (the sources' own).
 DTYPES = ("float32", "bfloat16")
 
@@ -72,19 +75,19 @@ def resolve_format(fmt: str, checkpoint: str):
   """The format module: the named one, or for 'auto' the best-scoring one (an error naming the closest format and
   how the file differs from it when none fits)."""
   if fmt != "auto":
-    if fmt not in importers.known_formats():
+    if fmt not in formats.known_formats():
       raise UserError(
-        f"Unknown import format {fmt!r}; known formats: {', '.join(importers.known_formats())} (or 'auto')."
+        f"Unknown import format {fmt!r}; known formats: {', '.join(formats.known_formats())} (or 'auto')."
       )
-    return importers.format_module(fmt)
+    return formats.format_module(fmt)
   if os.path.isdir(checkpoint):
     raise UserError(f"--format=auto reads checkpoint files; {checkpoint} is a folder: name its format.")
   keys = set(tv.read_state_dict(checkpoint))
-  name, score, missing, unexpected = importers.closest_format(keys)
+  name, score, missing, unexpected = formats.closest_format(keys)
   if score < 0.5 or missing:
-    raise BadFile(str(importers.no_format_error(checkpoint, keys, name, score, missing, unexpected)))
+    raise BadFile(str(formats.no_format_error(checkpoint, keys, name, score, missing, unexpected)))
   logging.info("--format=auto: %s (score %.2f).", name, score)
-  return importers.format_module(name)
+  return formats.format_module(name)
 
 
 def check_workdir(workdir: str, overwrite: bool) -> str:
@@ -111,7 +114,7 @@ def read(module, checkpoint: str, vocab: str | None, workdir: str, config: Confi
   return module.read(checkpoint, vocab, **kwargs, **options)
 
 
-def set_dtype(imported: importers.ImportedRun, dtype: str) -> None:
+def set_dtype(imported: formats.ImportedRun, dtype: str) -> None:
   """The run computes in `dtype` (its config's `method.dtype`), said in its note."""
   imported.config.method.dtype = dtype
   imported.note["dtype"] = dtype if dtype == DTYPES[0] else f"{dtype} (--dtype; the source computes in float32)"
@@ -121,7 +124,7 @@ def _jsonable(x):
   return json.loads(json.dumps(x, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
 
 
-def write_run(workdir: str, imported: importers.ImportedRun, overwrite: bool) -> None:
+def write_run(workdir: str, imported: formats.ImportedRun, overwrite: bool) -> None:
   """Writes the run as training does (vlrep.checkpoint.Checkpointer: best and latest checkpoints of step 0, the
   config in their metadata), into a fresh sibling directory first (safe_files.atomic_dir) and renamed into place
   when complete."""
@@ -169,7 +172,7 @@ def import_run(
   overwrite: bool = False,
   dtype: str = DTYPES[0],
   **options,
-) -> importers.ImportedRun:
+) -> formats.ImportedRun:
   """Reads CHECKPOINT in format FMT ('auto': the best-scoring format) and writes the run to WORKDIR; returns what
   was imported. `config`: the base config file[:arg] (default: the format's DEFAULT_CONFIG, if it names one);
   `dtype`: the run's compute dtype (one of DTYPES; float32, the sources' own, by default)."""

@@ -1,5 +1,5 @@
-"""Foreign checkpoints in: one module per format (`vlrep/importers/<format>.py`), dispatched by name by
-`vlrep.import_run`. Each module turns a published checkpoint into what a vlrep run holds (its config, parameters
+"""Foreign checkpoints in: one module per format (`vlrep/interop/formats/<format>.py`), dispatched by name by
+`vlrep.interop.import_run`. Each module turns a published checkpoint into what a vlrep run holds (its config, parameters
 and model state), with its key map written as data (a table of name patterns and transposes) that the matching
 exporter reads too, so import -> export is the identity by construction.
 
@@ -14,7 +14,7 @@ A format module provides:
       the run's contents; a clear error (naming the tensor and both shapes, the missing/unexpected keys, a
       vocabulary whose size differs from the embedding) before anything is written.
 
-Safe loading only: safetensors, or torch.save files through `vlrep.torch_files` (`load_checkpoint` and
+Safe loading only: safetensors, or torch.save files through `vlrep.interop.torch_files` (`load_checkpoint` and
 `load_state_dict` below; a restricted unpickler: tensors, ordered dicts and plain containers; any other object the
 file asks for is an error naming the file and the global, and no code runs).
 """
@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 from ml_collections import ConfigDict
 
-from vlrep import torch_files
 from vlrep.errors import BadFile, UserError
+from vlrep.interop import torch_files
 
 
 @dataclasses.dataclass
@@ -44,7 +44,7 @@ class ImportedRun:
   model_state: dict
   note: dict
   # Files the run keeps beside its checkpoints ({path relative to the run directory: source file}), e.g. the
-  # vocabulary its config's tokenizer names; `vlrep.import_run` copies them.
+  # vocabulary its config's tokenizer names; `vlrep.interop.import_run` copies them.
   files: dict = dataclasses.field(default_factory=dict)
 
 
@@ -59,7 +59,7 @@ def known_formats() -> list[str]:
 
 
 def format_module(name: str):
-  """vlrep.importers.<name>, or a clear error listing the known formats."""
+  """vlrep.interop.formats.<name>, or a clear error listing the known formats."""
   import importlib
 
   known = known_formats()
@@ -94,11 +94,13 @@ def no_format_error(path: str, keys: set[str], fmt: str, score: float, missing, 
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Safe loading: safetensors, or torch.save files through vlrep.torch_files (a restricted unpickler; no code runs).
+# Safe loading: safetensors, or torch.save files through vlrep.interop.torch_files (a restricted unpickler; no code
+# runs).
 # ------------------------------------------------------------------------------------------------------------------
 def load_checkpoint(path: str) -> Any:
-  """A .safetensors file as {name: array} (`vlrep.torch_files.load_safetensors`: every declared size checked first);
-  any other file (.pth/.pt/.bin: torch.save, zip or legacy format) through `vlrep.torch_files.load_checkpoint`:
+  """A .safetensors file as {name: array} (`vlrep.interop.torch_files.load_safetensors`: every declared size checked
+  first);
+  any other file (.pth/.pt/.bin: torch.save, zip or legacy format) through `vlrep.interop.torch_files.load_checkpoint`:
   plain Python containers and numpy arrays; a file that asks for any other object is a `torch_files.UnsafeFile`
   error naming the file and the global (nothing in it is imported or run). A malformed file is a
   `vlrep.errors.BadFile` naming it."""
@@ -108,7 +110,8 @@ def load_checkpoint(path: str) -> Any:
 
 
 def load_state_dict(path: str) -> dict[str, np.ndarray]:
-  """The state dict of a checkpoint file ({name: numpy array}, `vlrep.torch_files.as_state_dict`): the file's top
+  """The state dict of a checkpoint file ({name: numpy array}, `vlrep.interop.torch_files.as_state_dict`): the file's
+  top
   level, or what it holds under 'model' / 'state_dict' (VirTex's {"model": ..., "optimizer": ..., "iteration": ...});
   a 'module.' prefix on every key (a DistributedDataParallel model's) is removed. The last file read is kept
   (--format=auto reads it first)."""

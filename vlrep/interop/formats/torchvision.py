@@ -1,9 +1,10 @@
 """torchvision (and timm) ResNets: ResNet-18/50/101/152 and Wide ResNet-50-2 state dicts -> a backbone-only run.
 
-  python -m vlrep.import_run --format=torchvision --checkpoint=resnet50-0676ba61.pth --workdir=/runs/in1k_r50
+  python -m vlrep.interop.import_run --format=torchvision --checkpoint=resnet50-0676ba61.pth --workdir=/runs/in1k_r50
   python -m vlrep.evaluate --config=configs/eval/voc07_svm.py --workdir=/runs/in1k_r50
 
-The key map (`resnet_rules`) is the one `vlrep.export --format=torchvision` writes with, so import -> export is the
+The key map (`resnet_rules`) is the one `vlrep.interop.export --format=torchvision` writes with, so import -> export
+is the
 identity, tensor for tensor (BatchNorm's `num_batches_tracked` counters are kept in the run's note and written
 back). timm's ResNets (resnet50.a1_in1k, ...) use torchvision's names and load the same way.
 
@@ -26,7 +27,7 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from vlrep.errors import BadFile, UserError, reading
-from vlrep.importers import (
+from vlrep.interop.formats import (
   ImportedRun,
   KeyMap,
   closest_format,
@@ -49,7 +50,7 @@ FORMAT_HINT = "Check --format (--format=auto picks the one that fits) and that t
 
 
 def read_state_dict(path: str) -> dict:
-  """`vlrep.importers.load_state_dict`; a file that is not a readable checkpoint (empty, truncated, random bytes,
+  """`vlrep.interop.formats.load_state_dict`; a file that is not a readable checkpoint (empty, truncated, random bytes,
   a malformed zip or safetensors header, a pickle nested too deep) is one BadFile naming it."""
   with reading(path, what="checkpoint (torch.save or safetensors)", hint=CHECKPOINT_HINT):
     return load_state_dict(path)
@@ -69,7 +70,8 @@ def tensors_of(path: str, what: str):
 
 
 def no_format(path: str, keys: set[str]) -> BadFile:
-  """`vlrep.importers.no_format_error` of a file (the closest format, how the keys differ) as the BadFile it is."""
+  """`vlrep.interop.formats.no_format_error` of a file (the closest format, how the keys differ) as the BadFile it
+  is."""
   return BadFile(str(no_format_error(path, keys, *closest_format(keys))))
 
 
@@ -177,7 +179,7 @@ def backbone_section(base: dict | None, arch: dict) -> dict:
 
 
 def read_backbone(sd: dict, prefix: str = "", root: str = "backbone", path: str = "the checkpoint"):
-  """(arch, vlrep.importers.Converted) of the ResNet under `prefix` of a state dict (the other keys ignored); what
+  """(arch, vlrep.interop.formats.Converted) of the ResNet under `prefix` of a state dict (the other keys ignored); what
   does not fit a ResNet is a BadFile naming `path`."""
   with tensors_of(path, "torchvision ResNet"):
     arch = architecture(sd, prefix)
@@ -231,7 +233,8 @@ def backbone_run(checkpoint: str, fmt: str, arch: dict, converted, config: Confi
 
 def state_dict(backbone_params: dict, backbone_stats: dict, counters: dict | None = None, prefix: str = "") -> dict:
   """A backbone's variables -> torchvision's names and layout (float32; each BatchNorm's `num_batches_tracked`
-  from `counters` when the run was imported with them, else 0). What `vlrep.export --format=torchvision` writes."""
+  from `counters` when the run was imported with them, else 0). What `vlrep.interop.export --format=torchvision`
+  writes."""
   flat = {f"params/backbone/{k}": np.asarray(v) for k, v in flatten(backbone_params).items()}
   flat.update({f"batch_stats/backbone/{k}": np.asarray(v) for k, v in flatten(backbone_stats).items()})
   sd = KeyMap("torchvision ResNet", resnet_rules(prefix)).to_foreign(flat)

@@ -1,9 +1,9 @@
 r"""Exports a checkpoint's visual backbone (or a whole VirTex or VisualBERT model) for PyTorch users.
 
-  python -m vlrep.export --workdir=DIR --format=torchvision --out=backbone.safetensors   # or backbone.pth
-  python -m vlrep.export --workdir=DIR --format=detectron2 --out=backbone.pkl
-  python -m vlrep.export --workdir=DIR --format=virtex --out=virtex.pth
-  python -m vlrep.export --workdir=DIR --format=visual_bert --out=FOLDER
+  python -m vlrep.interop.export --workdir=DIR --format=torchvision --out=backbone.safetensors   # or backbone.pth
+  python -m vlrep.interop.export --workdir=DIR --format=detectron2 --out=backbone.pkl
+  python -m vlrep.interop.export --workdir=DIR --format=virtex --out=virtex.pth
+  python -m vlrep.interop.export --workdir=DIR --format=visual_bert --out=FOLDER
 
 torchvision: a ResNet state_dict with torchvision's names (`conv1.weight`, `layer1.0.bn1.running_mean`,
 `layer1.0.downsample.0.weight`, ...) and no `fc`; load it with
@@ -14,7 +14,7 @@ virtex: the whole VirTex model (backbone, visual projection, textual head) as th
 state dict, {"model": state_dict, "iteration": step} written with torch.save (`.pth`, needs torch): every key its
 model has (load_state_dict strict=True), the attention key biases as zeros (vlrep has none: they cancel in softmax)
 and the tied copies (output = embedding, the backward head's shared modules) written out. A run imported from an
-official checkpoint (vlrep.import_run --format=virtex) gets its vocabulary rows back in the official order, so
+official checkpoint (vlrep.interop.import_run --format=virtex) gets its vocabulary rows back in the official order, so
 import -> export is the identity. The official config values that build the model are printed (MODEL.TEXTUAL.NAME,
 DATA.VOCAB_SIZE, the special token indices, ...).
 
@@ -22,8 +22,8 @@ visual_bert: a Hugging Face folder that `transformers.VisualBertForPreTraining.f
 missing or unexpected keys: config.json (VisualBertConfig: the run's BERT sizes, activation, LayerNorm eps and
 visual_embedding_dim), model.safetensors (float32, `visual_bert.*` and `cls.*`, the tied MLM decoder written as
 copies) and the run's WordPiece vocab.txt, by the key map the visual_bert importer reads
-(vlrep/importers/visual_bert.py: `write_folder`). Exports a run whose model is VisualBERT's: an imported one
-(vlrep.import_run --format=visual_bert; import -> export is the identity, bit for bit) or a configs/vlbert.py:
+(vlrep/interop/formats/visual_bert.py: `write_folder`). Exports a run whose model is VisualBERT's: an imported one
+(vlrep.interop.import_run --format=visual_bert; import -> export is the identity, bit for bit) or a configs/vlbert.py:
 arch=visual_bert run trained with --config.method.region_boxes=False --config.method.region_norm=shared
 --config.method.region_type_embedding=tables --config.method.text_pool=cls; any other run is refused, naming those
 flags. Notes are printed: a run without a trained alignment head gets `cls.seq_relationship` as zeros, a run
@@ -58,9 +58,9 @@ from absl import app, flags, logging
 
 from vlrep import runs, safe_files
 from vlrep.errors import UserError, exit_2_on_user_error
-from vlrep.importers import torchvision as tv_importer
-from vlrep.importers import virtex as virtex_format
-from vlrep.importers import visual_bert as visual_bert_format
+from vlrep.interop.formats import torchvision as tv_importer
+from vlrep.interop.formats import virtex as virtex_format
+from vlrep.interop.formats import visual_bert as visual_bert_format
 
 FORMATS = ("torchvision", "detectron2", "virtex", "visual_bert")
 # config.json keys that make transformers import and run Python shipped with a folder (AutoModel's `auto_map`,
@@ -84,7 +84,7 @@ def torchvision_state_dict(
   backbone_params: dict, backbone_stats: dict | None, counters: dict | None = None
 ) -> OrderedDict:
   """Flax ResNet variables -> torchvision-named float32 numpy arrays (convs OIHW, BN weight/bias/running_*), by the
-  key map `vlrep.importers.torchvision` imports with (import -> export is the identity). `counters`: BatchNorm
+  key map `vlrep.interop.formats.torchvision` imports with (import -> export is the identity). `counters`: BatchNorm
   `num_batches_tracked` values an imported run kept (0 otherwise)."""
   if backbone_stats is None:
     raise NotExportable("The backbone has no BatchNorm statistics (batch_stats); it cannot be exported.")
@@ -92,7 +92,8 @@ def torchvision_state_dict(
 
 
 def _imported_counters(run) -> dict:
-  """BatchNorm `num_batches_tracked` values an imported run kept (vlrep.import_run), under torchvision's names."""
+  """BatchNorm `num_batches_tracked` values an imported run kept (vlrep.interop.import_run), under torchvision's
+  names."""
   counters = run.meta.get("import", {}).get("counters", {})
   prefix = run.meta.get("import", {}).get("backbone_prefix", "")
   return {k[len(prefix) :]: v for k, v in counters.items() if k.startswith(prefix)}

@@ -1,12 +1,12 @@
 r"""The PyTorch side of the detection evaluator: fine-tunes torchvision's Faster R-CNN or Mask R-CNN with FPN around
 a converted vlrep backbone and scores it with pycocotools.
 
-  python -m vlrep.detection_worker --spec=SPEC.json --out=METRICS.json
+  python -m vlrep.pytorch.detection_worker --spec=SPEC.json --out=METRICS.json
 
 Run as a process of its own by `vlrep.evaluators.detection` (torch and JAX never share a process, so they never
 contend for one accelerator's memory); it imports torch, torchvision and pycocotools, never JAX or TensorFlow.
 SPEC.json holds the backbone's architecture, the weights file (a torchvision-named state dict written by
-`vlrep.export.torchvision_state_dict`, as safetensors), the datasets (COCO instances JSON + image folder), the
+`vlrep.interop.export.torchvision_state_dict`, as safetensors), the datasets (COCO instances JSON + image folder), the
 detector's sizes and the schedule: every key `DEFAULTS` has (the evaluator's config fills them). METRICS.json gets
 box_ap, box_ap50, box_ap75 (and mask_* for Mask R-CNN) in percent, the first and last logged training losses,
 and the seconds taken. Progress (loss every `log_every` iterations) goes to stderr.
@@ -38,7 +38,7 @@ from torchvision.ops import FrozenBatchNorm2d, MultiScaleRoIAlign
 
 from vlrep import safe_files
 from vlrep.data import images as image_files  # numpy and PIL only: no TensorFlow or JAX in this process
-from vlrep.models import torch_resnet
+from vlrep.pytorch import resnet
 
 DETECTORS = ("faster_rcnn", "mask_rcnn")
 NORMS = ("trained", "frozen")
@@ -194,10 +194,10 @@ def training_batches(dataset, spec: dict, generator: torch.Generator):
 
 
 def torch_backbone(spec: dict) -> nn.Module:
-  """vlrep's ResNet in PyTorch (`vlrep.models.torch_resnet`) with the spec's weights loaded strictly."""
+  """vlrep's ResNet in PyTorch (`vlrep.pytorch.resnet`) with the spec's weights loaded strictly."""
   arch = spec["backbone"]
   norm = FrozenBatchNorm2d if spec["norm"] == "frozen" else nn.BatchNorm2d
-  model = torch_resnet.ResNet(
+  model = resnet.ResNet(
     depth=arch["depth"],
     width=arch["width"],
     inner_multiplier=arch.get("inner_multiplier", 1),

@@ -1,14 +1,16 @@
 """Official VirTex checkpoints (kdexd/virtex) <-> vlrep VirTex runs.
 
-  python -m vlrep.import_run --format=virtex --checkpoint=bicaptioning_R_50_L1_H2048.pth --vocab=coco_10k.model \
+  python -m vlrep.interop.import_run --format=virtex --checkpoint=bicaptioning_R_50_L1_H2048.pth
+  --vocab=coco_10k.model \
       --workdir=/runs/virtex_zoo_h2048
   python -m vlrep.tools.caption --workdir=/runs/virtex_zoo_h2048 photo.jpg
-  python -m vlrep.export --workdir=/runs/virtex_zoo_h2048 --format=virtex --out=bicaptioning.pth
+  python -m vlrep.interop.export --workdir=/runs/virtex_zoo_h2048 --format=virtex --out=bicaptioning.pth
 
 What is read: the model zoo's `{"model": state_dict, ...}` files of every task (bicaptioning, captioning, masked_lm:
 a `TransformerDecoderTextualHead`; token_classification: a `LinearTextualHead`), every width, depth and backbone
 (torchvision resnet50 / resnet101 / wide_resnet50_2 under `visual.cnn.`), and the hub's backbone-only files
-(`backbone_bicaptioning_R_50_L1_H2048.pth`: torchvision names, imported as `vlrep.importers.torchvision` does). The
+(`backbone_bicaptioning_R_50_L1_H2048.pth`: torchvision names, imported as `vlrep.interop.formats.torchvision` does).
+The
 sizes come from the tensors: H (embedding width), L (decoder layers), F (feed-forward width), the caption length
 (position embeddings), the vocabulary (embedding rows) and the backbone. What they cannot tell is a flag: the
 number of attention heads (`--heads`, default H / 64 as every zoo model) and, for a forward-only transformer head,
@@ -19,7 +21,7 @@ the embedding has rows. Its special ids (<unk> = padding 0, [SOS] 1, [EOS] 2, [M
 UNK 1, SOS 2, EOS 3, MASK 4): the run's tokenizer reads it with `special_tokens='virtex'`, which presents its ids in
 vlrep's layout (official id 0 -> 0, i >= 1 -> i + 1) and cuts long captions as the official code; the vocabulary
 rows of the embedding, output bias or classifier are reordered the same way, and vlrep's extra [UNK] id gets a zero
-row and an output bias of -1e4 (`vlrep.importers.DEAD_LOGIT`: probability exactly 0 in float32). So the imported
+row and an output bias of -1e4 (`vlrep.interop.formats.DEAD_LOGIT`: probability exactly 0 in float32). So the imported
 model tokenizes, scores and decodes as the official code, and export reorders the rows back.
 
 Dropped, and said so in the note: each attention's key bias (the middle third of `in_proj_bias`; it adds q.b_k to
@@ -44,8 +46,8 @@ from ml_collections import ConfigDict
 
 from vlrep.data import tokenizers
 from vlrep.errors import BadFile, UserError, reading
-from vlrep.importers import ImportedRun, KeyMap, flatten, rule, unflatten
-from vlrep.importers import torchvision as tv
+from vlrep.interop.formats import ImportedRun, KeyMap, flatten, rule, unflatten
+from vlrep.interop.formats import torchvision as tv
 
 DESCRIPTION = "official VirTex checkpoint (model zoo {'model': ...} .pth, any task) or hub backbone file"
 DEFAULT_CONFIG = "configs/virtex.py"

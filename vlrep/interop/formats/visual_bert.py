@@ -12,9 +12,9 @@ features of `visual_embedding_dim` dims read from region files (`method.visual.m
 box input. BERT's architecture is written into the config (`method.bert_config`), so the run needs no BERT
 weights folder: `method.bert_path` (and the tokenizer) only name the folder of the WordPiece `vocab.txt`. It computes
 in float32 (`method.dtype`), as the checkpoint's own code does: configs/vlbert.py's bfloat16 moves its outputs by
-up to 2.5e-2 relative (`vlrep.import_run --dtype` chooses otherwise).
+up to 2.5e-2 relative (`vlrep.interop.import_run --dtype` chooses otherwise).
 
-The key map is data (`visual_bert_rules`: vlrep.importers `rule`s, read by `KeyMap` both ways), one table for the
+The key map is data (`visual_bert_rules`: vlrep.interop.formats `rule`s, read by `KeyMap` both ways), one table for the
 three layouts (`LAYOUTS`, told apart by their names: Hugging Face's, MMF's and the authors' original code's), which
 differ in prefixes and in MMF's names of the three visual embeddings. Dropped, and listed in the run's note: the
 `position_ids` buffer, the MLM decoder (tied to the word embeddings in both codes; a checkpoint where they differ is
@@ -22,11 +22,11 @@ said so), MMF's `cls.seq_relationship` (BERT's next-sentence head, copied by MMF
 pretraining) and MMF's `classifier` (a downstream task head). Hugging Face's `cls.seq_relationship` (the authors'
 sentence-image prediction, trained) becomes vlrep's alignment head, its two logits in vlrep's order.
 
-  python -m vlrep.import_run --format=visual_bert --checkpoint=visualbert-vqa-coco-pre/ \
+  python -m vlrep.interop.import_run --format=visual_bert --checkpoint=visualbert-vqa-coco-pre/ \
       --vocab=bert-base-uncased/vocab.txt --workdir=/runs/visualbert_coco
-  python -m vlrep.export --workdir=/runs/visualbert_coco --format=visual_bert --out=visualbert_coco_hf
+  python -m vlrep.interop.export --workdir=/runs/visualbert_coco --format=visual_bert --out=visualbert_coco_hf
 
-Out (`state_dict`, `write_folder`; vlrep.export --format=visual_bert): a Hugging Face `VisualBertForPreTraining`
+Out (`state_dict`, `write_folder`; vlrep.interop.export --format=visual_bert): a Hugging Face `VisualBertForPreTraining`
 folder (config.json, model.safetensors, vocab.txt) through the same table read the other way, the tied MLM decoder
 written as copies of the word embeddings and the output bias. A run exports when its model is VisualBERT's
 (`EXPORT_KNOBS`: the three region-embedding knobs above and the pooler reading [CLS]): an imported run (import ->
@@ -54,7 +54,7 @@ from safetensors.numpy import save_file
 
 from vlrep import config_utils, safe_files
 from vlrep.errors import BadFile, UserError, reading
-from vlrep.importers import (
+from vlrep.interop.formats import (
   TRANSFORMS,
   ImportedRun,
   KeyMap,
@@ -64,7 +64,7 @@ from vlrep.importers import (
   rule,
   unflatten,
 )
-from vlrep.importers import torchvision as tv
+from vlrep.interop.formats import torchvision as tv
 from vlrep.methods import vlbert
 from vlrep.models import bert as bert_lib
 from vlrep.models import vl_bert
@@ -77,7 +77,7 @@ DEFAULT_CONFIG = "configs/vlbert.py:arch=visual_bert,stage=pretrain"
 
 # The sentence-image head's two logits in the other order: VisualBERT's are (the text matches the image, random),
 # vlrep's alignment head's (not aligned, aligned). (vlrep -> foreign, foreign -> vlrep given the vlrep shape), as
-# vlrep.importers.TRANSFORMS; registered there so that the table below is the whole key map, both ways.
+# vlrep.interop.formats.TRANSFORMS; registered there so that the table below is the whole key map, both ways.
 TRANSFORMS.setdefault("linear_swap2", (lambda x, ctx: x.T[::-1], lambda x, shape, ctx: x[::-1].T))
 TRANSFORMS.setdefault("swap2", (lambda x, ctx: x[::-1], lambda x, shape, ctx: x[::-1]))
 
@@ -160,7 +160,7 @@ _PLACEHOLDER_REGIONS = "REGION_FEATURES_DIR"
 # config.json fields an imported run does not keep: what export writes itself (the model class, the type) and what
 # describes the file rather than the model (the writer's version, the dtype: export writes float32).
 _HF_NOT_KEPT = ("architectures", "model_type", "transformers_version", "_name_or_path", "dtype", "torch_dtype")
-_CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "configs")
+_CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "configs")
 
 
 def layout_of(keys) -> tuple[str, str, str, bool]:
@@ -550,7 +550,7 @@ def read(
   """A VisualBERT checkpoint as a vlrep VisualBERT pretraining run.
 
   config: the base config (default configs/vlbert.py:arch=visual_bert,stage=pretrain). workdir: the run directory
-  the run will live in (vlrep.import_run's): its config then names the vocab.txt copied there (`files`), so the
+  the run will live in (vlrep.interop.import_run's): its config then names the vocab.txt copied there (`files`), so the
   run is self-contained; else the folder of `vocab`. heads, hidden_act, layer_norm_eps: for MMF checkpoints, whose
   tensors do not show them (default: MMF's config in the checkpoint or beside it, else BERT's 64-wide heads, 'gelu',
   1e-12, noted in the run's note); a Hugging Face folder's config.json says them. region_type_id: the regions'
@@ -610,7 +610,7 @@ def read(
 
   vocab_folder = _vocab_folder(vocab, os.path.dirname(os.path.abspath(weights)), bert["vocab_size"])
   files = {"vocab.txt": os.path.join(vocab_folder, "vocab.txt")}
-  if workdir:  # the run keeps its vocabulary: vlrep.import_run copies `files` into the run directory
+  if workdir:  # the run keeps its vocabulary: vlrep.interop.import_run copies `files` into the run directory
     vocab_folder = os.path.abspath(os.path.expanduser(workdir))
   if not regions and config is None:
     notes["regions"] = (
@@ -639,7 +639,7 @@ def _why(key: str, shape) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------------ #
-# Writing (vlrep.export --format=visual_bert).
+# Writing (vlrep.interop.export --format=visual_bert).
 # ------------------------------------------------------------------------------------------------------------ #
 # What a run's method config must say for its model to be Hugging Face's VisualBERT: VisualBERT's region embeddings
 # (vlrep.models.vl_bert) and the pooler over [CLS]. Why each other value has no place in VisualBertForPreTraining:
@@ -665,8 +665,8 @@ def check_exportable(run) -> None:
     what = f"method is {method.get('name')!r}" if method.get("name") != "vlbert" else f"arch is {method.get('arch')!r}"
     raise UserError(
       f"{run.path}: --format=visual_bert exports VisualBERT runs (configs/vlbert.py:arch=visual_bert, or a run "
-      f"written by vlrep.import_run --format=visual_bert); this run's {what}, which has no Hugging Face VisualBERT "
-      "layout."
+      f"written by vlrep.interop.import_run --format=visual_bert); this run's {what}, which has no "
+      "Hugging Face VisualBERT layout."
     )
   have = {**vlbert.region_embedding_knobs(method), "text_pool": method.get("text_pool", "cls")}
   differ = [k for k, want in EXPORT_KNOBS.items() if have[k] != want]

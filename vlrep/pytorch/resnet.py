@@ -1,7 +1,7 @@
 """A torchvision-layout ResNet written with `torch` alone (no torchvision), for checking exports.
 
 Module names and the v1.5 layout (stride on the 3x3 conv) are torchvision's, so a state_dict from
-`vlrep.export` loads with strict=True; `forward` returns the final grid (NCHW) and its global average.
+`vlrep.interop.export` loads with strict=True; `forward` returns the final grid (NCHW) and its global average.
 Depths, widths and stems are vlrep's ResNet's (including the test-only depth 10, width multipliers and the small
 stem: one 3x3 convolution of stride 1 or 2 and no max-pool, whose `conv1.weight` is (width, 3, 3, 3); its
 `maxpool` is an identity, so the module's children keep torchvision's order and names for feature extractors such

@@ -1,17 +1,18 @@
 r"""The papers' detection transfer through Detectron2: a run's backbone fine-tuned in Faster / Mask R-CNN with the
 configs of configs/detectron2/, as kdexd/virtex's scripts/eval_detectron2.py does it.
 
-  python -m vlrep.tools.detectron2_transfer --workdir=RUN --config-file=configs/detectron2/FILE.yaml [KEY VALUE ...]
-  python -m vlrep.tools.detectron2_transfer --workdir=/runs/virtex_r50 \
+  python -m vlrep.pytorch.detectron2_transfer --workdir=RUN --config-file=configs/detectron2/FILE.yaml [KEY VALUE ...]
+  python -m vlrep.pytorch.detectron2_transfer --workdir=/runs/virtex_r50 \
       --config-file=configs/detectron2/voc_faster_rcnn_R_50_C4_24k.yaml --num-gpus=8
-  python -m vlrep.tools.detectron2_transfer --workdir=/runs/loctex_r50 \
+  python -m vlrep.pytorch.detectron2_transfer --workdir=/runs/loctex_r50 \
       --config-file=configs/detectron2/coco_mask_rcnn_R_50_FPN_2x.yaml \
       --dataset=mine_train=coco:/data/mine/train.json:/data/mine/images \
       --dataset=mine_val=coco:/data/mine/val.json:/data/mine/images --train=mine_train --test=mine_val \
       SOLVER.MAX_ITER 2000 SOLVER.STEPS "(1500,)"
 
 What it does, in order:
-1. The run's backbone (its best checkpoint, --checkpoint) is written in Detectron2's layout by `vlrep.export` in a
+1. The run's backbone (its best checkpoint, --checkpoint) is written in Detectron2's layout by `vlrep.interop.export`
+in a
    process of its own on the CPU (JAX never touches the accelerator Detectron2 trains on), to OUTPUT_DIR/backbone.pkl.
    `--weights=random` fine-tunes a randomly initialised backbone of the run's architecture instead (the baseline).
 2. The config: the YAML, then the KEY VALUE pairs, then what follows from the run and the machine: the ResNet's
@@ -44,7 +45,8 @@ pickle.load and a checkpoint with torch.load, which can run code the file names.
   from the record is refused with exit status 2 naming the file, before Detectron2 is imported.
 - The record lies in the run folder, so it is no proof by itself: Detectron2 never reads a pickle itself. The
   trainer's checkpointer (`checkpointer_type`) loads only OUTPUT_DIR's backbone.pkl and recorded checkpoints, each
-  through vlrep's restricted unpickler (vlrep.torch_files: tensors, numpy arrays and plain containers, nothing else
+  through vlrep's restricted unpickler (vlrep.interop.torch_files: tensors, numpy arrays and plain containers, nothing
+  else
   imported or called), and a resumed checkpoint is read that way before Detectron2 is imported too. backbone.pkl is
   exported afresh by every command that does not resume (a resumed one loads no backbone).
 - Writes never follow links: OUTPUT_DIR and every folder between the run and it must be real folders, and a link (or
@@ -77,8 +79,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from vlrep import errors, runs, safe_files, torch_files
+from vlrep import errors, runs, safe_files
 from vlrep.errors import BadFile, UserError
+from vlrep.interop import torch_files
 
 # Detectron2 (built from its source, INSTALL below) and torch are imported inside the functions that use them: an
 # optional dependency, so --help and the early refusals (a missing run, no Detectron2) work without importing it.
@@ -91,7 +94,7 @@ INSTALL = (
   "  pip install --no-build-isolation -e .    # FORCE_CUDA=0 on a machine without CUDA\n"
   "(it needs torch; `pip install -e '.[detection]'` in vlrep installs the torch and torchvision pair it runs with)."
 )
-# What the exported weights expect (vlrep.export writes torchvision-convention weights): KEY -> value.
+# What the exported weights expect (vlrep.interop.export writes torchvision-convention weights): KEY -> value.
 INPUT_CONVENTION = {
   "INPUT.FORMAT": "RGB",
   "MODEL.PIXEL_MEAN": [123.675, 116.280, 103.530],
@@ -113,13 +116,13 @@ _SMALL_FILE = 1 << 20  # bytes: the record and last_checkpoint are a few hundred
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p = argparse.ArgumentParser(
-    prog="python -m vlrep.tools.detectron2_transfer",
+    prog="python -m vlrep.pytorch.detectron2_transfer",
     description="Fine-tune and evaluate a vlrep run's backbone with Detectron2 (the papers' detection transfer).",
     epilog="Trailing KEY VALUE pairs override the YAML, as Detectron2's tools/train_net.py reads them.",
   )
   p.add_argument("--workdir", required=True, help="The vlrep run whose backbone is transferred.")
   p.add_argument("--config-file", "--config_file", dest="config_file", required=True, help="A Detectron2 YAML.")
-  p.add_argument("--checkpoint", default="best", help="best, latest or a step (vlrep.export's --checkpoint).")
+  p.add_argument("--checkpoint", default="best", help="best, latest or a step (vlrep.interop.export's --checkpoint).")
   p.add_argument("--weights", choices=("run", "random"), default="run", help="random: the random-init baseline.")
   p.add_argument("--output-dir", "--output_dir", dest="output_dir", default="", help="Default RUN/detectron2/NAME.")
   p.add_argument("--dataset", action="append", default=[], help="NAME=coco:JSON:IMAGES | lvis:.. | voc:DIR:SPLIT:YEAR")
@@ -336,7 +339,7 @@ def record_written(out_dir: str, name: str, root: str) -> str:
   """Adds `name` (a file the driver just wrote in `out_dir`) with its sha256 to the record; returns the sha256."""
   digest = safe_files.sha256_of(os.path.join(out_dir, name))
   files = {**read_manifest(out_dir), name: digest}
-  record = {"written_by": "vlrep.tools.detectron2_transfer", "files": dict(sorted(files.items()))}
+  record = {"written_by": "vlrep.pytorch.detectron2_transfer", "files": dict(sorted(files.items()))}
   safe_files.write_json(os.path.join(out_dir, MANIFEST), record, root=root)
   return digest
 
@@ -399,7 +402,7 @@ def read_written(path: str) -> Any:
   if not isinstance(model, dict) or not all(isinstance(v, np.ndarray) for v in model.values()):
     raise BadFile(f"{path} holds no {{'model': {{name: tensor}}}}: not a file the Detectron2 driver wrote.")
   if path.endswith(".pkl") and "__author__" not in obj:
-    raise BadFile(f"{path} lacks '__author__': not a backbone vlrep.export wrote.")
+    raise BadFile(f"{path} lacks '__author__': not a backbone vlrep.interop.export wrote.")
   return obj
 
 
@@ -501,11 +504,12 @@ def checkpointer_type():
 
 
 def export_backbone(workdir: str, checkpoint: str, out: str) -> None:
-  """`vlrep.export --format=detectron2` in a process of its own, on the CPU: JAX leaves the accelerator to torch."""
+  """`vlrep.interop.export --format=detectron2` in a process of its own, on the CPU: JAX leaves the accelerator to
+  torch."""
   cmd = [
     sys.executable,
     "-m",
-    "vlrep.export",
+    "vlrep.interop.export",
     f"--workdir={workdir}",
     "--format=detectron2",
     f"--out={out}",
