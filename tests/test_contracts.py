@@ -41,7 +41,7 @@ def module_names(package) -> list[str]:
 
 @pytest.fixture(scope="module")
 def tiny_runs() -> dict:
-  """{tiny config's module: (config, RunInputs)}, each built as the loop builds a run (`run_setup.build`)."""
+  """{tiny config's module: (config, EvalInputs)}, each built as the loop builds a run (`run_setup.build`)."""
   out = {}
   for path in sorted(glob.glob(os.path.join(TESTS, "tiny_*.py"))):
     name = os.path.basename(path)[:-3]
@@ -82,7 +82,7 @@ def test_every_evaluator_module_keeps_the_evaluator_contract(name, tiny_runs):
   module = importlib.import_module(f"vlrep.evaluators.{name}")
   assert hasattr(module, "Evaluator") == (name in evaluators.available()), "vlrep.evaluators lists what defines it"
   if not hasattr(module, "Evaluator"):
-    return  # a helper of the evaluators (metrics, solvers, RunInputs)
+    return  # a helper of the evaluators (metrics, solvers, EvalInputs)
   cls = module.Evaluator
   assert contract_violations(cls, evaluators.Evaluator) == []
   assert list(inspect.signature(cls).parameters) == ["config", "run"]

@@ -19,7 +19,7 @@ from pycocotools.coco import COCO
 from vlrep.data import instances, pipeline, records
 from vlrep.errors import UserError
 from vlrep.evaluators import detection
-from vlrep.evaluators.run_inputs import Model, RunInputs
+from vlrep.evaluators.inputs import EvalInputs, Model
 from vlrep.models import resnet, vgg
 from vlrep.pytorch import detection_worker
 
@@ -89,12 +89,12 @@ def test_unconvertible_backbone_is_refused(tmp_path):
 def test_dataset_without_instances_is_refused(tmp_path):
   config = ConfigDict({"dataset": "voc2007", "data_dir": str(tmp_path), "seeds": (0,)})
   with pytest.raises(UserError, match="'voc2007' has no instance annotations: its examples have no 'object_map'"):
-    detection.Detection(config, RunInputs())
+    detection.Evaluator(config, EvalInputs())
   with pytest.raises(UserError, match="not one of vlrep's datasets with instance maps"):
     instances.write_instances("imagenet2012", "train", str(tmp_path / "x.json"), data_dir=str(tmp_path))
   missing = {k: str(tmp_path / k) for k in detection.DATA_FILES}
   with pytest.raises(UserError, match="train_annotations=.* does not exist"):
-    detection.Detection(ConfigDict({**missing, "seeds": (0,)}), RunInputs())
+    detection.Evaluator(ConfigDict({**missing, "seeds": (0,)}), EvalInputs())
 
 
 def test_instances_match_the_instance_maps(tmp_path):
@@ -132,7 +132,7 @@ def test_short_fine_tune_end_to_end(tmp_path):
   module = resnet.ResNet(depth=10, width=8, stem="small")
   variables = _trained_looking(module.init(jax.random.PRNGKey(0), np.zeros((1, 32, 32, 3), np.float32)))
   config = _tiny_evaluation(test_limit=8, seeds=(0,), detector={**_tiny_detector(), "iterations": 16, "log_every": 4})
-  metrics = detection.Detection(config, RunInputs()).evaluate(Model(variables, None, lambda: (module, variables)))
+  metrics = detection.Evaluator(config, EvalInputs()).evaluate(Model(variables, None, lambda: (module, variables)))
   assert np.isfinite(metrics["loss_first"]) and np.isfinite(metrics["loss_last"])
   assert metrics["loss_last"] < 0.8 * metrics["loss_first"], metrics
   for key in detection.AP_METRICS:
@@ -184,14 +184,14 @@ def test_parallel_workers_overlap_and_keep_the_seeds_order(monkeypatch, tmp_path
   config = _tiny_evaluation(
     train_limit=4, test_limit=4, seeds=(5, 6, 7), parallel=2, detector={**_tiny_detector(), "threads": 0}
   )
-  metrics = detection.Detection(config, RunInputs()).evaluate(Model(variables, None, lambda: (module, variables)))
+  metrics = detection.Evaluator(config, EvalInputs()).evaluate(Model(variables, None, lambda: (module, variables)))
   assert spans[6][0] < spans[5][1] and spans[5][0] < spans[6][1]  # 5 and 6 ran at the same time
   assert max(start for start, _ in spans.values()) >= min(end for _, end in spans.values())  # never 3 at once
   assert threads == {5: 2, 6: 2, 7: 2}
   assert [metrics[f"box_ap_seed{s}"] for s in (5, 6, 7)] == [5.0, 6.0, 7.0] and metrics["box_ap"] == 6.0
   config.parallel = 0
   with pytest.raises(UserError, match="parallel=0"):
-    detection.Detection(config, RunInputs())
+    detection.Evaluator(config, EvalInputs())
 
 
 def test_several_seeds_are_summarised():

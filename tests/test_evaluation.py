@@ -447,7 +447,7 @@ def test_grounding_tool_scores_each_word_group_with_own_and_other_images(tiny_ru
   result = grounding.image_gain(tiny_run, split="val", limit=8)
   assert {"colour", "shape", "other"} <= set(result)
   run = runs.load_run(tiny_run, "latest")
-  _, run_inputs = run_setup.build(run.config)
+  _, eval_inputs = run_setup.build(run.config)
   builder = pipeline.get_builder("synthetic_scenes", run.config.data.data_dir, "tiny")
   examples = records.first_examples(builder, "val", 8)
   batch = next(pipeline.eval_batches(builder, examples, "decode|normalize", ("image", "captions"), 100))
@@ -455,9 +455,9 @@ def test_grounding_tool_scores_each_word_group_with_own_and_other_images(tiny_ru
   captions = np.array(batch["captions"], dtype=object).reshape(len(real), -1)[real]
   total_nll, total_tokens = 0.0, 0
   for column in captions.T:
-    tokens = np.stack([run_inputs.tokenizer.encode(c.decode(), run.config.method.max_len)[0] for c in column])
+    tokens = np.stack([eval_inputs.tokenizer.encode(c.decode(), run.config.method.max_len)[0] for c in column])
     inputs = {"image": jnp.asarray(batch["image"][real]), "tokens": jnp.asarray(tokens)}
-    _, metrics, _ = run_inputs.method.loss(run.variables, inputs, jax.random.PRNGKey(0), train=False)
+    _, metrics, _ = eval_inputs.method.loss(run.variables, inputs, jax.random.PRNGKey(0), train=False)
     n = int((tokens[:, 1:] != 0).sum())
     total_nll += float(metrics["forward_loss"]) * n
     total_tokens += n
@@ -644,7 +644,7 @@ def test_supervised_presence_reference_trains_multilabel_and_is_probed(tmp_path)
   with pytest.raises(ValueError, match="Unknown labels"):
     finetune.get_config("runlocal,labels=colour")
   # The loss is the mean sigmoid cross-entropy over classes and images.
-  m = classifier.Classifier(
+  m = classifier.Method(
     ConfigDict({"num_classes": 3, "multilabel": True, "dtype": "float32", "backbone": {"depth": 10, "width": 4}})
   )
   batch = {"image": np.zeros((2, 16, 16, 3), np.float32), "label": np.array([[1, 0, 1], [0, 0, 1]], np.uint8)}

@@ -14,7 +14,7 @@ import optax
 import pytest
 
 from vlrep import optim, train_step
-from vlrep.evaluators import Model, RunInputs, linear_probe
+from vlrep.evaluators import EvalInputs, Model, linear_probe
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs"))
 
@@ -286,7 +286,7 @@ def test_icmlm_linear_probe_learns_a_separable_imagenet_format_set_and_skips_div
     return np.concatenate([images.mean((1, 2)) * 20.0, np.full((len(images), 1), 30.0)], 1), batch
 
   model = Model(variables=None, features=features)
-  evaluator = linear_probe.LinearProbe(probe, RunInputs())
+  evaluator = linear_probe.Evaluator(probe, EvalInputs())
   result = evaluator.evaluate(model)
   assert set(seen) == {(224, 224, 3)}
   assert result["top1"] == 100.0 and result["top1_val"] == 100.0

@@ -397,7 +397,7 @@ def test_visual_bert_tables_start_from_berts_when_bert_initialises_the_run():
 
   c = sibling_config(os.path.join(ROOT, "configs", "vlbert.py"), "vlbert", "runlocal,arch=visual_bert,stage=pretrain")
   c.method.update(region_boxes=False, region_norm="shared", region_type_embedding="tables", bert_layers=1)
-  method = vlbert.VLBert(c.method, 30522)
+  method = vlbert.Method(c.method, 30522)
   got = method.pretrained_variables({})["params"]
   emb = got["bert"]["embeddings"]
   np.testing.assert_array_equal(

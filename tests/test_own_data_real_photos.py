@@ -16,7 +16,7 @@ from test_evaluation import _load_config as load_config
 from vlrep import config_utils, train
 from vlrep.data import pipeline, records, registry, tokenizers
 from vlrep.evaluators import retrieval, vsepp
-from vlrep.evaluators.run_inputs import Model, RunInputs
+from vlrep.evaluators.inputs import EvalInputs, Model
 
 VAL = 25  # the held-out percent: 8 of the 32 photos, so retrieval ranks several images
 
@@ -185,7 +185,7 @@ def test_vsepp_trains_and_ranks_every_caption_of_real_photos(tmp_path, photos):
   e.update(batch_size=8, embed_dim=16, word_dim=8, epochs=1, lr_update_epochs=1, train_batch_size=16)
   builder = pipeline.get_builder("image_text", data_dir)
   tokenizers.train_tokenizer(records.read_texts(builder, e.train_split), str(tmp_path / "bpe.model"), 100)
-  run = RunInputs(tokenizer=tokenizers.Tokenizer(str(tmp_path / "bpe.model")))
+  run = EvalInputs(tokenizer=tokenizers.Tokenizer(str(tmp_path / "bpe.model")))
   # The features: each image's mean colour and brightness spread, as a frozen backbone would give per image.
   stats = lambda x: np.concatenate([x.mean((1, 2)), x.std((1, 2))], -1).astype(np.float32)
   model = Model(variables={}, features=lambda batch, key: (stats(batch["image"]), batch))

@@ -25,7 +25,7 @@ from vlrep.data import pipeline, prepare, records
 from vlrep.data.builders import image_folder
 from vlrep.errors import DatasetNotPrepared, UserError
 from vlrep.evaluators import linear_probe, voc07_svm, zero_shot
-from vlrep.evaluators.run_inputs import Model, RunInputs
+from vlrep.evaluators.inputs import EvalInputs, Model
 from vlrep.models.special_tokens import EOS_ID, NUM_SPECIAL, PAD_ID, SOS_ID
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,7 +93,7 @@ def test_prepare_counts_the_corrupt_image_and_the_empty_class_and_holds_out_each
   assert {p for p, _, s in listing if s == "test" and p != "tabby_cat/torn.jpg"} == keys["test"]
 
 
-def known_images(run: RunInputs, cfg, builder) -> tuple[np.ndarray, np.ndarray]:
+def known_images(run: EvalInputs, cfg, builder) -> tuple[np.ndarray, np.ndarray]:
   """(pixel sums [N], class ids [N]) of every split under the evaluator's preprocessing."""
   sums, labels = [], []
   for split in image_folder.SPLITS:
@@ -119,7 +119,7 @@ def knowing_model(sums: np.ndarray, labels: np.ndarray, wrong: bool = False) -> 
 
 def test_the_probes_read_the_splits_labels_and_class_count_of_your_classes(labelled):
   _, data, _ = labelled
-  run = RunInputs()
+  run = EvalInputs()
   probe_cfg = eval_config("linear_probe", data).evals.linear_probe_virtex
   probe = linear_probe.Evaluator(probe_cfg, run)
   assert probe.num_classes == len(CLASSES)  # counted from the dataset (num_classes=0 in the config)
@@ -311,7 +311,7 @@ def test_a_split_whose_images_all_fail_to_decode_stops_naming_the_split(tmp_path
 def test_eval_configs_on_classes_not_prepared_name_the_prepare_command(tmp_path):
   cfg = eval_config("voc07_svm", str(tmp_path)).evals.voc07_svm
   with pytest.raises(DatasetNotPrepared, match="--dataset=image_folder"):
-    voc07_svm.Evaluator(cfg, RunInputs())
+    voc07_svm.Evaluator(cfg, EvalInputs())
   module = config_module(os.path.join(ROOT, "configs", "eval", "x"), "linear_probe.py")
   with pytest.raises(ValueError, match="use variant=virtex or variant=icmlm, mode=features"):
     module.get_config(f"data={tmp_path},variant=mct")
@@ -337,17 +337,17 @@ def test_zero_shot_prompts_name_the_class_folders_with_spaces_in_label_order(lab
   name the folders with spaces for underscores and class id k is the k-th sorted folder."""
   _, data, _ = labelled
   cfg = eval_config("zero_shot", data).evals.zero_shot
-  run = RunInputs()
+  run = EvalInputs()
   builder = pipeline.get_builder("image_folder", data)
   sums, labels = known_images(run, cfg, builder)
   spaced = [c.replace("_", " ") for c in CLASSES]
   towers = Towers(looked_up(sums, np.eye(NUM_CLASSES)[labels]))  # test_zero_shot's 10-d class space
-  evaluator = zero_shot.Evaluator(cfg, RunInputs(tokenizer=PhraseTokenizer(spaced), method=towers))
+  evaluator = zero_shot.Evaluator(cfg, EvalInputs(tokenizer=PhraseTokenizer(spaced), method=towers))
   assert evaluator.class_names == spaced
   assert evaluator.evaluate(Model(variables={}, features=None)) == {"top1": 100.0, "chance": 100 / len(CLASSES)}
   # Looking for the folder names as written, those with an underscore are no prompt's: their test images tie over
   # all 6 classes (1/6 credit each), the others stay right.
-  blind = zero_shot.Evaluator(cfg, RunInputs(tokenizer=PhraseTokenizer(CLASSES), method=towers))
+  blind = zero_shot.Evaluator(cfg, EvalInputs(tokenizer=PhraseTokenizer(CLASSES), method=towers))
   test_labels = [int(e["label"].numpy()) for e in records.examples(builder, "test", decode_images=False)]
   credit = [1 / len(CLASSES) if "_" in CLASSES[k] else 1.0 for k in test_labels]
   assert 0 < sum(c < 1 for c in credit) < len(credit)

@@ -347,11 +347,11 @@ def test_num_labels_from_the_answer_vocabulary_and_clear_errors():
     }
   )
   with pytest.raises(ValueError, match="answer vocabulary"):
-    vlbert.VLBert(cfg, 30522)
+    vlbert.Method(cfg, 30522)
   with pytest.raises(ValueError, match="tokenizer has 100 tokens"):
-    vlbert.VLBert(cfg, 100, ["yes"])
+    vlbert.Method(cfg, 100, ["yes"])
   with pytest.raises(ValueError, match="Unknown vlbert task"):
-    vlbert.VLBert(ConfigDict({**cfg.to_dict(), "task": "nsp"}), 30522)
+    vlbert.Method(ConfigDict({**cfg.to_dict(), "task": "nsp"}), 30522)
 
 
 def test_alignment_scores_masked_tokens_on_aligned_pairs_and_trains_the_poolers():
@@ -362,11 +362,11 @@ def test_alignment_scores_masked_tokens_on_aligned_pairs_and_trains_the_poolers(
   c = tiny_vlbert.get_config("arch=vilbert,stage=pretrain")
   c.method.alignment_weight = -1.0
   with pytest.raises(ValueError, match="alignment_weight must be >= 0"):
-    vlbert.VLBert(c.method, 30522)
+    vlbert.Method(c.method, 30522)
   c.method.alignment_weight = 0.0
-  without = vlbert.VLBert(c.method, 30522)
+  without = vlbert.Method(c.method, 30522)
   c.method.alignment_weight = 1.0
-  method = vlbert.VLBert(c.method, 30522)
+  method = vlbert.Method(c.method, 30522)
   b, t = 8, 8
   rng = np.random.default_rng(0)
   colours = rng.uniform(-2, 2, (b, 1, 1, 3)).astype(np.float32)
@@ -691,7 +691,7 @@ def test_recipe_configs_take_one_step_at_their_real_shapes(arch, regions, extra,
     holder, _, leaf = key.rpartition(".")
     (c.method.visual if holder == "visual" else c.method)[leaf] = value
   c.method.region_classes = 1601
-  method = vlbert.VLBert(c.method, 30522)
+  method = vlbert.Method(c.method, 30522)
   if regions:
     assert method.fields[0] == "regions" and c.method.visual.dim == 2048
   classes = 1601 if "region_probs" in method.fields else 0
@@ -743,7 +743,7 @@ def test_extractor_run_supplies_the_regions_resnet_and_runs_need_no_other_run_un
   c.method.update(bert_layers=1, dtype="float32")
   assert c.method.visual.init_from == "/runs/virtex"
   assert dict(c.method.visual.backbone) == {**backbone, "inner_multiplier": 1, "bn_group_size": 0}
-  method = vlbert.VLBert(c.method, 30522)
+  method = vlbert.Method(c.method, 30522)
   assert method.regions_dim() == net.num_features
   batch = {k: jnp.asarray(v) for k, v in _recipe_batch(c, np.random.default_rng(0)).items()}
   variables = method.init(jax.random.PRNGKey(0), batch)
@@ -759,7 +759,7 @@ def test_extractor_run_supplies_the_regions_resnet_and_runs_need_no_other_run_un
   wrong.method.update(bert_layers=1, dtype="float32")
   wrong.method.visual.init_from = "/runs/virtex"
   with pytest.raises(ValueError, match="depth': 10.*builds.*depth': 50.*extractor=RUN"):
-    train_state.pretrained_variables_of(vlbert.VLBert(wrong.method, 30522))
+    train_state.pretrained_variables_of(vlbert.Method(wrong.method, 30522))
 
   # Downstream of a VL run pretrained with that extractor: its extractor weights, the same ResNet.
   available["/runs/vl"] = runs.Run(
@@ -772,30 +772,30 @@ def test_extractor_run_supplies_the_regions_resnet_and_runs_need_no_other_run_un
   )
   down = _recipe("arch=visual_bert,stage=finetune,task=vqa,bert=minilm,extractor=/runs/virtex")
   down.method.update(bert_layers=1, dtype="float32", num_labels=3, pretrained_run="/runs/vl")
-  got = train_state.pretrained_variables_of(vlbert.VLBert(down.method, 30522))["model_state"]["visual"]
+  got = train_state.pretrained_variables_of(vlbert.Method(down.method, 30522))["model_state"]["visual"]
   assert jax.tree.map(np.shape, got) == jax.tree.map(np.shape, visual)
   down_default = _recipe("arch=visual_bert,stage=finetune,task=vqa,bert=minilm")
   down_default.method.update(bert_layers=1, dtype="float32", num_labels=3, pretrained_run="/runs/vl")
   with pytest.raises(ValueError, match="/runs/vl/best/7's region extractor is a ResNet"):
-    train_state.pretrained_variables_of(vlbert.VLBert(down_default.method, 30522))
+    train_state.pretrained_variables_of(vlbert.Method(down_default.method, 30522))
 
   # Every run gone: the methods of all these runs still build (as vlrep.evaluate and a resume build them).
   available.clear()
   for config in (c, down, wrong):
-    assert vlbert.VLBert(config.method, 30522).regions_dim() > 0
+    assert vlbert.Method(config.method, 30522).regions_dim() > 0
 
 
 def test_recipe_refuses_regions_that_would_train_silently_wrong(tmp_path):
   c = _recipe("arch=vilbert,stage=pretrain,bert=minilm")
   with pytest.raises(ValueError, match="randomly initialised"):
-    vlbert.VLBert(c.method, 30522)
+    vlbert.Method(c.method, 30522)
   c.method.visual.init_from = "/some/run"
   c.method.visual.mode = "grid"
   with pytest.raises(ValueError, match="grid.*region_target='feature'"):
-    vlbert.VLBert(c.method, 30522)
+    vlbert.Method(c.method, 30522)
   c.method.visual.mode, c.method.region_target = "roi_align", "distribution"
   with pytest.raises(ValueError, match="region files"):
-    vlbert.VLBert(c.method, 30522)
+    vlbert.Method(c.method, 30522)
   # Region files without the detector's distribution cannot feed ViLBERT's KL target: the op names the file.
   from vlrep.data import region_files
 

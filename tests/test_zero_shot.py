@@ -15,7 +15,7 @@ from ml_collections import ConfigDict
 from vlrep.config_utils import config_module
 from vlrep.errors import UserError
 from vlrep.evaluators import zero_shot
-from vlrep.evaluators.run_inputs import Model, RunInputs
+from vlrep.evaluators.inputs import EvalInputs, Model
 from vlrep.models.special_tokens import EOS_ID, NUM_SPECIAL, PAD_ID, SOS_ID
 
 SHAPES = ("circle", "square", "triangle", "star", "cross", "arrow", "crescent", "ring", "bar", "heart")
@@ -227,15 +227,15 @@ def test_the_evaluator_reads_class_names_and_both_label_forms_of_synthetic_scene
   model = Model(variables={}, features=None)
   got = {}
   for name, cfg in evals.items():
-    sums, rows = known_images(RunInputs(), cfg)
+    sums, rows = known_images(EvalInputs(), cfg)
     assert len(np.unique(np.round(sums, 2))) == len(sums) == 40  # each image found by its pixel sum
-    evaluator = zero_shot.Evaluator(cfg, RunInputs(tokenizer=WordTokenizer(), method=toy(looked_up(sums, rows))))
+    evaluator = zero_shot.Evaluator(cfg, EvalInputs(tokenizer=WordTokenizer(), method=toy(looked_up(sums, rows))))
     assert evaluator.class_names == list(SHAPES)
     got[name] = evaluator.evaluate(model)
   assert got["zero_shot"] == {"top1": 100.0, "chance": 10.0}
   assert got["zero_shot_multi"]["map"] == pytest.approx(100.0) and 0 < got["zero_shot_multi"]["chance"] < 100
   # A run without a tokenizer, or with a method without a text side, is refused when the evaluator is built.
   with pytest.raises(UserError, match="tokenizer"):
-    zero_shot.Evaluator(evals["zero_shot"], RunInputs(method=toy()))
+    zero_shot.Evaluator(evals["zero_shot"], EvalInputs(method=toy()))
   with pytest.raises(UserError, match="text side"):
-    zero_shot.Evaluator(evals["zero_shot"], RunInputs(tokenizer=WordTokenizer(), method=NoTextSide()))
+    zero_shot.Evaluator(evals["zero_shot"], EvalInputs(tokenizer=WordTokenizer(), method=NoTextSide()))

@@ -35,9 +35,9 @@ def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", na
   if any(evaluators.needs_method(cfg) for cfg in evals_cfg.values()):
     with features.saved_config_errors(run):
       # the method and tokenizer, rebuilt as training built them (its own vocabulary copy where it has one)
-      run_inputs = run_setup.build_inputs(run.config, run.workdir)
+      eval_inputs = run_setup.build_inputs(run.config, run.workdir)
   else:
-    run_inputs = evaluators.RunInputs(host=jax.process_index(), num_hosts=jax.process_count())
+    eval_inputs = evaluators.EvalInputs(host=jax.process_index(), num_hosts=jax.process_count())
   model = evaluators.Model(
     jax.device_put(run.variables), backbone_features(run), functools.cache(lambda: runs.backbone_of(run))
   )
@@ -46,7 +46,7 @@ def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", na
     if names and name not in names:
       continue
     try:
-      evaluator = evaluators.build(cfg, run_inputs)
+      evaluator = evaluators.build(cfg, eval_inputs)
     except UserError:
       raise
     except ValueError as e:  # an evaluation the run cannot take (no tokenizer, no captioning head): said, not a bug
@@ -55,7 +55,7 @@ def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", na
     results.update({f"{name}/{k}": v for k, v in metrics.items()})
     results[f"{name}/checkpoint_step"] = run.step
     logging.info("%s: %s", name, ", ".join(f"{k}={v:.2f}" for k, v in metrics.items()))
-  if run_inputs.host == 0:
+  if eval_inputs.host == 0:
     runs.write_summary(workdir, results)
   return results
 

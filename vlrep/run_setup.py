@@ -18,7 +18,7 @@ from vlrep.models.bert import resolve_path
 
 
 def build(config: ml_collections.ConfigDict, for_training: bool = False, run_data: RunData | None = None):
-  """(the training data's TFDS builder, `RunInputs`): the run's tokenizer (none for a method without text, e.g.
+  """(the training data's TFDS builder, `EvalInputs`): the run's tokenizer (none for a method without text, e.g.
   the fine-tuning classifier), what its method needs from the data (a concept set: ICMLM, MCT's tags on own data;
   a VQA run's answer vocabulary) and the method built with it, on this process.
 
@@ -41,7 +41,7 @@ def build(config: ml_collections.ConfigDict, for_training: bool = False, run_dat
   if run_data:
     run_data.fields = coverage
   own_tokenizer = run_data.check(config, builder) if run_data else None
-  inputs = _run_inputs(config, builder, own_tokenizer)
+  inputs = _eval_inputs(config, builder, own_tokenizer)
   if run_data:
     tok = config.get("tokenizer")
     used = own_tokenizer or configured_tokenizer_file(tok, builder)
@@ -51,7 +51,7 @@ def build(config: ml_collections.ConfigDict, for_training: bool = False, run_dat
 
 
 def build_inputs(config: ml_collections.ConfigDict, workdir: str | None = None):
-  """`RunInputs` of a trained or imported run, for commands that only apply it (vlrep.evaluate, the caption tool):
+  """`EvalInputs` of a trained or imported run, for commands that only apply it (vlrep.evaluate, the caption tool):
   the training data's builder is opened only when building them needs it (a vocabulary built from or stored next
   to the training data, a concept set, a method's `setup`), so an imported run with its own vocabulary needs no
   training dataset prepared.
@@ -67,7 +67,7 @@ def build_inputs(config: ml_collections.ConfigDict, workdir: str | None = None):
   own_tokenizer = run_tokenizer_copy(workdir) if workdir and config.get("tokenizer") else None
   if _needs_training_data(config, own_tokenizer):  # read only: a saved config's data_dir is never generated into
     builder = pipeline.get_builder(data.name, data.data_dir, data.get("config_name"), generate=False)
-  return _run_inputs(config, builder, own_tokenizer)
+  return _eval_inputs(config, builder, own_tokenizer)
 
 
 def run_tokenizer_copy(workdir: str) -> str | None:
@@ -92,7 +92,7 @@ def _needs_training_data(config, tokenizer_file: str | None = None) -> bool:
   return bool(vocab_missing or config.get("concepts") or methods.has_setup(config.method.name))
 
 
-def _run_inputs(config, builder, tokenizer_file: str | None = None):
+def _eval_inputs(config, builder, tokenizer_file: str | None = None):
   """`tokenizer_file`: the vocabulary to read instead of the configured one (a resumed run's own copy)."""
   tok_config = config.get("tokenizer")
   if tok_config and tokenizer_file:
@@ -100,7 +100,7 @@ def _run_inputs(config, builder, tokenizer_file: str | None = None):
   tokenizer = tokenizers.ensure_tokenizer(tok_config, builder) if tok_config else None
   needs = {**concepts.run_concepts(config, builder, tokenizer), **methods.setup(config, builder, tokenizer)}
   method = methods.build(config.method, tokenizer.vocab_size if tokenizer else 0, **needs)
-  return evaluators.RunInputs(
+  return evaluators.EvalInputs(
     tokenizer=tokenizer, method=method, needs=needs, host=jax.process_index(), num_hosts=jax.process_count()
   )
 

@@ -133,8 +133,8 @@ def _train(
   run_data = run_setup.RunData(
     workdir, has_checkpoints(workdir), saved_steps(workdir), allow_changed_data, config.get("init_from", "")
   )
-  builder, run_inputs = run_setup.build(config, for_training=True, run_data=run_data)
-  method = run_inputs.method
+  builder, eval_inputs = run_setup.build(config, for_training=True, run_data=run_data)
+  method = eval_inputs.method
   split, fraction = records.split_name(config.data.split)
   num_examples = int(builder.info.splits[split].num_examples * fraction)
   steps_per_epoch = num_examples / global_bs
@@ -146,7 +146,7 @@ def _train(
   # Input: this process's training stream from the step the run resumes at, as global device batches.
   # ---------------------------------------------------------------------------------------------------- #
   batch_sharding = sharding.batch_sharding(mesh)
-  train_input = TrainInput(builder, config.data, method.fields, local_bs, config.seed, run_inputs, batch_sharding)
+  train_input = TrainInput(builder, config.data, method.fields, local_bs, config.seed, eval_inputs, batch_sharding)
   start_step = ckpt.latest_step() or 0
   first_batch = train_input.start(start_step)
 
@@ -193,7 +193,7 @@ def _train(
     out_shardings=(layout.shardings, None),
     donate_argnums=(0,),
   )
-  evals = evaluators.build_all(config.get("evals", {}), run_inputs)
+  evals = evaluators.build_all(config.get("evals", {}), eval_inputs)
   extract = runs.sharded_features(method.features, mesh)
 
   def evaluate(names: list[str]) -> dict[str, float] | None:
@@ -416,7 +416,7 @@ class TrainInput:
   transfer while the previous step runs. `start(step)` (re)starts the stream at `step` and returns its first
   batch (a second stream when resuming from an older checkpoint than the newest)."""
 
-  def __init__(self, builder, data_config, fields, local_batch: int, seed: int, run_inputs, batch_sharding):
+  def __init__(self, builder, data_config, fields, local_batch: int, seed: int, eval_inputs, batch_sharding):
     self._make = functools.partial(
       pipeline.train_stream,
       builder,
@@ -424,9 +424,9 @@ class TrainInput:
       fields,
       local_batch,
       seed=seed,
-      host_index=run_inputs.host,
-      host_count=run_inputs.num_hosts,
-      context=run_inputs.pp_context,
+      host_index=eval_inputs.host,
+      host_count=eval_inputs.num_hosts,
+      context=eval_inputs.pp_context,
     )
     self._sharding, self._prefetch = batch_sharding, data_config.get("device_prefetch", 2)
     self._streams: list = []  # every stream this run opened, for the records they read

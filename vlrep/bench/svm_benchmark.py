@@ -23,7 +23,7 @@ from absl import app, flags, logging
 from vlrep import runs
 from vlrep.data import pipeline
 from vlrep.evaluators import voc07_svm
-from vlrep.evaluators.run_inputs import RunInputs
+from vlrep.evaluators.inputs import EvalInputs
 from vlrep.models import resnet
 
 flags.DEFINE_string("workdir", None, "Checkpoint whose backbone gives the synthetic_scenes features.")
@@ -75,7 +75,7 @@ def scenes_features(config_path: str, workdir: str | None):
     params = {"backbone": variables["params"]}
     run = runs.Run(config, params, {"batch_stats": {"backbone": variables["batch_stats"]}}, 0, "random init", {})
     probe = config.evals.probe
-  ev = voc07_svm.Voc07Svm(probe, RunInputs())
+  ev = voc07_svm.Evaluator(probe, EvalInputs())
   fn = runs.backbone_fn(run)
   features = lambda batch: fn(batch, ev.feature_key)
   train_x, train_y = ev._features(probe.train_split, features)

@@ -4,7 +4,7 @@ An evaluator type is a module here (vlrep.evaluators.<type>), or the dotted path
 evaluator of your own, named by your own config; a run folder's saved config names only vlrep's own evaluators,
 `vlrep.runs.check_saved_names`), that keeps this contract:
 
-- an `Evaluator` class, built as `Evaluator(config, run)` (its config entry, and `run`: `RunInputs`, what it may
+- an `Evaluator` class, built as `Evaluator(config, run)` (its config entry, and `run`: `EvalInputs`, what it may
   use of the run, with the one way to read a split, `run.batches`), whose instances satisfy the `Evaluator`
   protocol below: `config`, and `run(model) -> {metric: value}` for a `Model` (the variables and the sharded
   feature extraction of the checkpoint evaluated). Backbone evaluators (the probe, the SVM) call
@@ -15,7 +15,7 @@ evaluator of your own, named by your own config; a run folder's saved config nam
 - optionally, at module level, `TEST_METRICS`: the metrics that score the config's test split (`selection_rule`).
 
 tests/test_contracts.py checks every module here that defines `Evaluator` against this contract; the others are
-the evaluators' helpers (metrics, solvers, `RunInputs`).
+the evaluators' helpers (metrics, solvers, `EvalInputs`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from vlrep import package_modules
 from vlrep.errors import UserError
-from vlrep.evaluators.run_inputs import Model, RunInputs
+from vlrep.evaluators.inputs import EvalInputs, Model
 
 
 @runtime_checkable
@@ -63,9 +63,9 @@ def _module(evaluator_type: str):
   return importlib.import_module(f"{__name__}.{evaluator_type}")
 
 
-def build(config, run: RunInputs) -> Evaluator:
+def build(config, run: EvalInputs) -> Evaluator:
   """The evaluator of `config.type`: the `Evaluator` class of the module vlrep.evaluators.<type> (or of the module
-  at that dotted path: an evaluator of your own), given what it may use of the run (`RunInputs`)."""
+  at that dotted path: an evaluator of your own), given what it may use of the run (`EvalInputs`)."""
   return _module(config.type).Evaluator(config, run)
 
 
@@ -100,7 +100,7 @@ def selection_rule(evals_config, best_metric: str, select_on_test: bool = False)
   return f"{best_metric}: held out from {name}'s test split"
 
 
-def build_all(evals_config, run: RunInputs) -> dict[str, Evaluator]:
+def build_all(evals_config, run: EvalInputs) -> dict[str, Evaluator]:
   for name, cfg in evals_config.items():
     every = cfg.get("every_steps", 0)
     if not isinstance(every, int) or every < 0:

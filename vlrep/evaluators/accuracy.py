@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from vlrep.evaluators.inputs import EvalInputs, Model
 from vlrep.evaluators.linear_probe import extract_labeled, topk_accuracy
-from vlrep.evaluators.run_inputs import Model, RunInputs
 
 
-class Accuracy:
+class Evaluator:
   """Evaluator for classifiers trained end to end: top-1 / top-5 of the model's own 'logits' on a split.
 
   Config: dataset, data_dir, config_name, split, pp, label_key, batch_size, every_steps.
@@ -14,18 +14,15 @@ class Accuracy:
 
   feature_key = "logits"
 
-  def __init__(self, config, run: RunInputs):
+  def __init__(self, config, run: EvalInputs):
     self.config = config
     self.builder = run.builder(config)
-    self.run_inputs = run
+    self.inputs = run
 
   def evaluate(self, model: Model) -> dict[str, float]:
     c = self.config
     features_fn = model.extractor(self.feature_key)
     logits, labels = extract_labeled(
-      self.run_inputs, self.builder, c.split, c.pp, c.get("label_key", "label"), c.batch_size, features_fn
+      self.inputs, self.builder, c.split, c.pp, c.get("label_key", "label"), c.batch_size, features_fn
     )
     return {"top1": topk_accuracy(logits, labels, 1), "top5": topk_accuracy(logits, labels, min(5, logits.shape[1]))}
-
-
-Evaluator = Accuracy  # what vlrep.evaluators.build instantiates for type "accuracy"

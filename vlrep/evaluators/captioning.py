@@ -18,7 +18,7 @@ from absl import logging
 from vlrep import decoding
 from vlrep.data import records
 from vlrep.evaluators import caption_metrics
-from vlrep.evaluators.run_inputs import Model, RunInputs
+from vlrep.evaluators.inputs import EvalInputs, Model
 
 
 def captioner_for(method, config):
@@ -46,10 +46,10 @@ def captioner_for(method, config):
   return decoding.make_captioner(model, max_len, method_name, **kwargs)
 
 
-class Captioning:
+class Evaluator:
   needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
 
-  def __init__(self, config, run: RunInputs):
+  def __init__(self, config, run: EvalInputs):
     self.config = config
     if config.get("decoding", "beam") not in decoding.METHODS:
       raise ValueError(f"Unknown decoding {config.decoding!r}; expected one of {decoding.METHODS}.")
@@ -59,7 +59,7 @@ class Captioning:
     self.method, self.tokenizer = run.method, run.tokenizer
     self.caption = captioner_for(self.method, config)
     self.builder = run.builder(config)
-    self.run_inputs = run
+    self.inputs = run
 
   def evaluate(self, model: Model) -> dict[str, float]:
     from jax.experimental import multihost_utils
@@ -70,12 +70,12 @@ class Captioning:
     refs_all = records.read_example_texts(self.builder, split, c.get("references", "captions"))
     rng = jax.random.PRNGKey(c.get("seed", 0))
     tokens, masks = [], []
-    for i, batch in enumerate(self.run_inputs.batches(self.builder, split, c.pp, ("image",), c.batch_size)):
+    for i, batch in enumerate(self.inputs.batches(self.builder, split, c.pp, ("image",), c.batch_size)):
       t, _ = self.caption(model.variables, batch["image"], jax.random.fold_in(rng, i))
       tokens.append(np.asarray(t))
       masks.append(batch["_mask"].astype(bool))
     tokens, masks = np.concatenate(tokens), np.concatenate(masks)
-    if self.run_inputs.num_hosts > 1:
+    if self.inputs.num_hosts > 1:
       tokens = np.asarray(multihost_utils.process_allgather(tokens))  # [hosts, n, T]
       masks = np.asarray(multihost_utils.process_allgather(masks))
     else:
@@ -83,7 +83,7 @@ class Captioning:
     candidates = {}
     for h in range(tokens.shape[0]):
       for j in np.flatnonzero(masks[h]):
-        candidates[h + j * self.run_inputs.num_hosts] = self.tokenizer.decode(tokens[h, j].tolist())
+        candidates[h + j * self.inputs.num_hosts] = self.tokenizer.decode(tokens[h, j].tolist())
     references = {i: refs_all[i] for i in candidates}
     t1 = time.time()
     scores = caption_metrics.score_all(candidates, references)
@@ -99,6 +99,3 @@ class Captioning:
     )
     scores["mean_length"] = float(np.mean([len(caption_metrics.normalize(x)) for x in candidates.values()]))
     return scores
-
-
-Evaluator = Captioning  # what vlrep.evaluators.build instantiates for type "captioning"

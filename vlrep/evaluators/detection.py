@@ -45,7 +45,7 @@ from safetensors.numpy import save_file
 from vlrep import safe_files
 from vlrep.data import instances
 from vlrep.errors import UserError
-from vlrep.evaluators.run_inputs import Model, RunInputs
+from vlrep.evaluators.inputs import EvalInputs, Model
 from vlrep.interop.formats import torchvision as tv_importer
 from vlrep.models import resnet
 
@@ -89,10 +89,10 @@ def torch_weights(variables: dict, path: str) -> None:
     save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, tmp)
 
 
-class Detection:
-  def __init__(self, config, run: RunInputs):
+class Evaluator:
+  def __init__(self, config, run: EvalInputs):
     self.config = config
-    self.run_inputs = run
+    self.inputs = run
     given = [k for k in DATA_FILES if config.get(k)]
     if given and len(given) != len(DATA_FILES):
       raise UserError(f"Detection data: give all of {DATA_FILES} (COCO instances and image folders); got {given}.")
@@ -134,7 +134,7 @@ class Detection:
     module, variables = model.backbone()
     arch = torch_architecture(module)
     c = self.config
-    if self.run_inputs.host != 0:  # the worker runs once, on the first host; the others report its metrics
+    if self.inputs.host != 0:  # the worker runs once, on the first host; the others report its metrics
       return {}
     parallel = min(c.get("parallel", 1), len(c.seeds))
     detector = c.detector.to_dict()
@@ -187,6 +187,3 @@ def summarize(per_seed: list[dict], seeds: list[int]) -> dict[str, float]:
       out.update({f"{key}_seed{s}": float(v) for s, v in zip(seeds, values, strict=True)})
   out["iterations"] = float(per_seed[0]["iterations"])
   return out
-
-
-Evaluator = Detection  # what vlrep.evaluators.build instantiates for type "detection"

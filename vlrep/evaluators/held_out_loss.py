@@ -19,17 +19,17 @@ import numpy as np
 from absl import logging
 
 from vlrep.data import records
-from vlrep.evaluators.run_inputs import Model, RunInputs
+from vlrep.evaluators.inputs import EvalInputs, Model
 
 
-class HeldOutLoss:
+class Evaluator:
   needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
 
-  def __init__(self, config, run: RunInputs):
+  def __init__(self, config, run: EvalInputs):
     self.config = config
     self.method = run.method
     self.builder = run.builder(config)
-    self.run_inputs = run
+    self.inputs = run
     key = jax.random.PRNGKey(config.get("seed", 0))
     self.loss = jax.jit(lambda v, b: self.method.loss(v, b, key, False)[:2])
 
@@ -38,7 +38,7 @@ class HeldOutLoss:
 
     c = self.config
     split = records.first_examples(self.builder, c.split, c.get("limit", 0))
-    hosts = self.run_inputs.num_hosts
+    hosts = self.inputs.num_hosts
     size = records.split_size(self.builder, split)
     batch_size = min(c.batch_size, size // hosts * hosts)
     if batch_size < 1:
@@ -46,7 +46,7 @@ class HeldOutLoss:
     t0 = time.time()
     sums: dict[str, float] = {}
     batches = skipped = 0
-    for batch in self.run_inputs.batches(self.builder, split, c.pp, self.method.fields, batch_size):
+    for batch in self.inputs.batches(self.builder, split, c.pp, self.method.fields, batch_size):
       real = batch.pop("_mask").astype(bool)
       if not real.all():
         skipped += int(real.sum())
@@ -71,6 +71,3 @@ class HeldOutLoss:
       time.time() - t0,
     )
     return out
-
-
-Evaluator = HeldOutLoss  # what vlrep.evaluators.build instantiates for type "held_out_loss"

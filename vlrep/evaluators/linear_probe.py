@@ -36,7 +36,7 @@ from absl import logging
 
 from vlrep.data import pipeline, records
 from vlrep.errors import UserError
-from vlrep.evaluators.run_inputs import Model, RunInputs
+from vlrep.evaluators.inputs import EvalInputs, Model
 
 
 def make_schedule(config, total_steps: int, steps_per_epoch: float):
@@ -159,7 +159,7 @@ def dataset_num_classes(builder, label_key: str) -> int:
 
 
 def extract_labeled(
-  run: RunInputs, builder, split, pp, label_key, batch_size, features_fn
+  run: EvalInputs, builder, split, pp, label_key, batch_size, features_fn
 ) -> tuple[np.ndarray, np.ndarray]:
   """(features [N, D] float32, labels [N] int32) of a split, through features_fn, padding rows dropped."""
   feats, labels = [], []
@@ -173,14 +173,14 @@ def extract_labeled(
   return np.concatenate(feats).astype(np.float32), np.concatenate(labels).astype(np.int32)
 
 
-class LinearProbe:
+class Evaluator:
   """Evaluator: trains a linear classifier on frozen features; reports top-1 / top-5 accuracy (%)."""
 
-  def __init__(self, config, run: RunInputs):
+  def __init__(self, config, run: EvalInputs):
     self.config = config
     self.feature_key = config.get("feature", "pre_logits")
     self.builder = run.builder(config)
-    self.run_inputs = run
+    self.inputs = run
     self.label_key = config.get("label_key", "label")
     self.num_classes = config.get("num_classes") or dataset_num_classes(self.builder, self.label_key)
     if config.get("mode", "features") not in ("features", "images"):
@@ -191,9 +191,7 @@ class LinearProbe:
       raise ValueError(f"Probe batch_size {config.batch_size} is not divisible by the {jax.device_count()} devices.")
 
   def _extract(self, split: str, pp: str, features_fn) -> tuple[np.ndarray, np.ndarray]:
-    return extract_labeled(
-      self.run_inputs, self.builder, split, pp, self.label_key, self.config.batch_size, features_fn
-    )
+    return extract_labeled(self.inputs, self.builder, split, pp, self.label_key, self.config.batch_size, features_fn)
 
   def evaluate(self, model: Model) -> dict[str, float]:
     c = self.config
@@ -223,11 +221,11 @@ class LinearProbe:
         self.builder,
         {"split": c.train_split, "pp": c.pp_train},
         ("image", self.label_key),
-        c.batch_size // self.run_inputs.num_hosts,
+        c.batch_size // self.inputs.num_hosts,
         seed=c.get("seed", 0),
-        host_index=self.run_inputs.host,
-        host_count=self.run_inputs.num_hosts,
-        context=self.run_inputs.pp_context,
+        host_index=self.inputs.host,
+        host_count=self.inputs.num_hosts,
+        context=self.inputs.pp_context,
       )
 
       def next_batch(i):
@@ -310,6 +308,3 @@ class LinearProbe:
       "lr": float(lrs[best]),
       "weight_decay": float(wds[best]),
     }
-
-
-Evaluator = LinearProbe  # what vlrep.evaluators.build instantiates for type "linear_probe"

@@ -23,7 +23,7 @@ import numpy as np
 from absl import logging
 
 from vlrep.data import records
-from vlrep.evaluators.run_inputs import Model, RunInputs
+from vlrep.evaluators.inputs import EvalInputs, Model
 
 
 def pointing_and_iou(attention: np.ndarray, truth: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -40,10 +40,10 @@ def pointing_and_iou(attention: np.ndarray, truth: np.ndarray) -> tuple[np.ndarr
   return hit, iou, gt.mean(axis=1)
 
 
-class Localization:
+class Evaluator:
   needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
 
-  def __init__(self, config, run: RunInputs):
+  def __init__(self, config, run: EvalInputs):
     self.config = config
     self.method = run.method
     if not hasattr(self.method, "attention"):
@@ -60,7 +60,7 @@ class Localization:
         f"--config=configs/eval/localization.py:sizes={'+'.join(map(str, run_sizes))}."
       )
     self.builder = run.builder(config)
-    self.run_inputs = run
+    self.inputs = run
     self.attention = jax.jit(self.method.attention)
 
   def evaluate(self, model: Model) -> dict[str, float]:
@@ -71,7 +71,7 @@ class Localization:
     fields = ("image", "tokens", *(f"trace_mask_{r}" for r in self.grid_sizes))
     t0 = time.time()
     sums: dict[str, np.ndarray] = {}
-    for batch in self.run_inputs.batches(self.builder, split, c.pp, fields, c.batch_size):
+    for batch in self.inputs.batches(self.builder, split, c.pp, fields, c.batch_size):
       maps = self.attention(model.variables, batch["image"], batch["tokens"])
       real = batch["_mask"].astype(bool)
       for name, att in maps.items():
@@ -84,7 +84,7 @@ class Localization:
         acc += [hit.sum(), iou.sum(), chance.sum(), len(hit)]
     names = sorted(sums)
     totals = np.stack([sums[n] for n in names])
-    if self.run_inputs.num_hosts > 1:
+    if self.inputs.num_hosts > 1:
       totals = np.asarray(multihost_utils.process_allgather(totals)).sum(0)
     out = {}
     for name, (hits, ious, chance, n) in zip(names, totals, strict=True):
@@ -101,6 +101,3 @@ class Localization:
       ", ".join(f"{k}={v:.2f}" for k, v in out.items()),
     )
     return out
-
-
-Evaluator = Localization  # what vlrep.evaluators.build instantiates for type "localization"

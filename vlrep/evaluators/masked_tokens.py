@@ -18,13 +18,13 @@ import numpy as np
 from absl import logging
 
 from vlrep.data import records
-from vlrep.evaluators.run_inputs import Model, RunInputs, caption_width, with_fixed_captions
+from vlrep.evaluators.inputs import EvalInputs, Model, caption_width, with_fixed_captions
 
 
-class MaskedTokens:
+class Evaluator:
   needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
 
-  def __init__(self, config, run: RunInputs):
+  def __init__(self, config, run: EvalInputs):
     self.config = config
     self.method = run.method
     if not hasattr(self.method, "predict_masked") or getattr(self.method, "variant", "") == "tp":
@@ -34,7 +34,7 @@ class MaskedTokens:
       raise ValueError("The masked_tokens evaluator needs the run's WordPiece tokenizer (config.tokenizer).")
     self.concept_mask = np.asarray(self.method.concept_mask)
     self.builder = run.builder(config)
-    self.run_inputs = run
+    self.inputs = run
     self.predict = jax.jit(lambda v, x, t, p: jax.lax.top_k(self.method.predict_masked(v, x, t, p), 5)[1])
 
   def triplets(self, captions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -64,7 +64,7 @@ class MaskedTokens:
     bs = c.batch_size
     width = caption_width(self.builder, split, "captions", c.num_captions)
     pp = with_fixed_captions(c.pp, "captions", width)
-    for batch in self.run_inputs.batches(self.builder, split, pp, ("image", "captions"), bs):
+    for batch in self.inputs.batches(self.builder, split, pp, ("image", "captions"), bs):
       real = batch["_mask"].astype(bool)
       caps = np.array(batch["captions"], dtype=object).reshape(len(real), width)
       caps[~real] = b""
@@ -90,6 +90,3 @@ class MaskedTokens:
       out["top5"],
     )
     return out
-
-
-Evaluator = MaskedTokens  # what vlrep.evaluators.build instantiates for type "masked_tokens"

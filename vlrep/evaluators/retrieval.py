@@ -25,7 +25,7 @@ import numpy as np
 from absl import logging
 
 from vlrep.data import records
-from vlrep.evaluators.run_inputs import Model, RunInputs, caption_width, with_fixed_captions
+from vlrep.evaluators.inputs import EvalInputs, Model, caption_width, with_fixed_captions
 
 RECALL_AT = (1, 5, 10)
 
@@ -64,10 +64,10 @@ def folded_metrics(image_emb, text_emb, text_image, fold_size: int) -> dict[str,
   return {k: float(np.mean([f[k] for f in folds])) for k in folds[0]}
 
 
-class Retrieval:
+class Evaluator:
   needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
 
-  def __init__(self, config, run: RunInputs):
+  def __init__(self, config, run: EvalInputs):
     self.config = config
     self.method = run.method
     if not hasattr(self.method, "embed"):
@@ -79,7 +79,7 @@ class Retrieval:
     if self.tokenizer is None:
       raise ValueError("The retrieval evaluator needs the run's tokenizer (config.tokenizer) to encode captions.")
     self.builder = run.builder(config)
-    self.run_inputs = run
+    self.inputs = run
     self.embed_images = jax.jit(lambda v, x: self.method.embed(v, images=x)["image"])
     self.embed_texts = jax.jit(lambda v, t: self.method.embed(v, tokens=t)["text"])
 
@@ -92,7 +92,7 @@ class Retrieval:
     width = caption_width(self.builder, split, c.captions_key, c.num_captions)
     pp = with_fixed_captions(c.pp, c.captions_key, width)
     images, texts, owners, real_images = [], [], [], []
-    for batch in self.run_inputs.batches(self.builder, split, pp, ("image", c.captions_key), c.batch_size):
+    for batch in self.inputs.batches(self.builder, split, pp, ("image", c.captions_key), c.batch_size):
       images.append(np.asarray(self.embed_images(model.variables, batch["image"])))
       real_images.append(batch["_mask"].astype(bool))
       caps = np.asarray(batch[c.captions_key], dtype=object).reshape(len(batch["_mask"]), width)
@@ -118,6 +118,3 @@ class Retrieval:
       out["chance_r1"],
     )
     return out
-
-
-Evaluator = Retrieval  # what vlrep.evaluators.build instantiates for type "retrieval"

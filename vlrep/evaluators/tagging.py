@@ -32,7 +32,7 @@ import optax
 from absl import logging
 
 from vlrep.data import records
-from vlrep.evaluators.run_inputs import Model, RunInputs
+from vlrep.evaluators.inputs import EvalInputs, Model
 
 
 def ppmi_matrix(tags: np.ndarray) -> np.ndarray:
@@ -136,14 +136,14 @@ def fit_and_score(train_x, train_tags, test_x, test_tags, config) -> dict[str, f
   return out
 
 
-class Tagging:
+class Evaluator:
   """Evaluator: PMI tag space, MLP on frozen features, mIOU@K on the test split."""
 
-  def __init__(self, config, run: RunInputs):
+  def __init__(self, config, run: EvalInputs):
     self.config = config
     self.feature_key = config.get("feature", "pre_logits")
     self.builder = run.builder(config)
-    self.run_inputs = run
+    self.inputs = run
     if config.batch_size % jax.device_count():
       raise ValueError(f"tagging batch_size {config.batch_size} is not divisible by the {jax.device_count()} devices.")
 
@@ -152,7 +152,7 @@ class Tagging:
     key = c.get("tags_key", "tags")
     split = records.first_examples(self.builder, split, limit)
     feats, tags = [], []
-    for local in self.run_inputs.batches(self.builder, split, c.pp, ("image", key), c.batch_size):  # fmt: skip
+    for local in self.inputs.batches(self.builder, split, c.pp, ("image", key), c.batch_size):  # fmt: skip
       f, batch = features_fn(local)
       m = batch["_mask"].astype(bool)
       feats.append(f[m].reshape(int(m.sum()), -1))
@@ -218,6 +218,3 @@ RUNLOCAL = dict(
   train_limit=2000,
   test_limit=500,
 )
-
-
-Evaluator = Tagging  # what vlrep.evaluators.build instantiates for type "tagging"

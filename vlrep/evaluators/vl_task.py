@@ -20,15 +20,15 @@ from absl import logging
 
 from vlrep.data import records
 from vlrep.evaluators import vl_metrics
-from vlrep.evaluators.run_inputs import Model, RunInputs
+from vlrep.evaluators.inputs import EvalInputs, Model
 
 METRICS = ("vqa", "accuracy", "f1", "mlm")
 
 
-class VLTask:
+class Evaluator:
   needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
 
-  def __init__(self, config, run: RunInputs):
+  def __init__(self, config, run: EvalInputs):
     if config.metric not in METRICS:
       raise ValueError(f"Unknown vl_task metric {config.metric!r}; known: {METRICS}")
     method = run.method
@@ -38,7 +38,7 @@ class VLTask:
       raise ValueError(f"metric={config.metric!r} needs a fine-tuning run (method.task='classify').")
     self.config, self.method = config, method
     self.builder = run.builder(config)
-    self.run_inputs = run
+    self.inputs = run
     self.vocab = run.needs.get("answer_vocab") or []
     if config.metric == "vqa" and not self.vocab:
       raise ValueError("metric='vqa' needs the run's answer vocabulary (config.answers).")
@@ -47,7 +47,7 @@ class VLTask:
 
   def evaluate(self, model: Model) -> dict[str, float]:
     c, variables = self.config, model.variables
-    if self.run_inputs.num_hosts > 1:
+    if self.inputs.num_hosts > 1:
       raise NotImplementedError("vl_task evaluates on one host; run `vlrep.evaluate` on a single host.")
     split = records.first_examples(self.builder, c.split, c.get("limit", 0))
     fields = tuple(self.method.fields) + {"vqa": ("answers",), "accuracy": ("label",)}.get(c.metric, ())
@@ -55,7 +55,7 @@ class VLTask:
     rng = jax.random.PRNGKey(c.get("seed", 0))
     scores, hits, masked = [], 0.0, 0.0
     preds, labels = [], []
-    batches = self.run_inputs.batches(self.builder, split, c.pp, fields, c.batch_size)  # one host (checked above)
+    batches = self.inputs.batches(self.builder, split, c.pp, fields, c.batch_size)  # one host (checked above)
     for i, batch in enumerate(batches):
       mask = (batch["pair_mask"] & batch["_mask"][:, None]).reshape(-1)
       arrays = {k: v for k, v in batch.items() if k in self.method.fields}
@@ -85,6 +85,3 @@ class VLTask:
       out = {c.metric: 100.0 * float(np.mean(scores)) if scores else 0.0, "pairs": float(len(scores))}
     logging.info("vl_task (%s) on %s: %s in %.1fs", c.metric, split, out, time.time() - t0)
     return out
-
-
-Evaluator = VLTask  # what vlrep.evaluators.build instantiates for type "vl_task"

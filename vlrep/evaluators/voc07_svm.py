@@ -27,7 +27,7 @@ from sklearn.svm import LinearSVC
 
 from vlrep import preemption
 from vlrep.evaluators import linear_probe, linear_svm
-from vlrep.evaluators.run_inputs import Model, RunInputs
+from vlrep.evaluators.inputs import EvalInputs, Model
 
 DEFAULT_COSTS = (0.01, 0.1, 1.0, 10.0)
 AP_KINDS = ("sklearn", "11point")
@@ -260,7 +260,7 @@ def pool_features(x: np.ndarray, pooling: str) -> np.ndarray:
 TEST_METRICS = ("map",)
 
 
-class Voc07Svm:
+class Evaluator:
   """Evaluator: extracts features of two splits with the current backbone and runs the SVM protocol.
 
   Config: dataset, data_dir, config_name, train_split, test_split, pp (must produce 'image' and `label_key`),
@@ -271,11 +271,11 @@ class Voc07Svm:
   SVMs as 'map_val', on which hyperparameters are chosen; test_split is only reported), every_steps, random_init.
   """
 
-  def __init__(self, config, run: RunInputs):
+  def __init__(self, config, run: EvalInputs):
     self.config = config
     self.feature_key = config.get("feature", "pre_logits")
     self.builder = run.builder(config)
-    self.run_inputs = run
+    self.inputs = run
     self.label_key = config.get("label_key", "labels")
     import jax
 
@@ -287,7 +287,7 @@ class Voc07Svm:
     np[B, ...], global batch np dict)."""
     feats, labels = [], []
     fields = ("image", self.label_key)
-    for local in self.run_inputs.batches(self.builder, split, self.config.pp, fields, self.config.batch_size):
+    for local in self.inputs.batches(self.builder, split, self.config.pp, fields, self.config.batch_size):
       f, batch = features_fn(local)
       m = batch["_mask"].astype(bool)
       feats.append(pool_features(f[m], self.config.get("pooling", "gap")))
@@ -334,6 +334,3 @@ class Voc07Svm:
       result["map"],
     )
     return {k: result[k] for k in ("map", "map_val", "map_cv") if k in result}
-
-
-Evaluator = Voc07Svm  # what vlrep.evaluators.build instantiates for type "voc07_svm"

@@ -37,8 +37,8 @@ from absl import logging
 
 from vlrep import eval_protocols
 from vlrep.data import records
+from vlrep.evaluators.inputs import EvalInputs, Model, caption_width, with_fixed_captions
 from vlrep.evaluators.retrieval import folded_metrics
-from vlrep.evaluators.run_inputs import Model, RunInputs, caption_width, with_fixed_captions
 
 # The protocol's settings (COCO; synthetic_scenes on a 2-core CPU) live in a TensorFlow-free leaf, so configs
 # read them without importing the evaluators.
@@ -142,19 +142,19 @@ def train_joint_embedding(
   return model, params, epoch_loss
 
 
-class VsePP:
+class Evaluator:
   """Evaluator: VSE++ trained on frozen backbone features; reports retrieval recalls on the test split."""
 
   needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
 
-  def __init__(self, config, run: RunInputs):
+  def __init__(self, config, run: EvalInputs):
     self.config = config
     self.feature_key = config.get("feature", "pre_logits")
     self.tokenizer = run.tokenizer
     if self.tokenizer is None:
       raise ValueError("The vsepp evaluator needs the run's tokenizer (config.tokenizer) to encode captions.")
     self.builder = run.builder(config)
-    self.run_inputs = run
+    self.inputs = run
     if config.batch_size % jax.device_count():
       raise ValueError(f"vsepp batch_size {config.batch_size} is not divisible by the {jax.device_count()} devices.")
 
@@ -165,7 +165,7 @@ class VsePP:
     width = caption_width(self.builder, split, c.captions_key, c.num_captions)
     pp = with_fixed_captions(c.pp, c.captions_key, width)
     feats, tokens, has = [], [], []
-    for local in self.run_inputs.batches(self.builder, split, pp, ("image", c.captions_key), c.batch_size):
+    for local in self.inputs.batches(self.builder, split, pp, ("image", c.captions_key), c.batch_size):
       n = len(local["_mask"])
       caps = np.asarray(local[c.captions_key], dtype=object).reshape(n, width)
       strings = [s.decode("utf-8") if isinstance(s, bytes) else ("" if s == 0 else str(s)) for s in caps.reshape(-1)]
@@ -222,6 +222,3 @@ class VsePP:
       out["chance_r1"],
     )
     return out
-
-
-Evaluator = VsePP  # what vlrep.evaluators.build instantiates for type "vsepp"

@@ -46,7 +46,7 @@ from absl import logging
 from vlrep import package_modules
 from vlrep.data import records
 from vlrep.errors import UserError
-from vlrep.evaluators.run_inputs import Model, RunInputs
+from vlrep.evaluators.inputs import EvalInputs, Model
 from vlrep.evaluators.voc07_svm import average_precision
 from vlrep.models import special_tokens
 
@@ -285,17 +285,17 @@ def scorer(method, config):
 
 
 # -- the evaluator -------------------------------------------------------------------------------------------------
-class ZeroShot:
+class Evaluator:
   needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
 
-  def __init__(self, config, run: RunInputs):
+  def __init__(self, config, run: EvalInputs):
     self.config = config
     if run.tokenizer is None:
       raise UserError("The zero_shot evaluator needs the run's tokenizer (config.tokenizer) to encode its prompts.")
     self.scorer = scorer(run.method, config)
     self.tokenizer = run.tokenizer
     self.builder = run.builder(config)
-    self.run_inputs = run
+    self.inputs = run
     self.label_key = config.get("label_key", "label")
     names = config.get("class_names") or class_names(self.builder, config.get("class_key") or self.label_key)
     self.class_names = [str(n) for n in names]
@@ -315,7 +315,7 @@ class ZeroShot:
     classes = self.scorer.classes(model.variables, self.tokens, len(self.templates))
     split = records.first_examples(self.builder, c.split, c.get("limit", 0))
     scores, labels, real = [], [], []
-    for batch in self.run_inputs.batches(self.builder, split, c.pp, ("image", self.label_key), c.batch_size):
+    for batch in self.inputs.batches(self.builder, split, c.pp, ("image", self.label_key), c.batch_size):
       scores.append(self.scorer.scores(model.variables, batch["image"], classes))
       labels.append(np.asarray(batch[self.label_key]))
       real.append(batch["_mask"].astype(bool))
@@ -336,6 +336,3 @@ class ZeroShot:
       ", ".join(f"{k} {v:.2f}" for k, v in out.items()),
     )
     return out
-
-
-Evaluator = ZeroShot  # what vlrep.evaluators.build instantiates for type "zero_shot"

@@ -36,7 +36,7 @@ class ClassifierModel(nn.Module):
     return logits, aux
 
 
-class Classifier:
+class Method:
   fields = ("image", "label")
 
   def __init__(self, config: ml_collections.ConfigDict, vocab_size: int = 0):
@@ -73,6 +73,3 @@ class Classifier:
   def features(self, variables, images) -> dict:
     logits, aux = self.model.apply(variables, images, False)
     return {"logits": logits.astype(jnp.float32), "pre_logits": aux["pre_logits"]}
-
-
-Method = Classifier  # what vlrep.methods.build instantiates for name "classifier"

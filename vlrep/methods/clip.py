@@ -21,7 +21,7 @@ from vlrep.models import bert as bert_lib
 from vlrep.models.clip import LOSSES, CLIPModel
 
 
-class CLIP:
+class Method:
   """CLIP / SigLIP behind vlrep's method contract (init / loss / features), plus `embed` for the retrieval and
   zero-shot evaluators."""
 
@@ -103,6 +103,3 @@ class CLIP:
     if tokens is not None:
       out["text"] = contrastive.l2_normalize(self.model.apply(variables, tokens, method=CLIPModel.embed_texts))
     return out
-
-
-Method = CLIP  # what vlrep.methods.build instantiates for name "clip"

@@ -45,7 +45,7 @@ def top_k_hits(logits, targets, k: int):
   return jnp.any(top == targets[:, None], axis=1)
 
 
-class ICMLM:
+class Method:
   """ICMLM and TP behind vlrep's method contract (init / loss / features, plus `pretrained_variables`)."""
 
   def __init__(self, config: ml_collections.ConfigDict, vocab_size: int, concepts=None):
@@ -244,6 +244,3 @@ class ICMLM:
       mutable=["batch_stats", *extra_mutable],
     )
     return out, state
-
-
-Method = ICMLM  # what vlrep.methods.build instantiates for name "icmlm"

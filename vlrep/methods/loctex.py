@@ -56,7 +56,7 @@ def localization_loss(
   return jnp.sum(per_example * valid) / jnp.maximum(count, 1.0), count
 
 
-class LocTex:
+class Method:
   """LocTex behind vlrep's method contract (init / loss / features)."""
 
   def __init__(self, config: ml_collections.ConfigDict, vocab_size: int):
@@ -143,6 +143,3 @@ class LocTex:
       r = int(round(logits.shape[2] ** 0.5))
       result[k] = jax.nn.softmax(logits, axis=2).reshape(*logits.shape[:2], r, r)
     return result
-
-
-Method = LocTex  # what vlrep.methods.build instantiates for name "loctex"

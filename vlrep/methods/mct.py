@@ -77,7 +77,7 @@ def _age_gap(q, queue, ptr, b: int):
   return jnp.mean(q @ newest.T) - jnp.mean(q @ oldest.T)
 
 
-class MCT:
+class Method:
   """MCT behind vlrep's method contract (init / loss / features), plus `embed` for retrieval."""
 
   fields = ("image_q", "image_k", "tokens_q", "tokens_k", "tags")
@@ -262,6 +262,3 @@ class MCT:
     if tokens is not None:
       out["text"] = l2_normalize(self.model.apply(v, tokens, False, method=MCTModel.embed_texts)["inter"])
     return out
-
-
-Method = MCT  # what vlrep.methods.build instantiates for name "mct"

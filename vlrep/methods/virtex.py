@@ -86,7 +86,7 @@ def _token_cross_entropy(logits, targets, weights):
   return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
-class VirTex:
+class Method:
   """VirTex behind vlrep's method contract (init / loss / features)."""
 
   fields = ("image", "tokens")
@@ -223,6 +223,3 @@ class VirTex:
     seqs = {"forward": tokens, "backward": reverse_captions(tokens)}
     inputs = {d: seqs[d][:, :-1] for d in _DIRECTIONS[task]}
     return inputs, {d: x == special_tokens.PAD_ID for d, x in inputs.items()}, None
-
-
-Method = VirTex  # what vlrep.methods.build instantiates for name "virtex"

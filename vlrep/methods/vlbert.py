@@ -125,7 +125,7 @@ def region_kl(logits, probs, weights):
   return jnp.sum(kl * w) / jnp.maximum(w.sum(), 1.0)
 
 
-class VLBert:
+class Method:
   def __init__(self, config: ml_collections.ConfigDict, vocab_size: int, answer_vocab=None):
     if config.task not in TASKS:
       raise ValueError(f"Unknown vlbert task {config.task!r}; known: {TASKS}")
@@ -495,9 +495,6 @@ class VLBert:
     tokens = batch["tokens"]
     b, q, t = tokens.shape
     return tokens.reshape(b * q, t), batch["type_ids"].reshape(b * q, t), batch["pair_mask"].reshape(b * q)
-
-
-Method = VLBert  # what vlrep.methods.build instantiates for name "vlbert"
 
 
 def _check_regions(config, from_files: bool) -> None:

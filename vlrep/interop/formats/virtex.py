@@ -218,7 +218,7 @@ def _config(base: ConfigDict | None, task: str, sizes: dict, arch: dict, heads: 
 
 def expected_shapes(config: ConfigDict, vocab_size: int) -> dict[str, tuple]:
   """{'params/...' / 'batch_stats/...': shape} of the VirTex model `config.method` builds (shapes only)."""
-  from vlrep.methods.virtex import VirTex
+  from vlrep.methods.virtex import Method as VirTex
 
   method = VirTex(config.method, vocab_size)
   batch = {"image": jnp.zeros((1, 64, 64, 3)), "tokens": jnp.zeros((1, config.method.max_len), jnp.int32)}

@@ -1,4 +1,4 @@
-"""What an evaluator gets of the run it evaluates: at construction `RunInputs` (by name), at each evaluation the
+"""What an evaluator gets of the run it evaluates: at construction `EvalInputs` (by name), at each evaluation the
 `Model` to evaluate; and the one way evaluators read a split.
 
 Built once by the training loop (and by `vlrep.evaluate`): the run's tokenizer, its method (for whole-model
@@ -18,7 +18,7 @@ from vlrep.data import pipeline, records
 
 
 @dataclasses.dataclass(frozen=True)
-class RunInputs:
+class EvalInputs:
   tokenizer: Any = None
   method: Any = None
   needs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
