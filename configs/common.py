@@ -10,8 +10,8 @@ A function's keyword arguments override its defaults or add keys, so each recipe
 
 import numpy as np
 
-# Where every runlocal config generates and reads synthetic_scenes (the embedded dataset).
-LOCAL_DATA_DIR = "~/.cache/vlrep/tensorflow_datasets"
+from vlrep import defaults
+
 # The official VirTex VOC07 protocol's SVM costs, chosen per class by cross-validation.
 SVM_COSTS = (0.01, 0.1, 1.0, 10.0)
 # ICMLM's (appendix F.2): the paper samples 40 costs log-uniformly in [1e-5, 1e5] and picks one with Optuna; here
@@ -60,7 +60,7 @@ def train_data(name: str, pp: str, **settings) -> dict:
 
 def synthetic_scenes(key: str = "dataset") -> dict:
   """synthetic_scenes' fields in a block: `key` is 'dataset' in an evaluator's, 'name' in the training data's."""
-  return {key: "synthetic_scenes", "config_name": "default", "data_dir": LOCAL_DATA_DIR}
+  return {key: "synthetic_scenes", "config_name": "default", "data_dir": defaults.DATA_DIR}
 
 
 def bpe_tokenizer(corpus_key: str = "captions") -> dict:

@@ -45,7 +45,7 @@ import re
 
 from ml_collections import ConfigDict
 
-from vlrep import eval_protocols
+from vlrep import defaults
 from vlrep.config_utils import OWN_DATA_VAL_PERCENT, config_module, parse_arg, use_own_data
 
 common = config_module(__file__, "common.py")  # the blocks every recipe shares
@@ -172,7 +172,7 @@ def get_config(arg=None):
   # (118K) and tests on 5 folds of 1K val2017 images: the evaluator reads whole TFDS splits, and Karpathy's test
   # images (from val2014) lie mostly in train2017, which MCT pretrains on (README, "Where a recipe differs from
   # its paper").
-  c.evals.vsepp = dict(eval_protocols.VSEPP_COCO)
+  c.evals.vsepp = dict(defaults.VSEPP_COCO)
   common.select_by_probe(c)  # the paper states no selection rule
   if arg.runlocal:
     _runlocal(c, arg)
@@ -260,4 +260,4 @@ def _runlocal(c, arg):
   c.log_every_steps = 50
   common.local_probe(c)
   c.evals.retrieval.update(common.retrieval_local(), random_init=True)
-  c.evals.vsepp.update(eval_protocols.VSEPP_RUNLOCAL, random_init=True)
+  c.evals.vsepp.update(defaults.VSEPP_RUNLOCAL, random_init=True)

@@ -86,7 +86,7 @@ def test_vlrep_has_no_import_cycle():
 # Layers, lowest first: a module imports only its own layer and those below it (README's "Architecture").
 LAYERS = {
   "vlrep.preemption": 0,  # a leaf: the loop installs it, the pipeline and evaluators check it
-  "vlrep.eval_protocols": 0,  # a leaf: the evaluators' protocol settings, read by configs
+  "vlrep.defaults": 0,  # a leaf: every default the package and the configs share (data dir, protocols)
   "vlrep.errors": 0,  # a leaf: the errors a user can fix (vlrep.main exits with status 2 on them)
   "vlrep.removed_switches": 0,  # a leaf: speed switches vlrep has no code for, dropped from saved configs
   "vlrep.safe_files": 0,  # a leaf: the one way vlrep writes a file (atomic, never through a link)

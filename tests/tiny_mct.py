@@ -3,7 +3,7 @@
 import os
 import sys
 
-from vlrep.evaluators import tagging
+from vlrep import defaults
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs"))
 
@@ -39,7 +39,7 @@ def get_config(arg=None):
     return c
   c.evals.retrieval.update(config_name="tiny", data_dir=data_dir)
   c.evals.vsepp.update(config_name="tiny", data_dir=data_dir)
-  c.evals.tagging = dict(tagging.COCO_PROTOCOL, **tagging.RUNLOCAL)
+  c.evals.tagging = dict(defaults.TAGGING_COCO, **defaults.TAGGING_RUNLOCAL)
   c.evals.tagging.update(config_name="tiny", data_dir=data_dir, batch_size=8, train_limit=24, test_limit=16)
   c.evals.tagging.update(hidden=16, epochs=2, train_batch_size=8)
   return c

@@ -25,6 +25,7 @@ import traceback
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from vlrep import defaults
 from vlrep.errors import UserError
 
 config_flags.DEFINE_config_file("config", None, "Run config: configs/NAME.py[:ARG].", lock_config=True)
@@ -39,7 +40,7 @@ flags.DEFINE_list(
 flags.DEFINE_integer("init_timeout", 300, "Seconds to wait for all processes to join the distributed runtime.")
 flags.DEFINE_string(
   "compilation_cache",
-  "~/.cache/vlrep/jax_compilation_cache",
+  defaults.COMPILATION_CACHE_DIR,
   "JAX's persistent compilation cache ('' disables; JAX_COMPILATION_CACHE_DIR, when set, wins): a restarted run, "
   "after a preemption, loads its compiled steps instead of compiling them again.",
 )

@@ -11,7 +11,7 @@ backbone: VirTex, LocTex, ICMLM, MCT); protocol=towers: the run's own image and 
 
 from ml_collections import ConfigDict
 
-from vlrep import eval_protocols
+from vlrep import defaults
 from vlrep.config_utils import config_module, parse_arg
 
 common = config_module(__file__, "../common.py")  # the blocks every recipe shares
@@ -23,7 +23,7 @@ def get_config(arg=None):
     raise ValueError(f"Unknown protocol={arg.protocol!r}; expected 'vsepp', 'towers' or 'both'.")
   evals = {}
   if arg.protocol in ("vsepp", "both"):
-    evals["vsepp"] = dict(eval_protocols.VSEPP_COCO, **(eval_protocols.VSEPP_RUNLOCAL if arg.runlocal else {}))
+    evals["vsepp"] = dict(defaults.VSEPP_COCO, **(defaults.VSEPP_RUNLOCAL if arg.runlocal else {}))
   if arg.protocol in ("towers", "both"):
     evals["retrieval"] = dict(common.retrieval_eval(), **(common.retrieval_local() if arg.runlocal else {}))
   return ConfigDict({"evals": evals})

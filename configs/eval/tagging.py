@@ -10,10 +10,12 @@ which is not public; COCO's instance categories stand in. runlocal: synthetic_sc
 
 from ml_collections import ConfigDict
 
+from vlrep import defaults
 from vlrep.config_utils import parse_arg
-from vlrep.evaluators import tagging
 
 
 def get_config(arg=None):
   arg = parse_arg(arg, runlocal=False)
-  return ConfigDict({"evals": {"tagging": dict(tagging.COCO_PROTOCOL, **(tagging.RUNLOCAL if arg.runlocal else {}))}})
+  return ConfigDict(
+    {"evals": {"tagging": dict(defaults.TAGGING_COCO, **(defaults.TAGGING_RUNLOCAL if arg.runlocal else {}))}}
+  )

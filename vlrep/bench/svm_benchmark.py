@@ -20,7 +20,7 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
-from vlrep import runs
+from vlrep import defaults, runs
 from vlrep.data import pipeline
 from vlrep.evaluators import voc07_svm
 from vlrep.evaluators.inputs import EvalInputs
@@ -33,7 +33,7 @@ flags.DEFINE_float("signal", 0.2, "Strength of the label signal in the voc07_siz
 flags.DEFINE_float("voc07_size_scale", 1.0, "voc07_size at this fraction of VOC07's images and feature width.")
 flags.DEFINE_string("out", None, "Write the results as JSON here.")
 flags.DEFINE_bool("chance", False, "Only print the chance-level mAP (random scores) of the runlocal probe_test.")
-flags.DEFINE_string("data_dir", "~/.cache/vlrep/tensorflow_datasets", "Where synthetic_scenes is (--chance).")
+flags.DEFINE_string("data_dir", defaults.DATA_DIR, "Where synthetic_scenes is (--chance).")
 flags.DEFINE_string("config_name", "default", "synthetic_scenes' builder config (--chance).")
 FLAGS = flags.FLAGS
 

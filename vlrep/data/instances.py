@@ -27,7 +27,7 @@ from absl import app, flags, logging
 from PIL import Image
 from pycocotools import mask as mask_utils
 
-from vlrep import safe_files
+from vlrep import defaults, safe_files
 from vlrep.data import pipeline, records
 from vlrep.errors import UserError, exit_2_on_user_error
 
@@ -162,7 +162,7 @@ def define_flags():
   flags.DEFINE_string("config_name", None, "The dataset's builder config (synthetic_scenes: default, tiny, ...).")
   flags.DEFINE_string(
     "data_dir",
-    "~/.cache/vlrep/tensorflow_datasets",
+    defaults.DATA_DIR,
     "Where the dataset is (the configs' default; generated there on first use).",
   )
   flags.DEFINE_string("split", "val", "The split, e.g. train, val, probe_test.")

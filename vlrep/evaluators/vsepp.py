@@ -35,14 +35,9 @@ import numpy as np
 import optax
 from absl import logging
 
-from vlrep import eval_protocols
 from vlrep.data import records
 from vlrep.evaluators.inputs import EvalInputs, Model, caption_width, with_fixed_captions
 from vlrep.evaluators.retrieval import folded_metrics
-
-# The protocol's settings (COCO; synthetic_scenes on a 2-core CPU) live in a TensorFlow-free leaf, so configs
-# read them without importing the evaluators.
-COCO_PROTOCOL, RUNLOCAL = eval_protocols.VSEPP_COCO, eval_protocols.VSEPP_RUNLOCAL
 
 
 def l2_normalize(x):
