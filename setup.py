@@ -26,7 +26,7 @@ setuptools.setup(
     "importlib_resources",  # tensorflow-datasets imports it without declaring it.
     "etils[epath,epy]",
     "safetensors>=0.4",  # backbone export
-    "ml_dtypes",  # bfloat16 tensors read from torch files (vlrep.interop.torch_files); jax requires it too
+    "ml_dtypes",  # bfloat16 tensors read from torch files (vlrep.torch_files); jax requires it too
     "matplotlib>=3.8",  # sweep plots, notebook
   ],
   extras_require={

@@ -1,7 +1,7 @@
 """Foreign files crafted to crash vlrep or to take its memory: each is one BadFile naming the file, in bounded memory.
 
 The attacks of issue 76 against the loaders of torch files, numpy files, safetensors, BERT folders and region files
-(vlrep.interop.torch_files, vlrep.interop.formats, vlrep.data.region_files, vlrep.models.bert, vlrep.data.wordpiece):
+(vlrep.torch_files, vlrep.interop.formats, vlrep.data.region_files, vlrep.models.bert, vlrep.data.wordpiece):
 
   - the numpy dtype trick: a void dtype whose pickled state gives it an object field, then an array of it rebuilt
     from raw bytes, which numpy reads as object pointers (a segfault of `python -m vlrep.interop.import_run`);
@@ -293,7 +293,8 @@ def _crafted(d) -> list[tuple[str, str, str]]:
 _CHILD = r"""
 import json, os, resource, sys, traceback
 from vlrep import errors
-from vlrep.interop import formats, torch_files
+from vlrep import torch_files
+from vlrep.interop import formats
 from vlrep.data import region_files, wordpiece
 from vlrep.models import bert
 

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from conftest import run_main
 
+from vlrep import torch_files
 from vlrep.data import concepts as concepts_lib
 from vlrep.data.wordpiece import WordPieceTokenizer
-from vlrep.interop import torch_files
 from vlrep.methods import icmlm
 from vlrep.models import bert
 from vlrep.models.icmlm import AttentionPooling

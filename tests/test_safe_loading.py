@@ -2,7 +2,7 @@
 
 Every payload here is live: unpickled by a plain `pickle.loads` (or `torch.load(weights_only=False)`) it creates a
 marker file. Each route must refuse it where the pickle asks for the callable, with an error naming the file and
-the global (vlrep.interop.torch_files.UnsafeFile), and the marker must not appear. The kinds: a bare pickle; a
+the global (vlrep.torch_files.UnsafeFile), and the marker must not appear. The kinds: a bare pickle; a
 legacy-format
 torch file with the payload in each of its five pickles (magic number, protocol, system info, object, storage
 keys), among them a valid legacy ResNet-18 whose storage-key list is the payload; a zip-format file with the
@@ -33,10 +33,10 @@ import pytest
 import torch
 from conftest import ROOT, run_module
 
-from vlrep import runs
+from vlrep import runs, torch_files
 from vlrep.data import region_files
 from vlrep.errors import BadFile
-from vlrep.interop import import_run, torch_files
+from vlrep.interop import import_run
 from vlrep.models import bert
 from vlrep.pytorch.resnet import ResNet as TorchResNet
 

@@ -8,7 +8,7 @@ vlrep's format (one file per image, written by `python -m vlrep.tools.convert_re
                        cls_prob      float32 [N, C]  optional: the detector's class distribution
 MMF's dumps (`<name>.npy` features + `<name>_info.npy`, a pickled dict with bbox, num_boxes, image_width,
 image_height, objects, cls_prob) convert with `--format=mmf`. Their info files are read with vlrep's restricted
-unpickler (vlrep.interop.torch_files): numpy arrays and plain containers only; an info file that asks for anything else
+unpickler (vlrep.torch_files): numpy arrays and plain containers only; an info file that asks for anything else
 (a payload) stops the conversion with an error naming it, and nothing in it runs. Every .npy / .npz header is
 checked against the bytes the file holds before anything is allocated (`load_npy`, `load_npz`): plain numeric
 arrays only, no pickle outside an info file; a malformed dump is skipped and counted, a malformed region file is
@@ -30,16 +30,15 @@ import zipfile
 
 import numpy as np
 
-from vlrep import errors, safe_files
+from vlrep import errors, safe_files, torch_files
 from vlrep.data import registry
 from vlrep.errors import BadFile
-from vlrep.interop import torch_files
 
 
 def load_npy(path: str, pickled: bool = False):
   """An .npy file's array, its header checked against the file before anything is allocated: a plain numeric dtype
   (bool, int, uint, float, complex) whose shape x itemsize the rest of the file holds. With `pickled`, an
-  object-dtype file's pickle is read through vlrep's restricted unpickler (`vlrep.interop.torch_files.load_pickle`:
+  object-dtype file's pickle is read through vlrep's restricted unpickler (`vlrep.torch_files.load_pickle`:
   numpy
   arrays and plain containers, bounded; any other global is an `UnsafeFile` naming the file and the global, and
   nothing in the file runs). Any malformed file is a `vlrep.errors.BadFile` naming it."""

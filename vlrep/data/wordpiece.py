@@ -16,7 +16,7 @@ import numpy as np
 
 from vlrep import errors
 from vlrep.errors import BadFile
-from vlrep.interop.torch_files import MissingFile
+from vlrep.torch_files import MissingFile
 
 MAX_WORD_CHARS = 100
 

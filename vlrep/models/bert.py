@@ -14,11 +14,11 @@ checkpoints fine-tuned for sentence embeddings (MiniLM here) do not carry it, an
 
 config.json is checked before anything is built from it (types, ranges, and its sizes against the weights'
 shapes: a config claiming 100000 layers is one error) and vocab.txt must be UTF-8 text; `model.safetensors` is read
-by `vlrep.interop.torch_files.load_safetensors` (its header checked against the file first). Every malformed file of the
+by `vlrep.torch_files.load_safetensors` (its header checked against the file first). Every malformed file of the
 folder is a `vlrep.errors.BadFile` naming it.
 
 `pytorch_model.bin` (torch.save's zip or legacy format) is read without executing its pickle, by
-`vlrep.interop.torch_files.load_state_dict`: tensors are rebuilt from the raw storages, nothing in the file is
+`vlrep.torch_files.load_state_dict`: tensors are rebuilt from the raw storages, nothing in the file is
 imported or
 run, a file that asks for any other object (a global outside the restricted unpickler's table) is an error naming
 the file and the global, and an entry that is not a tensor is an error naming its key.
@@ -38,9 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vlrep import errors
+from vlrep import errors, torch_files
 from vlrep.errors import BadFile, UserError
-from vlrep.interop import torch_files
 
 _ACTIVATIONS = {
   "gelu": lambda x: jax.nn.gelu(x, approximate=False),

@@ -45,7 +45,7 @@ pickle.load and a checkpoint with torch.load, which can run code the file names.
   from the record is refused with exit status 2 naming the file, before Detectron2 is imported.
 - The record lies in the run folder, so it is no proof by itself: Detectron2 never reads a pickle itself. The
   trainer's checkpointer (`checkpointer_type`) loads only OUTPUT_DIR's backbone.pkl and recorded checkpoints, each
-  through vlrep's restricted unpickler (vlrep.interop.torch_files: tensors, numpy arrays and plain containers, nothing
+  through vlrep's restricted unpickler (vlrep.torch_files: tensors, numpy arrays and plain containers, nothing
   else
   imported or called), and a resumed checkpoint is read that way before Detectron2 is imported too. backbone.pkl is
   exported afresh by every command that does not resume (a resumed one loads no backbone).
@@ -79,9 +79,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from vlrep import errors, runs, safe_files
+from vlrep import errors, runs, safe_files, torch_files
 from vlrep.errors import BadFile, UserError
-from vlrep.interop import torch_files
 
 # Detectron2 (built from its source, INSTALL below) and torch are imported inside the functions that use them: an
 # optional dependency, so --help and the early refusals (a missing run, no Detectron2) work without importing it.

@@ -14,7 +14,7 @@ A format module provides:
       the run's contents; a clear error (naming the tensor and both shapes, the missing/unexpected keys, a
       vocabulary whose size differs from the embedding) before anything is written.
 
-Safe loading only: safetensors, or torch.save files through `vlrep.interop.torch_files` (`load_checkpoint` and
+Safe loading only: safetensors, or torch.save files through `vlrep.torch_files` (`load_checkpoint` and
 `load_state_dict` below; a restricted unpickler: tensors, ordered dicts and plain containers; any other object the
 file asks for is an error naming the file and the global, and no code runs).
 """
@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 from ml_collections import ConfigDict
 
+from vlrep import torch_files
 from vlrep.errors import BadFile, UserError
-from vlrep.interop import torch_files
 
 
 @dataclasses.dataclass
@@ -94,13 +94,13 @@ def no_format_error(path: str, keys: set[str], fmt: str, score: float, missing, 
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Safe loading: safetensors, or torch.save files through vlrep.interop.torch_files (a restricted unpickler; no code
+# Safe loading: safetensors, or torch.save files through vlrep.torch_files (a restricted unpickler; no code
 # runs).
 # ------------------------------------------------------------------------------------------------------------------
 def load_checkpoint(path: str) -> Any:
-  """A .safetensors file as {name: array} (`vlrep.interop.torch_files.load_safetensors`: every declared size checked
+  """A .safetensors file as {name: array} (`vlrep.torch_files.load_safetensors`: every declared size checked
   first);
-  any other file (.pth/.pt/.bin: torch.save, zip or legacy format) through `vlrep.interop.torch_files.load_checkpoint`:
+  any other file (.pth/.pt/.bin: torch.save, zip or legacy format) through `vlrep.torch_files.load_checkpoint`:
   plain Python containers and numpy arrays; a file that asks for any other object is a `torch_files.UnsafeFile`
   error naming the file and the global (nothing in it is imported or run). A malformed file is a
   `vlrep.errors.BadFile` naming it."""
@@ -110,7 +110,7 @@ def load_checkpoint(path: str) -> Any:
 
 
 def load_state_dict(path: str) -> dict[str, np.ndarray]:
-  """The state dict of a checkpoint file ({name: numpy array}, `vlrep.interop.torch_files.as_state_dict`): the file's
+  """The state dict of a checkpoint file ({name: numpy array}, `vlrep.torch_files.as_state_dict`): the file's
   top
   level, or what it holds under 'model' / 'state_dict' (VirTex's {"model": ..., "optimizer": ..., "iteration": ...});
   a 'module.' prefix on every key (a DistributedDataParallel model's) is removed. The last file read is kept
