@@ -27,7 +27,9 @@ from vlrep.evaluators.inputs import EvalInputs
 from vlrep.models import resnet
 
 flags.DEFINE_string("workdir", None, "Checkpoint whose backbone gives the synthetic_scenes features.")
-flags.DEFINE_string("config", "configs/virtex.py:runlocal", "Config whose backbone (random init) is used otherwise.")
+flags.DEFINE_string(
+  "config", None, "Config whose backbone (random init) is used without --workdir, e.g. configs/virtex.py:runlocal."
+)
 flags.DEFINE_list("sets", ["voc07_size", "synthetic_scenes"], "Feature sets to benchmark.")
 flags.DEFINE_float("signal", 0.2, "Strength of the label signal in the voc07_size features.")
 flags.DEFINE_float("voc07_size_scale", 1.0, "voc07_size at this fraction of VOC07's images and feature width.")
@@ -64,6 +66,8 @@ def scenes_features(config_path: str, workdir: str | None):
     run = runs.load_run(workdir)
     probe = run.config.evals.probe
   else:
+    if not config_path:
+      raise app.UsageError("--sets=synthetic_scenes needs --workdir (a run's backbone) or --config (a random one).")
     path, _, arg = config_path.partition(":")
     spec = importlib.util.spec_from_file_location("cfg", path)
     module = importlib.util.module_from_spec(spec)

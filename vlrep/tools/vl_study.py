@@ -176,7 +176,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  flags.DEFINE_string("config", "configs/vlbert.py:runlocal", "Base config (the study's arguments are added).")
+  flags.DEFINE_string("config", None, "Base config, e.g. configs/vlbert.py:runlocal (the study's arguments are added).")
+  flags.mark_flag_as_required("config")
   flags.DEFINE_string("root", None, "Directory of the study's runs.")
   flags.DEFINE_list("archs", ["visual_bert", "vilbert"], "Models.")
   flags.DEFINE_list("sources", ["none", "captions", "questions", "ood_captions", "generated"], "Pretraining data.")
