@@ -1,6 +1,7 @@
 """Export of a checkpoint's backbone to torchvision and Detectron2 names, checked against torchvision.models'
 ResNets themselves (the exported file loaded into them with strict=True, their forward compared)."""
 
+import json
 import os
 import pickle
 import re
@@ -13,12 +14,16 @@ import torch
 import torchvision
 from conftest import ROOT
 from ml_collections import ConfigDict
+from safetensors.torch import load_file as load_torch_file
 from torchvision.models.feature_extraction import create_feature_extractor
 
 from vlrep import checkpoint as ckpt_lib
 from vlrep import runs
+from vlrep.errors import UserError
 from vlrep.interop import export
+from vlrep.interop.formats import torchvision as tv_format
 from vlrep.models import resnet
+from vlrep.pytorch import resnet as torch_resnet
 
 
 def _write_run(workdir, depth=50, width=64, with_backbone=True, seed=0, stem="imagenet", inner_multiplier=1):
@@ -62,6 +67,60 @@ def _torch_features(state_dict, images, build=torchvision.models.resnet50):
   with torch.no_grad():
     out = extractor(torch.from_numpy(np.transpose(images, (0, 3, 1, 2)).copy()))
   return np.transpose(out["grid"].numpy(), (0, 2, 3, 1)), out["pooled"].numpy()
+
+
+@pytest.mark.parametrize(
+  "arch",
+  [
+    dict(depth=10, width=8, stem="small"),  # runlocal's: torchvision's ResNet has no such stem, vlrep's twin has
+    dict(depth=26, width=8, stem="imagenet"),  # every paper recipe's stem, bottleneck blocks
+  ],
+)
+def test_backbone_handoff_rebuilds_the_flax_backbone_in_pytorch(tmp_path, arch):
+  """--format=backbone writes backbone.safetensors + backbone.json: the architecture in backbone.json builds
+  vlrep.pytorch.resnet.ResNet, the weights load into it with strict=True (every key, BatchNorm counters included,
+  nothing more), and its features equal the Flax backbone's; write_backbone (the detection evaluator's call)
+  writes the same two files."""
+  net, variables = _write_run(tmp_path / "run", **arch)
+  out = tmp_path / "handoff"
+  info = export.export(str(tmp_path / "run"), "backbone", str(out), "latest")
+  assert sorted(os.listdir(out)) == ["backbone.json", "backbone.safetensors"] and info["step"] == 7
+  meta = json.loads((out / tv_format.HANDOFF_INFO).read_text())
+  assert meta == {
+    "architecture": {**arch, "inner_multiplier": 1, "stem_stride": 2},
+    "source": str(tmp_path / "run" / "checkpoints" / "7"),
+  }
+  model = torch_resnet.ResNet(**meta["architecture"]).eval()
+  sd = load_torch_file(str(out / tv_format.HANDOFF_WEIGHTS))
+  assert info["keys"] == len(sd) == len(model.state_dict())
+  model.load_state_dict(sd, strict=True)
+  images = np.random.default_rng(1).normal(size=(2, 64, 48, 3)).astype(np.float32)
+  grid, pooled = _jax_features(net, variables, images)
+  with torch.no_grad():
+    grid_t, pooled_t = model(torch.from_numpy(images.transpose(0, 3, 1, 2).copy()))
+  assert _rel(grid_t.numpy().transpose(0, 2, 3, 1), grid) < 1e-5 and _rel(pooled_t.numpy(), pooled) < 1e-5
+  direct = tmp_path / "direct"
+  method = ConfigDict({"backbone": arch})
+  assert tv_format.write_backbone(variables, method, str(direct), source="test") == {**meta, "source": "test"}
+  assert (direct / tv_format.HANDOFF_WEIGHTS).read_bytes() == (out / tv_format.HANDOFF_WEIGHTS).read_bytes()
+
+
+def test_backbone_handoff_refusals(tmp_path):
+  """A whole model's variables, a VGG16 backbone and a backbone without BatchNorm statistics are refused by name;
+  nothing is written."""
+  net, variables = _write_run(tmp_path / "run", depth=10, width=8, stem="small")
+  method = ConfigDict({"backbone": {"depth": 10, "width": 8, "stem": "small"}})
+  whole = {"params": {"backbone": variables["params"]}, "batch_stats": {"backbone": variables["batch_stats"]}}
+  with pytest.raises(ValueError, match="whole model's"):
+    tv_format.write_backbone(whole, method, str(tmp_path / "a"))
+  with pytest.raises(UserError, match="'vgg16'.*probes"):
+    tv_format.write_backbone(variables, ConfigDict({"backbone": {"arch": "vgg16"}}), str(tmp_path / "a"))
+  with pytest.raises(UserError, match="no BatchNorm statistics"):
+    tv_format.write_backbone({"params": variables["params"]}, method, str(tmp_path / "a"))
+  assert not (tmp_path / "a").exists()
+  (tmp_path / "file").write_text("x")
+  with pytest.raises(UserError, match="writes a folder"):
+    export.export(str(tmp_path / "run"), "backbone", str(tmp_path / "file"), "latest")
 
 
 def _rel(a, b):

@@ -58,11 +58,12 @@ from absl import app, flags, logging
 
 from vlrep import runs, safe_files
 from vlrep.errors import UserError, exit_2_on_user_error
+from vlrep.interop.formats import backbone as backbone_format
 from vlrep.interop.formats import torchvision as tv_importer
 from vlrep.interop.formats import virtex as virtex_format
 from vlrep.interop.formats import visual_bert as visual_bert_format
 
-FORMATS = ("torchvision", "detectron2", "virtex", "visual_bert")
+FORMATS = ("torchvision", "detectron2", "virtex", "visual_bert", "backbone")
 # config.json keys that make transformers import and run Python shipped with a folder (AutoModel's `auto_map`,
 # `trust_remote_code`, a pipeline's code): an export never writes one, whatever a run's saved fields hold.
 CODE_HOOKS = frozenset({"auto_map", "trust_remote_code", "custom_pipelines"})
@@ -156,6 +157,8 @@ def export(workdir: str, fmt: str, out: str, checkpoint: str = "best", overwrite
     return _export_virtex(run, out)
   if fmt == "visual_bert":
     return _export_visual_bert(run, out, overwrite)
+  if fmt == "backbone":
+    return backbone_format.export(run, out, overwrite)
   if run.config.method.get("backbone", {}).get("arch", "resnet") != "resnet":
     raise NotExportable(
       f"{run.path}: export to torchvision/Detectron2 supports ResNet backbones only (this is a VGG16)."

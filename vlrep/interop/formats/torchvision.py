@@ -20,12 +20,15 @@ another) with the backbone section set to the imported architecture and float32 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from ml_collections import ConfigDict
+from safetensors.numpy import save_file
 
+from vlrep import runs, safe_files
 from vlrep.errors import BadFile, UserError, reading
 from vlrep.interop.formats import (
   ImportedRun,
@@ -46,6 +49,10 @@ CHECKPOINT_HINT = (
   "Pass the checkpoint as published and whole (download it again if it may be truncated): a torch.save file "
   "(.pth, .pt, .bin) or a .safetensors file."
 )
+# The backbone hand-off to PyTorch (the detection evaluator's worker, the Detectron2 driver): a folder holding the
+# weights in torchvision's names and layout, and what rebuilds the network (vlrep.pytorch.resnet.ResNet's arguments).
+HANDOFF_WEIGHTS = "backbone.safetensors"
+HANDOFF_INFO = "backbone.json"
 FORMAT_HINT = "Check --format (--format=auto picks the one that fits) and that the file is the model's checkpoint."
 
 
@@ -245,3 +252,43 @@ def state_dict(backbone_params: dict, backbone_stats: dict, counters: dict | Non
       counter = key[: -len("running_var")] + "num_batches_tracked"
       out[counter] = np.array((counters or {}).get(counter, 0), np.int64)
   return out
+
+
+def torch_architecture(method_config) -> dict:
+  """The keyword arguments of `vlrep.pytorch.resnet.ResNet` that rebuild a run's backbone (its method config's
+  `backbone` section; an omitted key means what `runs.BACKBONE_ARCHITECTURE` says); a clear error for a backbone
+  PyTorch's twin cannot build (VGG16)."""
+  section = dict(method_config.get("backbone", {}) or {})
+  arch = section.get("arch", runs.BACKBONE_ARCHITECTURE["arch"])
+  if arch != "resnet":
+    raise UserError(
+      f"Only ResNet backbones are converted to PyTorch; this run's backbone is {arch!r}. Evaluate it with the probes "
+      "(configs/eval/voc07_svm.py, linear_probe.py) instead."
+    )
+  return {k: section.get(k, default) for k, default in runs.BACKBONE_ARCHITECTURE.items() if k != "arch"}
+
+
+def write_backbone(
+  variables: dict, method_config, folder: str, *, counters: dict | None = None, source: str = "in-process variables"
+) -> dict:
+  """Writes the PyTorch hand-off of a backbone into `folder`: HANDOFF_WEIGHTS (its variables {'params', 'batch_stats'},
+  as `runs.backbone_of` and `Model.backbone()` give them, in torchvision's names and layout: float32, each
+  BatchNorm's `num_batches_tracked` from `counters` or 0; safetensors, no pickle) and HANDOFF_INFO
+  ({"architecture": `torch_architecture(method_config)`, "source": source}). Both are written atomically through
+  vlrep.safe_files inside `folder` (created if missing). Returns the info dict."""
+  info = {"architecture": torch_architecture(method_config), "source": str(source)}
+  if "params" in variables and "backbone" in variables["params"]:
+    raise ValueError(
+      "write_backbone takes the backbone's variables ({'params': backbone params, 'batch_stats': ...}); these are a "
+      "whole model's (params has a 'backbone' entry): pass its backbone's (runs.backbone_of, Model.backbone())."
+    )
+  if "batch_stats" not in variables:
+    raise UserError("The backbone has no BatchNorm statistics (batch_stats): it cannot be converted to PyTorch.")
+  host = jax.device_get(dict(variables))
+  sd = state_dict(host["params"], host["batch_stats"], counters)
+  root = os.path.abspath(folder)
+  safe_files.make_dirs(root)
+  with safe_files.atomic_path(os.path.join(root, HANDOFF_WEIGHTS), ".safetensors", root=root) as tmp:
+    save_file({k: np.ascontiguousarray(v) for k, v in sd.items()}, tmp, metadata={"format": "pt"})
+  safe_files.write_json(os.path.join(root, HANDOFF_INFO), info, root=root)
+  return info

@@ -1,0 +1,50 @@
+"""The PyTorch hand-off of a run's backbone (export only): a folder holding `backbone.safetensors` (torchvision's
+names and layout) and `backbone.json` (the arguments of `vlrep.pytorch.resnet.ResNet` that rebuild it, and the
+source run), what the detection evaluator's worker and the Detectron2 driver read.
+
+  python -m vlrep.interop.export --workdir=RUN --checkpoint=best --format=backbone --out=FOLDER
+
+Unlike --format=torchvision, any ResNet stem exports (vlrep's PyTorch ResNet builds the small stem too).
+"""
+
+from __future__ import annotations
+
+import os
+
+from safetensors import safe_open
+
+from vlrep import runs
+from vlrep.errors import UserError
+from vlrep.interop.formats import torchvision
+
+DESCRIPTION = "the PyTorch hand-off folder: backbone.safetensors + backbone.json (vlrep.pytorch.resnet.ResNet)"
+
+
+def imported_counters(run) -> dict:
+  """BatchNorm `num_batches_tracked` values an imported run kept (vlrep.interop.import_run), under torchvision's
+  names."""
+  note = run.meta.get("import", {})
+  counters, prefix = note.get("counters", {}), note.get("backbone_prefix", "")
+  return {k[len(prefix) :]: v for k, v in counters.items() if k.startswith(prefix)}
+
+
+def export(run: runs.Run, out: str, overwrite: bool = False) -> dict:
+  """Writes the hand-off of `run`'s backbone into the folder `out` (its two files replaced atomically; other files
+  there are left alone). Returns {'keys', 'parameters', 'step', 'files'}."""
+  del overwrite  # the two files are replaced whole; nothing else in the folder is touched
+  if os.path.lexists(out) and not os.path.isdir(out) or os.path.islink(out):
+    raise UserError(f"--out={out} is a file or a link; --format=backbone writes a folder.")
+  try:
+    _, variables = runs.backbone_of(run)
+  except ValueError as e:  # no backbone in the checkpoint: what the run lacks, said once
+    raise UserError(str(e)) from e
+  torchvision.write_backbone(variables, run.config.method, out, counters=imported_counters(run), source=run.path)
+  with safe_open(os.path.join(out, torchvision.HANDOFF_WEIGHTS), framework="numpy") as f:
+    keys = len(list(f.keys()))
+  parameters = sum(int(v.size) for v in _leaves(variables["params"]))
+  files = [torchvision.HANDOFF_WEIGHTS, torchvision.HANDOFF_INFO]
+  return {"keys": keys, "parameters": parameters, "step": run.step, "files": files}
+
+
+def _leaves(tree: dict) -> list:
+  return [x for v in tree.values() for x in (_leaves(v) if isinstance(v, dict) else [v])]
