@@ -129,18 +129,22 @@ def test_a_duration_on_the_command_line_replaces_the_recipes():
   # LocTex's recipe trains 600 epochs with 20 warmup epochs; steps given on the command line replace both.
   config = load_config("loctex", "")
   assert config.total_epochs == 600.0 and config.optim.warmup_epochs == 20.0
-  cleared = train.apply_duration_overrides(config, {"total_steps", "optim.warmup_steps"})
   config.total_steps, config.optim.warmup_steps = 2, 1
-  assert cleared == ["total_epochs", "optim.warmup_epochs"]
-  assert train.to_steps(config, "total", 100.0, 8) == 2 and train.to_steps(config.optim, "warmup", 100.0, 8) == 1
+  before = config.to_dict()
+  set_keys = {"total_steps", "optim.warmup_steps"}
+  assert train.replaced_durations(config, set_keys) == {"total_epochs": 0.0, "optim.warmup_epochs": 0.0}
+  trained = train.config_as_trained(config, set_keys, {})
+  assert train.to_steps(trained, "total", 100.0, 8) == 2 and train.to_steps(trained.optim, "warmup", 100.0, 8) == 1
+  assert config.to_dict() == before  # the user's config is only read
   # Untouched when the command line sets no duration; two units set by the user stay an error.
   config = load_config("loctex", "")
-  assert train.apply_duration_overrides(config, {"batch_size"}) == [] and config.total_epochs == 600.0
+  assert train.replaced_durations(config, {"batch_size"}) == {}
+  assert train.config_as_trained(config, {"batch_size"}, {}).to_dict() == config.to_dict()
   config = load_config("loctex", "")
-  train.apply_duration_overrides(config, {"total_steps", "total_epochs"})
   config.total_steps = 2
+  trained = train.config_as_trained(config, {"total_steps", "total_epochs"}, {})
   with pytest.raises(ValueError, match="Set exactly one of total_steps"):
-    train.to_steps(config, "total", 100.0, 8)
+    train.to_steps(trained, "total", 100.0, 8)
 
 
 def test_a_recipe_without_its_bert_folder_exits_2_saying_what_to_pass(tmp_path):

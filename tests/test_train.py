@@ -125,7 +125,7 @@ def test_init_from_brings_the_source_runs_backbone_architecture_and_a_resume_kee
   grouping; a resumed run takes what it saved, without reading RUN."""
   from ml_collections import ConfigDict
 
-  from vlrep import runs, train_state
+  from vlrep import runs, train, train_state
 
   source = ConfigDict({"method": {"backbone": {"depth": 10, "width": 16, "stem": "small", "stem_stride": 2}}})
   saved = ConfigDict({"method": {"backbone": {"depth": 18, "width": 8}}})
@@ -144,16 +144,16 @@ def test_init_from_brings_the_source_runs_backbone_architecture_and_a_resume_kee
     {"init_from": "/runs/quick", "method": {"backbone": {"depth": 26, "width": 16, "bn_group_size": 32}}}
   )
   config.lock()
-  train_state.adopt_init_from_architecture(config, "/runs/ft")
-  assert runs.backbone_architecture(config.method.backbone) == runs.backbone_architecture(source.method.backbone)
-  assert config.method.backbone.bn_group_size == 32 and config.method.backbone.stem == "small"
+  before = config.to_dict()
+  adopted = train_state.init_from_architecture(config, "/runs/ft")
+  assert config.to_dict() == before  # only read: the loop builds the model from a copy (train.config_as_trained)
+  assert adopted == {"depth": 10, "stem": "small"}
+  trained = train.config_as_trained(config, (), adopted)
+  assert runs.backbone_architecture(trained.method.backbone) == runs.backbone_architecture(source.method.backbone)
+  assert trained.method.backbone.bn_group_size == 32 and trained.method.backbone.stem == "small"
   available["/runs/ft"] = saved  # this run has checkpoints now: a restart resumes what it built
   del available["/runs/quick"]
-  train_state.adopt_init_from_architecture(config, "/runs/ft")
-  assert (config.method.backbone.depth, config.method.backbone.width, config.method.backbone.stem) == (
-    18,
-    8,
-    "imagenet",
-  )
+  assert train_state.init_from_architecture(config, "/runs/ft") == {"depth": 18, "width": 8}
+  assert config.to_dict() == before
   # Its own workdir is read as resuming (a run of the user's own method resumes); RUN as another run's config.
   assert reads[-1] == ("/runs/ft", True) and ("/runs/quick", False) in reads

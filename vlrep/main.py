@@ -105,12 +105,13 @@ def main(argv):
     jax.local_device_count(),
     jax.device_count(),
   )
-  cleared = train.apply_duration_overrides(FLAGS.config, config_flags.get_override_values(FLAGS["config"]))
-  if cleared:
-    logging.info("The command line's duration replaces the recipe's: %s set to 0.", ", ".join(cleared))
   try:
     summary = train.train_and_evaluate(
-      FLAGS.config, FLAGS.workdir, on_preempted=_exit_preempted, allow_changed_data=FLAGS.allow_changed_data
+      FLAGS.config,
+      FLAGS.workdir,
+      on_preempted=_exit_preempted,
+      allow_changed_data=FLAGS.allow_changed_data,
+      command_line_keys=set(config_flags.get_override_values(FLAGS["config"])),
     )
   except UserError as e:
     # Something the user fixes (data not prepared, a field the data lacks, a bad config value): the message

@@ -30,7 +30,6 @@ from ml_collections import ConfigDict
 from vlrep import errors, safe_files, sharding
 from vlrep.errors import BadFile, UserError
 from vlrep.models import resnet, vgg
-from vlrep.removed_switches import drop_removed_switches
 
 
 class NotARun(UserError, FileNotFoundError):
@@ -97,8 +96,8 @@ def load_run(workdir: str, checkpoint: str = "best") -> Run:
 def read_config(workdir: str, resuming: bool = False, checkpoint: str = "best") -> ConfigDict:
   """The training config a run saved with its newest checkpoint (best or latest; `checkpoint='latest'`: the
   periodic ones only, what a resumed run continues), read without restoring any weights: cheap enough for a config
-  file to resolve what it inherits from another run. Removed speed switches are dropped (`resuming`: one that
-  changed the optimizer state is an error; removed_switches).
+  file to resolve what it inherits from another run. Backbone keys this version of vlrep does not know are
+  dropped, said in the log (without_unknown_keys).
 
   The config is checked as `saved_config` checks it, except when `resuming`: the training loop continuing its own
   workdir builds everything from the user's command-line config and only compares the saved one with it, so a
@@ -111,8 +110,8 @@ def read_config(workdir: str, resuming: bool = False, checkpoint: str = "best") 
     except Exception as e:  # noqa: BLE001 -- a damaged checkpoint's metadata: the next candidate
       failures.append(f"{os.path.join(directory, str(step))}: {type(e).__name__}: {str(e)[:200]}")
       continue
-    if resuming:
-      return ConfigDict(drop_removed_switches(meta["config"], resuming=True))
+    if resuming:  # compared with the user's config (unknown_keys says what it has that the user's has not)
+      return ConfigDict(meta["config"])
     return saved_config(meta.get("config"), _meta_path(directory, step))
   raise NoCheckpointRestores(f"No checkpoint of {workdir} has a readable config:\n  " + "\n  ".join(failures))
 
@@ -202,13 +201,71 @@ def check_saved_names(config: dict, where: str) -> None:
 
 def saved_config(config: dict, where: str) -> ConfigDict:
   """The training config a run saved (in checkpoint metadata `where`), as data: its names checked
-  (`check_saved_names`), removed speed switches dropped, and every path in it read only (a missing tokenizer or
-  concept set is an error, never built where the file says)."""
+  (`check_saved_names`), backbone keys this version does not know dropped (without_unknown_keys), and every path
+  in it read only (a missing tokenizer or concept set is an error, never built where the file says)."""
   check_saved_names(config, where)
-  out = ConfigDict(drop_removed_switches(config))
+  out = ConfigDict(without_unknown_keys(config, where))
   for section in ("tokenizer", "concepts"):
     if isinstance(out.get(section), ConfigDict):
       out[section].build_if_missing = False
+  return out
+
+
+# The config sections a network is built from by keyword (`resnet.from_config(section)`, VGG16 for arch='vgg16'):
+# the only places where a key this version of vlrep does not know would fail, instead of being read by nothing.
+BACKBONE_SECTIONS = ("method.backbone", "method.visual.backbone")
+
+
+def backbone_keys() -> frozenset[str]:
+  """The keys a backbone section may hold: the networks' own arguments (ResNet's, VGG16's) and `arch`."""
+  fields = {f.name for module in (resnet.ResNet, vgg.VGG16) for f in dataclasses.fields(module)}
+  return frozenset(fields - {"parent", "name"} | {"arch"})
+
+
+_SAID: set[tuple[str, tuple[str, ...]]] = set()
+
+
+def without_unknown_keys(config: dict, where: str) -> dict:
+  """A run's saved config without the keys of its backbone sections that none of this version's networks takes
+  (an earlier version's option that this one has no code for), said once in one warning naming them: the network
+  is built from the keys it knows. The weights must still fit it: a restore that does not fit is refused by the
+  checkpoint's signature check. A key elsewhere that nothing reads (an optimizer option, say) is ignored as it is:
+  nothing reads it; a resumed run names those too (unknown_keys)."""
+  out, dropped, known = dict(config), [], backbone_keys()
+  for dotted in BACKBONE_SECTIONS:
+    *parents, leaf = dotted.split(".")
+    node = out
+    for key in parents:
+      if not isinstance(node.get(key), dict):
+        break
+      node[key] = dict(node[key])  # copied on the way down: `config` itself is left as read
+      node = node[key]
+    else:
+      if isinstance(node.get(leaf), dict):
+        unknown = sorted(k for k in node[leaf] if k not in known)
+        node[leaf] = {k: v for k, v in node[leaf].items() if k in known}
+        dropped += [f"{dotted}.{k}" for k in unknown]
+  run_folder = re.split(r"[/\\](?:checkpoints|best)[/\\]\d+[/\\]", where)[0]
+  if dropped and (run_folder, tuple(dropped)) not in _SAID:  # once per run, however often its config is read
+    _SAID.add((run_folder, tuple(dropped)))
+    logging.warning(
+      "%s: this run's saved config has keys this version of vlrep does not know: %s; they are ignored.",
+      where,
+      ", ".join(dropped),
+    )
+  return out
+
+
+def unknown_keys(saved: dict, config: dict, prefix: str = "") -> list[str]:
+  """The dotted keys of a run's `saved` config that `config` (the one it is resumed with) does not have: options
+  of an earlier version, which the resumed run ignores."""
+  out = []
+  for key, value in saved.items():
+    full = f"{prefix}{key}"
+    if key not in config:
+      out.append(full)
+    elif isinstance(value, dict) and isinstance(config[key], dict):
+      out += unknown_keys(value, config[key], full + ".")
   return out
 
 

@@ -4,6 +4,8 @@ resumable run. It knows nothing of any method's maths; methods know nothing of d
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import hashlib
 import os
@@ -53,12 +55,12 @@ def to_steps(config: ml_collections.ConfigDict, prefix: str, steps_per_epoch: fl
 DURATION_UNITS = ("steps", "epochs", "examples")
 
 
-def apply_duration_overrides(config: ml_collections.ConfigDict, set_keys) -> list[str]:
-  """A duration the user set (`set_keys`: the config keys the command line set, e.g. {'total_steps'}) replaces the
-  recipe's, in whatever unit: the units of the same duration (total_*, optim.warmup_*) that the user did not set
-  are cleared, so `--config.total_steps=2` on a recipe measured in epochs trains 2 steps instead of being refused.
-  Returns the keys cleared (the run logs them)."""
-  cleared = []
+def replaced_durations(config: ml_collections.ConfigDict, set_keys) -> dict[str, Any]:
+  """The recipe's durations a duration the user set replaces (`set_keys`: the config keys the command line set,
+  e.g. {'total_steps'}), as {dotted key: 0 of its type}: the units of the same duration (total_*, optim.warmup_*)
+  that the user did not set, so `--config.total_steps=2` on a recipe measured in epochs trains 2 steps instead of
+  being refused. Reads `config` only."""
+  replaced = {}
   for prefix in ("total", "optim.warmup"):
     keys = [f"{prefix}_{u}" for u in DURATION_UNITS]
     if not any(k in set_keys for k in keys):
@@ -69,15 +71,60 @@ def apply_duration_overrides(config: ml_collections.ConfigDict, set_keys) -> lis
         continue
       node = config[parent] if parent else config
       if key not in set_keys and leaf in node and node[leaf]:
-        node[leaf] = type(node[leaf])(0)
-        cleared.append(key)
-  return cleared
+        replaced[key] = type(node[leaf])(0)
+  return replaced
+
+
+def config_as_trained(
+  config: ml_collections.ConfigDict, command_line_keys, adopted_backbone: dict[str, Any]
+) -> ml_collections.ConfigDict:
+  """The config the run builds its model from and its checkpoints record (so that resume, vlrep.evaluate, export
+  and import rebuild the same model): a copy of `config` with the recipe's durations the command line replaced
+  set to 0 (replaced_durations) and the backbone architecture init_from adopted
+  (train_state.init_from_architecture). `config` itself stays as loaded."""
+  replaced = replaced_durations(config, command_line_keys)
+  if replaced:
+    logging.info("The command line's duration replaces the recipe's: %s set to 0.", ", ".join(replaced))
+  trained = copy.deepcopy(config)
+  with trained.unlocked():
+    for key, value in replaced.items():
+      parent, _, leaf = key.rpartition(".")
+      (trained[parent] if parent else trained)[leaf] = value
+    if adopted_backbone:
+      trained.method.backbone.update(adopted_backbone)
+  return trained
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingPlan:
+  """What the loop derives from the config once, before training, and never writes back into it: the run's
+  length in steps (from steps, epochs or examples and the training split's size) and its checkpoint cadence."""
+
+  num_examples: int  # of the training split (its fraction, e.g. 'train[:10%]')
+  steps_per_epoch: float
+  total_steps: int
+  warmup_steps: int
+
+  @classmethod
+  def of(cls, config: ml_collections.ConfigDict, num_examples: int) -> TrainingPlan:
+    steps_per_epoch = num_examples / config.batch_size
+    return cls(
+      num_examples=num_examples,
+      steps_per_epoch=steps_per_epoch,
+      total_steps=to_steps(config, "total", steps_per_epoch, config.batch_size),
+      warmup_steps=to_steps(config.optim, "warmup", steps_per_epoch, config.batch_size),
+    )
 
 
 def train_and_evaluate(
-  config: ml_collections.ConfigDict, workdir: str, on_preempted=None, allow_changed_data: bool = False
+  config: ml_collections.ConfigDict,
+  workdir: str,
+  on_preempted=None,
+  allow_changed_data: bool = False,
+  command_line_keys=(),
 ) -> dict[str, Any]:
-  """Trains (or resumes) the run defined by `config` in `workdir`; returns the final summary.
+  """Trains (or resumes) the run defined by `config` in `workdir`; returns the final summary. `config` is only
+  read: what the run derives from it (its length in steps, an adopted backbone) is computed once, beside it.
 
   After a SIGTERM the run saves, writes summary.json and calls `on_preempted(summary)` (if given) before tearing
   anything down: a command-line process ends there (vlrep.main), because releasing the input pipeline waits for
@@ -86,12 +133,38 @@ def train_and_evaluate(
   Before anything is built, every dataset the run reads must be prepared, and a run resumed in `workdir` must
   read the data, tokenizer and method it was trained with (`allow_changed_data` continues it on others). Once
   steps are trained, an exception (an evaluation's, the input's, ...) first saves the newest trained state, then
-  propagates with a note saying which step is saved where."""
+  propagates with a note saying which step is saved where. `command_line_keys`: the config keys the command line
+  set (vlrep.main's); a duration among them replaces the recipe's (replaced_durations)."""
   preemption = preemption_lib.Preemption(config.checkpoint.get("exit_deadline_secs", 20.0), jax.process_count())
   try:
-    return _train(config, workdir, preemption, on_preempted, allow_changed_data)
+    return _train(config, workdir, preemption, on_preempted, allow_changed_data, command_line_keys)
   finally:
     preemption.close()
+
+
+def check_before_building(config: ml_collections.ConfigDict, workdir: str, allow_changed_data: bool) -> str:
+  """The checks that need nothing built: every dataset the run reads is prepared, a run resumed in `workdir` reads
+  the data, tokenizer and method it was trained with (unless allowed), and the best checkpoint's selection rule
+  names an evaluator's metric. Returns that rule, in words (the summary's `best_checkpoint_selected_on`)."""
+  run_setup.check_datasets_prepared(config)
+  if has_checkpoints(workdir) and not allow_changed_data:
+    try:
+      # What the resume continues (`resuming`: only compared with the user's config, nothing looked up by its names).
+      saved_config = runs.read_config(workdir, resuming=True, checkpoint="latest")
+    except RuntimeError:  # no readable metadata: the restore names the damaged checkpoints
+      saved_config = None
+    if saved_config is not None:
+      run_setup.check_resumed_inputs(saved_config, config, workdir)
+      unknown = runs.unknown_keys(saved_config.to_dict(), config.to_dict())
+      if unknown:
+        logging.warning(
+          "The run in %s was saved with config keys this config does not have: %s; they are ignored.",
+          workdir,
+          ", ".join(unknown),
+        )
+  return evaluators.selection_rule(
+    config.get("evals", {}), config.get("best_metric", ""), config.get("select_on_test", False)
+  )
 
 
 def _train(
@@ -100,23 +173,17 @@ def _train(
   preemption: preemption_lib.Preemption,
   on_preempted,
   allow_changed_data: bool,
+  command_line_keys,
 ) -> dict[str, Any]:
   # ---------------------------------------------------------------------------------------------------- #
   # Checks that need nothing built: the datasets are prepared; a resumed run reads what it was trained with.
   # ---------------------------------------------------------------------------------------------------- #
   t_start = time.time()
-  run_setup.check_datasets_prepared(config)
-  if has_checkpoints(workdir) and not allow_changed_data:
-    try:
-      # What the resume continues (`resuming`: only compared with the user's config, nothing looked up by its names).
-      saved_config = runs.read_config(workdir, resuming=True, checkpoint="latest")
-    except RuntimeError:  # no readable metadata: the restore below names the damaged checkpoints
-      saved_config = None
-    if saved_config is not None:
-      run_setup.check_resumed_inputs(saved_config, config, workdir)
+  selected_on = check_before_building(config, workdir, allow_changed_data)
 
   # ---------------------------------------------------------------------------------------------------- #
-  # Setup: devices and batch sizes, the data's builder, tokenizer and method, the run's length.
+  # Setup: devices and batch sizes, the data's builder, tokenizer and method (built from the config as trained:
+  # the user's, with the command line's durations and init_from's architecture), the run's length.
   # ---------------------------------------------------------------------------------------------------- #
   os.makedirs(workdir, exist_ok=True)
   host, num_hosts = jax.process_index(), jax.process_count()
@@ -124,22 +191,9 @@ def _train(
   mesh = sharding.make_mesh(config.sharding.num_devices or None)
   global_bs = config.batch_size
   local_bs = local_batch_size(global_bs, mesh, num_hosts)
-  train_state.adopt_init_from_architecture(config, workdir)
-  selected_on = evaluators.selection_rule(
-    config.get("evals", {}), config.get("best_metric", ""), config.get("select_on_test", False)
-  )
-  # The prepared data and tokenizer checked against what this run was trained with (and recorded), before the
-  # tokenizer is built: a changed dataset is refused unless allowed, and a run's tokenizer is never rebuilt.
-  run_data = run_setup.RunData(
-    workdir, has_checkpoints(workdir), saved_steps(workdir), allow_changed_data, config.get("init_from", "")
-  )
-  builder, eval_inputs = run_setup.build(config, for_training=True, run_data=run_data)
-  method = eval_inputs.method
-  split, fraction = records.split_name(config.data.split)
-  num_examples = int(builder.info.splits[split].num_examples * fraction)
-  steps_per_epoch = num_examples / global_bs
-  total_steps = to_steps(config, "total", steps_per_epoch, global_bs)
-  warmup_steps = to_steps(config.optim, "warmup", steps_per_epoch, global_bs)
+  trained_config = config_as_trained(config, command_line_keys, train_state.init_from_architecture(config, workdir))
+  run_data, builder, eval_inputs, plan = build_for_training(trained_config, workdir, allow_changed_data)
+  method, total_steps = eval_inputs.method, plan.total_steps
   ckpt = ckpt_lib.Checkpointer(workdir, keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
 
   # ---------------------------------------------------------------------------------------------------- #
@@ -157,44 +211,28 @@ def _train(
   init_rng = jax.random.fold_in(base_rng, -1 % 2**31)
   # The optimizer only needs the parameter tree's paths, which the abstract (shape-only) init provides.
   abstract_params = jax.eval_shape(method.init, init_rng, first_batch)["params"]
-  tx, schedules = optim.build(config.optim, abstract_params, total_steps, warmup_steps)
+  tx, schedules = optim.build(config.optim, abstract_params, total_steps, plan.warmup_steps)
   layout = train_state.layout(method, tx, mesh, config.sharding, init_rng, first_batch)
-  summary: dict[str, Any] = {}
   if start_step:
     restored_step, state, summary = train_state.restore(ckpt, workdir, layout)
     if restored_step != start_step:  # the data stream restarts where the restored state left it
       logging.warning("Resuming from step %d, the newest intact checkpoint, instead of %d.", restored_step, start_step)
-      start_step = restored_step
-      first_batch = train_input.start(start_step)
+      start_step, first_batch = restored_step, train_input.start(restored_step)
   else:
-    state = train_state.fresh(layout, method, tx, init_rng, first_batch, config.get("init_from", ""))
-  summary["best_checkpoint_selected_on"] = selected_on
-  for field, counted in run_data.fields.items():  # what the method trains on: its fields' coverage
-    summary[f"data/{field}_examples"] = counted["examples"]
-    summary[f"data/{field}_fraction"] = counted["fraction"]
-  logging.info(
-    "%s: %.2fM parameters, %d steps (%.1f epochs of %d examples), warmup %d.",
-    config.method.name,
-    sum(x.size for x in jax.tree.leaves(state["params"])) / 1e6,
-    total_steps,
-    total_steps / max(steps_per_epoch, 1e-9),
-    num_examples,
-    warmup_steps,
-  )
+    state, summary = train_state.fresh(layout, method, tx, init_rng, first_batch, config.get("init_from", "")), {}
+  summary.update(starting_summary(selected_on, run_data.fields))
+  log_plan(config.method.name, state, plan)
 
   # ---------------------------------------------------------------------------------------------------- #
   # The jitted step, the evaluators (through the same sharded feature extraction as vlrep.evaluate's) and the
   # checkpoint's metadata.
   # ---------------------------------------------------------------------------------------------------- #
-  train_step = make_train_step(method, tx, schedules, base_rng, optim.frozen_rules(config.optim))
-  step_fn = jax.jit(
-    train_step,
-    in_shardings=(layout.shardings, batch_sharding),
-    out_shardings=(layout.shardings, None),
-    donate_argnums=(0,),
+  step_fn = jit_train_step(
+    make_train_step(method, tx, schedules, base_rng, optim.frozen_rules(config.optim)), layout, batch_sharding
   )
   evals = evaluators.build_all(config.get("evals", {}), eval_inputs)
   extract = runs.sharded_features(method.features, mesh)
+  pending = PendingMetrics(ckpt, workdir)
 
   def evaluate(names: list[str]) -> dict[str, float] | None:
     """`{name/metric: value}` of the named evaluators on the current state; None if SIGTERM interrupted them."""
@@ -203,7 +241,7 @@ def _train(
     return run_evaluators(evals, names, model)
 
   def meta() -> dict:
-    return {"signature": ckpt_lib.signature(state["params"]), "config": config.to_dict(), "summary": summary}
+    return {"signature": ckpt_lib.signature(state["params"]), "config": trained_config.to_dict(), "summary": summary}
 
   def evaluate_and_keep_best(names: list[str]) -> bool:
     """Runs the named evaluators on the current step, logs them and saves a new best checkpoint; False when
@@ -224,21 +262,14 @@ def _train(
   # train, log, check for a preemption, evaluate, checkpoint. The last step is saved, and the save waited for,
   # before the final evaluations; an exception once steps are trained saves the newest state before it propagates.
   # ---------------------------------------------------------------------------------------------------- #
-  pending = PendingMetrics(ckpt, workdir)
-  log_time, log_step = time.time(), start_step
-  step = saved_step = start_step  # saved_step: the newest step with a periodic checkpoint
-  batch = first_batch
-  train_start_time = time.time()
+  step = saved_step = log_step = start_step  # saved_step: the newest step with a periodic checkpoint
+  batch, log_time = first_batch, time.time()
+  train_start_time = log_time
   try:
     preempted = preemption.stop_before_training(step)  # startup, data loading or the state's creation
     random_init_evals = [n for n, e in evals.items() if e.config.get("random_init", False)]
     if not preempted and start_step == 0 and random_init_evals:
-      t0 = time.time()
-      init_metrics = evaluate(random_init_evals)
-      preempted = init_metrics is None
-      for k, v in (init_metrics or {}).items():
-        summary[f"{k}_random_init"] = v
-        logging.info("Random init: %s = %.2f (%.1fs)", k, v, time.time() - t0)
+      preempted = not evaluate_random_init(evaluate, random_init_evals, summary)
 
     while not preempted and step < total_steps:
       state, metrics = step_fn(state, batch)
@@ -300,22 +331,13 @@ def _train(
     else:
       ckpt.wait()
       ckpt.close()
-      split_desc = f"{builder.name}/{config.data.split} ({num_examples} examples)"
+      split_desc = f"{builder.name}/{config.data.split} ({plan.num_examples} examples)"
       summary.update(process_report(state, train_input, split_desc, (step - start_step) * local_bs))
-      summary.update(
-        {
-          "steps": step,
-          "preempted": False,
-          "seconds": time.time() - t_start,
-          "train/images_per_sec": (step - start_step) * global_bs / max(time.time() - train_start_time, 1e-9),
-        }
-      )
+      images_per_sec = (step - start_step) * global_bs / max(time.time() - train_start_time, 1e-9)
+      summary.update({"steps": step, "preempted": False, "seconds": time.time() - t_start})
+      summary["train/images_per_sec"] = images_per_sec
   except (Exception, KeyboardInterrupt) as error:
-    note = save_after_error(error, ckpt, pending, state, step, saved_step, meta)
-    if note:
-      logging.error("%s", note)
-      if hasattr(error, "add_note"):  # Python >= 3.11: printed under the error's message and traceback
-        error.add_note(note)
+    note_what_is_saved(error, save_after_error(error, ckpt, pending, state, step, saved_step, meta))
     raise
   if host == 0:
     runs.write_summary(workdir, summary)
@@ -325,6 +347,64 @@ def _train(
     if on_preempted is not None:
       on_preempted(summary)
   return summary
+
+
+def build_for_training(trained_config: ml_collections.ConfigDict, workdir: str, allow_changed_data: bool):
+  """(RunData, the training data's builder, EvalInputs, TrainingPlan): the prepared data and tokenizer checked
+  against what the run in `workdir` was trained with (and recorded) before the tokenizer is built (a changed
+  dataset is refused unless allowed, and a run's tokenizer is never rebuilt); then the method, and the run's
+  length from the training split's size."""
+  config = trained_config
+  run_data = run_setup.RunData(
+    workdir, has_checkpoints(workdir), saved_steps(workdir), allow_changed_data, config.get("init_from", "")
+  )
+  builder, eval_inputs = run_setup.build(config, for_training=True, run_data=run_data)
+  split, fraction = records.split_name(config.data.split)
+  plan = TrainingPlan.of(config, int(builder.info.splits[split].num_examples * fraction))
+  return run_data, builder, eval_inputs, plan
+
+
+def jit_train_step(train_step, layout: train_state.Layout, batch_sharding):
+  """The step compiled for the state's layout; the state's buffers are donated to the step that replaces it."""
+  return jax.jit(
+    train_step,
+    in_shardings=(layout.shardings, batch_sharding),
+    out_shardings=(layout.shardings, None),
+    donate_argnums=(0,),
+  )
+
+
+def starting_summary(selected_on: str, fields: dict) -> dict[str, Any]:
+  """The summary's entries known before training: how the best checkpoint is selected and what the method trains
+  on (its fields' coverage of the training split)."""
+  summary: dict[str, Any] = {"best_checkpoint_selected_on": selected_on}
+  for field, counted in fields.items():
+    summary[f"data/{field}_examples"] = counted["examples"]
+    summary[f"data/{field}_fraction"] = counted["fraction"]
+  return summary
+
+
+def log_plan(method_name: str, state: dict, plan: TrainingPlan) -> None:
+  logging.info(
+    "%s: %.2fM parameters, %d steps (%.1f epochs of %d examples), warmup %d.",
+    method_name,
+    sum(x.size for x in jax.tree.leaves(state["params"])) / 1e6,
+    plan.total_steps,
+    plan.total_steps / max(plan.steps_per_epoch, 1e-9),
+    plan.num_examples,
+    plan.warmup_steps,
+  )
+
+
+def evaluate_random_init(evaluate, names: list[str], summary: dict) -> bool:
+  """The named evaluators on the random initialisation (the baseline every table compares to), into the summary
+  as `{name/metric}_random_init`; False when SIGTERM interrupted them."""
+  t0 = time.time()
+  init_metrics = evaluate(names)
+  for k, v in (init_metrics or {}).items():
+    summary[f"{k}_random_init"] = v
+    logging.info("Random init: %s = %.2f (%.1fs)", k, v, time.time() - t0)
+  return init_metrics is not None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -352,6 +432,13 @@ def finished_at(workdir: str, step: int) -> bool:
   them; a run that failed or was preempted in them has none, or one saying `preempted`)."""
   summary = previous_summary(workdir)
   return summary.get("steps") == step and summary.get("preempted") is False
+
+
+def note_what_is_saved(error: BaseException, note: str) -> None:
+  """Logs `note` (save_after_error's) and adds it to the error, printed under its message and traceback."""
+  if note:
+    logging.error("%s", note)
+    error.add_note(note)
 
 
 def save_after_error(error: BaseException, ckpt, pending, state, step: int, saved_step: int, meta) -> str:

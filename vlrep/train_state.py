@@ -51,7 +51,6 @@ def fresh(layout: Layout, method, tx, rng, batch, init_from: str = "") -> dict:
 def restore(ckpt: ckpt_lib.Checkpointer, workdir: str, layout: Layout) -> tuple[int, dict, dict]:
   """(step, state, the run's summary so far) from the newest checkpoint that restores; older ones are tried when
   the newest is damaged (each skip logged)."""
-  runs.read_config(workdir, resuming=True)  # a removed speed switch that changed the train state: a clear error
   abstract = jax.tree.map(
     lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), layout.abstract, layout.shardings
   )
@@ -109,13 +108,14 @@ def load_pretrained_variables(state: dict, pretrained: dict, tx, state_sh) -> di
   return new
 
 
-def adopt_init_from_architecture(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """`init_from=RUN`: this run's backbone takes RUN's architecture (depth, width, stem, ...), so any config can
-  start from any run's backbone (e.g. finetune.py:runlocal from the quick start's ResNet-10); its BatchNorm
-  grouping stays this config's. When resuming, the architecture is the one this run saved, so
-  RUN is not read again. Said in the log when it changes the config."""
+def init_from_architecture(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """`init_from=RUN`: the backbone architecture keys (depth, width, stem, ...) this run takes from RUN where they
+  differ from `config`'s, as {key: RUN's value}, so any config can start from any run's backbone (e.g.
+  finetune.py:runlocal from the quick start's ResNet-10); its BatchNorm grouping stays this config's. When
+  resuming, the architecture is the one this run saved, so RUN is not read again. `config` is only read (the loop
+  builds the model from a copy with these keys: train.config_as_trained); said in the log when it differs."""
   if not config.get("init_from") or "backbone" not in config.get("method", {}):
-    return
+    return {}
   try:
     source, saved = workdir, runs.read_config(workdir, resuming=True)  # resuming: what this run was built with
   except (FileNotFoundError, RuntimeError):
@@ -126,13 +126,12 @@ def adopt_init_from_architecture(config: ml_collections.ConfigDict, workdir: str
   have = runs.backbone_architecture(config.method.backbone)
   changed = {k: (have[k], v) for k, v in want.items() if have[k] != v}
   if changed:
-    with config.unlocked():
-      config.method.backbone.update({k: v for k, (_, v) in changed.items()})
     logging.info(
       "init_from: the backbone takes the architecture of %s: %s.",
       source,
       ", ".join(f"{k}={new!r} (config: {old!r})" for k, (old, new) in changed.items()),
     )
+  return {k: new for k, (_, new) in changed.items()}
 
 
 def init_from_checkpoint(state: dict, workdir: str, tx, state_sh) -> dict:

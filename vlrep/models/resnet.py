@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 
 from vlrep.models.resnet_layout import DEPTHS
-from vlrep.removed_switches import drop_removed_switches
 
 
 class GroupedBatchNorm(nn.Module):
@@ -204,6 +203,6 @@ def _stage_sizes(depth: int) -> Sequence[int]:
 
 
 def from_config(section, **kwargs) -> ResNet:
-  """`ResNet(**section, **kwargs)` for a backbone config section (`method.backbone`, possibly saved by an earlier
-  run): a removed speed switch is dropped, or a clear error where it changed the weights (removed_switches)."""
-  return ResNet(**drop_removed_switches(dict(section), "method.backbone"), **kwargs)
+  """`ResNet(**section, **kwargs)` for a backbone config section (`method.backbone`); a key ResNet does not take
+  is its TypeError (a run's saved config has them dropped first: runs.without_unknown_keys)."""
+  return ResNet(**dict(section), **kwargs)
