@@ -14,7 +14,7 @@ import pytest
 from conftest import TESTS
 from ml_collections import ConfigDict
 
-from vlrep import evaluators, methods, run_setup
+from vlrep import evaluators, methods, modules, run_setup
 from vlrep.data import pipeline
 
 
@@ -55,6 +55,7 @@ def test_every_method_module_keeps_the_method_contract(name, tiny_runs):
   module = importlib.import_module(f"vlrep.methods.{name}")
   assert hasattr(module, "Method") == (name in methods.available()), "vlrep.methods lists what defines Method"
   if not hasattr(module, "Method"):
+    assert name.startswith("_"), f"vlrep.methods.{name} defines no Method: name a helper module _{name}"
     return
   cls = module.Method
   assert contract_violations(cls, methods.Method) == []
@@ -82,10 +83,11 @@ def test_every_evaluator_module_keeps_the_evaluator_contract(name, tiny_runs):
   module = importlib.import_module(f"vlrep.evaluators.{name}")
   assert hasattr(module, "Evaluator") == (name in evaluators.available()), "vlrep.evaluators lists what defines it"
   if not hasattr(module, "Evaluator"):
+    assert name.startswith("_"), f"vlrep.evaluators.{name} defines no Evaluator: name a helper module _{name}"
     return  # a helper of the evaluators (metrics, solvers, EvalInputs)
   cls = module.Evaluator
   assert contract_violations(cls, evaluators.Evaluator) == []
-  assert list(inspect.signature(cls).parameters) == ["config", "run"]
+  assert list(inspect.signature(cls).parameters) == ["config", "inputs"]
   assert isinstance(getattr(cls, "needs_method", False), bool)
   test_metrics = getattr(module, "TEST_METRICS", ())
   assert isinstance(test_metrics, tuple) and all(isinstance(m, str) for m in test_metrics)
@@ -125,12 +127,20 @@ def test_the_checks_catch_a_missing_member_and_a_wrong_signature():
 
 
 def test_an_unknown_name_lists_what_the_package_has():
-  with pytest.raises(ValueError, match=f"Unknown method 'nope'. Known methods: {', '.join(methods.available())},"):
+  with pytest.raises(ValueError, match=f"Unknown method 'nope'. Known: {', '.join(methods.available())}$"):
     methods.build(ConfigDict({"name": "nope"}), 0)
-  with pytest.raises(ValueError, match="Unknown evaluator type 'linear_svm'. Known evaluators: .*voc07_svm"):
-    evaluators.needs_method(ConfigDict({"type": "linear_svm"}))  # a helper module, not an evaluator
+  assert "clip" in methods.available() and "_contrastive" not in methods.available()
+  with pytest.raises(ValueError, match="Unknown evaluator type '_linear_svm'. Known: .*voc07_svm"):
+    evaluators.needs_method(ConfigDict({"type": "_linear_svm"}))  # a helper module, not an evaluator
   datasets = pipeline.builder_classes()
-  assert all(cls.name == name for name, cls in datasets.items())
+  # A module per dataset, named as it: vlrep.data.builders.<name> defines the builder of dataset <name>.
+  assert (
+    sorted(datasets) == sorted(set(modules.available("data.builders")) - set(pipeline.BUILDER_HELPERS))
+    and len(datasets) >= 11
+  )
+  assert all(cls.name == name and cls.__module__ == f"vlrep.data.builders.{name}" for name, cls in datasets.items())
+  with pytest.raises(ValueError, match="Unknown dataset 'common'. Known: coco_captions2017, "):
+    pipeline.builder_class("common")  # a helper module, not a dataset
   assert [n for n, cls in datasets.items() if getattr(cls, "generated_on_first_use", False)] == ["synthetic_scenes"]
   with pytest.raises(ValueError, match=f"neither one of vlrep's \\({', '.join(sorted(datasets))}\\)"):
     pipeline.get_builder("no_such_dataset", os.path.join(TESTS, "no_data_here"))

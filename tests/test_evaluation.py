@@ -17,7 +17,7 @@ from sklearn.svm import LinearSVC
 
 from vlrep import decoding, evaluators
 from vlrep.data import records
-from vlrep.evaluators import caption_metrics, linear_probe, linear_svm, voc07_svm
+from vlrep.evaluators import _caption_metrics, _linear_svm, linear_probe, voc07_svm
 
 
 # ------------------------------------------------------------------------------------------------------ #
@@ -35,16 +35,16 @@ def _svm_problem(seed=0, n=300, d=40):
 def test_jax_svm_solves_liblinears_objective(cost):
   x, y = _svm_problem()
   s = cost * np.where(y > 0, 2.0, 1.0)
-  w, b, info = linear_svm.solve(x, y[:, None], s[:, None], tol=1e-5)
-  ours = linear_svm.squared_hinge_objective(x, y[:, None], s[:, None], w, b)[0]
+  w, b, info = _linear_svm.solve(x, y[:, None], s[:, None], tol=1e-5)
+  ours = _linear_svm.squared_hinge_objective(x, y[:, None], s[:, None], w, b)[0]
   ref = LinearSVC(C=cost, class_weight={1: 2, -1: 1}, tol=1e-6, max_iter=100_000, dual=True).fit(x, y)
-  theirs = linear_svm.squared_hinge_objective(x, y[:, None], s[:, None], ref.coef_.T, ref.intercept_)[0]
+  theirs = _linear_svm.squared_hinge_objective(x, y[:, None], s[:, None], ref.coef_.T, ref.intercept_)[0]
   assert float(info["grad_ratio"].max()) <= 1e-5
   assert abs(ours - theirs) <= 1e-4 * theirs, (ours, theirs)
   # The same optimum in the eigenbasis (what the probe uses): rotations leave the problem unchanged.
   xa = jnp.concatenate([x, np.ones((len(x), 1))], axis=1).astype(jnp.float32)
-  rot = linear_svm.eigenbasis(xa)
-  wr, br, _ = linear_svm.solve(xa @ rot, y[:, None], s[:, None], tol=1e-5, append_bias=False)
+  rot = _linear_svm.eigenbasis(xa)
+  wr, br, _ = _linear_svm.solve(xa @ rot, y[:, None], s[:, None], tol=1e-5, append_bias=False)
   full = rot @ jnp.concatenate([wr, br[None]], axis=0)
   np.testing.assert_allclose(full[:-1, 0], np.asarray(w)[:, 0], atol=2e-3 * np.abs(w).max())
 
@@ -253,20 +253,20 @@ CANDS = {
 
 
 def test_cider_and_bleu_match_coco_caption():
-  cider, per_image = caption_metrics.cider_d(CANDS, REFS)
+  cider, per_image = _caption_metrics.cider_d(CANDS, REFS)
   assert cider == pytest.approx(2.2345994444900334, rel=1e-9)
   assert [per_image[i] for i in CANDS] == pytest.approx(
     [2.904167694202904, 1.37757161495137, 2.318802608202403, 2.3378558606034563], rel=1e-9
   )
-  bleu = caption_metrics.bleu(CANDS, REFS)
+  bleu = _caption_metrics.bleu(CANDS, REFS)
   assert bleu == pytest.approx(
     [0.8244268452831607, 0.6706894456136369, 0.5313140670701283, 0.40743483401842784], rel=1e-8
   )
   # Swapping captions between images ruins CIDEr.
   swapped = {1: CANDS[3], 2: CANDS[4], 3: CANDS[1], 4: CANDS[2]}
-  assert caption_metrics.cider_d(swapped, REFS)[0] < 0.3
+  assert _caption_metrics.cider_d(swapped, REFS)[0] < 0.3
   with pytest.raises(ValueError, match="no references"):
-    caption_metrics.score_all({9: "a cat"}, REFS)
+    _caption_metrics.score_all({9: "a cat"}, REFS)
 
 
 # ------------------------------------------------------------------------------------------------------ #

@@ -1,8 +1,8 @@
 """The zero-shot evaluator where the answer is known: toy methods whose towers (or caption likelihoods) point each
 image at its own classes score top-1 100 and mAP 100; scores that cannot tell classes apart score chance; a method
 without a text side is refused with the methods that have one. Nothing is trained; the one test through
-`Evaluator(config, run).evaluate(model)` reads the tiny synthetic_scenes' probe_test (40 images) for the class names and
-both label forms."""
+`Evaluator(config, inputs).evaluate(model)` reads the tiny synthetic_scenes' probe_test (40 images) for the class
+names and both label forms."""
 
 import os
 
@@ -14,8 +14,7 @@ from ml_collections import ConfigDict
 
 from vlrep.config_utils import config_module
 from vlrep.errors import UserError
-from vlrep.evaluators import zero_shot
-from vlrep.evaluators.inputs import EvalInputs, Model
+from vlrep.evaluators import EvalInputs, Model, zero_shot
 from vlrep.models.special_tokens import EOS_ID, NUM_SPECIAL, PAD_ID, SOS_ID
 
 SHAPES = ("circle", "square", "triangle", "star", "cross", "arrow", "crescent", "ring", "bar", "heart")
@@ -187,7 +186,8 @@ def test_the_class_posterior_cancels_an_images_own_likelihood_scale():
 
 
 def test_a_method_without_a_text_side_is_refused_naming_those_with_one():
-  with pytest.raises(UserError, match=r"NoTextSide has none.*embed: .*mct.*caption_log_likelihood: .*virtex"):
+  with_one = r"\(embed: clip, loctex, mct\) and captioners \(caption_log_likelihood: virtex\)"
+  with pytest.raises(UserError, match=r"NoTextSide has none.*" + with_one):
     zero_shot.scorer(NoTextSide(), ConfigDict())
   with pytest.raises(UserError, match="NoTextSide has no caption_log_likelihood"):
     zero_shot.scorer(NoTextSide(), ConfigDict(dict(scoring="caption")))

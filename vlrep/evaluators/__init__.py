@@ -4,9 +4,9 @@ An evaluator type is a module here (vlrep.evaluators.<type>), or the dotted path
 evaluator of your own, named by your own config; a run folder's saved config names only vlrep's own evaluators,
 `vlrep.runs.check_saved_names`), that keeps this contract:
 
-- an `Evaluator` class, built as `Evaluator(config, run)` (its config entry, and `run`: `EvalInputs`, what it may
-  use of the run, with the one way to read a split, `run.batches`), whose instances satisfy the `Evaluator`
-  protocol below: `config`, and `run(model) -> {metric: value}` for a `Model` (the variables and the sharded
+- an `Evaluator` class, built as `Evaluator(config, inputs)` (its config entry, and `inputs`: `EvalInputs`, what it
+  may use of the run, with the one way to read a split, `inputs.batches`), whose instances satisfy the `Evaluator`
+  protocol below: `config`, and `evaluate(model) -> {metric: value}` for a `Model` (the variables and the sharded
   feature extraction of the checkpoint evaluated). Backbone evaluators (the probe, the SVM) call
   `model.features(batch, key)` with the features key they need; whole-model ones (captioning, localization) apply
   the run's method to `model.variables`. The loop prefixes metrics with the evaluator's name (e.g. 'probe/map');
@@ -14,20 +14,18 @@ evaluator of your own, named by your own config; a run folder's saved config nam
   rebuilds them for it;
 - optionally, at module level, `TEST_METRICS`: the metrics that score the config's test split (`selection_rule`).
 
-tests/test_contracts.py checks every module here that defines `Evaluator` against this contract; the others are
-the evaluators' helpers (metrics, solvers, `EvalInputs`).
+`vlrep.modules` looks the type up and lists the types: every module here whose name does not start with '_';
+those that do are the evaluators' helpers (metrics, solvers, `EvalInputs`). tests/test_contracts.py checks every
+listed module against this contract.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-import os
 from typing import Any, Protocol, runtime_checkable
 
-from vlrep import package_modules
+from vlrep import modules
 from vlrep.errors import UserError
-from vlrep.evaluators.inputs import EvalInputs, Model
+from vlrep.evaluators._inputs import EvalInputs, Model
 
 
 @runtime_checkable
@@ -42,31 +40,24 @@ class Evaluator(Protocol):
     """{metric: value} of `model`, the same on every host (each reads its shard of the split)."""
 
 
-@functools.cache
 def available() -> tuple[str, ...]:
-  """The evaluator types vlrep has: the modules of this package that define `Evaluator`."""
-  return package_modules.modules_defining(os.path.dirname(__file__), "Evaluator")
+  """The evaluator types vlrep has: the modules of this package (its helpers' names start with '_')."""
+  return modules.available("evaluators")
 
 
 def _module(evaluator_type: str):
   """The module of an evaluator type: vlrep.evaluators.<type> for a plain name; a dotted path is a module of the
   user's own, imported as named. Only a config the user gives names a dotted path: `vlrep.runs` refuses one in a
   run folder's saved config (a file's names are data, never code to import)."""
-  if not isinstance(evaluator_type, str) or not all(part.isidentifier() for part in evaluator_type.split(".")):
-    raise UserError(
-      f"Evaluator type {evaluator_type!r} is neither one of vlrep's evaluators nor a module's dotted path."
-    )
-  if "." in evaluator_type:
-    return package_modules.import_own(evaluator_type, "evaluator type")
-  if evaluator_type not in available():
-    raise UserError(f"Unknown evaluator type {evaluator_type!r}. Known evaluators: {', '.join(available())}")
-  return importlib.import_module(f"{__name__}.{evaluator_type}")
+  if isinstance(evaluator_type, str) and "." in evaluator_type:
+    return modules.own(evaluator_type, "evaluator type")
+  return modules.get("evaluators", evaluator_type, "evaluator type")
 
 
-def build(config, run: EvalInputs) -> Evaluator:
+def build(config, inputs: EvalInputs) -> Evaluator:
   """The evaluator of `config.type`: the `Evaluator` class of the module vlrep.evaluators.<type> (or of the module
   at that dotted path: an evaluator of your own), given what it may use of the run (`EvalInputs`)."""
-  return _module(config.type).Evaluator(config, run)
+  return _module(config.type).Evaluator(config, inputs)
 
 
 def needs_method(config) -> bool:
@@ -100,7 +91,7 @@ def selection_rule(evals_config, best_metric: str, select_on_test: bool = False)
   return f"{best_metric}: held out from {name}'s test split"
 
 
-def build_all(evals_config, run: EvalInputs) -> dict[str, Evaluator]:
+def build_all(evals_config, inputs: EvalInputs) -> dict[str, Evaluator]:
   for name, cfg in evals_config.items():
     every = cfg.get("every_steps", 0)
     if not isinstance(every, int) or every < 0:
@@ -108,4 +99,4 @@ def build_all(evals_config, run: EvalInputs) -> dict[str, Evaluator]:
       raise UserError(
         f"evals.{name}.every_steps={every!r}: use a step count > 0, or 0 to evaluate only after the last step."
       )
-  return {name: build(cfg, run) for name, cfg in evals_config.items()}
+  return {name: build(cfg, inputs) for name, cfg in evals_config.items()}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vlrep.evaluators.inputs import EvalInputs, Model
+from vlrep.evaluators._inputs import EvalInputs, Model
 from vlrep.evaluators.linear_probe import extract_labeled, topk_accuracy
 
 
@@ -14,10 +14,10 @@ class Evaluator:
 
   feature_key = "logits"
 
-  def __init__(self, config, run: EvalInputs):
+  def __init__(self, config, inputs: EvalInputs):
     self.config = config
-    self.builder = run.builder(config)
-    self.inputs = run
+    self.builder = inputs.builder(config)
+    self.inputs = inputs
 
   def evaluate(self, model: Model) -> dict[str, float]:
     c = self.config

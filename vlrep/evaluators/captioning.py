@@ -17,8 +17,8 @@ from absl import logging
 
 from vlrep import decoding
 from vlrep.data import records
-from vlrep.evaluators import caption_metrics
-from vlrep.evaluators.inputs import EvalInputs, Model
+from vlrep.evaluators import _caption_metrics
+from vlrep.evaluators._inputs import EvalInputs, Model
 
 
 def captioner_for(method, config):
@@ -49,17 +49,17 @@ def captioner_for(method, config):
 class Evaluator:
   needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
 
-  def __init__(self, config, run: EvalInputs):
+  def __init__(self, config, inputs: EvalInputs):
     self.config = config
     if config.get("decoding", "beam") not in decoding.METHODS:
       raise ValueError(f"Unknown decoding {config.decoding!r}; expected one of {decoding.METHODS}.")
     for key in ("method", "tokenizer"):
-      if getattr(run, key) is None:
+      if getattr(inputs, key) is None:
         raise ValueError(f"The captioning evaluator needs the run's {key}.")
-    self.method, self.tokenizer = run.method, run.tokenizer
+    self.method, self.tokenizer = inputs.method, inputs.tokenizer
     self.caption = captioner_for(self.method, config)
-    self.builder = run.builder(config)
-    self.inputs = run
+    self.builder = inputs.builder(config)
+    self.inputs = inputs
 
   def evaluate(self, model: Model) -> dict[str, float]:
     from jax.experimental import multihost_utils
@@ -86,7 +86,7 @@ class Evaluator:
         candidates[h + j * self.inputs.num_hosts] = self.tokenizer.decode(tokens[h, j].tolist())
     references = {i: refs_all[i] for i in candidates}
     t1 = time.time()
-    scores = caption_metrics.score_all(candidates, references)
+    scores = _caption_metrics.score_all(candidates, references)
     for i in list(candidates)[: c.get("examples", 3)]:
       logging.info("Caption %d: %r (reference: %r)", i, candidates[i], references[i][0])
     logging.info(
@@ -97,5 +97,5 @@ class Evaluator:
       time.time() - t1,
       ", ".join(f"{k}={v:.2f}" for k, v in scores.items()),
     )
-    scores["mean_length"] = float(np.mean([len(caption_metrics.normalize(x)) for x in candidates.values()]))
+    scores["mean_length"] = float(np.mean([len(_caption_metrics.normalize(x)) for x in candidates.values()]))
     return scores

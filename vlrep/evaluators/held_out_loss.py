@@ -19,17 +19,17 @@ import numpy as np
 from absl import logging
 
 from vlrep.data import records
-from vlrep.evaluators.inputs import EvalInputs, Model
+from vlrep.evaluators._inputs import EvalInputs, Model
 
 
 class Evaluator:
   needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
 
-  def __init__(self, config, run: EvalInputs):
+  def __init__(self, config, inputs: EvalInputs):
     self.config = config
-    self.method = run.method
-    self.builder = run.builder(config)
-    self.inputs = run
+    self.method = inputs.method
+    self.builder = inputs.builder(config)
+    self.inputs = inputs
     key = jax.random.PRNGKey(config.get("seed", 0))
     self.loss = jax.jit(lambda v, b: self.method.loss(v, b, key, False)[:2])
 

@@ -36,7 +36,7 @@ from absl import logging
 
 from vlrep.data import pipeline, records
 from vlrep.errors import UserError
-from vlrep.evaluators.inputs import EvalInputs, Model
+from vlrep.evaluators._inputs import EvalInputs, Model
 
 
 def make_schedule(config, total_steps: int, steps_per_epoch: float):
@@ -159,11 +159,11 @@ def dataset_num_classes(builder, label_key: str) -> int:
 
 
 def extract_labeled(
-  run: EvalInputs, builder, split, pp, label_key, batch_size, features_fn
+  inputs: EvalInputs, builder, split, pp, label_key, batch_size, features_fn
 ) -> tuple[np.ndarray, np.ndarray]:
   """(features [N, D] float32, labels [N] int32) of a split, through features_fn, padding rows dropped."""
   feats, labels = [], []
-  for local in run.batches(builder, split, pp, ("image", label_key), batch_size):
+  for local in inputs.batches(builder, split, pp, ("image", label_key), batch_size):
     f, batch = features_fn(local)
     m = batch["_mask"].astype(bool)
     feats.append(f[m].reshape(int(m.sum()), -1))
@@ -176,11 +176,11 @@ def extract_labeled(
 class Evaluator:
   """Evaluator: trains a linear classifier on frozen features; reports top-1 / top-5 accuracy (%)."""
 
-  def __init__(self, config, run: EvalInputs):
+  def __init__(self, config, inputs: EvalInputs):
     self.config = config
     self.feature_key = config.get("feature", "pre_logits")
-    self.builder = run.builder(config)
-    self.inputs = run
+    self.builder = inputs.builder(config)
+    self.inputs = inputs
     self.label_key = config.get("label_key", "label")
     self.num_classes = config.get("num_classes") or dataset_num_classes(self.builder, self.label_key)
     if config.get("mode", "features") not in ("features", "images"):

@@ -23,7 +23,7 @@ import numpy as np
 from absl import logging
 
 from vlrep.data import records
-from vlrep.evaluators.inputs import EvalInputs, Model
+from vlrep.evaluators._inputs import EvalInputs, Model
 
 
 def pointing_and_iou(attention: np.ndarray, truth: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -43,9 +43,9 @@ def pointing_and_iou(attention: np.ndarray, truth: np.ndarray) -> tuple[np.ndarr
 class Evaluator:
   needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
 
-  def __init__(self, config, run: EvalInputs):
+  def __init__(self, config, inputs: EvalInputs):
     self.config = config
-    self.method = run.method
+    self.method = inputs.method
     if not hasattr(self.method, "attention"):
       raise ValueError(
         "The localization evaluator needs a method with image-caption attention maps (LocTex); this run's is "
@@ -59,8 +59,8 @@ class Evaluator:
         f"{run_sizes}) but the evaluator's grid_sizes are {self.grid_sizes}: evaluate with "
         f"--config=configs/eval/localization.py:sizes={'+'.join(map(str, run_sizes))}."
       )
-    self.builder = run.builder(config)
-    self.inputs = run
+    self.builder = inputs.builder(config)
+    self.inputs = inputs
     self.attention = jax.jit(self.method.attention)
 
   def evaluate(self, model: Model) -> dict[str, float]:

@@ -18,23 +18,23 @@ import numpy as np
 from absl import logging
 
 from vlrep.data import records
-from vlrep.evaluators.inputs import EvalInputs, Model, caption_width, with_fixed_captions
+from vlrep.evaluators._inputs import EvalInputs, Model, caption_width, with_fixed_captions
 
 
 class Evaluator:
   needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
 
-  def __init__(self, config, run: EvalInputs):
+  def __init__(self, config, inputs: EvalInputs):
     self.config = config
-    self.method = run.method
+    self.method = inputs.method
     if not hasattr(self.method, "predict_masked") or getattr(self.method, "variant", "") == "tp":
       raise ValueError("The masked_tokens evaluator needs an ICMLM method that predicts masked tokens (not 'tp').")
-    self.tokenizer = run.tokenizer
+    self.tokenizer = inputs.tokenizer
     if self.tokenizer is None:
       raise ValueError("The masked_tokens evaluator needs the run's WordPiece tokenizer (config.tokenizer).")
     self.concept_mask = np.asarray(self.method.concept_mask)
-    self.builder = run.builder(config)
-    self.inputs = run
+    self.builder = inputs.builder(config)
+    self.inputs = inputs
     self.predict = jax.jit(lambda v, x, t, p: jax.lax.top_k(self.method.predict_masked(v, x, t, p), 5)[1])
 
   def triplets(self, captions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -25,7 +25,7 @@ import numpy as np
 from absl import logging
 
 from vlrep.data import records
-from vlrep.evaluators.inputs import EvalInputs, Model, caption_width, with_fixed_captions
+from vlrep.evaluators._inputs import EvalInputs, Model, caption_width, with_fixed_captions
 
 RECALL_AT = (1, 5, 10)
 
@@ -67,19 +67,19 @@ def folded_metrics(image_emb, text_emb, text_image, fold_size: int) -> dict[str,
 class Evaluator:
   needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
 
-  def __init__(self, config, run: EvalInputs):
+  def __init__(self, config, inputs: EvalInputs):
     self.config = config
-    self.method = run.method
+    self.method = inputs.method
     if not hasattr(self.method, "embed"):
       raise ValueError(
         f"The retrieval evaluator needs a method with image and caption towers (MCT); this run's is "
         f"{type(self.method).__name__}."
       )
-    self.tokenizer = run.tokenizer
+    self.tokenizer = inputs.tokenizer
     if self.tokenizer is None:
       raise ValueError("The retrieval evaluator needs the run's tokenizer (config.tokenizer) to encode captions.")
-    self.builder = run.builder(config)
-    self.inputs = run
+    self.builder = inputs.builder(config)
+    self.inputs = inputs
     self.embed_images = jax.jit(lambda v, x: self.method.embed(v, images=x)["image"])
     self.embed_texts = jax.jit(lambda v, t: self.method.embed(v, tokens=t)["text"])
 

@@ -32,7 +32,7 @@ import optax
 from absl import logging
 
 from vlrep.data import records
-from vlrep.evaluators.inputs import EvalInputs, Model
+from vlrep.evaluators._inputs import EvalInputs, Model
 
 
 def ppmi_matrix(tags: np.ndarray) -> np.ndarray:
@@ -139,11 +139,11 @@ def fit_and_score(train_x, train_tags, test_x, test_tags, config) -> dict[str, f
 class Evaluator:
   """Evaluator: PMI tag space, MLP on frozen features, mIOU@K on the test split."""
 
-  def __init__(self, config, run: EvalInputs):
+  def __init__(self, config, inputs: EvalInputs):
     self.config = config
     self.feature_key = config.get("feature", "pre_logits")
-    self.builder = run.builder(config)
-    self.inputs = run
+    self.builder = inputs.builder(config)
+    self.inputs = inputs
     if config.batch_size % jax.device_count():
       raise ValueError(f"tagging batch_size {config.batch_size} is not divisible by the {jax.device_count()} devices.")
 

@@ -19,8 +19,8 @@ import numpy as np
 from absl import logging
 
 from vlrep.data import records
-from vlrep.evaluators import vl_metrics
-from vlrep.evaluators.inputs import EvalInputs, Model
+from vlrep.evaluators import _vl_metrics
+from vlrep.evaluators._inputs import EvalInputs, Model
 
 METRICS = ("vqa", "accuracy", "f1", "mlm")
 
@@ -28,18 +28,18 @@ METRICS = ("vqa", "accuracy", "f1", "mlm")
 class Evaluator:
   needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
 
-  def __init__(self, config, run: EvalInputs):
+  def __init__(self, config, inputs: EvalInputs):
     if config.metric not in METRICS:
       raise ValueError(f"Unknown vl_task metric {config.metric!r}; known: {METRICS}")
-    method = run.method
+    method = inputs.method
     if method is None or not hasattr(method, "classify"):
       raise ValueError("The vl_task evaluator needs a vlbert run (a method with `classify`).")
     if config.metric != "mlm" and method.task != "classify":
       raise ValueError(f"metric={config.metric!r} needs a fine-tuning run (method.task='classify').")
     self.config, self.method = config, method
-    self.builder = run.builder(config)
-    self.inputs = run
-    self.vocab = run.needs.get("answer_vocab") or []
+    self.builder = inputs.builder(config)
+    self.inputs = inputs
+    self.vocab = inputs.needs.get("answer_vocab") or []
     if config.metric == "vqa" and not self.vocab:
       raise ValueError("metric='vqa' needs the run's answer vocabulary (config.answers).")
     self._classify = jax.jit(method.classify)
@@ -70,7 +70,7 @@ class Evaluator:
         answers = batch["answers"].reshape(-1, batch["answers"].shape[-1])[mask]
         for row, humans in zip(logits, answers, strict=True):
           humans = [h.decode("utf-8") if isinstance(h, bytes) else str(h) for h in humans]
-          scores.append(vl_metrics.answer_score([h for h in humans if h], self.vocab[int(np.argmax(row))]))
+          scores.append(_vl_metrics.answer_score([h for h in humans if h], self.vocab[int(np.argmax(row))]))
       elif c.metric == "accuracy":
         scores.extend((np.argmax(logits, -1) == batch["label"].reshape(-1)[mask]).astype(float))
       else:
@@ -79,7 +79,7 @@ class Evaluator:
     if c.metric == "mlm":
       out = {"mlm_accuracy": 100.0 * hits / max(masked, 1.0), "masked_tokens": masked}
     elif c.metric == "f1":
-      out = vl_metrics.f1_scores(np.concatenate(preds), np.concatenate(labels))
+      out = _vl_metrics.f1_scores(np.concatenate(preds), np.concatenate(labels))
       out["pairs"] = float(sum(len(p) for p in preds))
     else:
       out = {c.metric: 100.0 * float(np.mean(scores)) if scores else 0.0, "pairs": float(len(scores))}

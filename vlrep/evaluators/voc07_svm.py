@@ -26,8 +26,8 @@ from sklearn.model_selection import StratifiedKFold
 from sklearn.svm import LinearSVC
 
 from vlrep import preemption
-from vlrep.evaluators import linear_probe, linear_svm
-from vlrep.evaluators.inputs import EvalInputs, Model
+from vlrep.evaluators import _linear_svm, linear_probe
+from vlrep.evaluators._inputs import EvalInputs, Model
 
 DEFAULT_COSTS = (0.01, 0.1, 1.0, 10.0)
 AP_KINDS = ("sklearn", "11point")
@@ -111,7 +111,7 @@ def fit_and_score(
   """Runs the protocol on features and {1, 0 (difficult), -1} label matrices. Returns mAP and per-class details.
 
   solver='sklearn' is the reference (liblinear, one fit after the other); solver='jax' fits every class x cost x
-  fold together (linear_svm.py) and agrees with it to a fraction of a point (tests). ap: 'sklearn' (official) or
+  fold together (_linear_svm.py) and agrees with it to a fraction of a point (tests). ap: 'sklearn' (official) or
   '11point'. more_tests: {name: (x, y)} scored by the same SVMs (e.g. a validation split), as 'map_<name>'.
   'map_cv': the mean over classes of the cross-validated AP at each class's chosen cost, from the training
   features alone (held out from every test split: what a recipe may select checkpoints on).
@@ -194,11 +194,11 @@ def _all_classes_jax(
   in_set = (fold_ids[:, cls] >= 0) & (fold_ids[:, cls] != fold[None])
   class_weight = np.where(y > 0, 2.0, 1.0)
   # The solver works in the eigenbasis of the (bias-augmented) Gram matrix, shared by all problems: its Jacobi
-  # preconditioner then captures the features' correlations (see linear_svm.py).
+  # preconditioner then captures the features' correlations (see _linear_svm.py).
   # Everything but the solver runs in NumPy: eager JAX ops would each compile once, which costs more than
   # these few products on the host (the first probe of a process pays for compilation).
   xa = np.concatenate([train_x, np.ones((n, 1))], axis=1).astype(np.float32)
-  rot = linear_svm.eigenbasis(xa)
+  rot = _linear_svm.eigenbasis(xa)
   xr = xa @ rot
   xr_device = jnp.asarray(xr)
   test_xa = np.concatenate([test_x, np.ones((len(test_x), 1))], axis=1).astype(np.float32)
@@ -209,7 +209,7 @@ def _all_classes_jax(
   for i in np.argsort(costs):  # ascending costs: each warm-starts the next
     preemption.check()  # SIGTERM: stop between costs
     s = (costs[i] * class_weight * in_set).astype(np.float32)
-    w, b, _ = linear_svm.solve(xr_device, y, s, tol=tol, append_bias=False, w_init=w_host)
+    w, b, _ = _linear_svm.solve(xr_device, y, s, tol=tol, append_bias=False, w_init=w_host)
     w_host = np.concatenate([np.asarray(w), np.asarray(b)[None]], axis=0)
     train_scores = xr @ w_host
     test_scores[i] = test_xa @ (rot @ w_host[:, full])
@@ -271,11 +271,11 @@ class Evaluator:
   SVMs as 'map_val', on which hyperparameters are chosen; test_split is only reported), every_steps, random_init.
   """
 
-  def __init__(self, config, run: EvalInputs):
+  def __init__(self, config, inputs: EvalInputs):
     self.config = config
     self.feature_key = config.get("feature", "pre_logits")
-    self.builder = run.builder(config)
-    self.inputs = run
+    self.builder = inputs.builder(config)
+    self.inputs = inputs
     self.label_key = config.get("label_key", "labels")
     import jax
 

@@ -36,7 +36,7 @@ import optax
 from absl import logging
 
 from vlrep.data import records
-from vlrep.evaluators.inputs import EvalInputs, Model, caption_width, with_fixed_captions
+from vlrep.evaluators._inputs import EvalInputs, Model, caption_width, with_fixed_captions
 from vlrep.evaluators.retrieval import folded_metrics
 
 
@@ -142,14 +142,14 @@ class Evaluator:
 
   needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
 
-  def __init__(self, config, run: EvalInputs):
+  def __init__(self, config, inputs: EvalInputs):
     self.config = config
     self.feature_key = config.get("feature", "pre_logits")
-    self.tokenizer = run.tokenizer
+    self.tokenizer = inputs.tokenizer
     if self.tokenizer is None:
       raise ValueError("The vsepp evaluator needs the run's tokenizer (config.tokenizer) to encode captions.")
-    self.builder = run.builder(config)
-    self.inputs = run
+    self.builder = inputs.builder(config)
+    self.inputs = inputs
     if config.batch_size % jax.device_count():
       raise ValueError(f"vsepp batch_size {config.batch_size} is not divisible by the {jax.device_count()} devices.")
 

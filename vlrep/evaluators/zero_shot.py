@@ -33,7 +33,6 @@ length_normalize, class_posterior, batch_size, prompts_per_call (captioners: pro
 
 from __future__ import annotations
 
-import os
 import re
 import time
 
@@ -43,10 +42,10 @@ import numpy as np
 import tensorflow_datasets as tfds
 from absl import logging
 
-from vlrep import package_modules
+from vlrep import modules
 from vlrep.data import records
 from vlrep.errors import UserError
-from vlrep.evaluators.inputs import EvalInputs, Model
+from vlrep.evaluators._inputs import EvalInputs, Model
 from vlrep.evaluators.voc07_svm import average_precision
 from vlrep.models import special_tokens
 
@@ -193,10 +192,10 @@ def zero_shot_metrics(scores: np.ndarray, labels: np.ndarray) -> dict[str, float
 
 # -- the method's text side ----------------------------------------------------------------------------------------
 def methods_with_text_side() -> dict[str, list[str]]:
-  """{scoring: [vlrep's method modules that define its function]}, read from vlrep/methods' source."""
-  folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "methods")
+  """{scoring: [vlrep's methods whose `Method` class has its function]}, each method looked up as any other."""
+  classes = {name: modules.get("methods", name, "method").Method for name in modules.available("methods")}
   return {
-    scoring: list(package_modules.modules_defining(folder, attr, anywhere=True))
+    scoring: [name for name, cls in classes.items() if callable(getattr(cls, attr, None))]
     for scoring, attr in _SCORING_ATTR.items()
   }
 
@@ -288,14 +287,14 @@ def scorer(method, config):
 class Evaluator:
   needs_method = True  # vlrep.evaluate rebuilds the run's method and tokenizer for it
 
-  def __init__(self, config, run: EvalInputs):
+  def __init__(self, config, inputs: EvalInputs):
     self.config = config
-    if run.tokenizer is None:
+    if inputs.tokenizer is None:
       raise UserError("The zero_shot evaluator needs the run's tokenizer (config.tokenizer) to encode its prompts.")
-    self.scorer = scorer(run.method, config)
-    self.tokenizer = run.tokenizer
-    self.builder = run.builder(config)
-    self.inputs = run
+    self.scorer = scorer(inputs.method, config)
+    self.tokenizer = inputs.tokenizer
+    self.builder = inputs.builder(config)
+    self.inputs = inputs
     self.label_key = config.get("label_key", "label")
     names = config.get("class_names") or class_names(self.builder, config.get("class_key") or self.label_key)
     self.class_names = [str(n) for n in names]

@@ -10,22 +10,19 @@ only vlrep's own methods, `vlrep.runs.check_saved_names`). Either way the module
   `pretrained` is {});
 - optionally, at module level, `setup(config, builder, tokenizer) -> dict` (see `setup` here).
 
-A method never reads a checkpoint and knows nothing of devices; tests/test_contracts.py checks every module here
-against these protocols.
+A method never reads a checkpoint and knows nothing of devices. `vlrep.modules` looks the name up and lists the
+methods: every module here whose name does not start with '_' (those that do are the methods' helpers, e.g.
+`_contrastive`'s losses); tests/test_contracts.py checks every listed module against these protocols.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import ml_collections
 
-from vlrep import package_modules
-from vlrep.errors import UserError
+from vlrep import modules
 
 
 @runtime_checkable
@@ -62,23 +59,18 @@ class NamesPretrainedRuns(Protocol):
     """{name: workdir} of the runs `pretrained_variables` receives."""
 
 
-@functools.cache
 def available() -> tuple[str, ...]:
-  """The methods vlrep has: the modules of this package that define `Method`."""
-  return package_modules.modules_defining(os.path.dirname(__file__), "Method")
+  """The methods vlrep has: the modules of this package (its helpers' names start with '_')."""
+  return modules.available("methods")
 
 
 def _module(name: str):
   """The module of method `name`: vlrep.methods.<name> for a plain name; a dotted path is a module of the user's
   own, imported as named. Only a config the user gives names a dotted path: `vlrep.runs` refuses one in a run
   folder's saved config (a file's names are data, never code to import)."""
-  if not isinstance(name, str) or not all(part.isidentifier() for part in name.split(".")):
-    raise UserError(f"method.name={name!r} is neither one of vlrep's methods nor a module's dotted path.")
-  if "." in name:
-    return package_modules.import_own(name, "method.name")
-  if name not in available():
-    raise UserError(f"Unknown method {name!r}. Known methods: {', '.join(available())}, or a module's dotted path")
-  return importlib.import_module(f"{__name__}.{name}")
+  if isinstance(name, str) and "." in name:
+    return modules.own(name, "method.name")
+  return modules.get("methods", name, "method")
 
 
 def setup(config: ml_collections.ConfigDict, builder, tokenizer) -> dict:

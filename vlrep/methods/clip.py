@@ -1,9 +1,9 @@
 """CLIP (Radford et al., 2021) and SigLIP (Zhai et al., ICCV 2023): contrastive image-text pretraining.
 
 `loss='softmax'` (CLIP): the symmetric cross-entropy of the global batch's cosine similarities times the learned
-scale exp(logit_scale), initialised at 1 / 0.07 and clipped at 100 (`contrastive.clip_loss`, the InfoNCE LocTex's
+scale exp(logit_scale), initialised at 1 / 0.07 and clipped at 100 (`_contrastive.clip_loss`, the InfoNCE LocTex's
 L_C uses too). `loss='sigmoid'` (SigLIP): -1/B sum_ij log sigmoid(z_ij (t x_i.y_j + b)) with t = exp(t'), t' and b
-learned, initialised at log 10 and -10 (`contrastive.sigmoid_loss_chunked`: block by block, the texts passed
+learned, initialised at log 10 and -10 (`_contrastive.sigmoid_loss_chunked`: block by block, the texts passed
 between the devices of the `data` axis when the step is traced under a mesh; `loss_chunks` blocks otherwise).
 
 `text_tower`: 'scratch' (a causal transformer, CLIP's layout) or 'bert' (the pretrained BERT in `bert_path`,
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from vlrep.methods import contrastive
+from vlrep.methods import _contrastive
 from vlrep.models import bert as bert_lib
 from vlrep.models.clip import LOSSES, CLIPModel
 
@@ -73,14 +73,14 @@ class Method:
     out, new_state = self.model.apply(
       variables, batch["image"], batch["tokens"], train, rngs={"dropout": rng}, mutable=["batch_stats"]
     )
-    img, txt = contrastive.l2_normalize(out["image"]), contrastive.l2_normalize(out["text"])
+    img, txt = _contrastive.l2_normalize(out["image"]), _contrastive.l2_normalize(out["text"])
     if self.loss_name == "softmax":
-      loss = contrastive.clip_loss(img, txt, out["logit_scale"])
-      scale = contrastive.clipped_logit_scale(out["logit_scale"])
+      loss = _contrastive.clip_loss(img, txt, out["logit_scale"])
+      scale = _contrastive.clipped_logit_scale(out["logit_scale"])
       metrics = {"clip_loss": loss, "logit_scale": scale, "temperature": 1.0 / scale}
     else:
       t = jnp.exp(out["t_prime"].astype(jnp.float32))
-      loss = contrastive.sigmoid_loss_chunked(img, txt, t, out["logit_bias"], self.loss_chunks)
+      loss = _contrastive.sigmoid_loss_chunked(img, txt, t, out["logit_bias"], self.loss_chunks)
       metrics = {"sigmoid_loss": loss, "t": t, "b": out["logit_bias"]}
     # Mean cosine similarity of the matching pairs and of all other pairs, from sums (no B x B matrix): both
     # near 1 is a collapse to one point.
@@ -99,7 +99,7 @@ class Method:
     """l2-normalised embeddings of images and/or captions in the space the loss compares them."""
     out = {}
     if images is not None:
-      out["image"] = contrastive.l2_normalize(self.model.apply(variables, images, method=CLIPModel.embed_images))
+      out["image"] = _contrastive.l2_normalize(self.model.apply(variables, images, method=CLIPModel.embed_images))
     if tokens is not None:
-      out["text"] = contrastive.l2_normalize(self.model.apply(variables, tokens, method=CLIPModel.embed_texts))
+      out["text"] = _contrastive.l2_normalize(self.model.apply(variables, tokens, method=CLIPModel.embed_texts))
     return out

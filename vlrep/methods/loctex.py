@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from vlrep.methods.contrastive import info_nce, l2_normalize
+from vlrep.methods._contrastive import info_nce, l2_normalize
 from vlrep.models import special_tokens
 from vlrep.models.loctex import LocTexModel
 

@@ -46,7 +46,7 @@ class EvalInputs:
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-  """What every evaluator's `run(model)` evaluates: the model's `variables` ({'params': ..., 'batch_stats': ...,
+  """What every evaluator's `evaluate(model)` evaluates: the model's `variables` ({'params': ..., 'batch_stats': ...,
   on device: whole-model evaluators such as captioning apply the method to them) and `features(local_batch, key)
   -> (global features, global batch)` as numpy, the method's `features(variables, images)[key]` extracted sharded
   over the mesh (backbone evaluators: the probe, the SVM). The training loop and `vlrep.evaluate` build it."""
