@@ -13,8 +13,8 @@ from vlrep.errors import UserError
 
 
 def test_get_imports_the_module_the_name_names():
-  module = modules.get("interop.formats", "virtex", "format")
-  assert module.__name__ == "vlrep.interop.formats.virtex" and sys.modules[module.__name__] is module
+  module = modules.get("data.builders", "voc2007", "dataset")  # a dotted kind
+  assert module.__name__ == "vlrep.data.builders.voc2007" and sys.modules[module.__name__] is module
   assert modules.get("methods", "clip", "method").Method.__module__ == "vlrep.methods.clip"
 
 
