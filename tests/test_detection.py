@@ -15,13 +15,14 @@ import torch
 from ml_collections import ConfigDict
 from PIL import Image
 from pycocotools.coco import COCO
+from vlrep.evaluators.inputs import EvalInputs, Model
 
 from vlrep.data import instances, pipeline, records
 from vlrep.errors import UserError
 from vlrep.evaluators import detection
-from vlrep.evaluators.inputs import EvalInputs, Model
+from vlrep.interop.formats import torchvision as tv_format
 from vlrep.models import resnet, vgg
-from vlrep.pytorch import detection_worker
+from vlrep.pytorch import detection_spec, detection_worker, handoff
 
 torch.set_num_threads(1)  # the test machine's cores are shared
 
@@ -57,12 +58,12 @@ def test_converted_backbone_features_equal_jax(arch, tmp_path):
   images = np.random.default_rng(0).normal(size=(2, 48, 40, 3)).astype(np.float32)
   variables = _trained_looking(module.init(jax.random.PRNGKey(0), images[:1]))
   _, stages = module.apply(variables, images, False)
-  weights = str(tmp_path / "backbone.safetensors")
-  detection.torch_weights(variables, weights)
-  for norm in detection_worker.NORMS:
-    spec = detection_worker.full_spec(
-      {"backbone": detection.torch_architecture(module), "weights": weights, "norm": norm}
-    )
+  folder = str(tmp_path / "backbone")
+  tv_format.write_backbone(variables, detection.method_section(module), folder)
+  assert handoff.read_info(folder)["architecture"] == {k: arch.get(k, 2 if k == "stem_stride" else 1) for k in
+    ("depth", "width", "inner_multiplier", "stem", "stem_stride")} | arch  # fmt: skip
+  for norm in detection_spec.NORMS:
+    spec = detection_spec.full_spec({"backbone": folder, "norm": norm})
     net = detection_worker.torch_backbone(spec).eval()
     x = torch.from_numpy(images).permute(0, 3, 1, 2)
     with torch.no_grad():
@@ -77,13 +78,20 @@ def test_converted_backbone_features_equal_jax(arch, tmp_path):
 
 def test_unconvertible_backbone_is_refused(tmp_path):
   with pytest.raises(UserError, match="converts ResNet backbones to PyTorch; this run's backbone is VGG16"):
-    detection.torch_architecture(vgg.VGG16(width=8))
+    detection.method_section(vgg.VGG16(width=8))
   module = resnet.ResNet(depth=10, width=8, stem="small")
   params = {"params": module.init(jax.random.PRNGKey(0), np.zeros((1, 32, 32, 3), np.float32))["params"]}
   with pytest.raises(UserError, match="no BatchNorm statistics"):
-    detection.torch_weights(params, str(tmp_path / "w.safetensors"))
+    tv_format.write_backbone(params, detection.method_section(module), str(tmp_path / "w"))
   with pytest.raises(ValueError, match="anchor_sizes .* has 3 sizes; the FPN has 5 levels"):
-    detection_worker.full_spec({"anchor_sizes": (8, 16, 32)})
+    detection_spec.full_spec({"anchor_sizes": (8, 16, 32)})
+  # A config's detector entry is checked when the evaluator is made, before anything is read or trained.
+  config = _tiny_evaluation(seeds=(0,), detector={**_tiny_detector(), "weights": "w.safetensors"})
+  with pytest.raises(UserError, match=r"Unknown detector settings \['weights'\]"):
+    detection.Evaluator(config, EvalInputs())
+  config = _tiny_evaluation(seeds=(0,), detector={**_tiny_detector(), "seed": 3})
+  with pytest.raises(UserError, match="the evaluator sets these for each worker"):
+    detection.Evaluator(config, EvalInputs())
 
 
 def test_dataset_without_instances_is_refused(tmp_path):
@@ -176,7 +184,8 @@ def test_parallel_workers_overlap_and_keep_the_seeds_order(monkeypatch, tmp_path
     time.sleep(0.6 if seed == 5 else 0.2)  # the first seed finishes last
     spans[seed] = (start, time.time())
     threads[seed] = spec["threads"]
-    assert os.path.exists(spec["weights"]) and os.path.exists(spec["train_annotations"])
+    assert os.path.exists(os.path.join(spec["backbone"], handoff.HANDOFF_WEIGHTS))
+    assert os.path.exists(spec["train_annotations"]) and spec == detection_spec.full_spec(spec)
     return {"box_ap": float(seed), "mask_ap": 1.0, "loss_first": 2.0, "loss_last": 1.0, "iterations": 3.0}
 
   monkeypatch.setattr(detection, "run_worker", fake_worker)

@@ -1,8 +1,9 @@
 """`python -m vlrep.pytorch.detectron2_transfer`: the papers' detection transfer through Detectron2.
 
 Detectron2 is not on the package index, so CI has none: there the tests check the refusal (exit 2 with the install
-instruction), the mapping of a run's backbone to Detectron2's ResNet keys, the input-convention check and the
-command line's dataset specs. Where Detectron2 is installed (built from its source), the last tests build every
+instruction), the mapping of a run's backbone to Detectron2's ResNet keys, the input-convention check, the command
+line's dataset specs, the hand-off the driver builds Detectron2's weights from, and AP 0 for a detector that made no
+predictions. Where Detectron2 is installed (built from its source), the last tests build every
 YAML of configs/detectron2/ through the driver and fine-tune a tiny ResNet-50 run end to end on a COCO-format set;
 elsewhere they skip (docs/detectron2.md has the figures of a real run).
 """
@@ -17,11 +18,12 @@ import sys
 import numpy as np
 import pytest
 from conftest import ROOT
-from ml_collections import ConfigDict
 from PIL import Image, ImageDraw
+from safetensors.numpy import save_file
 
 from vlrep import safe_files
-from vlrep.errors import UserError
+from vlrep.errors import BadFile, UserError
+from vlrep.pytorch import detectron2_keys, handoff
 from vlrep.pytorch import detectron2_transfer as d2t
 
 HAVE_DETECTRON2 = d2t.detectron2_missing() is None
@@ -29,8 +31,9 @@ CONFIG_DIR = os.path.join(ROOT, "configs", "detectron2")
 YAMLS = sorted(f for f in os.listdir(CONFIG_DIR) if f.endswith(".yaml") and not f.startswith("Base-"))
 
 
-def _run_config(**backbone):
-  return ConfigDict({"method": {"name": "virtex", "backbone": dict(dict(depth=50, width=64), **backbone)}})
+def _arch(**changes):
+  """backbone.json's architecture (vlrep.pytorch.resnet.ResNet's arguments) of a ResNet-50, with `changes`."""
+  return {"depth": 50, "width": 64, "inner_multiplier": 1, "stem": "imagenet", "stem_stride": 2, **changes}
 
 
 def test_without_detectron2_the_command_exits_2_with_the_install_instruction(tmp_path):
@@ -55,25 +58,30 @@ def test_missing_run_or_config_file_and_odd_overrides_are_user_errors(tmp_path):
 
 
 def test_backbone_settings_follow_the_run_and_refuse_what_detectron2_cannot_build():
-  assert d2t.backbone_settings(_run_config()) == {
+  assert d2t.backbone_settings(_arch()) == {
     "MODEL.RESNETS.DEPTH": 50,
     "MODEL.RESNETS.STEM_OUT_CHANNELS": 64,
     "MODEL.RESNETS.RES2_OUT_CHANNELS": 256,
     "MODEL.RESNETS.WIDTH_PER_GROUP": 64,
   }
   # Wide ResNet-50-2: bottleneck inner width doubled, outputs unchanged (torchvision's wide_resnet50_2).
-  wide = d2t.backbone_settings(_run_config(inner_multiplier=2))
+  wide = d2t.backbone_settings(_arch(inner_multiplier=2))
   assert wide["MODEL.RESNETS.WIDTH_PER_GROUP"] == 128 and wide["MODEL.RESNETS.RES2_OUT_CHANNELS"] == 256
-  assert d2t.backbone_settings(_run_config(depth=101, width=16))["MODEL.RESNETS.RES2_OUT_CHANNELS"] == 64
-  assert d2t.backbone_settings(_run_config(depth=18))["MODEL.RESNETS.RES2_OUT_CHANNELS"] == 64
+  assert d2t.backbone_settings(_arch(depth=101, width=16))["MODEL.RESNETS.RES2_OUT_CHANNELS"] == 64
+  assert d2t.backbone_settings(_arch(depth=18))["MODEL.RESNETS.RES2_OUT_CHANNELS"] == 64
   with pytest.raises(UserError, match="stem='small'"):
-    d2t.backbone_settings(_run_config(depth=10, width=16, stem="small"))
+    d2t.backbone_settings(_arch(depth=10, width=16, stem="small"))
   with pytest.raises(UserError, match="depth 10"):
-    d2t.backbone_settings(_run_config(depth=10))
+    d2t.backbone_settings(_arch(depth=10))
   with pytest.raises(UserError, match="64 channels in res2"):
-    d2t.backbone_settings(_run_config(depth=18, width=16))
-  with pytest.raises(UserError, match="ResNet backbone"):
-    d2t.backbone_settings(_run_config(arch="vgg16"))
+    d2t.backbone_settings(_arch(depth=18, width=16))
+
+
+def test_a_failed_export_of_the_hand_off_is_one_user_error(tmp_path):
+  # What the export refuses (no run, no checkpoint, a VGG16 backbone) reaches the user as its own message.
+  with pytest.raises(UserError, match=r"Exporting .*nope's backbone failed \(exit 2\)"):
+    d2t.export_backbone(str(tmp_path / "nope"), "best", str(tmp_path / "out"))
+  assert not (tmp_path / "out" / handoff.HANDOFF_WEIGHTS).exists()
 
 
 def _cfg(fmt="RGB", mean=(123.675, 116.28, 103.53), std=(58.395, 57.12, 57.375), stride_in_1x1=False):
@@ -157,7 +165,7 @@ def test_every_shipped_config_builds_its_model_through_the_driver(yaml, tmp_path
 
   args = d2t.parse_args([f"--workdir={tmp_path}", f"--config-file={CONFIG_DIR}/{yaml}"])
   d2t.register([])
-  cfg = d2t.build_config(args, _run_config(width=16), world_size=1, cuda=False)
+  cfg = d2t.build_config(args, _arch(width=16), world_size=1, cuda=False)
   assert cfg.MODEL.RESNETS.NORM == "BN" and cfg.TEST.PRECISE_BN.NUM_ITER <= cfg.SOLVER.MAX_ITER
   model = build_model(cfg)
   names = dict(model.named_modules())
@@ -176,7 +184,7 @@ def test_a_config_with_python_tags_is_refused_not_run(tmp_path):
   )
   args = d2t.parse_args([f"--workdir={tmp_path}", f"--config-file={yaml_file}"])
   with pytest.raises(UserError, match="not a plain YAML config"):
-    d2t.build_config(args, _run_config(width=16), world_size=1, cuda=False)
+    d2t.build_config(args, _arch(width=16), world_size=1, cuda=False)
   assert not marker.exists()
 
 
@@ -225,12 +233,14 @@ def test_a_tiny_resnet50_run_fine_tunes_and_its_metrics_reach_the_summary(tmp_pa
   results = json.loads((run / "detectron2" / "coco_mask_rcnn_R_50_FPN_2x" / "transfer_results.json").read_text())
   assert "detectron2/coco_mask_rcnn_R_50_FPN_2x/bbox/AP-red" in results
   out = run / "detectron2" / "coco_mask_rcnn_R_50_FPN_2x"
-  assert (out / "backbone.pkl").exists() and (out / "model_final.pth").exists()
+  assert (out / "backbone.safetensors").exists() and (out / "model_final.pth").exists()
+  assert handoff.read_info(str(out))["architecture"] == _arch(width=8)
   assert (out / "log.txt").read_text().count("Total inference time") == 1  # the final model evaluated once
   # What the driver wrote is recorded with its sha256; the weights Detectron2 loaded were read by the driver.
   files = json.loads((out / d2t.MANIFEST).read_text())["files"]
   assert (
-    set(files) == {"backbone.pkl", "model_final.pth"} and (out / "last_checkpoint").read_text() == "model_final.pth"
+    set(files) == {"backbone.safetensors", "backbone.json", "model_final.pth"}
+    and (out / "last_checkpoint").read_text() == "model_final.pth"
   )
   assert files["model_final.pth"] == safe_files.sha256_of(str(out / "model_final.pth"))
   # Rerunning resumes at the end (no export, no training) and evaluates again.
@@ -430,7 +440,6 @@ def _checkpoint_as_detectron2_saves_it():
 
 
 def test_what_the_driver_wrote_resumes_through_the_restricted_unpickler(tmp_path):
-  import pickle
 
   import torch
 
@@ -442,11 +451,15 @@ def test_what_the_driver_wrote_resumes_through_the_restricted_unpickler(tmp_path
   saved = _checkpoint_as_detectron2_saves_it()
   torch.save(saved, out / "model_0000003.pth")
   d2t.record_written(str(out), "model_0000003.pth", str(run))
-  with open(out / "backbone.pkl", "wb") as f:
-    pickle.dump({"model": {"stem.conv1.weight": np.ones((2, 3, 1, 1), np.float32)}, "__author__": "vlrep"}, f)
-  d2t.record_written(str(out), "backbone.pkl", str(run))
+  _handoff(out)
+  for name in d2t.HANDOFF_FILES:
+    d2t.record_written(str(out), name, str(run))
   (out / "last_checkpoint").write_text("model_0000003.pth")
-  assert set(json.loads((out / d2t.MANIFEST).read_text())["files"]) == {"backbone.pkl", "model_0000003.pth"}
+  assert set(json.loads((out / d2t.MANIFEST).read_text())["files"]) == {
+    "backbone.safetensors",
+    "backbone.json",
+    "model_0000003.pth",
+  }
 
   path = d2t.check_output(args, keep=True)
   assert path == str(out / "model_0000003.pth") and path in d2t._READ
@@ -463,22 +476,46 @@ def test_what_the_driver_wrote_resumes_through_the_restricted_unpickler(tmp_path
   # The optimizer takes the state back, as Detectron2's trainer gives it.
   model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
   torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9).load_state_dict(loaded["trainer"]["optimizer"])
-  backbone = d2t.load_for_detectron2(str(out / "backbone.pkl"), str(out))
-  assert backbone["model"]["stem.conv1.weight"].shape == (2, 3, 1, 1) and backbone["__author__"] == "vlrep"
+  # The hand-off's weights as Detectron2 loads a model zoo .pkl: its ResNet names, numpy, matching heuristics on.
+  backbone = d2t.load_for_detectron2(str(out / "backbone.safetensors"), str(out))
+  assert backbone["matching_heuristics"] is True and backbone["__author__"] == "vlrep (a test)"
+  np.testing.assert_array_equal(backbone["model"]["stem.conv1.weight"], np.full((2, 3, 1, 1), 2, np.float32))
+  np.testing.assert_array_equal(backbone["model"]["res2.0.conv1.norm.running_var"], np.arange(2, dtype=np.float32))
+  assert set(backbone["model"]) == {"stem.conv1.weight", "stem.conv1.norm.weight", "res2.0.conv1.norm.running_var"}
 
   # Anything else Detectron2 might be asked to load is refused: another folder, another name, a changed file.
-  for name in ("evil.pkl", "model_final.pth"):
+  for name in ("evil.pkl", "backbone.pkl", "model_final.pth"):
     (out / name).write_bytes(b"x")
+  for name in ("evil.pkl", "backbone.pkl", "backbone.json"):  # a .pkl (plain pickle.load in Detectron2) never
+    with pytest.raises(UserError, match="hands it only the files it wrote"):
+      d2t.load_for_detectron2(str(out / name), str(out))
   with pytest.raises(UserError, match="hands it only the files it wrote"):
-    d2t.load_for_detectron2(str(tmp_path / "backbone.pkl"), str(out))
-  with pytest.raises(UserError, match="hands it only the files it wrote"):
-    d2t.load_for_detectron2(str(out / "evil.pkl"), str(out))
+    d2t.load_for_detectron2(str(tmp_path / "backbone.safetensors"), str(out))
   with pytest.raises(UserError, match="was not written by the Detectron2 driver"):
     d2t.load_for_detectron2(str(out / "model_final.pth"), str(out))
-  with open(out / "backbone.pkl", "ab") as f:
-    f.write(b"\0")
-  with pytest.raises(UserError, match="sha256 is"):
-    d2t.load_for_detectron2(str(out / "backbone.pkl"), str(out))
+  for name in d2t.HANDOFF_FILES:  # either file of the hand-off changed since it was recorded
+    original = (out / name).read_bytes()
+    with open(out / name, "ab") as f:
+      f.write(b" ")
+    with pytest.raises(UserError, match=f"{name}.*sha256 is"):
+      d2t.load_for_detectron2(str(out / "backbone.safetensors"), str(out))
+    (out / name).write_bytes(original)
+  assert d2t.read_handoff(str(out))["architecture"] == _arch(width=2)
+
+
+def _handoff(out, weights=None, architecture=None):
+  """A hand-off as `vlrep.interop.export --format=backbone` writes it: backbone.safetensors (torchvision names) and
+  backbone.json."""
+  out.mkdir(parents=True, exist_ok=True)
+  weights = weights or {
+    "conv1.weight": np.full((2, 3, 1, 1), 2, np.float32),
+    "bn1.weight": np.ones(2, np.float32),
+    "layer1.0.bn1.running_var": np.arange(2, dtype=np.float32),
+    "layer1.0.bn1.num_batches_tracked": np.array(5, np.int64),
+  }
+  save_file(weights, str(out / handoff.HANDOFF_WEIGHTS), metadata={"format": "pt"})
+  info = {"architecture": architecture or _arch(width=2), "source": "a test"}
+  (out / handoff.HANDOFF_INFO).write_text(json.dumps(info))
 
 
 def test_a_planted_backbone_with_a_forged_record_loads_nothing(tmp_path):
@@ -487,12 +524,102 @@ def test_a_planted_backbone_with_a_forged_record_loads_nothing(tmp_path):
   marker = tmp_path / "ran"
   out = tmp_path / "out"
   pkl, _ = _payload_files(out, marker)
-  os.rename(pkl, out / "backbone.pkl")
-  _record(out, {"backbone.pkl": hashlib.sha256((out / "backbone.pkl").read_bytes()).hexdigest()})
-  with pytest.raises(UserError, match=r"backbone.pkl.*asks for builtins.exec"):
-    d2t.load_for_detectron2(str(out / "backbone.pkl"), str(out))
+  # The payload pickle under the weights' name, its record forged to match: read as safetensors, no pickle run.
+  os.rename(pkl, out / "backbone.safetensors")
+  _handoff(tmp_path / "elsewhere")
+  os.rename(tmp_path / "elsewhere" / "backbone.json", out / "backbone.json")
+  sha = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()
+  _record(out, {n: sha(out / n) for n in d2t.HANDOFF_FILES})
+  with pytest.raises(BadFile, match=r"backbone.safetensors"):
+    d2t.load_for_detectron2(str(out / "backbone.safetensors"), str(out))
   assert not marker.exists()
+  # A backbone.pkl of the old driver's record is not a file this driver hands over.
+  _record(out, {"backbone.pkl": "0" * 64})
+  with pytest.raises(UserError, match=d2t.MANIFEST):
+    d2t.load_for_detectron2(str(out / "backbone.safetensors"), str(out))
   # A malformed record is one message naming it.
   (out / d2t.MANIFEST).write_text('{"files": {"../x": "0"}}')
   with pytest.raises(UserError, match=d2t.MANIFEST):
-    d2t.load_for_detectron2(str(out / "backbone.pkl"), str(out))
+    d2t.load_for_detectron2(str(out / "backbone.safetensors"), str(out))
+
+
+def test_the_hand_off_description_is_checked(tmp_path):
+  out = tmp_path / "out"
+  _handoff(out)
+  assert handoff.read_info(str(out)) == {"architecture": _arch(width=2), "source": "a test"}
+  bad = {
+    "not JSON": "{",
+    "a list": "[]",
+    "no architecture": '{"source": "x"}',
+    "a key missing": json.dumps({"architecture": {k: v for k, v in _arch().items() if k != "stem"}}),
+    "an extra key": json.dumps({"architecture": {**_arch(), "arch": "vgg16"}}),
+    "a wrong type": json.dumps({"architecture": _arch(depth="50")}),
+    "a bool for an int": json.dumps({"architecture": _arch(width=True)}),
+  }
+  for case, text in bad.items():
+    (out / handoff.HANDOFF_INFO).write_text(text)
+    with pytest.raises(BadFile, match="backbone.json"):
+      handoff.read_info(str(out))
+      pytest.fail(case)
+
+
+def test_detectron2_names_of_the_hand_off_weights():
+  torchvision_names = {
+    "conv1.weight": "stem.conv1.weight",
+    "bn1.running_mean": "stem.conv1.norm.running_mean",
+    "layer1.0.conv2.weight": "res2.0.conv2.weight",
+    "layer1.0.bn3.bias": "res2.0.conv3.norm.bias",
+    "layer4.2.downsample.0.weight": "res5.2.shortcut.weight",
+    "layer4.2.downsample.1.running_var": "res5.2.shortcut.norm.running_var",
+  }
+  renamed = detectron2_keys.detectron2_state_dict(
+    {**{k: k for k in torchvision_names}, "layer1.0.bn1.num_batches_tracked": 0, "fc.weight": 0}
+  )
+  assert renamed == {d2: tv for tv, d2 in torchvision_names.items()}  # counters and a classifier left out
+
+
+# ---------------------------------------------------------------------------------------------------- #
+# A detector that makes no predictions (Detectron2: "No predictions from the model!", every metric NaN).
+# ---------------------------------------------------------------------------------------------------- #
+
+NAN = float("nan")
+
+
+def test_no_predictions_is_ap_0_and_says_so_while_a_size_without_ground_truth_stays_absent(caplog):
+  # Detectron2's COCOEvaluator with no detection: every metric NaN and no per-class AP, for bbox and segm.
+  nothing = {m: NAN for m in d2t.COCO_METRICS}
+  results = {"bbox": dict(nothing), "segm": dict(nothing)}
+  with caplog.at_level("WARNING"):
+    scored = d2t.with_no_predictions_scored(results, ["shapes_val"], ("bbox", "segm"), lambda name: {"APs", "APm"})
+  for task in ("bbox", "segm"):
+    assert scored[task] == {"AP": 0.0, "AP50": 0.0, "AP75": 0.0, "APs": 0.0, "APm": 0.0}  # no large object: no APl
+  assert caplog.text.count("made no predictions on shapes_val") == 2 and "(segm)" in caplog.text
+  values = d2t.summary_values("coco_mask_rcnn_R_50_FPN_2x", scored)
+  assert values["detectron2/coco_mask_rcnn_R_50_FPN_2x/bbox/AP"] == 0.0 and len(values) == 10
+
+  # A detector that predicts: NaN stays only where Detectron2 means "undefined" (a size, a class without objects).
+  made = {"bbox": {"AP": 12.5, "AP50": 30.0, "AP75": 10.0, "APs": NAN, "APm": 5.0, "APl": 20.0, "AP-red": NAN}}
+  caplog.clear()
+  with caplog.at_level("WARNING"):
+    assert d2t.with_no_predictions_scored(made, ["v"], ("bbox",), lambda name: {"APm", "APl"}) == made
+  assert "no predictions" not in caplog.text
+  # Several test sets ({dataset: {task: metrics}}): only the one without predictions is scored 0; an evaluator
+  # that returned nothing at all for it ({}) gets the tasks it scores.
+  several = {"a": made, "b": {}}
+  scored = d2t.with_no_predictions_scored(several, ["a", "b"], ("bbox",), lambda name: {"APs", "APm", "APl"})
+  assert scored["a"] == made and scored["b"] == {"bbox": {m: 0.0 for m in d2t.COCO_METRICS}}
+  # A test set without ground truth has no AP to give: left as Detectron2 reports it (absent from the summary).
+  assert d2t.with_no_predictions_scored(results, ["v"], ("bbox", "segm"), lambda name: set()) == results
+  assert d2t.summary_values("x", results) == {}
+
+
+def test_the_size_ranges_with_ground_truth_are_cocoevals():
+  def box(area, **extra):
+    return {"area": area, "bbox": [0, 0, 1, 1], **extra}
+
+  assert d2t.sizes_with_ground_truth([box(100)]) == {"APs"}
+  assert d2t.sizes_with_ground_truth([box(32**2)]) == {"APs", "APm"}  # COCOeval's bounds are inclusive
+  assert d2t.sizes_with_ground_truth([box(5000), box(10**5)]) == {"APm", "APl"}
+  assert d2t.sizes_with_ground_truth([box(100, iscrowd=1)]) == set()  # crowds are not ground truth to COCOeval
+  assert d2t.sizes_with_ground_truth([{"bbox": [0, 0, 100, 100]}]) == {"APl"}  # no area: the box's
+  assert d2t.sizes_with_ground_truth([]) == set()

@@ -24,6 +24,7 @@ through the same files' names, e.g. VOC converted.
 from ml_collections import ConfigDict
 
 from vlrep.config_utils import config_module, parse_arg
+from vlrep.pytorch import detection_spec  # the worker's settings, defaults and checks (torch-free)
 
 common = config_module(__file__, "../common.py")  # the blocks every recipe shares
 
@@ -33,13 +34,9 @@ def runlocal_detector() -> dict:
   mapping at scale 224 (every 64-px box would go to the finest level), 2,000 proposals and 1,024-wide heads (far
   too much for a CPU). Here the anchors span the shapes' 8-40 px boxes, a 32-px box maps to level 4 (stride 16 with
   the small stem), and proposals and heads are a tenth of the defaults."""
-  return dict(
-    detector="mask_rcnn",
-    norm="trained",
-    fpn_layers=(1, 2, 3, 4),
+  return detection_spec.settings(
     fpn_channels=64,
     anchor_sizes=(8, 16, 32, 64, 128),
-    aspect_ratios=(0.5, 1.0, 2.0),
     min_size=64,
     max_size=64,
     rpn_pre_nms_top_n_train=300,
@@ -57,27 +54,16 @@ def runlocal_detector() -> dict:
     # Chosen on probe_val for separating backbones, not for the highest AP: longer schedules let random
     # initialisation catch up (docs/results/detection.md, "The schedule, chosen on probe_val").
     iterations=150,
-    batch_size=16,
-    lr=0.02,
     warmup_iterations=50,
-    lr_drops=(0.75, 0.9),
     log_every=25,
   )
 
 
 def coco_detector() -> dict:
-  """Mask R-CNN R50-FPN 1x (Detectron2's schedule; torchvision's detector sizes, which are Detectron2's)."""
-  return dict(
-    detector="mask_rcnn",
-    norm="trained",
-    fpn_layers=(1, 2, 3, 4),
-    fpn_channels=256,
-    anchor_sizes=(32, 64, 128, 256, 512),
-    min_size=800,
-    max_size=1333,
+  """Mask R-CNN R50-FPN 1x (Detectron2's schedule; the detector sizes, batch and learning rate are the defaults:
+  torchvision's, which are Detectron2's)."""
+  return detection_spec.settings(
     iterations=90000,
-    batch_size=16,
-    lr=0.02,
     warmup_iterations=1000,
     lr_drops=(60000 / 90000, 80000 / 90000),
     log_every=100,
@@ -123,6 +109,7 @@ def get_config(arg=None):
   detector.update(detector=arg.detector, norm=arg.norm, threads=arg.threads)
   if arg.iterations:
     detector["iterations"] = arg.iterations
+  detector = detection_spec.settings(**detector)  # the command line's values checked too
   seeds = tuple(int(s) for s in str(arg.seeds).split("+"))
   evaluation = dict(
     type="detection",

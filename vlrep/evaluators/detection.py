@@ -3,9 +3,9 @@ Faster R-CNN or Mask R-CNN with FPN, scored by pycocotools (VirTex Tables 5-7, L
 measure backbones this way, with Detectron2).
 
 In this process (JAX): the backbone's variables (or, with `random_init`, fresh ones from vlrep's initialiser for
-the same architecture: the baseline a pretraining effect is measured against) become a torchvision-named state dict
-(`vlrep.interop.formats.torchvision.state_dict`, the key map `vlrep.interop.export` writes with) in a temporary
-safetensors file,
+the same architecture: the baseline a pretraining effect is measured against) become the PyTorch hand-off
+(`vlrep.interop.formats.torchvision.write_backbone`: backbone.safetensors in torchvision's names and backbone.json,
+the folder `vlrep.interop.export --format=backbone` writes from a run folder) in a temporary folder,
 and the data becomes COCO instances (synthetic_scenes' through `vlrep.data.instances`; any other COCO-format set
 is read where it is). In a process of its own, `python -m vlrep.pytorch.detection_worker`, PyTorch fine-tunes and scores
 the detector (torch and JAX never share a process or contend for one accelerator's memory in it; on a GPU, start
@@ -22,8 +22,8 @@ Config (configs/eval/detection.py fills it): either `dataset` (+ data_dir, confi
 instance maps: synthetic_scenes), `train_split`, `test_split`, `train_limit`, `test_limit` (first N examples;
 0 = all), or `train_annotations`, `train_images`, `test_annotations`, `test_images` (COCO instances JSON files and
 their image folders: real COCO, VOC converted); `seeds`; `parallel` (workers at once, default 1); `random_init`;
-`detector` (the worker's spec: every key
-of `vlrep.pytorch.detection_worker.DEFAULTS` but the backbone, weights and data, which this evaluator sets).
+`detector` (the worker's settings: keys of `vlrep.pytorch.detection_spec.SETTINGS`, checked there; the backbone
+hand-off, the data and the seed are this evaluator's to set).
 """
 
 from __future__ import annotations
@@ -40,14 +40,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
-from safetensors.numpy import save_file
 
 from vlrep import safe_files
 from vlrep.data import instances
 from vlrep.errors import UserError
 from vlrep.evaluators.inputs import EvalInputs, Model
-from vlrep.interop.formats import torchvision as tv_importer
+from vlrep.interop.formats import torchvision as tv_format
 from vlrep.models import resnet
+from vlrep.pytorch import detection_spec
 
 AP_METRICS = ("box_ap", "box_ap50", "box_ap75", "mask_ap", "mask_ap50", "mask_ap75")
 # The metrics that score the config's test split: a run's best checkpoint is not chosen by them (selection_rule).
@@ -55,21 +55,16 @@ TEST_METRICS = AP_METRICS
 DATA_FILES = ("train_annotations", "train_images", "test_annotations", "test_images")
 
 
-def torch_architecture(module) -> dict:
-  """The `vlrep.pytorch.resnet.ResNet` arguments that rebuild a run's Flax backbone; a clear error for one
-  that PyTorch's twin cannot build."""
+def method_section(module) -> dict:
+  """The run's backbone as a method config's `backbone` section (what `write_backbone` reads the PyTorch
+  architecture from), or a clear error for a backbone that PyTorch's twin cannot build."""
   if not isinstance(module, resnet.ResNet):
     raise UserError(
       f"Detection transfer converts ResNet backbones to PyTorch; this run's backbone is {type(module).__name__}. "
       "Evaluate it with the probes (configs/eval/voc07_svm.py, linear_probe.py) instead."
     )
-  return {
-    "depth": module.depth,
-    "width": module.width,
-    "inner_multiplier": module.inner_multiplier,
-    "stem": module.stem,
-    "stem_stride": module.stem_stride,
-  }
+  names = ("depth", "width", "inner_multiplier", "stem", "stem_stride")
+  return {"backbone": {"arch": "resnet", **{k: getattr(module, k) for k in names}}}
 
 
 def random_variables(module, seed: int, image_size: int) -> dict:
@@ -78,21 +73,10 @@ def random_variables(module, seed: int, image_size: int) -> dict:
   return jax.device_get(module.init(jax.random.PRNGKey(seed), images, train=False))
 
 
-def torch_weights(variables: dict, path: str) -> None:
-  """Writes a backbone's variables as a torchvision-named state dict (float32 tensors, int64 BatchNorm counters;
-  safetensors) to `path`."""
-  if "batch_stats" not in variables:
-    raise UserError("The backbone has no BatchNorm statistics (batch_stats): it cannot be converted to PyTorch.")
-  variables = jax.device_get(variables)
-  state = tv_importer.state_dict(variables["params"], variables["batch_stats"], {})
-  with safe_files.atomic_path(path, suffix=".safetensors") as tmp:
-    save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, tmp)
-
-
 class Evaluator:
-  def __init__(self, config, run: EvalInputs):
+  def __init__(self, config, inputs: EvalInputs):
     self.config = config
-    self.inputs = run
+    self.inputs = inputs
     given = [k for k in DATA_FILES if config.get(k)]
     if given and len(given) != len(DATA_FILES):
       raise UserError(f"Detection data: give all of {DATA_FILES} (COCO instances and image folders); got {given}.")
@@ -109,6 +93,7 @@ class Evaluator:
       raise UserError("Detection: `seeds` is empty; give at least one seed.")
     if config.get("parallel", 1) < 1:
       raise UserError(f"Detection: parallel={config.parallel}; give 1 or more workers at once.")
+    detection_spec.settings(**config.get("detector", {}))  # an unknown or inconsistent setting: refused now
 
   def _data(self, folder: str) -> dict:
     """The worker's data paths: the config's COCO files, or synthetic instances written into `folder`."""
@@ -132,7 +117,7 @@ class Evaluator:
         "training-loop evaluation."
       )
     module, variables = model.backbone()
-    arch = torch_architecture(module)
+    section = method_section(module)
     c = self.config
     if self.inputs.host != 0:  # the worker runs once, on the first host; the others report its metrics
       return {}
@@ -145,13 +130,17 @@ class Evaluator:
       data = self._data(folder)
       specs = []
       for seed in c.seeds:
-        # The run's weights, written once; random_init: fresh ones per seed.
-        weights = os.path.join(folder, f"backbone_{seed}.safetensors" if c.random_init else "backbone.safetensors")
+        # The hand-off of the run's weights, written once; random_init: fresh ones per seed.
+        backbone = os.path.join(folder, f"backbone_random_{seed}" if c.random_init else "backbone")
         if c.random_init:
-          torch_weights(random_variables(module, int(seed), c.get("init_image_size", 64)), weights)
-        elif not os.path.exists(weights):
-          torch_weights(variables, weights)
-        specs.append({**detector, **data, "backbone": arch, "weights": weights, "seed": int(seed)})
+          source = f"random init (seed {seed})"
+          tv_format.write_backbone(
+            random_variables(module, int(seed), c.get("init_image_size", 64)), section, backbone, source=source
+          )
+        elif not os.path.exists(backbone):
+          tv_format.write_backbone(variables, section, backbone, source="the evaluated run's backbone")
+        spec = {**detector, **data, "backbone": backbone, "seed": int(seed)}
+        specs.append(detection_spec.full_spec(spec))
       # Threads only wait on the worker processes; results come back in the seeds' order.
       with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
         per_seed = list(pool.map(lambda spec: run_worker(spec, folder, spec["seed"]), specs))

@@ -5,9 +5,10 @@ a converted vlrep backbone and scores it with pycocotools.
 
 Run as a process of its own by `vlrep.evaluators.detection` (torch and JAX never share a process, so they never
 contend for one accelerator's memory); it imports torch, torchvision and pycocotools, never JAX or TensorFlow.
-SPEC.json holds the backbone's architecture, the weights file (a torchvision-named state dict written by
-`vlrep.interop.export.torchvision_state_dict`, as safetensors), the datasets (COCO instances JSON + image folder), the
-detector's sizes and the schedule: every key `DEFAULTS` has (the evaluator's config fills them). METRICS.json gets
+SPEC.json is the one input: the backbone hand-off folder (vlrep.pytorch.handoff: backbone.safetensors and
+backbone.json, which `vlrep.interop.formats.torchvision.write_backbone` writes), the datasets (COCO instances JSON +
+image folder), the detector's sizes and the schedule; its keys, defaults and checks are
+`vlrep.pytorch.detection_spec`'s (the evaluator builds it from its config there). METRICS.json gets
 box_ap, box_ap50, box_ap75 (and mask_* for Mask R-CNN) in percent, the first and last logged training losses,
 and the seconds taken. Progress (loss every `log_every` iterations) goes to stderr.
 """
@@ -27,7 +28,6 @@ import torch
 from pycocotools import mask as mask_utils
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
-from safetensors.torch import load_file
 from torch import nn
 from torchvision.models.detection import FasterRCNN, MaskRCNN
 from torchvision.models.detection.anchor_utils import AnchorGenerator
@@ -38,75 +38,7 @@ from torchvision.ops import FrozenBatchNorm2d, MultiScaleRoIAlign
 
 from vlrep import safe_files
 from vlrep.data import images as image_files  # numpy and PIL only: no TensorFlow or JAX in this process
-from vlrep.pytorch import resnet
-
-DETECTORS = ("faster_rcnn", "mask_rcnn")
-NORMS = ("trained", "frozen")
-
-# Every key of a spec, with the value an omitted one takes (torchvision's defaults where they fit any image size).
-DEFAULTS = {
-  "backbone": {},  # depth, width, inner_multiplier, stem, stem_stride
-  "weights": "",  # the state dict; '' is refused (the JAX side writes random weights for random_init)
-  "train_annotations": "",
-  "train_images": "",
-  "test_annotations": "",
-  "test_images": "",
-  "detector": "mask_rcnn",
-  "norm": "trained",  # the backbone's BatchNorm: trained (statistics and affine) or frozen (FrozenBatchNorm2d)
-  "fpn_layers": (1, 2, 3, 4),  # the ResNet stages the FPN reads
-  "fpn_channels": 256,
-  "anchor_sizes": (32, 64, 128, 256, 512),  # one per FPN level (the stages read, then the extra max-pool level)
-  "aspect_ratios": (0.5, 1.0, 2.0),
-  "min_size": 800,
-  "max_size": 1333,
-  "image_mean": (0.485, 0.456, 0.406),  # vlrep's `normalize` op: ImageNet mean/std of [0, 1] RGB
-  "image_std": (0.229, 0.224, 0.225),
-  "rpn_pre_nms_top_n_train": 2000,
-  "rpn_post_nms_top_n_train": 2000,
-  "rpn_pre_nms_top_n_test": 1000,
-  "rpn_post_nms_top_n_test": 1000,
-  "rpn_batch_size_per_image": 256,
-  "box_batch_size_per_image": 512,
-  "box_detections_per_img": 100,
-  "box_head_width": 1024,
-  "mask_head_width": 256,
-  "roi_canonical_scale": 224,  # RoIAlign's level mapping: a box this size goes to level roi_canonical_level
-  "roi_canonical_level": 4,
-  "roi_sampling_ratio": 2,  # RoIAlign's samples per bin side (its backward pass dominates a CPU step)
-  "iterations": 1000,
-  "batch_size": 16,
-  "lr": 0.02,
-  "momentum": 0.9,
-  "weight_decay": 1e-4,
-  "warmup_iterations": 100,
-  "lr_drops": (0.75, 0.9),  # fractions of the iterations where the learning rate is divided by 10
-  "flip": True,  # random horizontal flips in training
-  "seed": 0,
-  "threads": 0,  # torch CPU threads (0: torch's default)
-  "device": "auto",  # auto: CUDA when there is one
-  "eval_batch_size": 32,
-  "test_limit": 0,  # score only the test set's first N images (0: all)
-  "log_every": 20,
-}
-
-
-def full_spec(spec: dict) -> dict:
-  unknown = sorted(set(spec) - set(DEFAULTS))
-  if unknown:
-    raise ValueError(f"Unknown detection settings {unknown}; known: {sorted(DEFAULTS)}.")
-  out = {**DEFAULTS, **spec}
-  if out["detector"] not in DETECTORS:
-    raise ValueError(f"detector={out['detector']!r}; expected one of {DETECTORS}.")
-  if out["norm"] not in NORMS:
-    raise ValueError(f"norm={out['norm']!r}; expected one of {NORMS}.")
-  levels = len(out["fpn_layers"]) + 1  # the FPN adds a max-pooled level above the last stage
-  if len(out["anchor_sizes"]) != levels:
-    raise ValueError(
-      f"anchor_sizes {tuple(out['anchor_sizes'])} has {len(out['anchor_sizes'])} sizes; the FPN has {levels} levels "
-      f"(stages {tuple(out['fpn_layers'])} and a max-pooled one): give one size per level."
-    )
-  return out
-
+from vlrep.pytorch import detection_spec, handoff, resnet
 
 # ----------------------------------------------------------------------------------------------------------------
 # Data: a COCO instances JSON and its image folder.
@@ -194,38 +126,27 @@ def training_batches(dataset, spec: dict, generator: torch.Generator):
 
 
 def torch_backbone(spec: dict) -> nn.Module:
-  """vlrep's ResNet in PyTorch (`vlrep.pytorch.resnet`) with the spec's weights loaded strictly."""
-  arch = spec["backbone"]
+  """vlrep's ResNet in PyTorch (`vlrep.pytorch.resnet`) built from the hand-off folder `spec['backbone']` (its
+  backbone.json's architecture) with its backbone.safetensors loaded strictly."""
+  if not spec["backbone"]:
+    raise ValueError("The spec names no backbone hand-off folder (the JAX side writes random weights for random_init).")
+  arch = handoff.read_info(spec["backbone"])["architecture"]
   norm = FrozenBatchNorm2d if spec["norm"] == "frozen" else nn.BatchNorm2d
-  model = resnet.ResNet(
-    depth=arch["depth"],
-    width=arch["width"],
-    inner_multiplier=arch.get("inner_multiplier", 1),
-    norm=norm,
-    stem=arch.get("stem", "imagenet"),
-    stem_stride=arch.get("stem_stride", 2),
-  )
-  if not spec["weights"]:
-    raise ValueError("The spec names no backbone weights.")
-  state = load_file(spec["weights"])
+  model = resnet.ResNet(**arch, norm=norm)
+  state = {k: torch.tensor(v) for k, v in handoff.read_weights(spec["backbone"]).items()}
   if spec["norm"] == "frozen":  # FrozenBatchNorm2d keeps no counter
     state = {k: v for k, v in state.items() if not k.endswith("num_batches_tracked")}
   model.load_state_dict(state, strict=True)
   return model
 
 
-def stage_channels(arch: dict) -> list[int]:
-  expansion = 1 if arch["depth"] in (10, 18) else 4
-  return [arch["width"] * 2**s * expansion for s in range(4)]
-
-
 def detector(spec: dict, num_classes: int) -> nn.Module:
   """torchvision's Faster R-CNN or Mask R-CNN with an FPN over the converted backbone, sized by the spec."""
-  resnet = torch_backbone(spec)
-  channels = stage_channels(spec["backbone"])
+  backbone = torch_backbone(spec)
+  channels = backbone.stage_channels
   layers = tuple(spec["fpn_layers"])
   fpn = BackboneWithFPN(
-    resnet,
+    backbone,
     return_layers={f"layer{s}": str(i) for i, s in enumerate(layers)},
     in_channels_list=[channels[s - 1] for s in layers],
     out_channels=spec["fpn_channels"],
@@ -376,9 +297,9 @@ def evaluate(model: nn.Module, dataset, spec: dict, device: torch.device) -> dic
   return metrics
 
 
-def run(spec: dict) -> dict[str, float]:
+def train_and_evaluate(spec: dict) -> dict[str, float]:
   """Builds, fine-tunes and scores the detector the spec describes; returns its metrics."""
-  spec = full_spec(spec)
+  spec = detection_spec.full_spec(spec)
   if spec["threads"]:
     torch.set_num_threads(spec["threads"])
   torch.manual_seed(spec["seed"])
@@ -415,7 +336,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
   with open(args.spec) as f:
     spec = json.load(f)
-  metrics = run(spec)
+  metrics = train_and_evaluate(spec)
   safe_files.write_json(args.out, metrics)  # a fresh temporary file, renamed: no link at --out followed
 
 

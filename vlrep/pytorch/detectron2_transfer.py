@@ -11,12 +11,15 @@ configs of configs/detectron2/, as kdexd/virtex's scripts/eval_detectron2.py doe
       SOLVER.MAX_ITER 2000 SOLVER.STEPS "(1500,)"
 
 What it does, in order:
-1. The run's backbone (its best checkpoint, --checkpoint) is written in Detectron2's layout by `vlrep.interop.export`
-in a
-   process of its own on the CPU (JAX never touches the accelerator Detectron2 trains on), to OUTPUT_DIR/backbone.pkl.
-   `--weights=random` fine-tunes a randomly initialised backbone of the run's architecture instead (the baseline).
+1. The run's backbone (its best checkpoint, --checkpoint) is handed off by `python -m vlrep.interop.export
+   --format=backbone --out=OUTPUT_DIR` in a process of its own on the CPU (JAX never touches the accelerator
+   Detectron2 trains on; this driver imports neither JAX nor TensorFlow): OUTPUT_DIR/backbone.safetensors (torchvision's
+   names) and backbone.json (its architecture), the hand-off vlrep's own detection evaluator reads too
+   (vlrep.pytorch.handoff). The Detectron2 weights are built from them here (vlrep.pytorch.detectron2_keys renames).
+   `--weights=random` fine-tunes a randomly initialised backbone of the run's architecture instead (the baseline; the
+   hand-off still gives the architecture).
 2. The config: the YAML, then the KEY VALUE pairs, then what follows from the run and the machine: the ResNet's
-   depth and widths from the run (the YAMLs say ResNet-50), MODEL.DEVICE (cuda when there is one), OUTPUT_DIR
+   depth and widths from backbone.json (the YAMLs say ResNet-50), MODEL.DEVICE (cuda when there is one), OUTPUT_DIR
    (default RUN/detectron2/<YAML name>, `_random` added for --weights=random), and SyncBN read as BN when the job
    is one process (the same statistics; PyTorch's SyncBatchNorm needs a process group). PreciseBN's pass is capped
    at SOLVER.MAX_ITER iterations, so a short run is not dominated by 200 batches of statistics (the papers'
@@ -25,8 +28,8 @@ in a
    the stride on each bottleneck's 3x3 (INPUT.FORMAT RGB, MODEL.PIXEL_MEAN/STD, MODEL.RESNETS.STRIDE_IN_1X1 False,
    as configs/detectron2/Base-*-vlrep.yaml set them). A config built on Detectron2's stock base files (BGR, Caffe
    means, stride in 1x1) would give silently wrong features: it is refused, naming the keys and their values.
-4. LocTex's ROI head (`Res5ROIHeadsExtraNorm`, configs/detectron2/loctex_extra_bn.py) is registered, so the LocTex
-   configs build as they are.
+4. LocTex's ROI head (`Res5ROIHeadsExtraNorm`, vlrep.pytorch.detectron2_heads) is registered, so the LocTex configs
+   build as they are.
 5. Datasets: Detectron2's own names (coco_2017_train, voc_2007_trainval, lvis_v1_val, ...; their files under
    $DETECTRON2_DATASETS, default ./datasets) or any set registered on the command line with
    --dataset=NAME=coco:JSON:IMAGE_DIR, NAME=lvis:JSON:IMAGE_DIR or NAME=voc:VOC_DIR:SPLIT:YEAR; --train / --test
@@ -35,20 +38,23 @@ in a
 6. Training resumes from OUTPUT_DIR's last Detectron2 checkpoint when there is one (rerun the same command after an
    interruption); the final evaluation's metrics go into RUN/summary.json as `detectron2/<YAML name>/<dataset>/
    <task>/<metric>` (e.g. .../bbox/AP, .../segm/AP50) and, with the per-class APs, into
-   OUTPUT_DIR/transfer_results.json.
+   OUTPUT_DIR/transfer_results.json. A detector that makes no prediction on a test set scores AP 0 on each of its
+   metrics (Detectron2 reports NaN: "No predictions from the model!"), with a warning saying so; a size range (APs,
+   APm, APl) the test set has no ground truth of has no AP and stays absent.
 
 It resumes only what it wrote. A run folder may come from someone else, and Detectron2 reads a `.pkl` with plain
 pickle.load and a checkpoint with torch.load, which can run code the file names. So:
-- The driver records what it writes in OUTPUT_DIR/vlrep_written.json (MANIFEST: the name and sha256 of backbone.pkl
-  and of every checkpoint its trainer saves, rewritten atomically after each save). A `last_checkpoint` that names
+- The driver records what it writes in OUTPUT_DIR/vlrep_written.json (MANIFEST: the name and sha256 of the hand-off's
+  backbone.safetensors and backbone.json and of every checkpoint its trainer saves, rewritten atomically after each
+  save). A `last_checkpoint` that names
   anything but a checkpoint of that record (another name, a path, a `.pkl`, a link) or a file whose sha256 differs
   from the record is refused with exit status 2 naming the file, before Detectron2 is imported.
 - The record lies in the run folder, so it is no proof by itself: Detectron2 never reads a pickle itself. The
-  trainer's checkpointer (`checkpointer_type`) loads only OUTPUT_DIR's backbone.pkl and recorded checkpoints, each
-  through vlrep's restricted unpickler (vlrep.torch_files: tensors, numpy arrays and plain containers, nothing
-  else
-  imported or called), and a resumed checkpoint is read that way before Detectron2 is imported too. backbone.pkl is
-  exported afresh by every command that does not resume (a resumed one loads no backbone).
+  trainer's checkpointer (`checkpointer_type`) loads only OUTPUT_DIR's backbone.safetensors (vlrep's checked
+  safetensors reader: no pickle) and recorded checkpoints, each through vlrep's restricted unpickler
+  (vlrep.torch_files: tensors, numpy arrays and plain containers, nothing else imported or called), and a resumed
+  checkpoint is read that way before Detectron2 is imported too. The hand-off is exported afresh by every command
+  that does not resume (a resumed one loads no backbone, and reads the recorded backbone.json for the architecture).
 - Writes never follow links: OUTPUT_DIR and every folder between the run and it must be real folders, and a link (or
   anything but a file or folder) anywhere under OUTPUT_DIR is refused before training, since Detectron2 writes its
   logs, config.yaml, metrics and evaluations there by name; the driver's own files (checkpoints, last_checkpoint,
@@ -66,8 +72,8 @@ cannot hold, a dataset that is not registered, a wrong input convention) is an e
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
+import logging
 import math
 import os
 import re
@@ -79,21 +85,21 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from vlrep import errors, runs, safe_files, torch_files
+from vlrep import errors, run_summary, safe_files, torch_files
 from vlrep.errors import BadFile, UserError
+from vlrep.pytorch import detectron2_heads, detectron2_keys, handoff
 
 # Detectron2 (built from its source, INSTALL below) and torch are imported inside the functions that use them: an
 # optional dependency, so --help and the early refusals (a missing run, no Detectron2) work without importing it.
 
-CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
-LOCTEX_HEAD_FILE = os.path.join(CONFIGS_DIR, "detectron2", "loctex_extra_bn.py")
+logger = logging.getLogger(__name__)
 INSTALL = (
   "Detectron2 is not installed (it is not on the package index). Build it from its source, e.g.\n"
   "  git clone https://github.com/facebookresearch/detectron2 && cd detectron2\n"
   "  pip install --no-build-isolation -e .    # FORCE_CUDA=0 on a machine without CUDA\n"
   "(it needs torch; `pip install -e '.[detection]'` in vlrep installs the torch and torchvision pair it runs with)."
 )
-# What the exported weights expect (vlrep.interop.export writes torchvision-convention weights): KEY -> value.
+# What the handed-off weights expect (torchvision's convention): KEY -> value.
 INPUT_CONVENTION = {
   "INPUT.FORMAT": "RGB",
   "MODEL.PIXEL_MEAN": [123.675, 116.280, 103.530],
@@ -104,10 +110,11 @@ INPUT_CONVENTION = {
 DETECTRON2_DEPTHS = (18, 34, 50, 101, 152)
 NORM_KEYS = ("MODEL.RESNETS.NORM", "MODEL.FPN.NORM", "MODEL.ROI_BOX_HEAD.NORM", "MODEL.ROI_MASK_HEAD.NORM")
 DATASET_KINDS = {"coco": 2, "lvis": 2, "voc": 3}  # kind -> number of ':'-separated fields after it
-# What the driver writes into OUTPUT_DIR and may hand to Detectron2: the exported backbone and the trainer's
-# checkpoints (PeriodicCheckpointer's model_<iteration, 7 digits>.pth and model_final.pth), recorded in MANIFEST.
+# What the driver writes into OUTPUT_DIR and may hand to Detectron2: the backbone hand-off (its weights and their
+# architecture) and the trainer's checkpoints (PeriodicCheckpointer's model_<iteration, 7 digits>.pth and
+# model_final.pth), recorded in MANIFEST.
 MANIFEST = "vlrep_written.json"
-BACKBONE = "backbone.pkl"
+HANDOFF_FILES = (handoff.HANDOFF_WEIGHTS, handoff.HANDOFF_INFO)
 CHECKPOINT_NAME = re.compile(r"model_(\d{7}|final)\.pth\Z")
 LAST_CHECKPOINT = "last_checkpoint"
 _SMALL_FILE = 1 << 20  # bytes: the record and last_checkpoint are a few hundred
@@ -168,12 +175,9 @@ def parse_dataset(spec: str) -> tuple[str, str, list[str]]:
   return name, kind, [os.path.expanduser(p) if i < len(paths) else p for i, p in enumerate(parts)]
 
 
-def backbone_settings(run_config) -> dict:
-  """The run's backbone as Detectron2 MODEL.RESNETS keys, or a UserError for one Detectron2's ResNet cannot hold."""
-  method = run_config.get("method", {})
-  if method.get("backbone", {}).get("arch", "resnet") != "resnet":
-    raise UserError("Detectron2 transfer needs a ResNet backbone; this run's is not one (e.g. VGG16).")
-  arch = runs.backbone_architecture(method.get("backbone", {}))
+def backbone_settings(arch: dict) -> dict:
+  """The run's backbone (backbone.json's architecture: vlrep.pytorch.resnet.ResNet's arguments) as Detectron2
+  MODEL.RESNETS keys, or a UserError for one Detectron2's ResNet cannot hold."""
   depth, width, inner = int(arch["depth"]), int(arch["width"]), int(arch["inner_multiplier"])
   if arch["stem"] != "imagenet":
     raise UserError(
@@ -227,8 +231,9 @@ def check_input_convention(cfg) -> None:
     )
 
 
-def build_config(args, run_config, world_size: int, cuda: bool):
-  """The Detectron2 config: YAML, overrides, then what follows from the run and this machine."""
+def build_config(args, architecture: dict, world_size: int, cuda: bool):
+  """The Detectron2 config: YAML, overrides, then what follows from the run's backbone (`architecture`, as
+  backbone.json gives it) and this machine."""
   import yaml
   from detectron2.config import get_cfg
 
@@ -242,7 +247,7 @@ def build_config(args, run_config, world_size: int, cuda: bool):
       "YAML values, as configs/detectron2/ does."
     ) from e
   cfg.merge_from_list(list(args.opts))
-  for key, value in backbone_settings(run_config).items():
+  for key, value in backbone_settings(architecture).items():
     _set(cfg, key, value)
   if args.train:
     cfg.DATASETS.TRAIN = tuple(args.train.split(","))
@@ -327,10 +332,12 @@ def read_manifest(out_dir: str) -> dict[str, str]:
     files = json.loads(text)["files"]
   hex64 = re.compile(r"[0-9a-f]{64}\Z")
   if not isinstance(files, dict) or not all(
-    isinstance(k, str) and (k == BACKBONE or CHECKPOINT_NAME.match(k)) and isinstance(v, str) and hex64.match(v)
+    isinstance(k, str) and (k in HANDOFF_FILES or CHECKPOINT_NAME.match(k)) and isinstance(v, str) and hex64.match(v)
     for k, v in files.items()
   ):
-    raise BadFile(f"{path}: not a record the Detectron2 driver wrote ({{name: sha256}} of backbone.pkl, model_*.pth).")
+    raise BadFile(
+      f"{path}: not a record the Detectron2 driver wrote ({{name: sha256}} of {', '.join(HANDOFF_FILES)}, model_*.pth)."
+    )
   return files
 
 
@@ -388,21 +395,32 @@ _READ: dict[str, tuple[str, Any]] = {}
 
 
 def read_written(path: str) -> Any:
-  """A file the driver wrote (backbone.pkl, model_*.pth), read through vlrep's restricted unpickler (nothing it
-  names is imported or called; a global outside tensors/arrays/containers is an UnsafeFile error naming the file)
-  and checked to be what Detectron2 loads: {'model': {name: array}, ...}."""
-  with errors.reading(path, "Detectron2 checkpoint" if path.endswith(".pth") else "Detectron2 weights file"):
-    if path.endswith(".pkl"):
-      with open(path, "rb") as f:
-        obj = torch_files.load_pickle(f, path)
-    else:
-      obj = torch_files.load_checkpoint(path)
+  """A checkpoint the driver wrote (model_*.pth), read through vlrep's restricted unpickler (nothing it names is
+  imported or called; a global outside tensors/arrays/containers is an UnsafeFile error naming the file) and checked
+  to be what Detectron2 loads: {'model': {name: array}, ...}."""
+  with errors.reading(path, "Detectron2 checkpoint"):
+    obj = torch_files.load_checkpoint(path)
   model = obj.get("model") if isinstance(obj, dict) else None
   if not isinstance(model, dict) or not all(isinstance(v, np.ndarray) for v in model.values()):
     raise BadFile(f"{path} holds no {{'model': {{name: tensor}}}}: not a file the Detectron2 driver wrote.")
-  if path.endswith(".pkl") and "__author__" not in obj:
-    raise BadFile(f"{path} lacks '__author__': not a backbone vlrep.interop.export wrote.")
   return obj
+
+
+def read_handoff(out_dir: str) -> dict:
+  """OUTPUT_DIR's backbone.json (the hand-off's architecture and source), refused unless the record lists it with
+  its sha256."""
+  verified_file(out_dir, handoff.HANDOFF_INFO, "the backbone's architecture")
+  return handoff.read_info(out_dir)
+
+
+def detectron2_weights(out_dir: str) -> dict:
+  """What Detectron2 loads as MODEL.WEIGHTS, built from the recorded hand-off: backbone.safetensors (vlrep's
+  checked reader) renamed to Detectron2's ResNet keys, as numpy arrays with `matching_heuristics` (Detectron2 adds
+  its `backbone.bottom_up.` prefix itself, as for its model zoo's .pkl files)."""
+  verified_file(out_dir, handoff.HANDOFF_WEIGHTS, "for Detectron2 to load")
+  source = read_handoff(out_dir)["source"]
+  model = detectron2_keys.detectron2_state_dict(handoff.read_weights(out_dir))
+  return {"model": dict(model), "__author__": f"vlrep ({source})", "matching_heuristics": True}
 
 
 def check_output(args, keep: bool) -> str | None:
@@ -424,23 +442,23 @@ def check_output(args, keep: bool) -> str | None:
 
 def load_for_detectron2(filename: str, out_dir: str):
   """What Detectron2's checkpointer gets instead of pickle.load / torch.load of `filename`: only OUTPUT_DIR's
-  backbone.pkl or a checkpoint of the record, with the recorded sha256, read by `read_written`; a checkpoint's
-  arrays as torch tensors (the optimizer's state needs them), a backbone's as numpy arrays (Detectron2 converts
-  those as it does for its model zoo's .pkl files)."""
+  backbone.safetensors (as `detectron2_weights`: numpy arrays, which Detectron2 converts as it does for its model
+  zoo's .pkl files) or a checkpoint of the record, with the recorded sha256, read by `read_written` (its arrays as
+  torch tensors: the optimizer's state needs them)."""
   import torch
 
   path = os.path.abspath(filename)
   folder, name = os.path.split(path)
-  if folder != os.path.abspath(out_dir) or not (name == BACKBONE or CHECKPOINT_NAME.match(name)):
+  if folder != os.path.abspath(out_dir) or not (name == handoff.HANDOFF_WEIGHTS or CHECKPOINT_NAME.match(name)):
     raise UserError(
       f"Detectron2 was asked to load {filename}; the driver hands it only the files it wrote in {out_dir} "
-      f"({BACKBONE}, model_*.pth)."
+      f"({handoff.HANDOFF_WEIGHTS}, model_*.pth)."
     )
+  if name == handoff.HANDOFF_WEIGHTS:
+    return detectron2_weights(out_dir)
   digest = verified_file(out_dir, name, "for Detectron2 to load")
   cached = _READ.pop(path, None)
   obj = cached[1] if cached is not None and cached[0] == digest else read_written(path)
-  if name == BACKBONE:
-    return obj
 
   def tensors(x):
     if isinstance(x, np.ndarray):
@@ -502,17 +520,18 @@ def checkpointer_type():
   return type("WrittenOnlyCheckpointer", (DetectionCheckpointer,), methods)
 
 
-def export_backbone(workdir: str, checkpoint: str, out: str) -> None:
-  """`vlrep.interop.export --format=detectron2` in a process of its own, on the CPU: JAX leaves the accelerator to
-  torch."""
+def export_backbone(workdir: str, checkpoint: str, out_dir: str) -> None:
+  """The run's backbone hand-off (backbone.safetensors and backbone.json) into `out_dir` by `python -m
+  vlrep.interop.export --format=backbone` in a process of its own, on the CPU: JAX stays out of this process and
+  leaves the accelerator to torch."""
   cmd = [
     sys.executable,
     "-m",
     "vlrep.interop.export",
     f"--workdir={workdir}",
-    "--format=detectron2",
-    f"--out={out}",
     f"--checkpoint={checkpoint}",
+    "--format=backbone",
+    f"--out={out_dir}",
   ]
   print(f"Exporting the backbone: {' '.join(cmd)}", flush=True)
   done = subprocess.run(cmd, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True)
@@ -527,11 +546,7 @@ def register(datasets: list[str]) -> None:
   from detectron2.data.datasets import register_coco_instances, register_lvis_instances
   from detectron2.data.datasets.pascal_voc import register_pascal_voc
 
-  if "loctex_extra_bn" not in sys.modules:  # loaded once per process, by its own name (it registers a class)
-    spec = importlib.util.spec_from_file_location("loctex_extra_bn", LOCTEX_HEAD_FILE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["loctex_extra_bn"] = module
-    spec.loader.exec_module(module)
+  detectron2_heads.register_loctex_extra_norm()
   for spec_text in datasets:
     name, kind, fields = parse_dataset(spec_text)
     if name in DatasetCatalog.list():
@@ -588,6 +603,75 @@ def build_evaluator(cfg, dataset_name: str):
   return COCOEvaluator(dataset_name, output_dir=folder)
 
 
+# COCOeval's size ranges (area in pixels, bounds inclusive as COCOeval's): an AP over a range without ground truth is
+# undefined (Detectron2: NaN), not 0.
+SIZE_RANGES = {"APs": (0, 32**2), "APm": (32**2, 96**2), "APl": (96**2, 1e10)}
+# The metrics Detectron2's COCO evaluator reports per task (its LVIS evaluator adds APr, APc, APf).
+COCO_METRICS = ("AP", "AP50", "AP75", "APs", "APm", "APl")
+
+
+def sizes_with_ground_truth(annotations: list[dict]) -> set[str]:
+  """The size ranges (SIZE_RANGES' names) a COCO-format test set has ground truth in: its non-crowd objects' areas
+  (COCOeval's `area`; the box's when an annotation has none)."""
+  areas = [
+    float(a["area"]) if "area" in a else float(a["bbox"][2] * a["bbox"][3])
+    for a in annotations
+    if not a.get("iscrowd", 0)
+  ]
+  return {name for name, (low, high) in SIZE_RANGES.items() if any(low <= x <= high for x in areas)}
+
+
+def scored_without_predictions(tasks: dict, expected: Sequence[str], sizes: set[str]) -> tuple[dict, list[str]]:
+  """One test set's {task: {metric: value}} with each task the detector made no prediction for scored as AP 0.
+
+  Detectron2 reports such a task (its COCO/LVIS evaluator logs "No predictions from the model!") with every metric
+  NaN, or leaves it out; left so, its metrics would vanish from the results as if undefined. No prediction is AP 0
+  on every metric, but an AP over a size range without ground truth (not in `sizes`, `sizes_with_ground_truth`) is
+  undefined and stays absent. `expected`: the tasks the evaluator scores (bbox, and segm with masks). A test set
+  without ground truth (`sizes` empty) has no AP to give: left as it is. Returns (results, the tasks with no
+  prediction)."""
+  if not sizes:
+    return dict(tasks), []
+  out, empty = {}, []
+  for task in (*tasks, *(t for t in expected if t not in tasks)):
+    metrics = dict(tasks.get(task, {}))
+    numbers = [v for v in metrics.values() if isinstance(v, (int, float))]
+    if all(not math.isfinite(v) for v in numbers):  # every metric NaN, or none at all: no prediction
+      empty.append(task)
+      metrics = {m: 0.0 for m in (metrics or COCO_METRICS) if m not in SIZE_RANGES or m in sizes}
+    out[task] = metrics
+  return out, empty
+
+
+def test_set_sizes(dataset_name: str) -> set[str]:
+  """`sizes_with_ground_truth` of a registered COCO/LVIS test set (its metadata's json_file); empty for another kind
+  (VOC's evaluator reports no size ranges)."""
+  from detectron2.data import MetadataCatalog
+
+  json_file = MetadataCatalog.get(dataset_name).get("json_file", None)
+  if not json_file:
+    return set()
+  with errors.reading(json_file, "COCO/LVIS instances file"), open(json_file, encoding="utf-8") as f:
+    return sizes_with_ground_truth(json.load(f).get("annotations", []))
+
+
+def with_no_predictions_scored(results: dict, test_names: Sequence[str], tasks: Sequence[str], sizes_of) -> dict:
+  """Detectron2's test results ({task: {metric}} for one test set, {dataset: {task: {metric}}} for several) with
+  `scored_without_predictions` applied to each test set (`sizes_of(dataset)`: its size ranges with ground truth),
+  and a warning logged for each task of a test set the detector made no prediction on."""
+  by_set = {test_names[0]: dict(results)} if len(test_names) == 1 else {k: dict(v) for k, v in results.items()}
+  for name in by_set:
+    by_set[name], empty = scored_without_predictions(by_set[name], tasks, sizes_of(name))
+    for task in empty:
+      logger.warning(
+        "The fine-tuned detector made no predictions on %s (%s): its APs are 0 (Detectron2 reports NaN, 'No "
+        "predictions from the model!'). Train longer, or lower MODEL.ROI_HEADS.SCORE_THRESH_TEST.",
+        name,
+        task,
+      )
+  return by_set[test_names[0]] if len(test_names) == 1 else by_set
+
+
 def summary_values(name: str, results: dict) -> dict:
   """Detectron2's {dataset: {task: {metric: value}}} (one test dataset: {task: {metric: value}}) as flat summary
   keys; NaN (COCO's AP of a size or class the test set has no instance of) is left out."""
@@ -610,23 +694,25 @@ def train_and_evaluate(args) -> dict:
   from detectron2.engine import DefaultTrainer, default_setup
   from detectron2.utils import comm
 
-  run_config = runs.read_config(args.workdir)
   register(args.dataset)
-  cfg = build_config(args, run_config, comm.get_world_size(), torch.cuda.is_available())
+  root, out_dir = output_root(args), output_dir(args)
+  safe_files.make_dirs(out_dir, root=root)
+  # Checked again in this process (a launched worker is a fresh one; the single process read it in main already).
+  resume = check_output(args, keep=True)
+  if resume is None and comm.is_main_process():
+    # Every command that does not resume hands the backbone off afresh (--weights=random too: its architecture).
+    export_backbone(args.workdir, args.checkpoint, out_dir)
+    for name in HANDOFF_FILES:
+      record_written(out_dir, name, root)
+  comm.synchronize()
+  architecture = read_handoff(out_dir)["architecture"]
+  cfg = build_config(args, architecture, comm.get_world_size(), torch.cuda.is_available())
   check_datasets(cfg)
   if cfg.MODEL.MASK_ON and cfg.INPUT.MASK_FORMAT == "polygon" and uses_rle_masks(args.dataset, cfg.DATASETS.TRAIN):
     print("The training set's masks are RLE: INPUT.MASK_FORMAT bitmask (polygon reads only polygons).", flush=True)
     cfg.INPUT.MASK_FORMAT = "bitmask"
-  root = output_root(args)
-  safe_files.make_dirs(cfg.OUTPUT_DIR, root=root)
-  # Checked again in this process (a launched worker is a fresh one; the single process read it in main already).
-  resume = check_output(args, keep=True)
-  weights = os.path.join(cfg.OUTPUT_DIR, BACKBONE)
-  if args.weights == "run" and resume is None and comm.is_main_process():
-    export_backbone(args.workdir, args.checkpoint, weights)  # every command that does not resume: made now
-    record_written(cfg.OUTPUT_DIR, BACKBONE, root)
-  comm.synchronize()
   # A resumed job loads its checkpoint, never MODEL.WEIGHTS: nothing else is handed to Detectron2.
+  weights = os.path.join(out_dir, handoff.HANDOFF_WEIGHTS)
   cfg.MODEL.WEIGHTS = weights if args.weights == "run" and resume is None else ""
   cfg.freeze()
   default_setup(cfg, argparse.Namespace(config_file=args.config_file, eval_only=False))
@@ -656,11 +742,13 @@ def train_and_evaluate(args) -> dict:
   if not results:
     results = DefaultTrainer.test(cfg, trainer.model, [build_evaluator(cfg, n) for n in cfg.DATASETS.TEST])
   if comm.is_main_process():
-    values = summary_values(result_name(args), dict(results))
+    tasks = ("bbox", "segm") if cfg.MODEL.MASK_ON else ("bbox",)
+    results = with_no_predictions_scored(dict(results), list(cfg.DATASETS.TEST), tasks, test_set_sizes)
+    values = summary_values(result_name(args), results)
     path = os.path.join(cfg.OUTPUT_DIR, "transfer_results.json")
     safe_files.write_json(path, values, root=cfg.OUTPUT_DIR, indent=2, sort_keys=True)
     # The per-class APs (AP-<class>: 80 for COCO, 1,203 for LVIS) stay in transfer_results.json.
-    runs.write_summary(args.workdir, {k: v for k, v in values.items() if "/AP-" not in k})
+    run_summary.write_summary(args.workdir, {k: v for k, v in values.items() if "/AP-" not in k})
     for key, value in values.items():
       print(f"{key} = {value:.2f}", flush=True)
   return results

@@ -96,6 +96,7 @@ class ResNet(nn.Module):
     self.relu = nn.ReLU()
     self.maxpool = pool
     cin = width
+    self.stage_channels = []  # each stage's output channels (what a feature pyramid over the stages reads)
     for stage, blocks in enumerate(DEPTHS[depth]):
       layers = []
       for b in range(blocks):
@@ -103,6 +104,7 @@ class ResNet(nn.Module):
         layers.append(block(cin, width * 2**stage, 2 if stage > 0 and b == 0 else 1, **extra))
         cin = width * 2**stage * block.expansion
       setattr(self, f"layer{stage + 1}", nn.Sequential(*layers))
+      self.stage_channels.append(cin)
 
   def forward(self, x):
     x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
