@@ -64,6 +64,7 @@ def test_a_saved_config_with_unknown_keys_reads_without_the_backbone_ones_and_sa
   assert runs.read_config(workdir, resuming=True).to_dict() == SAVED
   user = {"seed": 0, "method": {"name": "virtex", "backbone": {"depth": 10, "width": 8}}, "optim": {"name": "sgd"}}
   assert runs.unknown_keys(SAVED, user) == ["method.backbone.stem", "method.backbone.fused_bn_act", "optim.flat_update"]
+  assert runs.unknown_keys({**SAVED, "evals": {"probe": {}}}, user) == runs.unknown_keys(SAVED, user)
 
 
 def test_a_run_resumed_with_unknown_saved_keys_names_them_and_trains_on(tiny_virtex_run, tmp_path):
@@ -79,6 +80,8 @@ def test_a_run_resumed_with_unknown_saved_keys_names_them_and_trains_on(tiny_vir
       json.dump(meta, f)
   proc = run_main(run, "--config.total_steps=7", "--config.evals={}")
   assert proc.returncode == 0, proc.stderr[-3000:]
+  said = [line for line in proc.stderr.splitlines() if "config keys this config does not have" in line]
+  assert len(said) == 1, said
   assert "saved with config keys this config does not have: method.backbone.fused_bn_act, optim.flat_update" in (
     proc.stderr
   )

@@ -258,10 +258,13 @@ def without_unknown_keys(config: dict, where: str) -> dict:
 
 def unknown_keys(saved: dict, config: dict, prefix: str = "") -> list[str]:
   """The dotted keys of a run's `saved` config that `config` (the one it is resumed with) does not have: options
-  of an earlier version, which the resumed run ignores."""
+  of an earlier version, which the resumed run ignores. Not under `evals`: which evaluations a command runs is
+  its own choice (`--config.evals={}` drops them all)."""
   out = []
   for key, value in saved.items():
     full = f"{prefix}{key}"
+    if full == "evals":
+      continue
     if key not in config:
       out.append(full)
     elif isinstance(value, dict) and isinstance(config[key], dict):
@@ -307,7 +310,7 @@ def backbone_of(run: Run) -> tuple[Any, dict]:
     )
   cfg = dict(run.config.method.get("backbone", {}))
   if cfg.get("arch", "resnet") == "vgg16":
-    module = vgg.VGG16(width=cfg.get("width", 64))
+    module = vgg.VGG16(**{k: cfg[k] for k in ("width",) if k in cfg})  # an omitted width: VGG16's own default
   else:
     module = resnet.ResNet(**resnet_kwargs(cfg))
   variables = {"params": run.params["backbone"]}
@@ -318,14 +321,12 @@ def backbone_of(run: Run) -> tuple[Any, dict]:
 
 
 # The keys of a `method.backbone` section that fix its architecture (what its weights' shapes depend on), with the
-# value an omitted key means. BatchNorm grouping is a training choice, not architecture.
+# value an omitted key means: ResNet's own defaults (one place). BatchNorm grouping is a training choice, not
+# architecture.
+_RESNET_DEFAULTS = {f.name: f.default for f in dataclasses.fields(resnet.ResNet)}
 BACKBONE_ARCHITECTURE = {
   "arch": "resnet",
-  "depth": 50,
-  "width": 64,
-  "inner_multiplier": 1,
-  "stem": "imagenet",
-  "stem_stride": 2,
+  **{k: _RESNET_DEFAULTS[k] for k in ("depth", "width", "inner_multiplier", "stem", "stem_stride")},
 }
 
 
@@ -337,14 +338,7 @@ def backbone_architecture(cfg) -> dict:
 def resnet_kwargs(cfg) -> dict:
   """The keyword arguments of `resnet.ResNet` that rebuild a backbone config section (a run's `method.backbone`)
   for inference (no BN groups); the section's omitted keys take ResNet's defaults."""
-  return dict(
-    depth=cfg.get("depth", 50),
-    width=cfg.get("width", 64),
-    inner_multiplier=cfg.get("inner_multiplier", 1),
-    bn_group_size=0,
-    stem=cfg.get("stem", "imagenet"),
-    stem_stride=cfg.get("stem_stride", 2),
-  )
+  return {**{k: cfg.get(k, default) for k, default in BACKBONE_ARCHITECTURE.items() if k != "arch"}, "bn_group_size": 0}
 
 
 def sharded_features(features, mesh):
