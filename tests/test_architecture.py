@@ -94,6 +94,7 @@ LAYERS = {
   "vlrep.preemption": 0,  # the loop installs it, the pipeline and evaluators check it
   "vlrep.defaults": 0,  # every default the package and the configs share (data dir, protocols)
   "vlrep.modules": 0,  # the one lookup of a name: module vlrep.<kind>.<name>
+  "vlrep.run_summary": 0,  # a run folder's summary.json, read and merged with numpy alone (the torch side writes it)
   "vlrep.models": 0,  # Flax modules: tensors in, tensors out
   # 1: data, and the PyTorch wing (numpy, PIL and torch only; tests/test_pytorch_wing.py checks no JAX/TF loads).
   "vlrep.data": 1,  # datasets, ops and tokenizers (token ids and BERT folders come from models)
@@ -107,7 +108,8 @@ LAYERS = {
   # 3: what a run is made of, and a run folder.
   "vlrep.methods": 3,
   "vlrep.evaluators": 3,
-  "vlrep.interop.formats": 3,  # key maps both ways; the detection evaluator writes its hand-off with one
+  "vlrep.interop.formats": 3,  # one module per format, both ways; the detection evaluator writes its hand-off with one
+  "vlrep.interop.keymaps": 3,  # what the formats share (key maps as data, transforms, safe reading)
   "vlrep.runs": 3,
   "vlrep.run_setup": 3,
   "vlrep.train_state": 3,

@@ -322,6 +322,7 @@ COMMANDS: dict[str, object] = {
       "python -m vlrep.data.prepare --dataset=voc2007 --manual_dir=...",
       "python -m vlrep.data.prepare --dataset=voc2007 --manual_dir=PATH",
       "python -m vlrep.data.prepare --dataset=vqa2 --manual_dir=/data/vqa2 (also vizwiz, snli_ve, mm_imdb,",
+      "python -m vlrep.interop.export",
       "python -m vlrep.evaluate",
       "python -m vlrep.evaluate --config=configs/eval/NAME.py --workdir=DIR",
       "python -m vlrep.evaluate --config=configs/eval/NAME.py[:ARGS] --workdir=RUN [--checkpoint=best",
@@ -480,9 +481,21 @@ COMMANDS: dict[str, object] = {
     for c in (
       "python -m vlrep.pytorch.detection_worker --spec=SPEC.json --out=METRICS.json",
       "python -m vlrep.pytorch.detection_worker",
+      "python -m vlrep.pytorch.detection_worker --spec=SPEC.json",
     )
   },
   # --- Export. ---------------------------------------------------------------------------------------- #
+  # The detection hand-off (backbone.safetensors + backbone.json): any stem exports, the quick start's run too.
+  "python -m vlrep.interop.export --workdir=RUN --checkpoint=best --format=backbone --out=FOLDER": Run(
+    replace=(("RUN", VIRTEX), ("FOLDER", "{tmp}/backbone_handoff")), expect="Exported step"
+  ),
+  **{
+    c: SameAs("python -m vlrep.interop.export --workdir=RUN --checkpoint=best --format=backbone --out=FOLDER")
+    for c in (
+      "python -m vlrep.interop.export --workdir=DIR --format=backbone --out=FOLDER",
+      "python -m vlrep.interop.export --format=backbone --out=FOLDER",
+    )
+  },
   "python -m vlrep.interop.export --workdir=RUN --format=torchvision --out=backbone.safetensors": Refuses(
     SMALL_STEM, replace=(("RUN", VIRTEX), ("backbone.safetensors", "{tmp}/backbone.safetensors"))
   ),
@@ -522,6 +535,7 @@ COMMANDS: dict[str, object] = {
   # vlrep.pytorch.detectron2_transfer (docs/detectron2.md): Detectron2 is not on the package index, so CI has none;
   # tests/test_detectron2_transfer.py checks its refusal, and where Detectron2 is built, runs it end to end.
   "python -m vlrep.pytorch.detectron2_transfer --workdir=RUN --config-file=configs/detectron2/FILE.yaml": Synopsis(),
+  "python -m vlrep.pytorch.detectron2_transfer": Synopsis(),
   "python -m vlrep.pytorch.detectron2_transfer --workdir=RUN --config-file=configs/detectron2/FILE.yaml "
   "[KEY VALUE ...]": Synopsis(),
   "python -m vlrep.pytorch.detectron2_transfer --workdir=/runs/virtex_r50 "
