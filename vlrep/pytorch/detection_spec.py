@@ -1,4 +1,4 @@
-"""The detection worker's spec: every setting `python -m vlrep.pytorch.detection_worker --spec=SPEC.json` reads,
+"""The detection worker's spec: every setting the worker (vlrep.pytorch.detection_worker) reads from its --spec file,
 its default and its checks, in one place. Torch-free (no torch, JAX or TensorFlow), so the evaluator
 (vlrep.evaluators.detection) builds and checks a spec in its own process, and configs/eval/detection.py builds its
 `detector` entry from these defaults.

@@ -11,13 +11,13 @@ configs of configs/detectron2/, as kdexd/virtex's scripts/eval_detectron2.py doe
       SOLVER.MAX_ITER 2000 SOLVER.STEPS "(1500,)"
 
 What it does, in order:
-1. The run's backbone (its best checkpoint, --checkpoint) is handed off by `python -m vlrep.interop.export
-   --format=backbone --out=OUTPUT_DIR` in a process of its own on the CPU (JAX never touches the accelerator
-   Detectron2 trains on; this driver imports neither JAX nor TensorFlow): OUTPUT_DIR/backbone.safetensors (torchvision's
-   names) and backbone.json (its architecture), the hand-off vlrep's own detection evaluator reads too
-   (vlrep.pytorch.handoff). The Detectron2 weights are built from them here (vlrep.pytorch.detectron2_keys renames).
-   `--weights=random` fine-tunes a randomly initialised backbone of the run's architecture instead (the baseline; the
-   hand-off still gives the architecture).
+1. The run's backbone (its best checkpoint, --checkpoint) is handed off by the interop export command
+   (`vlrep.interop.export` with --format=backbone --out=OUTPUT_DIR) in a process of its own on the CPU (JAX never
+   touches the accelerator Detectron2 trains on; this driver imports neither JAX nor TensorFlow):
+   OUTPUT_DIR/backbone.safetensors (torchvision's names) and backbone.json (its architecture), the hand-off vlrep's
+   own detection evaluator reads too (vlrep.pytorch.handoff). The Detectron2 weights are built from them here
+   (vlrep.pytorch.detectron2_keys renames). `--weights=random` fine-tunes a randomly initialised backbone of the
+   run's architecture instead (the baseline; the hand-off still gives the architecture).
 2. The config: the YAML, then the KEY VALUE pairs, then what follows from the run and the machine: the ResNet's
    depth and widths from backbone.json (the YAMLs say ResNet-50), MODEL.DEVICE (cuda when there is one), OUTPUT_DIR
    (default RUN/detectron2/<YAML name>, `_random` added for --weights=random), and SyncBN read as BN when the job
@@ -336,7 +336,9 @@ def read_manifest(out_dir: str) -> dict[str, str]:
     for k, v in files.items()
   ):
     raise BadFile(
-      f"{path}: not a record the Detectron2 driver wrote ({{name: sha256}} of {', '.join(HANDOFF_FILES)}, model_*.pth)."
+      f"{path}: not a record the Detectron2 driver wrote ({{name: sha256}} of {', '.join(HANDOFF_FILES)}, "
+      "model_*.pth; an older vlrep's records backbone.pkl). Delete it and OUTPUT_DIR's last_checkpoint to train "
+      "afresh from the run's backbone, or give --output-dir."
     )
   return files
 
@@ -521,9 +523,9 @@ def checkpointer_type():
 
 
 def export_backbone(workdir: str, checkpoint: str, out_dir: str) -> None:
-  """The run's backbone hand-off (backbone.safetensors and backbone.json) into `out_dir` by `python -m
-  vlrep.interop.export --format=backbone` in a process of its own, on the CPU: JAX stays out of this process and
-  leaves the accelerator to torch."""
+  """The run's backbone hand-off (backbone.safetensors and backbone.json) into `out_dir` by the interop export
+  command (`vlrep.interop.export` with --format=backbone) in a process of its own, on the CPU: JAX stays out of
+  this process and leaves the accelerator to torch."""
   cmd = [
     sys.executable,
     "-m",

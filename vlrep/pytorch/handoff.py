@@ -6,8 +6,8 @@
   backbone.json          {"architecture": the keyword arguments of vlrep.pytorch.resnet.ResNet that rebuild it
                          (ARCHITECTURE_KEYS), "source": where the weights came from}
 
-`vlrep.interop.formats.torchvision.write_backbone` writes them (the detection evaluator in process;
-`python -m vlrep.interop.export --format=backbone --out=FOLDER` from a run folder). Torch-free (numpy and vlrep's
+`vlrep.interop.formats.torchvision.write_backbone` writes them (the detection evaluator in process; the interop
+export command, `vlrep.interop.export` with --format=backbone, from a run folder). Torch-free (numpy and vlrep's
 checked safetensors reader), so the Detectron2 driver checks a hand-off before torch or Detectron2 is imported.
 """
 
