@@ -4,6 +4,9 @@
 Built once by the training loop (and by `vlrep.evaluate`): the run's tokenizer, its method (for whole-model
 evaluators: captioning, retrieval, masked tokens, localization, VL tasks), what the method's setup derived from the
 data (ICMLM's concepts, a VQA run's answer vocabulary: `needs`), and this process's place among the hosts.
+
+A helper of the evaluators, not an evaluator (hence the leading '_': `vlrep.modules` does not list it); the rest of
+vlrep takes both names from the package, `from vlrep.evaluators import EvalInputs, Model`.
 """
 
 from __future__ import annotations
