@@ -306,7 +306,7 @@ def test_visual_bert_export_writes_no_code_hook(tmp_path):
   run = runs.Run(
     config=imported.config, params=imported.params, model_state={}, step=0, path="r", meta={"import": note}
   )
-  info = export._export_visual_bert(run, str(tmp_path / "exported"), False)
+  info = visual_bert.export(run, str(tmp_path / "exported"), False)
   written = json.loads((tmp_path / "exported" / "config.json").read_text())
   assert not set(hooks) & set(written) and written["model_type"] == "visual_bert"
   assert any("auto_map" in n and "trust_remote_code" in n for n in info["notes"]), info["notes"]

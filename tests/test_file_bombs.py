@@ -294,7 +294,7 @@ _CHILD = r"""
 import json, os, resource, sys, traceback
 from vlrep import errors
 from vlrep import torch_files
-from vlrep.interop import formats
+from vlrep.interop import keymaps
 from vlrep.data import region_files, wordpiece
 from vlrep.models import bert
 
@@ -302,8 +302,8 @@ def peak():
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 LOADERS = {
-  "checkpoint": lambda p: formats.load_state_dict(p),
-  "safetensors": lambda p: formats.load_checkpoint(p),
+  "checkpoint": lambda p: keymaps.load_state_dict(p),
+  "safetensors": lambda p: keymaps.load_checkpoint(p),
   "info_npy": lambda p: region_files.load_pickled_npy(p),
   "npy": lambda p: region_files.load_npy(p),
   "npz": lambda p: region_files.RegionStore(os.path.dirname(p), 4),

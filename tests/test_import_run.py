@@ -237,9 +237,9 @@ def test_torchvision_resnet50_imports_and_computes_torchvisions_features(tmp_pat
   assert sorted(imported.note["dropped"]) == ["fc.bias", "fc.weight"]
   run = runs.load_run(str(tmp_path / "run"))  # as imported: nothing in its config overridden
   assert run.config.method.name == "classifier" and run.config.method.backbone.depth == 50
-  # float32 is the importer's doing: the format's default config (fine-tuning) trains in bfloat16.
+  # float32 is the importer's doing: a recipe named as --config (fine-tuning's) trains in bfloat16.
   assert run.config.method.dtype == "float32" and run.meta["import"]["dtype"] == "float32"
-  assert import_run.load_config("configs/finetune.py").method.dtype == "bfloat16"
+  assert import_run.load_config(os.path.join(ROOT, "configs/finetune.py")).method.dtype == "bfloat16"
   net, variables = runs.backbone_of(run)
   assert sum(x.size for x in jax.tree.leaves(variables["params"])) == 23_508_032  # torchvision's R50 without fc
   images = _images(2, 32)
@@ -415,7 +415,7 @@ def test_virtex_imported_as_documented_computes_what_the_official_model_computes
   import_run.import_run("virtex", str(zoo["ckpt"]), str(tmp_path / "run"), vocab=zoo["vocab"])
   run = runs.load_run(str(tmp_path / "run"))
   assert run.config.method.dtype == "float32" and run.meta["import"]["dtype"] == "float32"
-  assert import_run.load_config("configs/virtex.py").method.dtype == "bfloat16"
+  assert import_run.load_config(os.path.join(ROOT, "configs/virtex.py")).method.dtype == "bfloat16"
   compared = _compare_with_official(run, zoo)
   figures = {k: compared[k] for k in ("rel_forward", "rel_backward", "rel_loss")}
   print(f"VirTex imported with its default config vs official layout: {figures}")

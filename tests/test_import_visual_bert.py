@@ -185,9 +185,10 @@ def test_imported_visual_bert_computes_what_transformers_computes(hf_model, impo
   want = _reference_outputs(hf_model, tokens, types, regions, region_mask, visual_type=1)
   figures = _assert_equal_to_reference(got, want, "Hugging Face folder")
   assert max(figures.values()) > 0  # two implementations, not one
-  # float32 is the importer's doing: the format's default config (the VisualBERT recipe) trains in bfloat16.
+  # float32 is the importer's doing: the VisualBERT recipe (configs/vlbert.py, --config) trains in bfloat16.
   assert run.config.method.dtype == "float32" and run.meta["import"]["dtype"] == "float32"
-  assert import_run.load_config(visual_bert.DEFAULT_CONFIG).method.dtype == "bfloat16"
+  recipe = os.path.join(ROOT, "configs/vlbert.py") + ":arch=visual_bert,stage=pretrain"
+  assert import_run.load_config(recipe).method.dtype == "bfloat16"
   # The check has teeth: vlrep's own region embeddings (box embedding, own LayerNorm, a segment vector) or the
   # other visual token type are not VisualBERT.
   other = _reference_outputs(hf_model, tokens, types, regions, region_mask, visual_type=0)
@@ -466,7 +467,7 @@ def test_export_round_trip_is_bit_exact_and_transformers_computes_the_same(hf_mo
 def test_the_round_trip_comparison_sees_a_transposed_kernel_and_unswapped_logits(hf_folder, imported, monkeypatch):
   """The bit-exact comparison has teeth: an exporter that wrote square Dense kernels untransposed (which no shape
   check sees) or the sentence-image logits in vlrep's order would fail it, on exactly those tensors."""
-  from vlrep.interop.formats import TRANSFORMS
+  from vlrep.interop.keymaps import TRANSFORMS
 
   original = load_file(os.path.join(hf_folder, "model.safetensors"))
   right, _ = visual_bert.state_dict(_exportable(imported))
@@ -486,7 +487,7 @@ def test_export_of_a_vlrep_trained_visual_bert_computes_its_outputs_in_transform
   first layer, with another activation and LayerNorm eps; MMF's region type 0; no alignment head): transformers
   loads the export and computes vlrep's outputs."""
   from vlrep.config_utils import sibling_config
-  from vlrep.interop.formats import unflatten
+  from vlrep.interop.keymaps import unflatten
   from vlrep.models import bert as bert_lib
 
   bert_dir = tmp_path / "bert"

@@ -13,13 +13,18 @@ and then, as with any trained run:
   python -m vlrep.main --config=configs/finetune.py --config.init_from=/runs/in1k_r50 --workdir=/runs/inat_ft
   python -m vlrep.interop.export --workdir=/runs/virtex_zoo --format=virtex --out=bicaptioning.pth
 
-A format is a module `vlrep.interop.formats.<format>` (see vlrep/interop/formats/__init__.py for the contract);
---format=auto
-picks the one whose `score` of the file's keys is highest. The run directory is what training writes: a 'best'
-and a latest checkpoint (step 0) whose metadata holds the run's config (the format's default recipe config, or
---config, with the method built from the checkpoint's shapes) and an `import` note (source, format, what was
+A format is a module `vlrep.interop.formats.<format>` (see vlrep/interop/keymaps.py for the contract), found with
+`vlrep.modules.get("interop.formats", ...)`; --format=auto picks the one whose `score` of the file's keys is highest
+(the file is read once and handed to the format). The run directory is what training writes: a 'best' and a
+latest checkpoint (step 0) whose metadata holds the run's config and an `import` note (source, format, what was
 dropped and why), plus summary.json. Everything is checked before anything is written; an existing --workdir is
 replaced only with --overwrite.
+
+The run's config is built by the format from the checkpoint: the model as published (its method with the
+checkpoint's architecture, its tokenizer, the preprocessing it evaluates with), no recipe file read, so an
+installed vlrep imports from any folder. `--config=FILE[:ARG]` (a path as the user names it) starts it from a
+recipe's full config instead (its data, optimizer and evaluations kept; the method and tokenizer the
+checkpoint's).
 
 An imported run computes in float32 (`method.dtype`), as its source's code does, whatever the base config says (the
 recipes' bfloat16 is a training speed choice: it moves a VisualBERT's outputs by up to 2.5e-2 relative);
@@ -28,20 +33,22 @@ recipes' bfloat16 is a training speed choice: it moves a VisualBERT's outputs by
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 import os
 import shutil
 
+import numpy as np
 from absl import app, flags, logging
 from ml_collections import ConfigDict
 
-from vlrep import safe_files
+from vlrep import checkpoint as ckpt_lib
+from vlrep import runs, safe_files
 from vlrep.errors import BadFile, UserError, exit_2_on_user_error
-from vlrep.interop import formats
+from vlrep.interop import keymaps
 from vlrep.interop.formats import torchvision as tv
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The compute dtypes an imported run's `method.dtype` may take; the first is the default (the sources' own).
 DTYPES = ("float32", "bfloat16")
 
@@ -55,39 +62,36 @@ class WorkdirExists(UserError, FileExistsError):
 
 
 def load_config(spec: str) -> ConfigDict:
-  """`path/to/config.py[:ARG]` -> get_config(ARG); a relative path is looked up in the working directory, then in
-  the repository (where configs/ lives)."""
-  import importlib.util
-
+  """`path/to/config.py[:ARG]` -> get_config(ARG); the path as the user names it (relative to the working
+  directory)."""
   path, _, arg = spec.partition(":")
-  candidates = [path] if os.path.isabs(path) else [path, os.path.join(ROOT, path)]
-  found = next((p for p in candidates if os.path.exists(p)), None)
-  if found is None:
-    raise NoSuchFile(f"No config file {path!r} (looked in {candidates}); pass --config=PATH[:ARG].")
-  name = "vlrep_import_config_" + os.path.splitext(os.path.basename(found))[0]
-  module_spec = importlib.util.spec_from_file_location(name, found)
+  if not os.path.isfile(path):
+    raise NoSuchFile(f"No config file {os.path.abspath(path)!r}; pass --config=PATH[:ARG].")
+  name = "vlrep_import_config_" + os.path.splitext(os.path.basename(path))[0]
+  module_spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
   return module.get_config(arg or None)
 
 
 def resolve_format(fmt: str, checkpoint: str):
-  """The format module: the named one, or for 'auto' the best-scoring one (an error naming the closest format and
-  how the file differs from it when none fits)."""
+  """(the format module, the file's contents or None): the named format, or for 'auto' the best-scoring one (the
+  file read once here, its contents handed on; an error naming the closest format and how the file differs from
+  it when none fits)."""
   if fmt != "auto":
-    if fmt not in formats.known_formats():
-      raise UserError(
-        f"Unknown import format {fmt!r}; known formats: {', '.join(formats.known_formats())} (or 'auto')."
-      )
-    return formats.format_module(fmt)
+    if fmt not in keymaps.import_formats():
+      known = ", ".join(keymaps.import_formats())
+      raise UserError(f"Unknown import format {fmt!r}; known formats: {known} (or 'auto').")
+    return keymaps.format_module(fmt), None
   if os.path.isdir(checkpoint):
     raise UserError(f"--format=auto reads checkpoint files; {checkpoint} is a folder: name its format.")
-  keys = set(tv.read_state_dict(checkpoint))
-  name, score, missing, unexpected = formats.closest_format(keys)
+  contents = tv.read_contents(checkpoint)
+  keys = set(tv.read_state_dict(checkpoint, contents))
+  name, score, missing, unexpected = keymaps.closest_format(keys)
   if score < 0.5 or missing:
-    raise BadFile(str(formats.no_format_error(checkpoint, keys, name, score, missing, unexpected)))
+    raise BadFile(str(keymaps.no_format_error(checkpoint, keys, name, score, missing, unexpected)))
   logging.info("--format=auto: %s (score %.2f).", name, score)
-  return formats.format_module(name)
+  return keymaps.format_module(name), contents
 
 
 def check_workdir(workdir: str, overwrite: bool) -> str:
@@ -101,12 +105,13 @@ def check_workdir(workdir: str, overwrite: bool) -> str:
   return workdir
 
 
-def read(module, checkpoint: str, vocab: str | None, workdir: str, config: ConfigDict | None, **options):
-  """module.read(...) with the keyword arguments its signature accepts (the base config and the run directory are
-  offered to every format; options the format does not take are an error)."""
+def read(module, checkpoint: str, vocab: str | None, workdir: str, config: ConfigDict | None, contents=None, **options):
+  """module.read(...) with the keyword arguments its signature accepts (the base config, the run directory and the
+  file's contents already read are offered to every format; options the format does not take are an error)."""
   params = inspect.signature(module.read).parameters
   takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-  kwargs = {k: v for k, v in (("config", config), ("workdir", workdir)) if takes_any or k in params}
+  offered = (("config", config), ("workdir", workdir), ("contents", contents))
+  kwargs = {k: v for k, v in offered if (takes_any or k in params) and (k != "contents" or v is not None)}
   unknown = [k for k in options if not takes_any and k not in params]
   if unknown:
     name = module.__name__.rsplit(".", 1)[-1]
@@ -114,7 +119,7 @@ def read(module, checkpoint: str, vocab: str | None, workdir: str, config: Confi
   return module.read(checkpoint, vocab, **kwargs, **options)
 
 
-def set_dtype(imported: formats.ImportedRun, dtype: str) -> None:
+def set_dtype(imported: keymaps.ImportedRun, dtype: str) -> None:
   """The run computes in `dtype` (its config's `method.dtype`), said in its note."""
   imported.config.method.dtype = dtype
   imported.note["dtype"] = dtype if dtype == DTYPES[0] else f"{dtype} (--dtype; the source computes in float32)"
@@ -124,15 +129,10 @@ def _jsonable(x):
   return json.loads(json.dumps(x, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
 
 
-def write_run(workdir: str, imported: formats.ImportedRun, overwrite: bool) -> None:
+def write_run(workdir: str, imported: keymaps.ImportedRun, overwrite: bool) -> None:
   """Writes the run as training does (vlrep.checkpoint.Checkpointer: best and latest checkpoints of step 0, the
   config in their metadata), into a fresh sibling directory first (safe_files.atomic_dir) and renamed into place
   when complete."""
-  import numpy as np
-
-  from vlrep import checkpoint as ckpt_lib
-  from vlrep import runs
-
   parent = os.path.dirname(workdir)
   safe_files.make_dirs(parent)
   with safe_files.atomic_dir(workdir) as tmp:  # a fresh folder beside WORKDIR: nothing planted there is followed
@@ -172,9 +172,10 @@ def import_run(
   overwrite: bool = False,
   dtype: str = DTYPES[0],
   **options,
-) -> formats.ImportedRun:
+) -> keymaps.ImportedRun:
   """Reads CHECKPOINT in format FMT ('auto': the best-scoring format) and writes the run to WORKDIR; returns what
-  was imported. `config`: the base config file[:arg] (default: the format's DEFAULT_CONFIG, if it names one);
+  was imported. `config`: a recipe's config file[:arg] to start the run's config from (default: the format builds
+  it from the checkpoint);
   `dtype`: the run's compute dtype (one of DTYPES; float32, the sources' own, by default)."""
   if dtype not in DTYPES:
     raise UserError(f"--dtype={dtype!r}: an imported run computes in one of {', '.join(DTYPES)}.")
@@ -183,10 +184,9 @@ def import_run(
     raise NoSuchFile(f"No checkpoint {checkpoint}.")
   if vocab and not os.path.exists(vocab):
     raise NoSuchFile(f"No vocabulary file {vocab}.")
-  module = resolve_format(fmt, checkpoint)
-  spec = config or getattr(module, "DEFAULT_CONFIG", None)
-  base = load_config(spec) if spec else None
-  imported = read(module, checkpoint, vocab, workdir, base, **options)
+  module, contents = resolve_format(fmt, checkpoint)
+  base = load_config(config) if config else None
+  imported = read(module, checkpoint, vocab, workdir, base, contents, **options)
   set_dtype(imported, dtype)
   write_run(workdir, imported, overwrite)
   logging.info("Imported %s (%s) into %s.", checkpoint, imported.note.get("format"), workdir)
@@ -195,12 +195,12 @@ def import_run(
 
 def define_flags():
   """Command-line flags (defined only when run as a command, so importing the module defines none)."""
-  flags.DEFINE_string("format", "auto", "A module of vlrep/importers (virtex, torchvision, ...) or 'auto'.")
+  flags.DEFINE_string("format", "auto", f"One of {', '.join(keymaps.import_formats())}, or 'auto' (the one that fits).")
   flags.DEFINE_string("checkpoint", None, "The published checkpoint (file, or folder for folder formats).")
   flags.DEFINE_string("vocab", None, "The model's vocabulary (VirTex: the official coco_10k.model).")
   flags.DEFINE_string("workdir", None, "The run directory to write.")
   flags.DEFINE_bool("overwrite", False, "Replace an existing --workdir.")
-  flags.DEFINE_string("config", None, "Base config file[:arg] (default: the format's recipe config).")
+  flags.DEFINE_string("config", None, "A recipe's config file[:arg] to start from (default: the format builds it).")
   flags.DEFINE_string("task", None, "VirTex: captioning or masked_lm for a forward-only head (default: file name).")
   flags.DEFINE_integer("heads", 0, "VirTex: attention heads of the textual head (default H / 64, as the zoo).")
   flags.DEFINE_bool("backbone_only", False, "VirTex: import the visual backbone alone.")

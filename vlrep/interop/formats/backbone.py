@@ -14,18 +14,11 @@ import os
 from safetensors import safe_open
 
 from vlrep import runs
-from vlrep.errors import UserError
+from vlrep.interop import keymaps
 from vlrep.interop.formats import torchvision
 
 DESCRIPTION = "the PyTorch hand-off folder: backbone.safetensors + backbone.json (vlrep.pytorch.resnet.ResNet)"
-
-
-def imported_counters(run) -> dict:
-  """BatchNorm `num_batches_tracked` values an imported run kept (vlrep.interop.import_run), under torchvision's
-  names."""
-  note = run.meta.get("import", {})
-  counters, prefix = note.get("counters", {}), note.get("backbone_prefix", "")
-  return {k[len(prefix) :]: v for k, v in counters.items() if k.startswith(prefix)}
+OUT_SUFFIXES = ()  # a folder
 
 
 def export(run: runs.Run, out: str, overwrite: bool = False) -> dict:
@@ -33,12 +26,10 @@ def export(run: runs.Run, out: str, overwrite: bool = False) -> dict:
   there are left alone). Returns {'keys', 'parameters', 'step', 'files'}."""
   del overwrite  # the two files are replaced whole; nothing else in the folder is touched
   if os.path.lexists(out) and not os.path.isdir(out) or os.path.islink(out):
-    raise UserError(f"--out={out} is a file or a link; --format=backbone writes a folder.")
-  try:
-    _, variables = runs.backbone_of(run)
-  except ValueError as e:  # no backbone in the checkpoint: what the run lacks, said once
-    raise UserError(str(e)) from e
-  torchvision.write_backbone(variables, run.config.method, out, counters=imported_counters(run), source=run.path)
+    raise keymaps.NotExportable(f"--out={out} is a file or a link; --format=backbone writes a folder.")
+  _, variables = keymaps.refusal(runs.backbone_of, run)
+  counters = torchvision.imported_counters(run)
+  torchvision.write_backbone(variables, run.config.method, out, counters=counters, source=run.path)
   with safe_open(os.path.join(out, torchvision.HANDOFF_WEIGHTS), framework="numpy") as f:
     keys = len(list(f.keys()))
   parameters = sum(int(v.size) for v in _leaves(variables["params"]))

@@ -1,7 +1,13 @@
-"""torchvision (and timm) ResNets: ResNet-18/50/101/152 and Wide ResNet-50-2 state dicts -> a backbone-only run.
+"""torchvision (and timm) ResNets: ResNet-18/50/101/152 and Wide ResNet-50-2 state dicts <-> a backbone-only run.
 
   python -m vlrep.interop.import_run --format=torchvision --checkpoint=resnet50-0676ba61.pth --workdir=/runs/in1k_r50
   python -m vlrep.evaluate --config=configs/eval/voc07_svm.py --workdir=/runs/in1k_r50
+  python -m vlrep.interop.export --workdir=DIR --format=torchvision --out=backbone.safetensors   # or backbone.pth
+
+Export: a ResNet state_dict with torchvision's names (`conv1.weight`, `layer1.0.bn1.running_mean`,
+`layer1.0.downsample.0.weight`, ...) and no `fc`; load it with
+`torchvision.models.resnet50().load_state_dict(sd, strict=False)` (the missing keys are exactly fc.weight and
+fc.bias). Written as safetensors (`.safetensors`, no pickle) or with torch.save (`.pth`, needs torch).
 
 The key map (`resnet_rules`) is the one `vlrep.interop.export --format=torchvision` writes with, so import -> export
 is the
@@ -13,14 +19,17 @@ depth: 3-4-6-3 is 50, 3-4-23-3 is 101, ...), the stem width (`conv1.weight`'s ou
 inner-width multiplier (2 for wide_resnet50_2). The ImageNet classifier (`fc`) is dropped, and named in the note:
 a vlrep run holds the backbone that evaluators, `init_from` and export use.
 
-The run's config is a fine-tuning config (`configs/finetune.py`, method 'classifier', unless `--config` names
-another) with the backbone section set to the imported architecture and float32 compute.
+The run's config (`default_config`, unless `--config` names a recipe to start from) is the model as published:
+method 'classifier' (ImageNet's 1000 classes; the head itself is not imported) with the imported backbone in float32
+and ImageNet's evaluation preprocessing. A fine-tuning run brings its own recipe
+(`vlrep.main --config=configs/finetune.py --config.init_from=RUN`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,14 +37,15 @@ import numpy as np
 from ml_collections import ConfigDict
 from safetensors.numpy import save_file
 
-from vlrep import runs, safe_files
+from vlrep import runs, safe_files, torch_files
 from vlrep.errors import BadFile, UserError, reading
-from vlrep.interop.formats import (
+from vlrep.interop import keymaps
+from vlrep.interop.keymaps import (
   ImportedRun,
   KeyMap,
   closest_format,
   flatten,
-  load_state_dict,
+  load_checkpoint,
   no_format_error,
   rule,
   unflatten,
@@ -43,7 +53,8 @@ from vlrep.interop.formats import (
 from vlrep.models import resnet
 
 DESCRIPTION = "torchvision/timm ResNet-18/50/101/152 or Wide ResNet-50-2 state dict (.pth, .safetensors)"
-DEFAULT_CONFIG = "configs/finetune.py"
+# What --out may end in (the file type is chosen by it).
+OUT_SUFFIXES = (".safetensors", ".pth", ".pt")
 ANCHORS = ("conv1.weight", "bn1.weight", "bn1.running_mean", "layer1.0.conv1.weight", "layer4.0.conv1.weight")
 CHECKPOINT_HINT = (
   "Pass the checkpoint as published and whole (download it again if it may be truncated): a torch.save file "
@@ -53,14 +64,26 @@ CHECKPOINT_HINT = (
 # weights in torchvision's names and layout, and what rebuilds the network (vlrep.pytorch.resnet.ResNet's arguments).
 HANDOFF_WEIGHTS = "backbone.safetensors"
 HANDOFF_INFO = "backbone.json"
+# ImageNet's evaluation preprocessing (torchvision's reference: resize to 256, centre crop 224).
+IMAGENET_EVAL_PP = "decode|resize_small(256)|central_crop(224)|normalize"
 FORMAT_HINT = "Check --format (--format=auto picks the one that fits) and that the file is the model's checkpoint."
 
 
-def read_state_dict(path: str) -> dict:
-  """`vlrep.interop.formats.load_state_dict`; a file that is not a readable checkpoint (empty, truncated, random bytes,
-  a malformed zip or safetensors header, a pickle nested too deep) is one BadFile naming it."""
+def read_contents(path: str) -> Any:
+  """`vlrep.interop.keymaps.load_checkpoint` of a file (what it holds, before any format reads it); a file that is not
+  a readable checkpoint (missing, empty, truncated, random bytes, a malformed zip or safetensors header, a pickle
+  nested too deep) is one BadFile naming it."""
   with reading(path, what="checkpoint (torch.save or safetensors)", hint=CHECKPOINT_HINT):
-    return load_state_dict(path)
+    return load_checkpoint(path)
+
+
+def read_state_dict(path: str, contents: Any = None) -> dict:
+  """The state dict of a checkpoint file (`vlrep.torch_files.as_state_dict`) from its `contents` when the caller
+  read them already (`read_contents`), else read here; one BadFile naming the file when it is none."""
+  if contents is None:
+    contents = read_contents(path)
+  with reading(path, what="checkpoint (torch.save or safetensors)", hint=CHECKPOINT_HINT):
+    return torch_files.as_state_dict(contents, path)
 
 
 @contextlib.contextmanager
@@ -77,7 +100,7 @@ def tensors_of(path: str, what: str):
 
 
 def no_format(path: str, keys: set[str]) -> BadFile:
-  """`vlrep.interop.formats.no_format_error` of a file (the closest format, how the keys differ) as the BadFile it
+  """`vlrep.interop.keymaps.no_format_error` of a file (the closest format, how the keys differ) as the BadFile it
   is."""
   return BadFile(str(no_format_error(path, keys, *closest_format(keys))))
 
@@ -186,7 +209,7 @@ def backbone_section(base: dict | None, arch: dict) -> dict:
 
 
 def read_backbone(sd: dict, prefix: str = "", root: str = "backbone", path: str = "the checkpoint"):
-  """(arch, vlrep.interop.formats.Converted) of the ResNet under `prefix` of a state dict (the other keys ignored); what
+  """(arch, vlrep.interop.keymaps.Converted) of the ResNet under `prefix` of a state dict (the other keys ignored); what
   does not fit a ResNet is a BadFile naming `path`."""
   with tensors_of(path, "torchvision ResNet"):
     arch = architecture(sd, prefix)
@@ -198,14 +221,19 @@ def read_backbone(sd: dict, prefix: str = "", root: str = "backbone", path: str 
 
 
 def read(
-  checkpoint: str, vocab: str | None = None, *, config: ConfigDict | None = None, workdir: str | None = None
+  checkpoint: str,
+  vocab: str | None = None,
+  *,
+  contents: Any = None,
+  config: ConfigDict | None = None,
+  workdir: str | None = None,
 ) -> ImportedRun:
   """A backbone-only run of a torchvision-named ResNet state dict; `config` is the base config (its method gets the
   imported backbone section)."""
   del workdir  # the run keeps no files besides its checkpoints
   if vocab:
     raise UserError("--vocab applies to text models; a torchvision checkpoint is a backbone alone.")
-  sd = read_state_dict(checkpoint)
+  sd = read_state_dict(checkpoint, contents)
   s, missing, unexpected = score(set(sd))
   if missing:
     raise no_format(checkpoint, set(sd))
@@ -213,10 +241,22 @@ def read(
   return backbone_run(checkpoint, "torchvision", arch, converted, config)
 
 
+def default_config() -> ConfigDict:
+  """An imported backbone's config when no --config names a recipe: an ImageNet classifier as torchvision publishes
+  it (1000 classes, images resized to 256 and centre-cropped to 224 for evaluation), what rebuilds and applies the
+  backbone; nothing about training it further."""
+  return ConfigDict(
+    dict(
+      method=dict(name="classifier", num_classes=1000),
+      data=dict(name="", split="train", data_dir="", config_name="", pp=IMAGENET_EVAL_PP),
+    )
+  )
+
+
 def backbone_run(checkpoint: str, fmt: str, arch: dict, converted, config: ConfigDict | None, extra_note=None):
   """The ImportedRun of a backbone alone (this format's, and VirTex's hub backbones)."""
-  c = ConfigDict(config.to_dict() if config is not None else {})
-  method = dict(c.get("method", {"name": "classifier", "num_classes": 1000}))
+  c = ConfigDict((config if config is not None else default_config()).to_dict())
+  method = dict(c.get("method", default_config().method))
   method["backbone"] = backbone_section(method.get("backbone"), arch)
   method["dtype"] = "float32"
   c.method = method
@@ -292,3 +332,52 @@ def write_backbone(
     save_file({k: np.ascontiguousarray(v) for k, v in sd.items()}, tmp, metadata={"format": "pt"})
   safe_files.write_json(os.path.join(root, HANDOFF_INFO), info, root=root)
   return info
+
+
+def imported_counters(run) -> dict:
+  """BatchNorm `num_batches_tracked` values an imported run kept (vlrep.interop.import_run), under torchvision's
+  names."""
+  note = run.meta.get("import", {})
+  counters, prefix = note.get("counters", {}), note.get("backbone_prefix", "")
+  return {k[len(prefix) :]: v for k, v in counters.items() if k.startswith(prefix)}
+
+
+def exportable_backbone(run) -> dict:
+  """The variables of a run's backbone in the form torchvision's (and Detectron2's) ResNet has: a ResNet with the
+  ImageNet stem and BatchNorm statistics; anything else is a NotExportable saying why."""
+  backbone = run.config.method.get("backbone", {})
+  if backbone.get("arch", "resnet") != "resnet":
+    raise keymaps.NotExportable(
+      f"{run.path}: export to torchvision/Detectron2 supports ResNet backbones only (this is a VGG16)."
+    )
+  stem = backbone.get("stem", "imagenet")
+  if stem != "imagenet":
+    # torchvision's and Detectron2's ResNets build the 7x7 stride-2 stem and max-pool in code: a 3x3 stem's weights
+    # would load under conv1's name only to fail on its shape, or (strict=False) be silently dropped.
+    raise keymaps.NotExportable(
+      f"{run.path}: the backbone uses stem={stem!r} (a 3x3 convolution, no max-pool), which neither torchvision's "
+      "nor Detectron2's ResNet has; only stem='imagenet' backbones (every paper recipe) export. Inspect it with "
+      "vlrep.evaluate or load its checkpoint in JAX instead."
+    )
+  _, variables = keymaps.refusal(runs.backbone_of, run)
+  if variables.get("batch_stats") is None:
+    raise keymaps.NotExportable("The backbone has no BatchNorm statistics (batch_stats); it cannot be exported.")
+  return variables
+
+
+def export(run, out: str, overwrite: bool = False) -> dict:
+  """Writes the run's backbone in torchvision's names to `out` (.safetensors, or .pth with torch.save); returns
+  {'keys', 'parameters', 'step'}."""
+  del overwrite  # one file, replaced atomically
+  variables = exportable_backbone(run)
+  sd = state_dict(variables["params"], variables["batch_stats"], imported_counters(run))
+  root = keymaps.out_root(out)
+  safe_files.make_dirs(root)
+  if out.endswith(".safetensors"):
+    with safe_files.atomic_path(out, ".safetensors", root=root) as tmp:
+      save_file(dict(sd), tmp, metadata={"format": "pt", "source": run.path})
+  else:
+    torch = keymaps.require_torch("Writing .pth needs PyTorch; install torch or export to .safetensors instead.")
+    with safe_files.atomic_path(out, ".pth", root=root) as tmp:
+      torch.save({k: torch.from_numpy(np.array(v)) for k, v in sd.items()}, tmp)
+  return {"keys": len(sd), "parameters": keymaps.parameter_count(sd), "step": run.step}

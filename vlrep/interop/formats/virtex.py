@@ -21,7 +21,7 @@ the embedding has rows. Its special ids (<unk> = padding 0, [SOS] 1, [EOS] 2, [M
 UNK 1, SOS 2, EOS 3, MASK 4): the run's tokenizer reads it with `special_tokens='virtex'`, which presents its ids in
 vlrep's layout (official id 0 -> 0, i >= 1 -> i + 1) and cuts long captions as the official code; the vocabulary
 rows of the embedding, output bias or classifier are reordered the same way, and vlrep's extra [UNK] id gets a zero
-row and an output bias of -1e4 (`vlrep.interop.formats.DEAD_LOGIT`: probability exactly 0 in float32). So the imported
+row and an output bias of -1e4 (`vlrep.interop.keymaps.DEAD_LOGIT`: probability exactly 0 in float32). So the imported
 model tokenizes, scores and decodes as the official code, and export reorders the rows back.
 
 Dropped, and said so in the note: each attention's key bias (the middle third of `in_proj_bias`; it adds q.b_k to
@@ -38,19 +38,25 @@ from __future__ import annotations
 import os
 import re
 from collections import OrderedDict
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from ml_collections import ConfigDict
 
+from vlrep import safe_files
 from vlrep.data import tokenizers
 from vlrep.errors import BadFile, UserError, reading
-from vlrep.interop.formats import ImportedRun, KeyMap, flatten, rule, unflatten
+from vlrep.interop import keymaps
 from vlrep.interop.formats import torchvision as tv
+from vlrep.interop.keymaps import ImportedRun, KeyMap, flatten, rule, unflatten
+from vlrep.methods import virtex as virtex_method
 
 DESCRIPTION = "official VirTex checkpoint (model zoo {'model': ...} .pth, any task) or hub backbone file"
-DEFAULT_CONFIG = "configs/virtex.py"
+OUT_SUFFIXES = (".pth", ".pt")  # the official code reads it with torch.load
+# The official model's evaluation preprocessing (kdexd/virtex: resize to 256, centre crop 224).
+OFFICIAL_EVAL_PP = "decode|resize_small(256)|central_crop(224)|normalize"
 TASKS = ("bicaptioning", "captioning", "masked_lm", "token_classification")
 OFFICIAL_LN_EPS = 1e-5  # torch.nn.TransformerDecoderLayer's LayerNorms (the official head passes no eps)
 BACKBONE_PREFIX = "visual.cnn."
@@ -176,8 +182,18 @@ def head_sizes(sd: dict, task: str) -> dict:
   }
 
 
+def default_config(max_len: int) -> ConfigDict:
+  """An imported VirTex run's data section when no --config names a recipe: the model as published (COCO Captions,
+  the official evaluation preprocessing, captions of at most `max_len` tokens); the method and tokenizer are the
+  checkpoint's (`_config`). Nothing about training it further: a fine-tuning run brings its own recipe."""
+  pp = f"{OFFICIAL_EVAL_PP}|choose_caption(5)|tokenize({max_len})"
+  return ConfigDict(dict(data=dict(name="coco_captions2017", split="train", data_dir="", config_name="", pp=pp)))
+
+
 def _config(base: ConfigDict | None, task: str, sizes: dict, arch: dict, heads: int, vocab_path: str, vocab_size: int):
-  c = ConfigDict(base.to_dict() if base is not None else {})
+  """The run's config: `base` (--config's recipe, else `default_config`) with the checkpoint's method and
+  tokenizer written in."""
+  c = ConfigDict((base if base is not None else default_config(sizes["positions"])).to_dict())
   method = dict(c.get("method", {}))
   method.update(
     name="virtex",
@@ -218,9 +234,7 @@ def _config(base: ConfigDict | None, task: str, sizes: dict, arch: dict, heads: 
 
 def expected_shapes(config: ConfigDict, vocab_size: int) -> dict[str, tuple]:
   """{'params/...' / 'batch_stats/...': shape} of the VirTex model `config.method` builds (shapes only)."""
-  from vlrep.methods.virtex import Method as VirTex
-
-  method = VirTex(config.method, vocab_size)
+  method = virtex_method.Method(config.method, vocab_size)
   batch = {"image": jnp.zeros((1, 64, 64, 3)), "tokens": jnp.zeros((1, config.method.max_len), jnp.int32)}
   shapes = jax.eval_shape(method.init, jax.random.PRNGKey(0), batch)
   return {f"{coll}/{p}": tuple(s.shape) for coll in ("params", "batch_stats") for p, s in flatten(shapes[coll]).items()}
@@ -238,6 +252,7 @@ def read(
   checkpoint: str,
   vocab: str | None = None,
   *,
+  contents: Any = None,
   config: ConfigDict | None = None,
   workdir: str | None = None,
   task: str | None = None,
@@ -245,14 +260,15 @@ def read(
   backbone_only: bool = False,
 ) -> ImportedRun:
   """An official VirTex checkpoint as a vlrep run. `config`: the base config (its data, optimizer and evaluations
-  are kept; the method and tokenizer are the checkpoint's); `workdir`: where the run goes (the vocabulary is copied
+  are kept; the method and tokenizer are the checkpoint's; default: `default_config`); `contents`: the file's
+  contents when the caller read them already; `workdir`: where the run goes (the vocabulary is copied
   to WORKDIR/vocab/); `backbone_only`: import `visual.cnn` alone (e.g. the zoo's multilabel classification model,
   which has no vlrep method)."""
   if task is not None and task not in TASKS:
     raise UserError(f"Unknown --task={task!r}; the VirTex tasks are {', '.join(TASKS)}.")
   # The vocabulary first: a file that is not a SentencePiece model is refused before a large checkpoint is read.
   tokenizer = read_vocabulary(vocab) if vocab else None
-  sd = tv.read_state_dict(checkpoint)
+  sd = tv.read_state_dict(checkpoint, contents)
   keys = set(sd)
   if not any(k.startswith(BACKBONE_PREFIX) for k in keys):  # the hub's backbone file: torchvision's names
     s, missing, _ = tv.score(keys)
@@ -422,3 +438,22 @@ def official_config(run, task: str, vocab: int, official_vocab: bool) -> dict:
     )
   out["notes"] = notes
   return out
+
+
+def export(run, out: str, overwrite: bool = False) -> dict:
+  """Writes the whole VirTex model as the official code's checkpoint, {"model": state_dict, "iteration": step}
+  with torch.save (`.pth`, needs torch): every key its model has (load_state_dict strict=True), the attention key
+  biases as zeros (vlrep has none: they cancel in softmax) and the tied copies (output = embedding, the backward
+  head's shared modules) written out. A run imported from an official checkpoint gets its vocabulary rows back in
+  the official order, so import -> export is the identity. Returns {'keys', 'parameters', 'step',
+  'official_config'}: the official config values that build the model (MODEL.TEXTUAL.NAME, DATA.VOCAB_SIZE, the
+  special token indices, ...)."""
+  del overwrite  # one file, replaced atomically
+  torch = keymaps.require_torch("--format=virtex writes a torch checkpoint: install torch.")
+  sd, official = keymaps.refusal(state_dict, run)
+  root = keymaps.out_root(out)
+  safe_files.make_dirs(root)
+  model = OrderedDict((k, torch.from_numpy(np.array(v))) for k, v in sd.items())
+  with safe_files.atomic_path(out, ".pth", root=root) as tmp:
+    torch.save({"model": model, "iteration": int(run.step)}, tmp)
+  return {"keys": len(sd), "parameters": keymaps.parameter_count(sd), "step": run.step, "official_config": official}

@@ -44,6 +44,7 @@ import os
 import re
 import shutil
 from collections import OrderedDict
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -52,19 +53,18 @@ from absl import logging
 from ml_collections import ConfigDict
 from safetensors.numpy import save_file
 
-from vlrep import config_utils, safe_files
+from vlrep import safe_files
 from vlrep.errors import BadFile, UserError, reading
-from vlrep.interop.formats import (
-  TRANSFORMS,
+from vlrep.interop import keymaps
+from vlrep.interop.formats import torchvision as tv
+from vlrep.interop.keymaps import (
   ImportedRun,
   KeyMap,
   closest_format,
   flatten,
-  load_checkpoint,
   rule,
   unflatten,
 )
-from vlrep.interop.formats import torchvision as tv
 from vlrep.methods import vlbert
 from vlrep.models import bert as bert_lib
 from vlrep.models import vl_bert
@@ -73,13 +73,7 @@ DESCRIPTION = (
   "VisualBERT: a Hugging Face VisualBertModel / VisualBertForPreTraining folder or an MMF VisualBERT checkpoint, as "
   "a VisualBERT pretraining run (VisualBERT's region embeddings; regions from region files)"
 )
-DEFAULT_CONFIG = "configs/vlbert.py:arch=visual_bert,stage=pretrain"
-
-# The sentence-image head's two logits in the other order: VisualBERT's are (the text matches the image, random),
-# vlrep's alignment head's (not aligned, aligned). (vlrep -> foreign, foreign -> vlrep given the vlrep shape), as
-# vlrep.interop.formats.TRANSFORMS; registered there so that the table below is the whole key map, both ways.
-TRANSFORMS.setdefault("linear_swap2", (lambda x, ctx: x.T[::-1], lambda x, shape, ctx: x[::-1].T))
-TRANSFORMS.setdefault("swap2", (lambda x, ctx: x[::-1], lambda x, shape, ctx: x[::-1]))
+OUT_SUFFIXES = ()  # export writes a folder
 
 
 def _linear(vlrep: str, foreign: str, transform: str = "linear") -> list:
@@ -160,7 +154,6 @@ _PLACEHOLDER_REGIONS = "REGION_FEATURES_DIR"
 # config.json fields an imported run does not keep: what export writes itself (the model class, the type) and what
 # describes the file rather than the model (the writer's version, the dtype: export writes float32).
 _HF_NOT_KEPT = ("architectures", "model_type", "transformers_version", "_name_or_path", "dtype", "torch_dtype")
-_CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "configs")
 
 
 def layout_of(keys) -> tuple[str, str, str, bool]:
@@ -472,18 +465,58 @@ def _vocab_folder(vocab: str | None, checkpoint_folder: str, vocab_size: int) ->
   return folder
 
 
+def default_config(regions: str) -> ConfigDict:
+  """An imported VisualBERT run's config when no --config names a recipe: the model as published (VisualBERT's
+  pretraining: masked language modelling over text and region features from `regions`, BERT's dropout and mask
+  rate), what rebuilds and applies it. Nothing about training it further (no optimizer, schedule or evaluations): a
+  fine-tuning run brings its own recipe (configs/vlbert.py:...,stage=finetune with method.pretrained_run=RUN).
+  The vilbert-only sizes are there because vlrep.methods.vlbert reads them for either arch; they build nothing."""
+  pp = f"vl_pairs('captions', 1)|tokenize_pairs(36)|region_features({regions!r}, 36, class_probs=False)"
+  return ConfigDict(
+    dict(
+      method=dict(
+        name="vlbert",
+        arch="visual_bert",
+        task="pretrain",
+        loss="bce",
+        num_labels=-1,
+        bert_dropout=0.1,
+        mask_rate=0.15,
+        region_mask_rate=0.15,
+        region_classes=1601,
+        region_target="classes",
+        region_weight=1.0,
+        freeze_base=False,
+        fusion="mul",
+        v_layers=6,
+        v_hidden=1024,
+        v_heads=8,
+        v_intermediate=1024,
+        bi_hidden=1024,
+        bi_heads=8,
+        visual=dict(
+          backbone=dict(depth=50, width=64, bn_group_size=0),
+          init_from="",
+          allow_random_init=False,
+          seed=0,
+          mode="file",
+          dim=2048,
+          roi_size=7,
+          crop_size=32,
+        ),
+      ),
+      tokenizer=dict(kind="wordpiece", path=""),
+      data=dict(name="coco_captions2017", split="train", data_dir="", config_name="", pp=pp),
+    )
+  )
+
+
 def _run_config(base, bert: dict, type_id: int, alignment: bool, vocab_folder: str, regions: str) -> ConfigDict:
-  """The base config (configs/vlbert.py:arch=visual_bert,stage=pretrain unless one is given) with region files,
-  VisualBERT's embeddings and BERT's architecture written in."""
+  """The base config (`default_config` unless --config names one) with region files, VisualBERT's embeddings and
+  BERT's architecture written in."""
 
   if base is None:
-    path = os.path.join(_CONFIGS, "vlbert.py")
-    if not os.path.exists(path):
-      raise FileNotFoundError(f"{os.path.abspath(path)} is missing: the imported run's config is built from it.")
-    arg = f"arch=visual_bert,stage=pretrain,regions={_PLACEHOLDER_REGIONS}"
-    c = config_utils.sibling_config(path, "vlbert", arg)
-    for holder in [c.data, *c.evals.values()]:
-      holder.pp = holder.pp.replace(repr(_PLACEHOLDER_REGIONS), repr(regions or _PLACEHOLDER_REGIONS))
+    c = default_config(regions or _PLACEHOLDER_REGIONS)
   else:
     c = ConfigDict(base.to_dict())
     if c.get("method", {}).get("name") != "vlbert":
@@ -539,6 +572,7 @@ def read(
   checkpoint: str,
   vocab: str | None = None,
   *,
+  contents: Any = None,
   config: ConfigDict | None = None,
   workdir: str | None = None,
   heads: int | None = None,
@@ -549,7 +583,7 @@ def read(
 ) -> ImportedRun:
   """A VisualBERT checkpoint as a vlrep VisualBERT pretraining run.
 
-  config: the base config (default configs/vlbert.py:arch=visual_bert,stage=pretrain). workdir: the run directory
+  config: the base config (default: `default_config`). workdir: the run directory
   the run will live in (vlrep.interop.import_run's): its config then names the vocab.txt copied there (`files`), so the
   run is self-contained; else the folder of `vocab`. heads, hidden_act, layer_norm_eps: for MMF checkpoints, whose
   tensors do not show them (default: MMF's config in the checkpoint or beside it, else BERT's 64-wide heads, 'gelu',
@@ -559,8 +593,7 @@ def read(
   options = dict(num_attention_heads=heads, hidden_act=hidden_act, layer_norm_eps=layer_norm_eps)
   options = {k: v for k, v in options.items() if v is not None}
   weights, config_json, config_yaml = _locate(checkpoint)
-  with reading(weights, what="checkpoint (torch.save or safetensors)", hint=tv.CHECKPOINT_HINT):
-    obj = load_checkpoint(weights)
+  obj = contents if contents is not None and weights == checkpoint else tv.read_contents(weights)
   sd, embedded_config = _state_dict(obj, weights)
   layout, base, heads, mmf = layout_of(sd)
   notes: dict = {"format": "visual_bert", "source": os.path.abspath(weights), "layout": layout, "dropped": {}}
@@ -827,3 +860,43 @@ def write_folder(run, out: str, overwrite: bool = False) -> dict:
     "config": info["config"],
     "notes": info["notes"],
   }
+
+
+def _run_without_code_hooks(run) -> tuple[Any, list[str]]:
+  """The run with the code hooks (CODE_HOOKS) of its saved Hugging Face config.json fields (an imported run's
+  `import.hf_config`, which the export writes back) removed, and the names removed."""
+  note = run.meta.get("import", {})
+  fields = note.get("hf_config", {}) if isinstance(note, dict) else {}
+  hooks = sorted(k for k in fields if k in CODE_HOOKS) if isinstance(fields, dict) else []
+  if not hooks:
+    return run, []
+  kept = {k: v for k, v in fields.items() if k not in CODE_HOOKS}
+  return dataclasses.replace(run, meta={**run.meta, "import": {**note, "hf_config": kept}}), hooks
+
+
+def export(run, out: str, overwrite: bool = False) -> dict:
+  """Writes the run as a Hugging Face folder that `transformers.VisualBertForPreTraining.from_pretrained(FOLDER)`
+  loads with no missing or unexpected keys (`write_folder`); code hooks (CODE_HOOKS: keys that make transformers
+  import Python from a folder) are never written, whatever the run's saved config.json fields hold, and dropping
+  one is a note. An existing non-empty `out` needs `overwrite`. Returns `write_folder`'s dict."""
+  folder = os.path.abspath(os.path.expanduser(out)).rstrip(os.sep)
+  if os.path.isdir(folder) and os.listdir(folder) and not overwrite:
+    raise keymaps.OutExists(
+      f"--out={out} already exists and is not empty; pass --overwrite to replace it, or choose another folder."
+    )
+  if os.path.lexists(folder) and not os.path.isdir(folder) or os.path.islink(folder):
+    raise keymaps.NotExportable(f"--out={out} is a file or a link; --format=visual_bert writes a folder.")
+  safe_files.make_dirs(keymaps.out_root(folder))
+  run, hooks = _run_without_code_hooks(run)
+  info = keymaps.refusal(write_folder, run, out, overwrite)
+  written = os.path.join(folder, "config.json")
+  with open(written, encoding="utf-8") as f:  # the file just written: no code hook reached it
+    left = sorted(set(CODE_HOOKS) & set(json.load(f)))
+  if left:
+    raise RuntimeError(f"{written} was written with code hooks {left}; vlrep's export must never write them.")
+  if hooks:
+    info["notes"] = [
+      *info.get("notes", []),
+      f"not written: {hooks} (code hooks: transformers would import Python from the folder; an export carries none)",
+    ]
+  return info
