@@ -15,11 +15,10 @@ import torch
 from ml_collections import ConfigDict
 from PIL import Image
 from pycocotools.coco import COCO
-from vlrep.evaluators.inputs import EvalInputs, Model
 
 from vlrep.data import instances, pipeline, records
 from vlrep.errors import UserError
-from vlrep.evaluators import detection
+from vlrep.evaluators import EvalInputs, Model, detection
 from vlrep.interop.formats import torchvision as tv_format
 from vlrep.models import resnet, vgg
 from vlrep.pytorch import detection_spec, detection_worker, handoff

@@ -44,7 +44,7 @@ from absl import logging
 from vlrep import safe_files
 from vlrep.data import instances
 from vlrep.errors import UserError
-from vlrep.evaluators.inputs import EvalInputs, Model
+from vlrep.evaluators._inputs import EvalInputs, Model
 from vlrep.interop.formats import torchvision as tv_format
 from vlrep.models import resnet
 from vlrep.pytorch import detection_spec
