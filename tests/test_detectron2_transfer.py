@@ -77,6 +77,28 @@ def test_backbone_settings_follow_the_run_and_refuse_what_detectron2_cannot_buil
     d2t.backbone_settings(_arch(depth=18, width=16))
 
 
+def test_the_driver_builds_detectron2_weights_from_the_runs_exported_hand_off(tiny_virtex_run, tmp_path):
+  # The driver's own path without Detectron2: the export command into OUTPUT_DIR, the record, backbone.json's
+  # architecture and the weights Detectron2 would get (its ResNet names, the values of the hand-off's tensors).
+  out = tmp_path / "run_out"
+  d2t.export_backbone(str(tiny_virtex_run.workdir), "latest", str(out))
+  for name in d2t.HANDOFF_FILES:
+    d2t.record_written(str(out), name, str(tmp_path))
+  arch = d2t.read_handoff(str(out))["architecture"]
+  assert set(arch) == set(handoff.ARCHITECTURE_KEYS) and arch["stem"] == "small"  # the tiny recipe's backbone
+  with pytest.raises(UserError, match="stem='small'"):  # which Detectron2's ResNet cannot build: refused
+    d2t.backbone_settings(arch)
+  torchvision_weights = handoff.read_weights(str(out))
+  weights = d2t.load_for_detectron2(str(out / handoff.HANDOFF_WEIGHTS), str(out))
+  assert weights["matching_heuristics"] and str(tiny_virtex_run.workdir) in weights["__author__"]
+  np.testing.assert_array_equal(weights["model"]["stem.conv1.weight"], torchvision_weights["conv1.weight"])
+  np.testing.assert_array_equal(
+    weights["model"]["res2.0.conv1.norm.running_mean"], torchvision_weights["layer1.0.bn1.running_mean"]
+  )
+  counters = [k for k in torchvision_weights if k.endswith("num_batches_tracked")]
+  assert counters and len(weights["model"]) == len(torchvision_weights) - len(counters)
+
+
 def test_a_failed_export_of_the_hand_off_is_one_user_error(tmp_path):
   # What the export refuses (no run, no checkpoint, a VGG16 backbone) reaches the user as its own message.
   with pytest.raises(UserError, match=r"Exporting .*nope's backbone failed \(exit 2\)"):
