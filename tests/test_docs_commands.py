@@ -322,7 +322,6 @@ COMMANDS: dict[str, object] = {
       "python -m vlrep.data.prepare --dataset=voc2007 --manual_dir=...",
       "python -m vlrep.data.prepare --dataset=voc2007 --manual_dir=PATH",
       "python -m vlrep.data.prepare --dataset=vqa2 --manual_dir=/data/vqa2 (also vizwiz, snli_ve, mm_imdb,",
-      "python -m vlrep.interop.export",
       "python -m vlrep.evaluate",
       "python -m vlrep.evaluate --config=configs/eval/NAME.py --workdir=DIR",
       "python -m vlrep.evaluate --config=configs/eval/NAME.py[:ARGS] --workdir=RUN [--checkpoint=best",
@@ -481,7 +480,6 @@ COMMANDS: dict[str, object] = {
     for c in (
       "python -m vlrep.pytorch.detection_worker --spec=SPEC.json --out=METRICS.json",
       "python -m vlrep.pytorch.detection_worker",
-      "python -m vlrep.pytorch.detection_worker --spec=SPEC.json",
     )
   },
   # --- Export. ---------------------------------------------------------------------------------------- #
@@ -489,13 +487,9 @@ COMMANDS: dict[str, object] = {
   "python -m vlrep.interop.export --workdir=RUN --checkpoint=best --format=backbone --out=FOLDER": Run(
     replace=(("RUN", VIRTEX), ("FOLDER", "{tmp}/backbone_handoff")), expect="Exported step"
   ),
-  **{
-    c: SameAs("python -m vlrep.interop.export --workdir=RUN --checkpoint=best --format=backbone --out=FOLDER")
-    for c in (
-      "python -m vlrep.interop.export --workdir=DIR --format=backbone --out=FOLDER",
-      "python -m vlrep.interop.export --format=backbone --out=FOLDER",
-    )
-  },
+  "python -m vlrep.interop.export --workdir=DIR --format=backbone --out=FOLDER": SameAs(
+    "python -m vlrep.interop.export --workdir=RUN --checkpoint=best --format=backbone --out=FOLDER"
+  ),
   "python -m vlrep.interop.export --workdir=RUN --format=torchvision --out=backbone.safetensors": Refuses(
     SMALL_STEM, replace=(("RUN", VIRTEX), ("backbone.safetensors", "{tmp}/backbone.safetensors"))
   ),
