@@ -243,12 +243,12 @@ def read(
 
 def default_config() -> ConfigDict:
   """An imported backbone's config when no --config names a recipe: an ImageNet classifier as torchvision publishes
-  it (1000 classes, images resized to 256 and centre-cropped to 224 for evaluation), what rebuilds and applies the
-  backbone; nothing about training it further."""
+  it (trained on ImageNet's 1000 classes, images resized to 256 and centre-cropped to 224 for evaluation), what
+  rebuilds and applies the backbone; nothing about training it further (the dataset is named, never read)."""
   return ConfigDict(
     dict(
       method=dict(name="classifier", num_classes=1000),
-      data=dict(name="", split="train", data_dir="", config_name="", pp=IMAGENET_EVAL_PP),
+      data=dict(name="imagenet2012", split="train", data_dir="", config_name="", pp=IMAGENET_EVAL_PP),
     )
   )
 

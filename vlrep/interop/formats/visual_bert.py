@@ -49,6 +49,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import yaml
 from absl import logging
 from ml_collections import ConfigDict
 from safetensors.numpy import save_file
@@ -259,8 +260,6 @@ def _mmf_model_config(config_yaml: str | None, embedded: dict | None) -> dict:
   checkpoint's own 'config' entry; {} when neither has one."""
   raw = embedded
   if config_yaml:
-    import yaml
-
     with reading(config_yaml, what="MMF config.yaml", hint=_FOLDER_HINT):
       _check_size(config_yaml)
       with open(config_yaml, encoding="utf-8") as f:
