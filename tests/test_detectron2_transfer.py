@@ -187,7 +187,8 @@ def test_every_shipped_config_builds_its_model_through_the_driver(yaml, tmp_path
 
   args = d2t.parse_args([f"--workdir={tmp_path}", f"--config-file={CONFIG_DIR}/{yaml}"])
   d2t.register([])
-  cfg = d2t.build_config(args, _arch(width=16), world_size=1, cuda=False)
+  cfg = d2t.build_config(args, world_size=1, cuda=False)
+  d2t.set_backbone(cfg, _arch(width=16))
   assert cfg.MODEL.RESNETS.NORM == "BN" and cfg.TEST.PRECISE_BN.NUM_ITER <= cfg.SOLVER.MAX_ITER
   model = build_model(cfg)
   names = dict(model.named_modules())
@@ -206,7 +207,7 @@ def test_a_config_with_python_tags_is_refused_not_run(tmp_path):
   )
   args = d2t.parse_args([f"--workdir={tmp_path}", f"--config-file={yaml_file}"])
   with pytest.raises(UserError, match="not a plain YAML config"):
-    d2t.build_config(args, _arch(width=16), world_size=1, cuda=False)
+    d2t.build_config(args, world_size=1, cuda=False)
   assert not marker.exists()
 
 

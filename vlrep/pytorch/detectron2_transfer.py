@@ -231,9 +231,9 @@ def check_input_convention(cfg) -> None:
     )
 
 
-def build_config(args, architecture: dict, world_size: int, cuda: bool):
-  """The Detectron2 config: YAML, overrides, then what follows from the run's backbone (`architecture`, as
-  backbone.json gives it) and this machine."""
+def build_config(args, world_size: int, cuda: bool):
+  """The Detectron2 config: YAML, overrides, then what follows from this machine; checked before the run's backbone
+  is exported (`set_backbone` then adds what follows from it)."""
   import yaml
   from detectron2.config import get_cfg
 
@@ -247,8 +247,6 @@ def build_config(args, architecture: dict, world_size: int, cuda: bool):
       "YAML values, as configs/detectron2/ does."
     ) from e
   cfg.merge_from_list(list(args.opts))
-  for key, value in backbone_settings(architecture).items():
-    _set(cfg, key, value)
   if args.train:
     cfg.DATASETS.TRAIN = tuple(args.train.split(","))
   if args.test:
@@ -264,6 +262,13 @@ def build_config(args, architecture: dict, world_size: int, cuda: bool):
   cfg.TEST.PRECISE_BN.NUM_ITER = min(cfg.TEST.PRECISE_BN.NUM_ITER, cfg.SOLVER.MAX_ITER)
   check_input_convention(cfg)
   return cfg
+
+
+def set_backbone(cfg, architecture: dict) -> None:
+  """The run's backbone (backbone.json's `architecture`) in the config: `backbone_settings`, over the YAML's and the
+  overrides' values."""
+  for key, value in backbone_settings(architecture).items():
+    _set(cfg, key, value)
 
 
 def result_name(args) -> str:
@@ -697,7 +702,12 @@ def train_and_evaluate(args) -> dict:
   from detectron2.utils import comm
 
   register(args.dataset)
-  root, out_dir = output_root(args), output_dir(args)
+  cfg = build_config(args, comm.get_world_size(), torch.cuda.is_available())
+  check_datasets(cfg)
+  if cfg.MODEL.MASK_ON and cfg.INPUT.MASK_FORMAT == "polygon" and uses_rle_masks(args.dataset, cfg.DATASETS.TRAIN):
+    print("The training set's masks are RLE: INPUT.MASK_FORMAT bitmask (polygon reads only polygons).", flush=True)
+    cfg.INPUT.MASK_FORMAT = "bitmask"
+  root, out_dir = output_root(args), cfg.OUTPUT_DIR
   safe_files.make_dirs(out_dir, root=root)
   # Checked again in this process (a launched worker is a fresh one; the single process read it in main already).
   resume = check_output(args, keep=True)
@@ -707,12 +717,7 @@ def train_and_evaluate(args) -> dict:
     for name in HANDOFF_FILES:
       record_written(out_dir, name, root)
   comm.synchronize()
-  architecture = read_handoff(out_dir)["architecture"]
-  cfg = build_config(args, architecture, comm.get_world_size(), torch.cuda.is_available())
-  check_datasets(cfg)
-  if cfg.MODEL.MASK_ON and cfg.INPUT.MASK_FORMAT == "polygon" and uses_rle_masks(args.dataset, cfg.DATASETS.TRAIN):
-    print("The training set's masks are RLE: INPUT.MASK_FORMAT bitmask (polygon reads only polygons).", flush=True)
-    cfg.INPUT.MASK_FORMAT = "bitmask"
+  set_backbone(cfg, read_handoff(out_dir)["architecture"])
   # A resumed job loads its checkpoint, never MODEL.WEIGHTS: nothing else is handed to Detectron2.
   weights = os.path.join(out_dir, handoff.HANDOFF_WEIGHTS)
   cfg.MODEL.WEIGHTS = weights if args.weights == "run" and resume is None else ""
