@@ -32,7 +32,7 @@ class FailingCaptioning:
     return {"cider": 1.0}
 
   def install(self, monkeypatch):
-    monkeypatch.setattr(captioning.Evaluator, "run", lambda evaluator, model: self(evaluator, model))
+    monkeypatch.setattr(captioning.Evaluator, "evaluate", lambda evaluator, model: self(evaluator, model))
     return self
 
 
