@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -646,3 +647,161 @@ def test_the_size_ranges_with_ground_truth_are_cocoevals():
   assert d2t.sizes_with_ground_truth([box(100, iscrowd=1)]) == set()  # crowds are not ground truth to COCOeval
   assert d2t.sizes_with_ground_truth([{"bbox": [0, 0, 100, 100]}]) == {"APl"}  # no area: the box's
   assert d2t.sizes_with_ground_truth([]) == set()
+
+
+class _Cfg(dict):
+  """A stand-in for Detectron2's CfgNode: attribute access to nested dicts, YAML merge, KEY VALUE pairs."""
+
+  def __getattr__(self, key):
+    try:
+      return self[key]
+    except KeyError as e:
+      raise AttributeError(key) from e
+
+  def __setattr__(self, key, value):
+    self[key] = value
+
+  def merge_from_file(self, path, allow_unsafe=False):
+    import yaml
+
+    assert allow_unsafe is False
+    with open(path) as f:
+      self._merge(self, yaml.safe_load(f))
+
+  @classmethod
+  def _merge(cls, node, values):
+    for key, value in values.items():
+      if isinstance(value, dict):
+        cls._merge(node[key], value)
+      else:
+        node[key] = value
+
+  def merge_from_list(self, pairs):
+    for key, value in zip(pairs[0::2], pairs[1::2], strict=True):
+      d2t._set(self, key, type(d2t._get(self, key))(value))
+
+  def freeze(self):
+    pass
+
+  @classmethod
+  def of(cls, tree):
+    return cls({k: cls.of(v) if isinstance(v, dict) else v for k, v in tree.items()})
+
+
+def _stub_detectron2(monkeypatch, results, seen):
+  """Detectron2's names train_and_evaluate uses, as stand-ins whose trainer 'trains' and evaluates to `results`."""
+  import types
+
+  defaults = {
+    "INPUT": {"FORMAT": "BGR", "MASK_FORMAT": "polygon"},
+    "DATASETS": {"TRAIN": (), "TEST": ()},
+    "DATALOADER": {"NUM_WORKERS": 4},
+    "SOLVER": {"MAX_ITER": 10},
+    "TEST": {"PRECISE_BN": {"NUM_ITER": 200}},
+    "OUTPUT_DIR": "",
+    "MODEL": {
+      "DEVICE": "cuda",
+      "WEIGHTS": "",
+      "MASK_ON": True,
+      "PIXEL_MEAN": [103.53, 116.28, 123.675],
+      "PIXEL_STD": [1.0, 1.0, 1.0],
+      "RESNETS": {"NORM": "FrozenBN", "STRIDE_IN_1X1": True, "DEPTH": 50, "STEM_OUT_CHANNELS": 64,
+                  "RES2_OUT_CHANNELS": 256, "WIDTH_PER_GROUP": 64},
+      "FPN": {"NORM": ""},
+      "ROI_BOX_HEAD": {"NORM": ""},
+      "ROI_MASK_HEAD": {"NORM": ""},
+    },
+  }  # fmt: skip
+
+  class Trainer:
+    def __init__(self, cfg):
+      seen["cfg"] = cfg
+
+    def resume_or_load(self, resume):
+      seen["weights"] = d2t.load_for_detectron2(seen["cfg"].MODEL.WEIGHTS, seen["cfg"].OUTPUT_DIR)
+
+    def train(self):
+      self._last_eval_results = results
+
+  class Metadata(dict):
+    get = dict.get
+
+  names = (
+    *("detectron2", "detectron2.engine", "detectron2.utils", "detectron2.utils.comm", "detectron2.config"),
+    *("detectron2.data", "detectron2.data.datasets", "detectron2.data.datasets.pascal_voc", "detectron2.layers"),
+    *("detectron2.modeling", "detectron2.modeling.roi_heads", "detectron2.evaluation", "detectron2.checkpoint"),
+  )
+  modules = {n: types.ModuleType(n) for n in names}
+  registry = {}
+  m = modules
+  m["detectron2.engine"].DefaultTrainer, m["detectron2.engine"].default_setup = Trainer, lambda cfg, args: None
+  comm = m["detectron2.utils.comm"]
+  comm.get_world_size, comm.is_main_process, comm.synchronize = (lambda: 1), (lambda: True), (lambda: None)
+  m["detectron2.utils"].comm = comm
+  m["detectron2.config"].get_cfg = lambda: _Cfg.of(defaults)
+  m["detectron2.data"].DatasetCatalog = types.SimpleNamespace(list=lambda: list(registry))
+  m["detectron2.data"].MetadataCatalog = types.SimpleNamespace(get=lambda name: registry[name])
+
+  def register_coco_instances(name, meta, json_file, images):
+    registry[name] = types.SimpleNamespace(
+      evaluator_type="coco", get=Metadata(evaluator_type="coco", json_file=json_file).get
+    )
+
+  m["detectron2.data.datasets"].register_coco_instances = register_coco_instances
+  m["detectron2.data.datasets"].register_lvis_instances = register_coco_instances
+  m["detectron2.data.datasets.pascal_voc"].register_pascal_voc = lambda *a: None
+  m["detectron2.layers"].get_norm = lambda norm, channels: None
+  m["detectron2.modeling.roi_heads"].ROI_HEADS_REGISTRY = types.SimpleNamespace(register=lambda: lambda cls: cls)
+  m["detectron2.modeling.roi_heads"].Res5ROIHeads = object
+  for name, module in modules.items():
+    monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_a_detector_without_predictions_reaches_the_summary_as_ap_0(tmp_path, monkeypatch, caplog):
+  """train_and_evaluate with Detectron2's names stood in for (CI has no Detectron2): the hand-off exported into
+  OUTPUT_DIR and recorded, the config given the run's architecture and the hand-off as its weights, and an evaluation
+  without a single prediction (every metric NaN) written as AP 0, a warning saying why; the test set has no large
+  object, so no APl."""
+  from vlrep import run_summary
+
+  run = tmp_path / "run"
+  run.mkdir()
+  images = tmp_path / "images"
+  images.mkdir()
+  instances = tmp_path / "val.json"
+  boxes = [[0, 0, 10, 10], [0, 0, 40, 40]]  # areas 100 (small) and 1,600 (medium)
+  annotations = [
+    {"id": i, "image_id": 1, "category_id": 1, "bbox": b, "area": b[2] * b[3]} for i, b in enumerate(boxes)
+  ]
+  instances.write_text(json.dumps({"images": [], "annotations": annotations, "categories": []}))
+  yaml_file = tmp_path / "stub.yaml"
+  yaml_file.write_text(
+    "INPUT: {FORMAT: RGB}\nMODEL:\n  PIXEL_MEAN: [123.675, 116.28, 103.53]\n  PIXEL_STD: [58.395, 57.12, 57.375]\n"
+    "  RESNETS: {STRIDE_IN_1X1: false, NORM: SyncBN}\n"
+  )
+  nothing = {m: NAN for m in d2t.COCO_METRICS}
+  seen = {}
+  _stub_detectron2(monkeypatch, {"bbox": dict(nothing), "segm": dict(nothing)}, seen)
+  exported = []
+
+  def export_backbone(workdir, checkpoint, out_dir):  # what `vlrep.interop.export --format=backbone` writes
+    exported.append((workdir, checkpoint, out_dir))
+    _handoff(pathlib.Path(out_dir), architecture=_arch(width=2))
+
+  monkeypatch.setattr(d2t, "export_backbone", export_backbone)
+  args = d2t.parse_args(
+    [f"--workdir={run}", f"--config-file={yaml_file}", f"--dataset=val=coco:{instances}:{images}", "--test=val"]
+  )
+  with caplog.at_level("WARNING"):
+    d2t.train_and_evaluate(args)
+
+  out = run / "detectron2" / "stub"
+  assert exported == [(str(run), "best", str(out))]
+  assert set(json.loads((out / d2t.MANIFEST).read_text())["files"]) == set(d2t.HANDOFF_FILES)
+  cfg = seen["cfg"]
+  assert cfg.MODEL.WEIGHTS == str(out / "backbone.safetensors") and cfg.MODEL.RESNETS.STEM_OUT_CHANNELS == 2
+  assert cfg.MODEL.RESNETS.NORM == "BN" and "stem.conv1.weight" in seen["weights"]["model"]
+  want = {f"detectron2/stub/{t}/{m}": 0.0 for t in ("bbox", "segm") for m in ("AP", "AP50", "AP75", "APs", "APm")}
+  assert json.loads((out / "transfer_results.json").read_text()) == want
+  assert run_summary.read_summary(str(run)) == want
+  assert "made no predictions on val (bbox)" in caplog.text and "made no predictions on val (segm)" in caplog.text
