@@ -13,6 +13,8 @@ load runs (`vlrep.runs.load_run`).
 import copy
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -25,7 +27,7 @@ from ml_collections import ConfigDict
 from torch import nn
 from torchvision.models.feature_extraction import create_feature_extractor
 
-from vlrep import methods, runs, train
+from vlrep import methods, runs, torch_files, train
 from vlrep.data import tokenizers
 from vlrep.interop import export, import_run
 from vlrep.pytorch.resnet import ResNet as TorchResNet
@@ -443,6 +445,40 @@ def test_torchvision_round_trip_is_bit_exact(tmp_path):
   _assert_same(out, {k: v for k, v in sd.items() if not k.startswith("fc.")})  # the ImageNet head: dropped
   model = torchvision.models.resnet50()
   assert model.load_state_dict(out, strict=False).missing_keys == ["fc.weight", "fc.bias"]
+
+
+def test_auto_reads_the_checkpoint_once_and_the_config_from_no_file(tmp_path, monkeypatch):
+  """--format=auto reads the file once and hands its contents to the format (no module-global cache of the last
+  file); without --config the run's config is the format's own, built with no recipe file read (the working
+  directory here has no configs/)."""
+  from vlrep.interop.formats import torchvision as tv
+
+  torch.manual_seed(2)
+  torch.save(torchvision.models.resnet18().state_dict(), tmp_path / "r18.pth")
+  reads = []
+  monkeypatch.setattr(tv, "load_checkpoint", lambda path: reads.append(path) or torch_files.load_checkpoint(path))
+  monkeypatch.chdir(tmp_path)
+  imported = import_run.import_run("auto", "r18.pth", "run")
+  assert reads == ["r18.pth"] and imported.note["format"] == "torchvision"
+  method = imported.config.method.to_dict()
+  backbone = {"depth": 18, "width": 64, "stem": "imagenet"}
+  assert method == {"name": "classifier", "num_classes": 1000, "dtype": "float32", "backbone": backbone}
+  assert set(imported.config) == {"method", "data"} and "central_crop(224)" in imported.config.data.pp
+  with pytest.raises(import_run.NoSuchFile, match="No config file"):  # --config: the path as named, here none
+    import_run.import_run("torchvision", "r18.pth", "run2", config="configs/finetune.py")
+
+
+def test_no_format_module_changes_the_shared_tables_on_import():
+  """The one TRANSFORMS table holds every layout change: importing every format module (in a fresh process)
+  leaves it as vlrep.interop.keymaps defines it."""
+  code = (
+    "from vlrep import modules; from vlrep.interop import keymaps; before = dict(keymaps.TRANSFORMS); "
+    "[modules.get('interop.formats', n, 'format') for n in modules.available('interop.formats')]; "
+    "assert keymaps.TRANSFORMS == before, set(keymaps.TRANSFORMS) ^ set(before); print(sorted(before))"
+  )
+  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert "'linear_swap2'" in done.stdout and "'swap2'" in done.stdout
 
 
 @pytest.mark.parametrize("task", ["bicaptioning", "captioning", "masked_lm", "token_classification"])
