@@ -9,11 +9,14 @@ A format module (`vlrep/interop/formats/<format>.py`, found with `vlrep.modules.
   def score(keys: set[str]) -> tuple[float, list[str], list[str]]                              (import)
       how well a state dict's key set matches this format (1.0: every key the format needs is there), the first
       missing keys and the first unexpected ones: a file that matches no format names the closest one.
-  def read(checkpoint: str, vocab: str | None, *, state_dict=None, **options) -> ImportedRun    (import)
-      the run's contents (its config built by the format: see `vlrep.interop.import_run`); a clear error (naming
-      the tensor and both shapes, the missing/unexpected keys, a vocabulary whose size differs from the embedding)
-      before anything is written. `state_dict`: the file's state dict when the caller read it already (--format=auto
-      reads it to score it), so a checkpoint is read once.
+  def read(checkpoint: str, vocab: str | None, *, contents=None, config=None, **options) -> ImportedRun
+      (import) the run's contents; a clear error (naming the tensor and both shapes, the missing/unexpected keys, a
+      vocabulary whose size differs from the embedding) before anything is written. `contents`: what
+      `load_checkpoint` read from the file when the caller read it already (--format=auto reads it to score it), so
+      a checkpoint is read once. `config`: a recipe's config to start the run's from; None: the format builds it
+      (the model as published: no file of the repository's configs/ is read).
+  OUT_SUFFIXES: tuple[str, ...]                                                                 (export)
+      what --out may end in (empty: a folder)
   def export(run: vlrep.runs.Run, out: str, overwrite: bool) -> dict                            (export)
       writes the run in the format to `out`; returns {'keys', 'parameters', 'step', ...}. A run the format cannot
       hold is a UserError saying why, before anything is written.

@@ -1,8 +1,8 @@
 """VisualBERT in: a Hugging Face `VisualBertModel` / `VisualBertForPreTraining` folder (config.json and
 model.safetensors or pytorch_model.bin; e.g. the authors' COCO-pretrained `uclanlp/visualbert-*-pre`) or an MMF
 VisualBERT checkpoint (the pretraining study's zoo: a `model.pth` / `*.ckpt` file, or the folder holding it and its
-`config.yaml`) -> a vlrep VisualBERT *pretraining* run (configs/vlbert.py:arch=visual_bert,stage=pretrain) that
-downstream runs load through `method.pretrained_run`.
+`config.yaml`) -> a vlrep VisualBERT *pretraining* run (the model of configs/vlbert.py:arch=visual_bert,stage=pretrain,
+built here: `default_config`) that downstream runs load through `method.pretrained_run`.
 
 The imported run computes what VisualBERT computes: its config sets the VisualBERT-exact region embeddings
 (`region_boxes=False`, `region_norm='shared'`, `region_type_embedding='tables'`, vlrep.models.vl_bert) and the
