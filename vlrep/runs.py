@@ -258,8 +258,11 @@ def without_unknown_keys(config: dict, where: str) -> dict:
 
 def unknown_keys(saved: dict, config: dict, prefix: str = "") -> list[str]:
   """The dotted keys of a run's `saved` config that `config` (the one it is resumed with) does not have: options
-  of an earlier version, which the resumed run ignores. Not under `evals`: which evaluations a command runs is
-  its own choice (`--config.evals={}` drops them all)."""
+  of an earlier version, which the resumed run ignores. In a backbone section, the keys none of this version's
+  networks takes (an architecture key init_from adopted is known, though the user's config may not set it). Not
+  under `evals`: which evaluations a command runs is its own choice (`--config.evals={}` drops them all)."""
+  if prefix.rstrip(".") in BACKBONE_SECTIONS:
+    return [f"{prefix}{key}" for key in saved if key not in backbone_keys()]
   out = []
   for key, value in saved.items():
     full = f"{prefix}{key}"
