@@ -98,7 +98,8 @@ def config_as_trained(
 @dataclasses.dataclass(frozen=True)
 class TrainingPlan:
   """What the loop derives from the config once, before training, and never writes back into it: the run's
-  length in steps (from steps, epochs or examples and the training split's size) and its checkpoint cadence."""
+  length in steps, from steps, epochs or examples and the training split's size (the evaluations' and
+  checkpoints' cadences are steps in the config already)."""
 
   num_examples: int  # of the training split (its fraction, e.g. 'train[:10%]')
   steps_per_epoch: float
@@ -349,12 +350,11 @@ def _train(
   return summary
 
 
-def build_for_training(trained_config: ml_collections.ConfigDict, workdir: str, allow_changed_data: bool):
-  """(RunData, the training data's builder, EvalInputs, TrainingPlan): the prepared data and tokenizer checked
-  against what the run in `workdir` was trained with (and recorded) before the tokenizer is built (a changed
-  dataset is refused unless allowed, and a run's tokenizer is never rebuilt); then the method, and the run's
-  length from the training split's size."""
-  config = trained_config
+def build_for_training(config: ml_collections.ConfigDict, workdir: str, allow_changed_data: bool):
+  """(RunData, the training data's builder, EvalInputs, TrainingPlan) of the config as trained
+  (config_as_trained): the prepared data and tokenizer checked against what the run in `workdir` was trained with
+  (and recorded) before the tokenizer is built (a changed dataset is refused unless allowed, and a run's tokenizer
+  is never rebuilt); then the method, and the run's length from the training split's size."""
   run_data = run_setup.RunData(
     workdir, has_checkpoints(workdir), saved_steps(workdir), allow_changed_data, config.get("init_from", "")
   )
