@@ -1,5 +1,5 @@
-r"""Imports a published checkpoint as a vlrep run directory: the second door for weights (vlrep.interop.export is the
-first).
+r"""Imports a published checkpoint as a vlrep run directory: the second door for weights (vlrep.interop.export is
+the first).
 
   python -m vlrep.interop.import_run --format=virtex --checkpoint=bicaptioning_R_50_L1_H2048.pth \
       --vocab=coco_10k.model --workdir=/runs/virtex_zoo

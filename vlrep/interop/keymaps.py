@@ -139,13 +139,11 @@ def no_format_error(path: str, keys: set[str], fmt: str, score: float, missing, 
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Safe loading: safetensors, or torch.save files through vlrep.torch_files (a restricted unpickler; no code
-# runs).
+# Safe loading: safetensors, or torch.save files through vlrep.torch_files (a restricted unpickler; no code runs).
 # ------------------------------------------------------------------------------------------------------------------
 def load_checkpoint(path: str) -> Any:
   """A .safetensors file as {name: array} (`vlrep.torch_files.load_safetensors`: every declared size checked
-  first);
-  any other file (.pth/.pt/.bin: torch.save, zip or legacy format) through `vlrep.torch_files.load_checkpoint`:
+  first); any other file (.pth/.pt/.bin: torch.save, zip or legacy format) through `vlrep.torch_files.load_checkpoint`:
   plain Python containers and numpy arrays; a file that asks for any other object is a `torch_files.UnsafeFile`
   error naming the file and the global (nothing in it is imported or run). A malformed file is a
   `vlrep.errors.BadFile` naming it."""

@@ -10,8 +10,7 @@ Export: a ResNet state_dict with torchvision's names (`conv1.weight`, `layer1.0.
 fc.bias). Written as safetensors (`.safetensors`, no pickle) or with torch.save (`.pth`, needs torch).
 
 The key map (`resnet_rules`) is the one `vlrep.interop.export --format=torchvision` writes with, so import -> export
-is the
-identity, tensor for tensor (BatchNorm's `num_batches_tracked` counters are kept in the run's note and written
+is the identity, tensor for tensor (BatchNorm's `num_batches_tracked` counters are kept in the run's note and written
 back). timm's ResNets (resnet50.a1_in1k, ...) use torchvision's names and load the same way.
 
 Read from the tensors' shapes: the block type (bottleneck if `layer1.0.conv3` exists), the blocks per stage (the

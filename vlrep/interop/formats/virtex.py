@@ -1,8 +1,7 @@
 """Official VirTex checkpoints (kdexd/virtex) <-> vlrep VirTex runs.
 
-  python -m vlrep.interop.import_run --format=virtex --checkpoint=bicaptioning_R_50_L1_H2048.pth
-  --vocab=coco_10k.model \
-      --workdir=/runs/virtex_zoo_h2048
+  python -m vlrep.interop.import_run --format=virtex --checkpoint=bicaptioning_R_50_L1_H2048.pth \
+      --vocab=coco_10k.model --workdir=/runs/virtex_zoo_h2048
   python -m vlrep.tools.caption --workdir=/runs/virtex_zoo_h2048 photo.jpg
   python -m vlrep.interop.export --workdir=/runs/virtex_zoo_h2048 --format=virtex --out=bicaptioning.pth
 
@@ -10,8 +9,7 @@ What is read: the model zoo's `{"model": state_dict, ...}` files of every task (
 a `TransformerDecoderTextualHead`; token_classification: a `LinearTextualHead`), every width, depth and backbone
 (torchvision resnet50 / resnet101 / wide_resnet50_2 under `visual.cnn.`), and the hub's backbone-only files
 (`backbone_bicaptioning_R_50_L1_H2048.pth`: torchvision names, imported as `vlrep.interop.formats.torchvision` does).
-The
-sizes come from the tensors: H (embedding width), L (decoder layers), F (feed-forward width), the caption length
+The sizes come from the tensors: H (embedding width), L (decoder layers), F (feed-forward width), the caption length
 (position embeddings), the vocabulary (embedding rows) and the backbone. What they cannot tell is a flag: the
 number of attention heads (`--heads`, default H / 64 as every zoo model) and, for a forward-only transformer head,
 captioning or masked LM (`--task`; default from the file name).
