@@ -59,8 +59,8 @@ def test_own_imports_a_dotted_path_and_names_what_is_missing(tmp_path, monkeypat
 
 
 def test_listing_and_getting_from_many_threads_at_once():
-  """package_modules parsed source files with `ast.parse`, which CPython 3.11 failed from several threads at once
-  (a lock was needed); listing reads folder names and getting is an import, both safe from threads."""
+  """The lookup this replaced parsed source files with `ast.parse`, which CPython 3.11 failed from several threads
+  at once (a lock was needed); listing reads folder names and getting is an import, both safe from threads."""
   expected = {kind: modules.available(kind) for kind in ("methods", "evaluators", "data.builders")}
 
   def look_up(i):
