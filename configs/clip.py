@@ -12,7 +12,7 @@ On the embedded synthetic_scenes dataset, sized like configs/virtex.py:runlocal 
 Variants (arguments combine with commas; any key can also be overridden with --config.KEY=VALUE):
   loss=softmax|sigmoid   CLIP's symmetric cross-entropy over the global batch (learned temperature, init 0.07,
                          scale clipped at 100) or SigLIP's per-pair sigmoid loss (learned t' and b, init log 10
-                         and -10), computed block by block over the devices (vlrep/methods/contrastive.py)
+                         and -10), computed block by block over the devices (vlrep/methods/_contrastive.py)
   pool=avg|attention     the image embedding: the ResNet's global average pool and a linear projection, or
                          CLIP's attention pooling over the final grid
   text=scratch|bert      the text tower: a causal transformer trained from scratch (CLIP's layout) or a

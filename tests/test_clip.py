@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from conftest import run_main, run_module
 
-from vlrep.methods import contrastive
+from vlrep.methods import _contrastive
 
 
 def _unit(x):
@@ -36,17 +36,17 @@ def test_losses_match_numpy():
   img, txt = rng.normal(size=(6, 5)).astype(np.float32), rng.normal(size=(6, 5)).astype(np.float32)
   for t, b in ((10.0, -10.0), (3.0, 0.5)):
     want = _np_sigmoid_loss(img, txt, t, b)
-    assert float(contrastive.sigmoid_loss(img, txt, t, b)) == pytest.approx(want, rel=1e-5)
+    assert float(_contrastive.sigmoid_loss(img, txt, t, b)) == pytest.approx(want, rel=1e-5)
     # Without a mesh, chunks of the texts in a scan: the same sum.
     for chunks in (2, 3, 6):
-      assert float(contrastive.sigmoid_loss_chunked(img, txt, t, b, chunks)) == pytest.approx(want, rel=1e-5)
+      assert float(_contrastive.sigmoid_loss_chunked(img, txt, t, b, chunks)) == pytest.approx(want, rel=1e-5)
   with pytest.raises(ValueError, match="sigmoid-loss chunks"):
-    contrastive.sigmoid_loss_chunked(img, txt, 1.0, 0.0, 4)
+    _contrastive.sigmoid_loss_chunked(img, txt, 1.0, 0.0, 4)
   scale = np.log(1 / 0.07)
   want = _np_clip_loss(img, txt, 1 / 0.07)
-  assert float(contrastive.clip_loss(img, txt, scale)) == pytest.approx(want, rel=1e-5)
+  assert float(_contrastive.clip_loss(img, txt, scale)) == pytest.approx(want, rel=1e-5)
   # CLIP's loss is the symmetric InfoNCE (LocTex's L_C) at temperature 1 / scale: one implementation.
-  assert float(contrastive.info_nce(img, txt, 0.07, symmetric=True)) == pytest.approx(want, rel=1e-5)
+  assert float(_contrastive.info_nce(img, txt, 0.07, symmetric=True)) == pytest.approx(want, rel=1e-5)
 
 
 def test_logit_scale_is_clipped_at_100_and_gets_no_gradient_beyond():
@@ -54,11 +54,11 @@ def test_logit_scale_is_clipped_at_100_and_gets_no_gradient_beyond():
 
   rng = np.random.default_rng(1)
   img, txt = rng.normal(size=(4, 3)).astype(np.float32), rng.normal(size=(4, 3)).astype(np.float32)
-  assert float(contrastive.clipped_logit_scale(np.log(1 / 0.07))) == pytest.approx(1 / 0.07, rel=1e-6)
-  assert float(contrastive.clipped_logit_scale(10.0)) == pytest.approx(100.0, rel=1e-6)
-  assert float(contrastive.clip_loss(img, txt, 10.0)) == pytest.approx(_np_clip_loss(img, txt, 100.0), rel=1e-5)
-  assert float(jax.grad(contrastive.clip_loss, argnums=2)(img, txt, 10.0)) == 0.0
-  assert float(jax.grad(contrastive.clip_loss, argnums=2)(img, txt, 2.0)) != 0.0
+  assert float(_contrastive.clipped_logit_scale(np.log(1 / 0.07))) == pytest.approx(1 / 0.07, rel=1e-6)
+  assert float(_contrastive.clipped_logit_scale(10.0)) == pytest.approx(100.0, rel=1e-6)
+  assert float(_contrastive.clip_loss(img, txt, 10.0)) == pytest.approx(_np_clip_loss(img, txt, 100.0), rel=1e-5)
+  assert float(jax.grad(_contrastive.clip_loss, argnums=2)(img, txt, 10.0)) == 0.0
+  assert float(jax.grad(_contrastive.clip_loss, argnums=2)(img, txt, 2.0)) != 0.0
 
 
 def test_chunked_sigmoid_loss_on_eight_devices_equals_the_direct_formula(tmp_path):
@@ -71,14 +71,14 @@ import json
 import jax, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from vlrep import sharding
-from vlrep.methods import contrastive
+from vlrep.methods import _contrastive
 mesh = sharding.make_mesh()
 rng = np.random.default_rng(0)
 img, txt = rng.normal(size=(16, 6)).astype(np.float32), rng.normal(size=(16, 6)).astype(np.float32)
 sh = NamedSharding(mesh, P("data"))
 grads = lambda f: jax.value_and_grad(f, argnums=(0, 1, 2, 3))
-direct = grads(contrastive.sigmoid_loss)(img, txt, np.float32(10.0), np.float32(-10.0))
-f = jax.jit(grads(contrastive.sigmoid_loss_chunked), in_shardings=(sh, sh, None, None))
+direct = grads(_contrastive.sigmoid_loss)(img, txt, np.float32(10.0), np.float32(-10.0))
+f = jax.jit(grads(_contrastive.sigmoid_loss_chunked), in_shardings=(sh, sh, None, None))
 with jax.set_mesh(mesh):
   args = (jax.device_put(img, sh), jax.device_put(txt, sh), np.float32(10.0), np.float32(-10.0))
   ring = f(*args)

@@ -15,8 +15,7 @@ from test_evaluation import _load_config as load_config
 
 from vlrep import config_utils, train
 from vlrep.data import pipeline, records, registry, tokenizers
-from vlrep.evaluators import retrieval, vsepp
-from vlrep.evaluators.inputs import EvalInputs, Model
+from vlrep.evaluators import EvalInputs, Model, retrieval, vsepp
 
 VAL = 25  # the held-out percent: 8 of the 32 photos, so retrieval ranks several images
 

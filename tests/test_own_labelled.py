@@ -24,8 +24,7 @@ from vlrep.config_utils import config_module
 from vlrep.data import pipeline, prepare, records
 from vlrep.data.builders import image_folder
 from vlrep.errors import DatasetNotPrepared, UserError
-from vlrep.evaluators import linear_probe, voc07_svm, zero_shot
-from vlrep.evaluators.inputs import EvalInputs, Model
+from vlrep.evaluators import EvalInputs, Model, linear_probe, voc07_svm, zero_shot
 from vlrep.models.special_tokens import EOS_ID, NUM_SPECIAL, PAD_ID, SOS_ID
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,7 +10,7 @@ import tensorflow as tf
 from PIL import Image
 
 from vlrep.data import pipeline, prepare, records, registry, vl_ops
-from vlrep.data.builders import vl_datasets
+from vlrep.data.builders import mm_imdb
 
 
 def _jpeg(path, seed):
@@ -78,12 +78,12 @@ def test_vqa2_from_local_files_and_its_ops(tmp_path):
   for text, humans in zip(pre["text_b"].numpy(), pre["answers"].numpy(), strict=True):
     assert text in humans and text != b""
   # Soft scores and VQA accuracy from these annotations: 'black' 8 of 10 (normalised 'Black'), 'gray' 1.
-  from vlrep.evaluators import vl_metrics
+  from vlrep.evaluators import _vl_metrics
 
   index = {"black": 0, "gray": 1, "2": 2}
-  scores, in_vocab = vl_metrics.soft_scores([a for a in _human(qs["answers"].numpy()[0]) if a], index)
+  scores, in_vocab = _vl_metrics.soft_scores([a for a in _human(qs["answers"].numpy()[0]) if a], index)
   assert in_vocab and scores[0] == pytest.approx(1.0) and scores[1] == pytest.approx(0.3, abs=1e-6)
-  assert vl_metrics.answer_score(_human(qs["answers"].numpy()[1]), "2") == pytest.approx(1.0)
+  assert _vl_metrics.answer_score(_human(qs["answers"].numpy()[1]), "2") == pytest.approx(1.0)
 
 
 def test_vizwiz_snli_ve_mmimdb_and_conceptual_captions_from_local_files(tmp_path):
@@ -154,7 +154,7 @@ def test_vizwiz_snli_ve_mmimdb_and_conceptual_captions_from_local_files(tmp_path
     {"plot": examples[8]["plot"], "genres": examples[8]["genres"], "_rng": tf.constant([1, 2], tf.int64)}
   )
   want = np.zeros((1, 23))
-  want[0, [vl_datasets.MMIMDB_GENRES.index("Drama"), vl_datasets.MMIMDB_GENRES.index("Adventure")]] = 1
+  want[0, [mm_imdb.MMIMDB_GENRES.index("Drama"), mm_imdb.MMIMDB_GENRES.index("Adventure")]] = 1
   np.testing.assert_array_equal(out["targets"].numpy(), want)
   assert out["text_a"].numpy().tolist() == [b"A man builds a boat."]
   # A movie with no genre left (possible in other data) gets all-zero targets, not -inf.

@@ -13,7 +13,7 @@ from conftest import ROOT, run_main
 from ml_collections import ConfigDict
 
 from vlrep.data import registry
-from vlrep.evaluators import vl_metrics
+from vlrep.evaluators import _vl_metrics
 from vlrep.methods import vlbert
 from vlrep.models import bert as bert_lib
 from vlrep.models import vl_bert
@@ -31,21 +31,21 @@ def minilm():
 def test_vqa_accuracy_and_soft_scores_on_hand_made_annotations():
   humans = ["yes"] * 3 + ["no"] * 7
   # Leaving out one of the 3 'yes' humans leaves 2 matches (2/3); leaving out a 'no' leaves 3 (1).
-  assert vl_metrics.answer_score(humans, "yes") == pytest.approx((3 * 2 / 3 + 7 * 1.0) / 10)
-  assert vl_metrics.answer_score(humans, "no") == 1.0
-  assert vl_metrics.answer_score(humans, "maybe") == 0.0
+  assert _vl_metrics.answer_score(humans, "yes") == pytest.approx((3 * 2 / 3 + 7 * 1.0) / 10)
+  assert _vl_metrics.answer_score(humans, "no") == 1.0
+  assert _vl_metrics.answer_score(humans, "maybe") == 0.0
   one = ["two"] + ["red"] * 9  # a single 'two': 0 when its human is left out, 1/3 otherwise
-  assert vl_metrics.answer_score(one, "2") == pytest.approx(9 / 10 * (1 / 3))
+  assert _vl_metrics.answer_score(one, "2") == pytest.approx(9 / 10 * (1 / 3))
   # Official normalisation: number words, articles, punctuation, case.
-  assert vl_metrics.normalize_answer("The Dog.") == "dog"
-  assert vl_metrics.normalize_answer("Two") == "2"
-  assert vl_metrics.vqa_accuracy(["no", "yes"], [humans, humans]) == pytest.approx(100 * (1.0 + 0.9) / 2)
-  vocab = vl_metrics.build_answer_vocab([humans, one, ["Yes", "blue"]], size=3)
+  assert _vl_metrics.normalize_answer("The Dog.") == "dog"
+  assert _vl_metrics.normalize_answer("Two") == "2"
+  assert _vl_metrics.vqa_accuracy(["no", "yes"], [humans, humans]) == pytest.approx(100 * (1.0 + 0.9) / 2)
+  vocab = _vl_metrics.build_answer_vocab([humans, one, ["Yes", "blue"]], size=3)
   assert vocab == ["red", "no", "yes"]  # by count (9, 7, 4), ties alphabetical
-  scores, known = vl_metrics.soft_scores(humans, {a: i for i, a in enumerate(vocab)})
+  scores, known = _vl_metrics.soft_scores(humans, {a: i for i, a in enumerate(vocab)})
   np.testing.assert_allclose(scores, [0.0, 1.0, 0.9], rtol=1e-6)
   assert known
-  scores, known = vl_metrics.soft_scores(["purple"] * 10, {a: i for i, a in enumerate(vocab)})
+  scores, known = _vl_metrics.soft_scores(["purple"] * 10, {a: i for i, a in enumerate(vocab)})
   assert not known and not scores.any()  # out of vocabulary: an all-zero row, counted by the op
 
 
@@ -56,7 +56,7 @@ def test_f1_scores_match_scikit_learn():
   p = rng.random((200, 23)) < 0.2
   y[:, 5] = False  # a class with no positives: F1 0 with zero_division=0
   p[:, 5] = False
-  got = vl_metrics.f1_scores(p, y)
+  got = _vl_metrics.f1_scores(p, y)
   assert got["micro_f1"] == pytest.approx(100 * metrics.f1_score(y, p, average="micro", zero_division=0))
   assert got["macro_f1"] == pytest.approx(100 * metrics.f1_score(y, p, average="macro", zero_division=0))
 

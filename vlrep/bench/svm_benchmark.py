@@ -22,8 +22,7 @@ from absl import app, flags, logging
 
 from vlrep import defaults, runs
 from vlrep.data import pipeline
-from vlrep.evaluators import voc07_svm
-from vlrep.evaluators.inputs import EvalInputs
+from vlrep.evaluators import EvalInputs, voc07_svm
 from vlrep.models import resnet
 
 flags.DEFINE_string("workdir", None, "Checkpoint whose backbone gives the synthetic_scenes features.")

@@ -1,6 +1,6 @@
 """VQA answers as the official evaluation treats them: normalisation, the answer vocabulary of a training split,
 and each answer's score against the human answers (min(1, #humans who gave it / 3), averaged over the 10 subsets of
-9 humans). The data pipeline builds its soft training targets from these; vlrep.evaluators.vl_metrics scores
+9 humans). The data pipeline builds its soft training targets from these; vlrep.evaluators._vl_metrics scores
 predictions with the same functions.
 """
 
