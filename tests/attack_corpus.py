@@ -1118,7 +1118,10 @@ def run_folders(root, base: str) -> list[dict]:
       "vlrep.pytorch.detectron2_transfer",
       [f"--workdir={run}", f"--config-file={yaml_path}"],
       path_add=[stub],
-      absent=[os.path.join(elsewhere, n) for n in ("backbone.pkl", "last_checkpoint", "transfer_results.json")],
+      absent=[
+        os.path.join(elsewhere, n)
+        for n in ("backbone.safetensors", "backbone.json", "backbone.pkl", "last_checkpoint", "transfer_results.json")
+      ],
       names=run,
     )
   )

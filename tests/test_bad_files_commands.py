@@ -31,7 +31,8 @@ from safetensors.numpy import save_file
 
 from vlrep import runs
 from vlrep.interop import import_run
-from vlrep.interop.formats import ImportedRun, KeyMap, visual_bert
+from vlrep.interop.formats import visual_bert
+from vlrep.interop.keymaps import ImportedRun, KeyMap
 
 
 # ------------------------------------------------------------------------------------------------------------------

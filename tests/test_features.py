@@ -179,7 +179,7 @@ def test_bad_inputs_exit_2_naming_what_was_wrong(tiny_virtex_run, photos, tmp_pa
   # A run without a visual backbone (e.g. an imported VisualBERT, which reads region features).
   from ml_collections import ConfigDict
 
-  from vlrep.interop.formats import ImportedRun
+  from vlrep.interop.keymaps import ImportedRun
 
   text_only = ImportedRun(
     ConfigDict({"method": {"name": "vlbert"}}), {"bert": {"w": np.ones((2, 2), np.float32)}}, {}, {}

@@ -13,6 +13,7 @@ from conftest import ROOT, run_module
 from PIL import Image
 
 from vlrep.data import pipeline, prepare, records, registry, tokenizers, traces
+from vlrep.pytorch import detectron2_heads
 
 
 def _narration(words_times, points, caption=None, size=32):
@@ -584,11 +585,10 @@ def _detectron2_yaml(name):
 
 
 def test_detectron2_extra_bn_closes_res5_in_the_roi_head_as_moco(monkeypatch):
-  """loctex_extra_bn.py against stand-ins for the two Detectron2 names it uses (Detectron2 is not installed):
-  its ROI head's res5 block ends with the extra norm (MoCo's Res5ROIHeadsExtraNorm), built both as a
+  """vlrep.pytorch.detectron2_heads against stand-ins for the two Detectron2 names it uses (Detectron2 is not
+  installed): its ROI head's res5 block ends with the extra norm (MoCo's Res5ROIHeadsExtraNorm), built both as a
   classmethod (Detectron2 >= 0.3) and on an instance; the LocTex configs name that head and keep the plain
   backbone."""
-  import importlib.util
   import types
 
   torch = pytest.importorskip("torch")
@@ -619,13 +619,10 @@ def test_detectron2_extra_bn_closes_res5_in_the_roi_head_as_moco(monkeypatch):
   modules["detectron2.modeling.roi_heads"].Res5ROIHeads = Res5ROIHeads
   for name, module in modules.items():
     monkeypatch.setitem(sys.modules, name, module)
-  path = os.path.join(ROOT, "configs", "detectron2", "loctex_extra_bn.py")
-  spec = importlib.util.spec_from_file_location("loctex_extra_bn", path)
-  plugin = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(plugin)
-
-  assert list(registered) == [plugin.NAME] == ["Res5ROIHeadsExtraNorm"]
-  head = registered[plugin.NAME]
+  monkeypatch.setattr(detectron2_heads, "_REGISTERED", {})
+  detectron2_heads.register_loctex_extra_norm()
+  assert list(registered) == [detectron2_heads.LOCTEX_EXTRA_NORM] == ["Res5ROIHeadsExtraNorm"]
+  head = registered[detectron2_heads.LOCTEX_EXTRA_NORM]
   cfg = types.SimpleNamespace(MODEL=types.SimpleNamespace(RESNETS=types.SimpleNamespace(NORM="SyncBN")))
   for build in (head._build_res5_block, object.__new__(head)._build_res5_block):
     res5, channels = build(cfg)
@@ -638,7 +635,8 @@ def test_detectron2_extra_bn_closes_res5_in_the_roi_head_as_moco(monkeypatch):
   loctex_files = ["voc_faster_rcnn_R_50_C4_24k_extra_bn.yaml"] + [f"coco_subset_{p}pct.yaml" for p in (10, 20, 50, 100)]
   for name in loctex_files:
     model = _detectron2_yaml(name)["MODEL"]
-    assert model["ROI_HEADS"]["NAME"] == plugin.NAME and model["ROI_HEADS"]["IN_FEATURES"] == ["res4"], name
+    roi_heads = model["ROI_HEADS"]
+    assert roi_heads["NAME"] == detectron2_heads.LOCTEX_EXTRA_NORM and roi_heads["IN_FEATURES"] == ["res4"], name
     assert model["BACKBONE"]["NAME"] == "build_resnet_backbone", name  # res4, which the RPN sees, is not normalised
   assert _detectron2_yaml("voc_faster_rcnn_R_50_C4_24k.yaml")["MODEL"]["ROI_HEADS"]["NAME"] == "Res5ROIHeads"
 

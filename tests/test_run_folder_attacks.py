@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT, command_server
 from PIL import Image
 
-from vlrep import checkpoint, run_setup, runs, safe_files
+from vlrep import checkpoint, run_setup, run_summary, runs, safe_files
 from vlrep.data import concepts, instances, pipeline, tokenizers
 
 D = os.environ["VLREP_TEST_DATA_DIR"]
@@ -220,7 +220,7 @@ def test_a_planted_summary_tmp_link_is_not_followed_by_evaluate(tmp_path, good_r
   other.write_text('{"theirs": 1}')
   os.unlink(run / "summary.json")
   os.symlink(other, run / "summary.json")
-  runs.write_summary(str(run), {"mine": 2.0})
+  run_summary.write_summary(str(run), {"mine": 2.0})
   assert other.read_text() == '{"theirs": 1}' and not os.path.islink(run / "summary.json")
   assert json.loads((run / "summary.json").read_text()) == {"theirs": 1, "mine": 2.0}
 

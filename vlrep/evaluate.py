@@ -15,7 +15,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import ConfigDict, config_flags
 
-from vlrep import evaluators, run_setup, runs
+from vlrep import evaluators, run_setup, run_summary, runs
 from vlrep.errors import UserError, exit_2_on_user_error
 from vlrep.tools import features
 
@@ -27,7 +27,7 @@ def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", na
   if unknown:
     raise UserError(f"Unknown evaluations {unknown}; this config defines {sorted(evals_cfg)}.")
   run = features.load_run(workdir, checkpoint)
-  runs.read_summary(workdir)  # a damaged summary.json is refused before the evaluations, not after them
+  run_summary.read_summary(workdir)  # a damaged summary.json is refused before the evaluations, not after them
   with features.saved_config_errors(run):
     logging.info("Evaluating %s (step %d, %s).", run.path, run.step, run.config.method.get("name"))
   if "backbone" in run.params:
@@ -56,7 +56,7 @@ def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", na
     results[f"{name}/checkpoint_step"] = run.step
     logging.info("%s: %s", name, ", ".join(f"{k}={v:.2f}" for k, v in metrics.items()))
   if eval_inputs.host == 0:
-    runs.write_summary(workdir, results)
+    run_summary.write_summary(workdir, results)
   return results
 
 

@@ -1,7 +1,7 @@
-"""A run's working directory: restoring its checkpoints without the training data (`load_run`), its frozen
-backbone (`backbone_of`, `backbone_fn`: BatchNorm in inference mode, float32, as every transfer evaluation uses),
-and its flat metrics file (`write_summary`). Shared by the loop, `vlrep.evaluate`, export, the tools and the
-notebook; it imports only the models and sharding, so any of them can import it.
+"""A run's working directory: restoring its checkpoints without the training data (`load_run`) and its frozen
+backbone (`backbone_of`, `backbone_fn`: BatchNorm in inference mode, float32, as every transfer evaluation uses);
+its flat metrics file, summary.json, is `vlrep.run_summary`'s. Shared by the loop, `vlrep.evaluate`, export, the
+tools and the notebook; it imports only the models and sharding, so any of them can import it.
 
 A run folder may come from someone else, so the config a checkpoint saved is data (`saved_config`): the names in it
 that vlrep looks code or data up by (the method, the evaluator types, the datasets) must be plain names, which
@@ -16,7 +16,6 @@ config holds are only read: a run loaded from a folder never builds a missing to
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from typing import Any
@@ -27,7 +26,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from ml_collections import ConfigDict
 
-from vlrep import errors, safe_files, sharding
+from vlrep import sharding
 from vlrep.errors import BadFile, UserError
 from vlrep.models import resnet, vgg
 
@@ -375,33 +374,3 @@ def backbone_fn(run: Run, mesh=None):
   extract = sharded_features(features, mesh)
   variables = jax.device_put(variables, sharding.replicated(mesh))
   return lambda local_batch, key: extract(variables, local_batch, key)
-
-
-_MAX_SUMMARY_BYTES = 64 << 20  # a summary is a few KB of metrics; this bounds what a crafted one can make us read
-
-
-def read_summary(workdir: str) -> dict[str, Any]:
-  """WORKDIR/summary.json's metrics ({} without one); a file that is not a JSON object of metrics (a run folder
-  from elsewhere may hold anything there) is one BadFile message."""
-  path = os.path.join(workdir, "summary.json")
-  if not os.path.lexists(path):
-    return {}
-  with errors.reading(path, what="run summary (JSON)", hint="Move it aside; vlrep writes a fresh one."):
-    if not os.path.isfile(path) or os.path.getsize(path) > _MAX_SUMMARY_BYTES:
-      raise ValueError(f"not a regular file of at most {_MAX_SUMMARY_BYTES >> 20} MB")
-    with open(path) as f:
-      summary = json.load(f)
-    if not isinstance(summary, dict):
-      raise ValueError(f"a JSON {type(summary).__name__}, not an object")
-  return summary
-
-
-def write_summary(workdir: str, values: dict[str, Any]) -> None:
-  """Merges flat metrics into WORKDIR/summary.json (atomically, through safe_files: a link planted at the name or
-  its temporary file is never followed; other tools add their own keys)."""
-  path = os.path.join(workdir, "summary.json")
-  summary = read_summary(workdir)
-  summary.update(
-    {k: (float(v) if isinstance(v, (np.floating, np.integer, jax.Array)) else v) for k, v in values.items()}
-  )
-  safe_files.write_json(path, summary, root=workdir, sort_keys=True)

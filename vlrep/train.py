@@ -21,7 +21,7 @@ from absl import logging
 from clu import metric_writers
 
 from vlrep import checkpoint as ckpt_lib
-from vlrep import evaluators, optim, run_setup, runs, sharding, train_state
+from vlrep import evaluators, optim, run_setup, run_summary, runs, sharding, train_state
 from vlrep import preemption as preemption_lib
 from vlrep.data import pipeline, records
 from vlrep.train_step import make_train_step
@@ -341,7 +341,7 @@ def _train(
     note_what_is_saved(error, save_after_error(error, ckpt, pending, state, step, saved_step, meta))
     raise
   if host == 0:
-    runs.write_summary(workdir, summary)
+    run_summary.write_summary(workdir, summary)
   writer.flush()
   if preempted:
     preemption.exited_cleanly()
@@ -424,7 +424,7 @@ def saved_steps(workdir: str) -> int:
 
 
 def previous_summary(workdir: str) -> dict[str, Any]:
-  return runs.read_summary(workdir)
+  return run_summary.read_summary(workdir)
 
 
 def finished_at(workdir: str, step: int) -> bool:

@@ -44,7 +44,7 @@ from absl import app, flags, logging
 from ml_collections import ConfigDict
 
 from vlrep import checkpoint as ckpt_lib
-from vlrep import runs, safe_files
+from vlrep import run_summary, safe_files
 from vlrep.errors import BadFile, UserError, exit_2_on_user_error
 from vlrep.interop import keymaps
 from vlrep.interop.formats import torchvision as tv
@@ -158,7 +158,7 @@ def write_run(workdir: str, imported: keymaps.ImportedRun, overwrite: bool) -> N
     ck.wait()
     ck.close()
     note = imported.note
-    runs.write_summary(tmp, {"import/format": note.get("format", ""), "import/source": note.get("source", "")})
+    run_summary.write_summary(tmp, {"import/format": note.get("format", ""), "import/source": note.get("source", "")})
     if os.path.lexists(workdir) and not overwrite and (not os.path.isdir(workdir) or os.listdir(workdir)):
       raise WorkdirExists(f"--workdir={workdir} appeared while importing; nothing was replaced.")
 

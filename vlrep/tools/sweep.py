@@ -39,7 +39,7 @@ import sys
 import ml_collections
 from absl import app, flags, logging
 
-from vlrep import safe_files
+from vlrep import run_summary, safe_files
 
 
 def define_flags():
@@ -166,18 +166,10 @@ def finished(workdir: str) -> bool:
   return summary.get("preempted") is False
 
 
-def read_summary(workdir: str) -> dict:
-  path = os.path.join(workdir, "summary.json")
-  if not os.path.exists(path):
-    return {}
-  with open(path) as f:
-    return json.load(f)
-
-
 def collect(rows: list[tuple[str, dict, str]], metrics: list[str]) -> list[dict]:
   table = []
   for name, assignment, workdir in rows:
-    summary = read_summary(workdir)
+    summary = run_summary.read_summary(workdir)
     table.append({"name": name, **assignment, **{m: summary.get(m) for m in metrics}})
   return table
 
@@ -186,7 +178,7 @@ def collect_seeds(rows: list[tuple[str, dict, list[str]]], metrics: list[str]) -
   """For rows with one workdir per seed: (table of 'mean (each seed)' cells, table of the means for the plot)."""
   cells, means = [], []
   for name, assignment, workdirs in rows:
-    summaries = [read_summary(w) for w in workdirs]
+    summaries = [run_summary.read_summary(w) for w in workdirs]
     cell_row, mean_row = {"name": name, **assignment}, {"name": name, **assignment}
     for m in metrics:
       mean_row[m], cell_row[m] = mean_cell([s.get(m) for s in summaries])
@@ -246,7 +238,7 @@ def sweep(
       workdir = os.path.join(root, name + seed_suffix(seed))
       if dry_run or (not collect_only and not finished(workdir)):
         run_variant(cfg, workdir, seed_overrides(overrides or [], seed), eval_config, dry_run)
-      elif eval_config and not collect_only and any(m not in read_summary(workdir) for m in metrics):
+      elif eval_config and not collect_only and any(m not in run_summary.read_summary(workdir) for m in metrics):
         evaluate_run(eval_config, workdir)  # trained before, without this evaluation
       workdirs.append(workdir)
     rows.append((name, assignment, workdirs))

@@ -21,7 +21,7 @@ import os
 
 from absl import app, flags, logging
 
-from vlrep import safe_files
+from vlrep import run_summary, safe_files
 from vlrep.tools import sweep
 
 METRIC = {
@@ -60,7 +60,7 @@ def grid(archs, sources, tasks, seeds=(0,), modes=MODES, downstream_overrides=()
 def cell(root: str, arch: str, source: str, task: str, mode: str, seeds=(0,)) -> list:
   """Each seed's best score (None where its run has none)."""
   workdirs = [os.path.join(root, finetune_name(arch, source, task, mode, seed)) for seed in seeds]
-  return [sweep.read_summary(w).get(METRIC[task]) for w in workdirs]
+  return [run_summary.read_summary(w).get(METRIC[task]) for w in workdirs]
 
 
 def tables(root: str, archs, sources, tasks, seeds=(0,), modes=MODES) -> str:

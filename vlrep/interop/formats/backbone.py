@@ -16,6 +16,7 @@ from safetensors import safe_open
 from vlrep import runs
 from vlrep.interop import keymaps
 from vlrep.interop.formats import torchvision
+from vlrep.pytorch import handoff
 
 DESCRIPTION = "the PyTorch hand-off folder: backbone.safetensors + backbone.json (vlrep.pytorch.resnet.ResNet)"
 OUT_SUFFIXES = ()  # a folder
@@ -30,10 +31,10 @@ def export(run: runs.Run, out: str, overwrite: bool = False) -> dict:
   _, variables = keymaps.refusal(runs.backbone_of, run)
   counters = torchvision.imported_counters(run)
   torchvision.write_backbone(variables, run.config.method, out, counters=counters, source=run.path)
-  with safe_open(os.path.join(out, torchvision.HANDOFF_WEIGHTS), framework="numpy") as f:
+  with safe_open(os.path.join(out, handoff.HANDOFF_WEIGHTS), framework="numpy") as f:
     keys = len(list(f.keys()))
   parameters = sum(int(v.size) for v in _leaves(variables["params"]))
-  files = [torchvision.HANDOFF_WEIGHTS, torchvision.HANDOFF_INFO]
+  files = [handoff.HANDOFF_WEIGHTS, handoff.HANDOFF_INFO]
   return {"keys": keys, "parameters": parameters, "step": run.step, "files": files}
 
 

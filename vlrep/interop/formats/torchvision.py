@@ -50,6 +50,7 @@ from vlrep.interop.keymaps import (
   unflatten,
 )
 from vlrep.models import resnet
+from vlrep.pytorch.handoff import HANDOFF_INFO, HANDOFF_WEIGHTS
 
 DESCRIPTION = "torchvision/timm ResNet-18/50/101/152 or Wide ResNet-50-2 state dict (.pth, .safetensors)"
 # What --out may end in (the file type is chosen by it).
@@ -59,10 +60,6 @@ CHECKPOINT_HINT = (
   "Pass the checkpoint as published and whole (download it again if it may be truncated): a torch.save file "
   "(.pth, .pt, .bin) or a .safetensors file."
 )
-# The backbone hand-off to PyTorch (the detection evaluator's worker, the Detectron2 driver): a folder holding the
-# weights in torchvision's names and layout, and what rebuilds the network (vlrep.pytorch.resnet.ResNet's arguments).
-HANDOFF_WEIGHTS = "backbone.safetensors"
-HANDOFF_INFO = "backbone.json"
 # ImageNet's evaluation preprocessing (torchvision's reference: resize to 256, centre crop 224).
 IMAGENET_EVAL_PP = "decode|resize_small(256)|central_crop(224)|normalize"
 FORMAT_HINT = "Check --format (--format=auto picks the one that fits) and that the file is the model's checkpoint."
