@@ -25,7 +25,9 @@ def run_defaults(c, checkpoint_every: int = 2000) -> None:
   metrics logged every 100 steps."""
   c.seed = 0
   c.sharding = dict(params="replicate", num_devices=0)
-  c.checkpoint = dict(every_steps=checkpoint_every, keep=2, async_save=True, exit_deadline_secs=20.0)
+  c.checkpoint = dict(
+    every_steps=checkpoint_every, keep=2, async_save=True, exit_deadline_secs=defaults.EXIT_DEADLINE_SECS
+  )
   c.log_every_steps = 100
 
 
@@ -47,11 +49,7 @@ def train_data(name: str, pp: str, **settings) -> dict:
       config_name="",
       data_dir="",
       split="train",
-      min_field_fraction=0.5,
-      prefetch=2,
-      cache_image_size=0,
-      in_memory=False,
-      device_prefetch=2,
+      **defaults.DATA_READING,
       pp=pp,
     ),
     **settings,

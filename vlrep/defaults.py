@@ -7,6 +7,13 @@ imports an evaluator for its settings."""
 DATA_DIR = "~/.cache/vlrep/tensorflow_datasets"
 # JAX's persistent compilation cache (`vlrep.main --compilation_cache`).
 COMPILATION_CACHE_DIR = "~/.cache/vlrep/jax_compilation_cache"
+# Seconds a preempted process has to save its checkpoint and leave (`checkpoint.exit_deadline_secs`).
+EXIT_DEADLINE_SECS = 20.0
+# How training data is read (the `data` block of a config; the reader's values where a config leaves one out).
+# min_field_fraction: the share of the examples that must carry each field the method trains on; prefetch: batches
+# tf.data prepares ahead; cache_image_size > 0: every image decoded once into memory at that shorter side;
+# in_memory: this host's encoded records held in memory; device_prefetch: batches put on the devices ahead.
+DATA_READING = dict(min_field_fraction=0.5, prefetch=2, cache_image_size=0, in_memory=False, device_prefetch=2)
 
 # ---------------------------------------------------------------------------------------------------------------
 # VSE++ retrieval (vlrep.evaluators.vsepp)

@@ -11,7 +11,7 @@ import jax
 import ml_collections
 from absl import logging
 
-from vlrep import errors, evaluators, methods, safe_files
+from vlrep import defaults, errors, evaluators, methods, safe_files
 from vlrep.data import concepts, pipeline, tokenizers
 from vlrep.errors import DatasetNotPrepared, UserError
 from vlrep.models.bert import resolve_path
@@ -34,7 +34,7 @@ def build(config: ml_collections.ConfigDict, for_training: bool = False, run_dat
   builder = pipeline.get_builder(data.name, data.data_dir, data.get("config_name"), generate=for_training)
   coverage = {}
   if for_training:
-    min_fraction = data.get("min_field_fraction", pipeline.MIN_FIELD_FRACTION)
+    min_fraction = data.get("min_field_fraction", defaults.DATA_READING["min_field_fraction"])
     coverage = pipeline.check_required_fields(
       builder, data.split, data.get("requires", {}), config.method.name, min_fraction
     )

@@ -21,7 +21,7 @@ from absl import logging
 from clu import metric_writers
 
 from vlrep import checkpoint as ckpt_lib
-from vlrep import evaluators, optim, run_setup, run_summary, runs, sharding, train_state
+from vlrep import defaults, evaluators, optim, run_setup, run_summary, runs, sharding, train_state
 from vlrep import preemption as preemption_lib
 from vlrep.data import pipeline, records
 from vlrep.train_step import make_train_step
@@ -136,7 +136,9 @@ def train_and_evaluate(
   steps are trained, an exception (an evaluation's, the input's, ...) first saves the newest trained state, then
   propagates with a note saying which step is saved where. `command_line_keys`: the config keys the command line
   set (vlrep.main's); a duration among them replaces the recipe's (replaced_durations)."""
-  preemption = preemption_lib.Preemption(config.checkpoint.get("exit_deadline_secs", 20.0), jax.process_count())
+  preemption = preemption_lib.Preemption(
+    config.checkpoint.get("exit_deadline_secs", defaults.EXIT_DEADLINE_SECS), jax.process_count()
+  )
   try:
     return _train(config, workdir, preemption, on_preempted, allow_changed_data, command_line_keys)
   finally:
@@ -515,7 +517,10 @@ class TrainInput:
       host_count=eval_inputs.num_hosts,
       context=eval_inputs.pp_context,
     )
-    self._sharding, self._prefetch = batch_sharding, data_config.get("device_prefetch", 2)
+    self._sharding, self._prefetch = (
+      batch_sharding,
+      data_config.get("device_prefetch", defaults.DATA_READING["device_prefetch"]),
+    )
     self._streams: list = []  # every stream this run opened, for the records they read
     self._batches = None
 

@@ -62,7 +62,7 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
-from vlrep import runs
+from vlrep import defaults, runs
 from vlrep.bench import forkserver, scale_test
 
 KINDS = ("sigterm", "sigkill", "corrupt", "disk_full")
@@ -336,7 +336,7 @@ def harness(
     total = int(saved.total_steps)
     every_ckpt = int(saved.checkpoint.every_steps)
     every_eval = min([int(e.get("every_steps", 0)) or total for e in saved.get("evals", {}).values()] or [0])
-    deadline = float(saved.checkpoint.get("exit_deadline_secs", 20.0))
+    deadline = float(saved.checkpoint.get("exit_deadline_secs", defaults.EXIT_DEADLINE_SECS))
     logging.info("Reference: %d steps in %.0f s (checkpoint every %d).", total, reference_seconds, every_ckpt)
 
     faults = list(plan) if plan is not None else schedule(kills, seed, phases, processes)

@@ -22,7 +22,7 @@ import tensorflow_datasets as tfds
 from absl import logging
 
 # ops, region_files, traces and vl_ops are imported for their side effect: they register their ops in `registry`.
-from vlrep import errors, modules, preemption
+from vlrep import defaults, errors, modules, preemption
 from vlrep.data import caption_views, concepts, ops, records, region_files, registry, traces, vl_ops  # noqa: F401
 from vlrep.errors import DatasetNotPrepared, MissingField, UserError
 
@@ -105,8 +105,6 @@ FIELD_FALLBACKS = {
   "present: configs/loctex.py:data=DIR,untraced=captions",
   "tags": "train without the tag loss: configs/mct.py:data=DIR,tags=False",
 }
-# The share of the training data that must carry each field a method needs (`data.min_field_fraction`).
-MIN_FIELD_FRACTION = 0.5
 
 
 class SparseField(UserError):
@@ -359,8 +357,8 @@ def train_stream(
   passes the cached pixels through). Call `.close()` when done to stop the workers.
   """
   split, pp = data["split"], data["pp"]
-  prefetch, in_memory = data.get("prefetch", 2), data.get("in_memory", False)
-  cache_image_size = data.get("cache_image_size", 0)
+  reading = {**defaults.DATA_READING, **{k: data[k] for k in defaults.DATA_READING if k in data}}
+  prefetch, in_memory, cache_image_size = reading["prefetch"], reading["in_memory"], reading["cache_image_size"]
   from_disk = records.is_array_record(builder) and not in_memory and not cache_image_size
   if from_disk:
     reader = records.split_reader(builder, split)
