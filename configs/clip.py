@@ -22,7 +22,7 @@ Variants (arguments combine with commas; any key can also be overridden with --c
   bert_layers=N          with text=bert: keep the checkpoint's first N layers (runlocal: 2)
   steps=N                training steps instead of the recipe's epochs
   lr=X                   peak learning rate (0: the default: 5e-4, runlocal 3e-3)
-  data=DIR  val=P        your own image_text dataset prepared in DIR (README, "Train on your own data"); its first
+  data=DIR  val=P        your own image_text dataset prepared in DIR (docs/data.md, "Your own data"); its first
                          P% (default 5) held out for the retrieval evaluator
 """
 

@@ -41,7 +41,7 @@ Arguments (comma-separated; any key can also be set with --config.KEY=VALUE):
   bert=PATH                         a local Hugging Face BERT folder (the recipe needs bert-base-uncased;
                                     'minilm' = the packaged MiniLM-L6-H384, runlocal's default)
   steps=N                           training steps instead of the recipe's
-  data=DIR  val=P                   your own image_text dataset prepared in DIR (README, "Train on your own data");
+  data=DIR  val=P                   your own image_text dataset prepared in DIR (docs/data.md, "Your own data");
                                     concepts come from its captions (tags=label: from its tags); its first P%
                                     (default 5) is held out for the masked-token evaluator
 ICMLM masks only postag concepts; with tags=cluster or label its l_tp uses those tags instead.

@@ -19,7 +19,7 @@ Ablations (arguments combine with commas; any key can also be overridden with --
   openimages=True                       COCO + Open Images narrations (the paper's scaled-up LocTex)
   steps=N                               training steps instead of the recipe's epochs
   data=DIR  val=P                       your own image_text dataset prepared in DIR, with Localized Narratives'
-                                        traces (README, "Train on your own data"); its first P% (default 5) held
+                                        traces (docs/data.md, "Your own data"); its first P% (default 5) held
                                         out. The localization evaluator (ground-truth object masks) is off then.
                                         At least data.min_field_fraction (0.5) of the examples must be narrated,
                                         or the run stops before training with the counts

@@ -39,7 +39,7 @@ Arguments (comma-separated; any key can also be set with --config.KEY=VALUE):
   arch=visual_bert|vilbert
   stage=pretrain|finetune
   data=captions|questions|ood_captions|generated   the pretraining source (stage=pretrain); or data=DIR: your own
-                       image_text captions prepared in DIR (README, "Train on your own data"), regions from the
+                       image_text captions prepared in DIR (docs/data.md, "Your own data"), regions from the
                        extractor's grid, the first P% (val=P, default 5) held out for the mlm evaluator
   generated=PATH       the generated-caption file (JSON {image_id: [captions]}) for data=generated
   task=vqa|vizwiz|ve|mmimdb   the downstream task (stage=finetune): VQA 2.0 or VizWiz (answer vocabulary, soft
@@ -282,7 +282,7 @@ def get_config(arg=None):
   if arg.extractor:
     c.method.visual.update(init_from=arg.extractor, allow_random_init=False, backbone=extractor_backbone(arg.extractor))
   if own:
-    # Your own captions (README, "Train on your own data"): regions are the extractor's grid cells, which need no
+    # Your own captions (docs/data.md, "Your own data"): regions are the extractor's grid cells, which need no
     # boxes (ViLBERT's masked-region target is then the cell's feature); the mlm evaluator reads the held-out P%.
     needs = {"captions": "the masked language model's texts"}
     use_own_data(c, arg.data, arg.val or OWN_DATA_VAL_PERCENT, needs, ("mlm",), image_size=image_size)

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 from sklearn.metrics import average_precision_score
 
-from vlrep.data.builders import scenes
+from vlrep.data import scenes
 from vlrep.models import resnet
 
 

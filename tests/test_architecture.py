@@ -201,7 +201,7 @@ def test_every_module_is_on_a_layer():
   crafted = {"vlrep.new_root": {"vlrep.errors"}, "vlrep.data.ops": {"vlrep.newer"}}
   assert unplaced(crafted) == ["vlrep.new_root", "vlrep.newer"]
   assert layer_of("vlrep.interop.formats.torchvision") == 3 and layer_of("vlrep.interop.export") == 4
-  assert layer_of("vlrep.data.builders.common") == 1 and layer_of("vlrep") is None
+  assert layer_of("vlrep.data.manual_files") == 1 and layer_of("vlrep") is None
 
 
 def test_layers_import_only_their_own_and_lower_layers():

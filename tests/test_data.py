@@ -8,8 +8,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 from conftest import run_module
 
-from vlrep.data import ops, pipeline, records, registry, tokenizers
-from vlrep.data.builders import scenes
+from vlrep.data import ops, pipeline, records, registry, scenes, tokenizers
 
 
 def test_captions_name_every_shape_and_some_colours():

@@ -593,7 +593,7 @@ COMMANDS: dict[str, object] = {
   "python -m vlrep.tools.weight_distance --root=/tmp/vl_study --arch=visual_bert --task=vqa": Refuses(r"vl_study"),
   # --- vlrep.bench: the benchmarks, shrunk. --------------------------------------------------------- #
   "python -m vlrep.bench.svm_benchmark --workdir=/tmp/virtex_local": Run(add=("--sets=synthetic_scenes",)),
-  "python -m vlrep.bench.svm_benchmark": Run(add=("--config=tests/tiny_virtex.py", "--voc07_size_scale=0.05")),
+  "python -m vlrep.bench.svm_benchmark --config=configs/virtex.py:runlocal": Run(add=("--voc07_size_scale=0.05",)),
   "python -m vlrep.bench.svm_benchmark --chance": Run(add=(f"--data_dir={D}", "--config_name=tiny"), expect="chance"),
   # One kind at one core (a process each; the kinds' equal work is tests/test_speed_tools.py's).
   "python -m vlrep.bench.pipeline_benchmark": Run(

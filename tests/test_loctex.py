@@ -201,7 +201,7 @@ def test_oracle_masks_come_from_the_named_objects(tiny_builder):
     labels = ex["objects"]["label"].numpy()
     omap = ex["object_map"].numpy()[..., 0]
     out = _run(pp, ex)
-    from vlrep.data.builders import scenes
+    from vlrep.data import scenes
 
     for w, m in zip(out["words"][: out["num_words"]], out["word_masks_4"][: out["num_words"]], strict=True):
       name = w.decode().strip(".")

@@ -14,8 +14,8 @@ import pytest
 from PIL import Image, ImageOps
 from skimage import data as skdata
 
-from vlrep.data import images, pipeline, prepare, records
-from vlrep.data.builders import common, voc2007
+from vlrep.data import images, manual_files, pipeline, prepare, records
+from vlrep.data.builders import voc2007
 
 MAX_MEAN_ABS = 2.0  # of 255: what a quality-97 4:4:4 JPEG re-encoding keeps
 
@@ -98,9 +98,9 @@ def test_coco_captions_stores_what_a_viewer_shows(photos, tmp_path):
     entries.append({"id": i, "file_name": f"{i:012d}.jpg"})
   anns = [{"id": 10 + i, "image_id": i, "caption": f"a photo number {i}"} for i in ids.values()]
   (root / "annotations" / "captions_train2017.json").write_text(json.dumps({"images": entries, "annotations": anns}))
-  limits = common.Limits(max_image_pixels=100_000)  # --max_image_pixels still applies
+  limits = manual_files.Limits(max_image_pixels=100_000)  # --max_image_pixels still applies
   report = prepare.prepare("coco_captions2017", str(root), str(tmp_path / "tfds"), limits=limits)
-  assert report["splits"] == {"train": 3} and report["skipped"] == {common.image_too_large(100_000): 1}
+  assert report["splits"] == {"train": 3} and report["skipped"] == {manual_files.image_too_large(100_000): 1}
   assert report["converted"] == CONVERTED
   by_id = {i: name for name, i in ids.items()}
   _check(_stored(str(tmp_path / "tfds"), "coco_captions2017", "image_id"), photos, by_id.get)

@@ -24,8 +24,7 @@ import pytest
 from PIL import Image
 from skimage import data as skdata
 
-from vlrep.data import prepare
-from vlrep.data.builders import common
+from vlrep.data import manual_files, prepare
 from vlrep.errors import UserError
 
 MB = 1 << 20
@@ -163,7 +162,7 @@ def test_rows_outside_manual_dir_are_refused_naming_them_and_read_with_the_flag(
   else:
     (root / "captions.csv").write_text("image,caption\n" + "".join(f"{r['image']},{r['caption']}\n" for r in rows))
   data_dir = tmp_path / "tfds"
-  with pytest.raises(common.OutsideManualDir) as refused:
+  with pytest.raises(manual_files.OutsideManualDir) as refused:
     prepare.prepare("image_text", str(root), str(data_dir))
   message = str(refused.value)
   assert "3 files named by captions." in message and "--allow_outside_manual_dir" in message, message
@@ -171,7 +170,7 @@ def test_rows_outside_manual_dir_are_refused_naming_them_and_read_with_the_flag(
     assert repr(named) in message, (named, message)
   assert not data_dir.exists()  # refused before anything is written
 
-  limits = common.Limits(allow_outside_manual_dir=True)
+  limits = manual_files.Limits(allow_outside_manual_dir=True)
   report = prepare.prepare("image_text", str(root), str(data_dir), limits=limits)
   assert report["splits"] == {"train": 7} and report["skipped"] == {}, report
   assert report["outside_manual_dir"]["files"] == 3, report
@@ -190,10 +189,10 @@ def test_a_shard_symlinked_from_outside_is_refused(tmp_path):
     where = outside if name == "00001.tar" else root
     (where / name).write_bytes(_tar_prefix(sample) + b"\0" * 1024)
   os.symlink(outside / "00001.tar", root / "00001.tar")
-  with pytest.raises(common.OutsideManualDir, match=r"1 file named by the shard listing .*: '00001.tar' -> "):
+  with pytest.raises(manual_files.OutsideManualDir, match=r"1 file named by the shard listing .*: '00001.tar' -> "):
     prepare.prepare("image_text", str(root), str(tmp_path / "tfds"))
   assert not (tmp_path / "tfds").exists()
-  report = prepare.prepare("image_text", str(root), str(tmp_path / "tfds"), limits=common.Limits(**_ALLOW))
+  report = prepare.prepare("image_text", str(root), str(tmp_path / "tfds"), limits=manual_files.Limits(**_ALLOW))
   assert report["splits"] == {"train": 2} and report["outside_manual_dir"] == {"files": 1, "first": ["00001.tar"]}
 
 
@@ -209,18 +208,18 @@ def test_labelled_images_outside_manual_dir_are_refused(tmp_path):
     for k in range(3):
       (root / label / f"{k}.jpg").write_bytes(_photo_bytes("coffee.jpg" if label == "cup" else "chelsea.png"))
   os.symlink(outside / "dogs", root / "dog")
-  with pytest.raises(common.OutsideManualDir, match=r"named by the class folders .*'dog' -> .*outside/dogs"):
+  with pytest.raises(manual_files.OutsideManualDir, match=r"named by the class folders .*'dog' -> .*outside/dogs"):
     prepare.prepare("image_folder", str(root), str(tmp_path / "tfds"))
   os.unlink(root / "dog")
   os.symlink(outside / "dogs" / "0.jpg", root / "cat" / "3.jpg")
-  with pytest.raises(common.OutsideManualDir, match=r"1 file named by the class folders .*'cat/3.jpg' -> "):
+  with pytest.raises(manual_files.OutsideManualDir, match=r"1 file named by the class folders .*'cat/3.jpg' -> "):
     prepare.prepare("image_folder", str(root), str(tmp_path / "tfds"))
   os.unlink(root / "cat" / "3.jpg")
   rows = [f"{label}/{k}.jpg,{label}" for label in ("cat", "cup") for k in range(3)] + ["../outside/dogs/1.jpg,cat"]
   (root / "labels.csv").write_text("image,label\n" + "\n".join(rows) + "\n")
-  with pytest.raises(common.OutsideManualDir, match=r"1 file named by labels.csv .*'../outside/dogs/1.jpg' -> "):
+  with pytest.raises(manual_files.OutsideManualDir, match=r"1 file named by labels.csv .*'../outside/dogs/1.jpg' -> "):
     prepare.prepare("image_folder", str(root), str(tmp_path / "tfds"))
-  report = prepare.prepare("image_folder", str(root), str(tmp_path / "tfds"), limits=common.Limits(**_ALLOW))
+  report = prepare.prepare("image_folder", str(root), str(tmp_path / "tfds"), limits=manual_files.Limits(**_ALLOW))
   assert sum(report["splits"].values()) == 7 and report["outside_manual_dir"]["files"] == 1, report
 
 
@@ -384,7 +383,7 @@ def test_the_command_refuses_or_skips_every_crafted_file_in_bounded_memory(tmp_p
 
 def test_limits_are_flags_with_generous_defaults():
   """The defaults hold real photos: a 150-megapixel camera's image, a 256 MiB file, an 8 MiB caption line."""
-  limits = common.Limits()
+  limits = manual_files.Limits()
   assert limits.max_image_pixels >= 150_000_000 and limits.max_file_bytes == 256 * MB
   assert limits.max_text_bytes == 8 * MB and not limits.allow_outside_manual_dir
   for flag in ("max_file_bytes", "max_text_bytes", "max_image_pixels", "allow_outside_manual_dir"):
@@ -412,7 +411,7 @@ def test_official_formats_refuse_images_outside_and_malformed_files(tmp_path):
     "annotations": [{"id": 1, "image_id": 1, "caption": "a cup of coffee"}],
   }
   (coco / "annotations" / "captions_val2017.json").write_text(json.dumps(annotations))
-  with pytest.raises(common.OutsideManualDir, match=r"named by the dataset's annotations .*'../outside.jpg' -> "):
+  with pytest.raises(manual_files.OutsideManualDir, match=r"named by the dataset's annotations .*'../outside.jpg' -> "):
     prepare.prepare("coco_captions2017", str(coco), str(tmp_path / "tfds"))
   assert not list((tmp_path / "tfds").glob("**/dataset_info.json"))  # TFDS removed its unfinished output
   (coco / "annotations" / "captions_val2017.json").write_text(json.dumps({"images": 3}))

@@ -1,6 +1,6 @@
 r"""The VOC07 SVM probe with both solvers side by side, in one run: time, speed ratio and mAP agreement.
 
-  python -m vlrep.bench.svm_benchmark                                  # VOC07-size features + synthetic_scenes
+  python -m vlrep.bench.svm_benchmark --config=configs/virtex.py:runlocal   # VOC07-size + random-init scenes
   python -m vlrep.bench.svm_benchmark --workdir=/tmp/virtex_local      # synthetic_scenes features of a checkpoint
 
 Two feature sets:

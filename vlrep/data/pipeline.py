@@ -29,16 +29,10 @@ from vlrep.errors import DatasetNotPrepared, MissingField, UserError
 _STREAM_END = 2**62
 
 
-# The modules of vlrep/data/builders/ that build no dataset yet keep the names other modules import them by
-# (vlrep.data.prepare sets common.LIMITS, vlrep.data.traces draws scenes); the builders' other helpers are named with
-# a leading '_', which `vlrep.modules` leaves out by itself.
-BUILDER_HELPERS = ("common", "scenes")
-
-
 def datasets() -> tuple[str, ...]:
-  """vlrep's datasets: a module each in vlrep/data/builders/, named as the dataset (`vlrep.modules.available`, less
-  BUILDER_HELPERS). Listing them imports none."""
-  return tuple(name for name in modules.available("data.builders") if name not in BUILDER_HELPERS)
+  """vlrep's datasets: a module each in vlrep/data/builders/, named as the dataset (`vlrep.modules.available`: the
+  builders' helpers are named with a leading '_'). Listing them imports none."""
+  return modules.available("data.builders")
 
 
 def builder_class(name: str) -> type[tfds.core.DatasetBuilder]:

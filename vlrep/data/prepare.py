@@ -22,7 +22,7 @@ fingerprinted: a dataset already in DATA_DIR is reused only if its source is unc
 the names, sizes and modification times of its images or shards); otherwise it is rebuilt, and the report's
 `source` says which and why.
 
-A manual_dir may come from someone else, so what prepare reads from it is bounded (vlrep/data/builders/common.py):
+A manual_dir may come from someone else, so what prepare reads from it is bounded (vlrep/data/builders/manual_files.py):
 an image file or shard member over --max_file_bytes (256 MiB), an index line or a shard's KEY.txt / KEY.json over
 --max_text_bytes (8 MiB), an image whose header declares more than --max_image_pixels (~179 megapixels: a
 decompression bomb) are skipped and counted in the report, the limit named in the reason, before they are read
@@ -61,8 +61,8 @@ from absl import app, flags, logging
 from PIL import Image
 
 from vlrep import safe_files
-from vlrep.data import pipeline
-from vlrep.data.builders import common, image_folder, image_text
+from vlrep.data import manual_files, pipeline
+from vlrep.data.builders import image_folder, image_text
 from vlrep.errors import UserError, exit_2_on_user_error
 
 flags.DEFINE_string("dataset", None, " | ".join(sorted(pipeline.builder_classes())))
@@ -89,20 +89,20 @@ flags.DEFINE_bool(
 )
 flags.DEFINE_integer(
   "max_file_bytes",
-  common.Limits.max_file_bytes,
+  manual_files.Limits.max_file_bytes,
   "Largest image file or shard member read (bytes); larger ones are skipped and counted, unread.",
   lower_bound=1,
 )
 flags.DEFINE_integer(
   "max_text_bytes",
-  common.Limits.max_text_bytes,
+  manual_files.Limits.max_text_bytes,
   "Longest index line (captions.jsonl, captions.csv, labels.csv, LN JSONL) or shard KEY.txt / KEY.json read "
   "(bytes); longer ones are skipped and counted.",
   lower_bound=1,
 )
 flags.DEFINE_integer(
   "max_image_pixels",
-  common.Limits.max_image_pixels,
+  manual_files.Limits.max_image_pixels,
   "Most pixels an image's header may declare (width x height) for it to be decoded; larger ones (decompression "
   "bombs) are skipped and counted. Decoding holds up to ~8 bytes per pixel.",
   lower_bound=1,
@@ -229,18 +229,18 @@ def prepare(
   data_dir: str,
   config_name: str | None = None,
   file_format: str = pipeline.FILE_FORMAT,
-  limits: common.Limits | None = None,
+  limits: manual_files.Limits | None = None,
 ) -> dict:
   """Prepares `dataset` from `manual_dir` into `data_dir` and writes its report; `limits`: what one input may make
-  it read (common.Limits(); its fields are the command's flags of the same names)."""
-  common.LIMITS = limits or common.Limits()
-  if common.LIMITS.max_image_pixels > 2 * (Image.MAX_IMAGE_PIXELS or 0) and Image.MAX_IMAGE_PIXELS is not None:
+  it read (manual_files.Limits(); its fields are the command's flags of the same names)."""
+  manual_files.LIMITS = limits or manual_files.Limits()
+  if manual_files.LIMITS.max_image_pixels > 2 * (Image.MAX_IMAGE_PIXELS or 0) and Image.MAX_IMAGE_PIXELS is not None:
     # PIL refuses images above twice its own limit before vlrep sees their size: a larger --max_image_pixels is the
     # user's explicit choice, so PIL's limit is raised to match (in this process).
-    Image.MAX_IMAGE_PIXELS = common.LIMITS.max_image_pixels
-  common.SKIPPED.clear()
-  common.OUTSIDE.clear()
-  common.CONVERTED.clear()
+    Image.MAX_IMAGE_PIXELS = manual_files.LIMITS.max_image_pixels
+  manual_files.SKIPPED.clear()
+  manual_files.OUTSIDE.clear()
+  manual_files.CONVERTED.clear()
 
   registry = pipeline.builder_classes()
   if dataset not in registry:
@@ -297,7 +297,7 @@ def _prepare_locked(dataset, manual_dir, data_dir, builder, source, cls, file_fo
       source_action = f"reused: the source in {manual_dir} is unchanged since {builder.data_dir} was prepared"
   if source is not None and not _is_prepared(builder):
     builder.info.metadata["source"] = source
-  common.SKIPPED.clear()  # check_source's look counts nothing; the generation counts each skip once
+  manual_files.SKIPPED.clear()  # check_source's look counts nothing; the generation counts each skip once
   try:
     builder.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
   except BaseException:
@@ -311,7 +311,7 @@ def _prepare_locked(dataset, manual_dir, data_dir, builder, source, cls, file_fo
     "data_dir": builder.data_dir,
     "file_format": builder.info.file_format.value,
     "splits": {k: v.num_examples for k, v in builder.info.splits.items()},
-    "skipped": {reason: n for (_, reason), n in common.SKIPPED.items()},
+    "skipped": {reason: n for (_, reason), n in manual_files.SKIPPED.items()},
   }
   # Builders that count their optional fields (image_text) keep the counts in the dataset's metadata, so they are
   # exact whether this call generated the dataset or found it prepared.
@@ -325,8 +325,8 @@ def _prepare_locked(dataset, manual_dir, data_dir, builder, source, cls, file_fo
     report["trace_mismatch"] = int(builder.info.metadata["trace_mismatch"])
   if source is not None:
     report["source"] = source_action
-  if common.OUTSIDE:
-    outside = sorted(set(common.OUTSIDE))
+  if manual_files.OUTSIDE:
+    outside = sorted(set(manual_files.OUTSIDE))
     report["outside_manual_dir"] = {"files": len(outside), "first": outside[:10]}
   # Own photos: the images stored after a conversion (vlrep.data.images: EXIF orientation, 16-bit range,
   # transparency over white, CMYK, the first frame of an animation), the rows and captions merged, the row fields
@@ -335,7 +335,7 @@ def _prepare_locked(dataset, manual_dir, data_dir, builder, source, cls, file_fo
   for key in ("converted", "merged", "row_fields"):
     if key in metadata:
       report[key] = json.loads(json.dumps(metadata[key]))
-  limits = common.LIMITS
+  limits = manual_files.LIMITS
   report["limits"] = {
     "max_file_bytes": limits.max_file_bytes,
     "max_text_bytes": limits.max_text_bytes,
@@ -348,7 +348,7 @@ def _prepare_locked(dataset, manual_dir, data_dir, builder, source, cls, file_fo
 @exit_2_on_user_error
 def main(argv):
   del argv
-  limits = common.Limits(
+  limits = manual_files.Limits(
     max_file_bytes=FLAGS.max_file_bytes,
     max_text_bytes=FLAGS.max_text_bytes,
     max_image_pixels=FLAGS.max_image_pixels,

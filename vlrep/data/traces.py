@@ -33,8 +33,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from vlrep.data import registry, tokenizers
-from vlrep.data.builders import scenes
+from vlrep.data import registry, scenes, tokenizers
 
 _NOT_ALNUM = r"[^\p{L}\p{N}]"
 

@@ -4,7 +4,7 @@ only vlrep's own methods, `vlrep.runs.check_saved_names`). Either way the module
 
 - a `Method` class, built as `Method(config, vocab_size, **needs)` (the config's `method` block, the tokenizer's
   vocabulary size, 0 without one, and what `setup` and the run's concept set returned), whose instances satisfy
-  the `Method` protocol below: `fields`, `init`, `loss` and `features` (README, "Architecture");
+  the `Method` protocol below: `fields`, `init`, `loss` and `features` (docs/architecture.md, "Contracts");
 - optionally, on the class, `pretrained_variables(pretrained)` (`UsesPretrained`: values the loop writes into the
   fresh state) and `pretrained_runs()` (`NamesPretrainedRuns`: the runs the loop loads and hands to it; without it
   `pretrained` is {});

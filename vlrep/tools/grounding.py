@@ -19,8 +19,7 @@ import numpy as np
 from absl import app, flags
 
 from vlrep import run_setup, runs
-from vlrep.data import pipeline, records, tokenizers
-from vlrep.data.builders import scenes
+from vlrep.data import pipeline, records, scenes, tokenizers
 from vlrep.methods.virtex import reverse_captions
 from vlrep.models.virtex import VirTexModel
 

@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from vlrep import errors
-from vlrep.data.builders import common
+from vlrep.data import manual_files
 
 NUM_ANSWERS = 10  # VQA 2.0 and VizWiz collect ten human answers per question
 
@@ -51,20 +51,20 @@ def answers(raw: list, dataset: str, question_id) -> list[str]:
   """The human answers, NUM_ANSWERS of them ('' pads a question with fewer; extra ones are cut and counted)."""
   answers = [str(a.get("answer", "")).strip() if isinstance(a, dict) else str(a).strip() for a in raw or []]
   if len(answers) > NUM_ANSWERS:
-    common.skip(dataset, f"answers beyond the first {NUM_ANSWERS} (dropped)", f"question {question_id}")
+    manual_files.skip(dataset, f"answers beyond the first {NUM_ANSWERS} (dropped)", f"question {question_id}")
     answers = answers[:NUM_ANSWERS]
   return answers + [""] * (NUM_ANSWERS - len(answers))
 
 
 def stored_image(builder, path: str, dataset: str, root) -> bytes | None:
-  """The image file at `path` as a viewer shows it, as JPEG (common.viewer_jpeg: an upright RGB or grayscale JPEG
+  """The image file at `path` as a viewer shows it, as JPEG (manual_files.viewer_jpeg: an upright RGB or grayscale JPEG
   byte for byte, others converted and counted in the builder's metadata `converted`, the prepare report's), or
-  None (a counted skip): missing, outside manual_dir, over common.LIMITS or undecodable."""
-  raw = common.read_image_file(path, dataset, root and os.fspath(root))
-  stored = None if raw is None else common.viewer_jpeg(raw, dataset, path)
+  None (a counted skip): missing, outside manual_dir, over manual_files.LIMITS or undecodable."""
+  raw = manual_files.read_image_file(path, dataset, root and os.fspath(root))
+  stored = None if raw is None else manual_files.viewer_jpeg(raw, dataset, path)
   if stored is None:
     return None
-  builder.info.metadata["converted"] = common.converted(dataset)
+  builder.info.metadata["converted"] = manual_files.converted(dataset)
   return stored[0]
 
 
@@ -76,17 +76,17 @@ def load_json(path: str, what: str):
   if not os.path.exists(path):
     raise MissingFile(f"{what}: {path} does not exist.")
   with errors.reading(path, f"{what.split(' ')[0]} JSON file", "Expected the dataset's official JSON, as downloaded."):
-    with common.open_regular(path) as f:
+    with manual_files.open_regular(path) as f:
       return json.load(f)
 
 
 def texts(f):
-  """The lines of the binary file `f` as text, each at most common.LIMITS.max_text_bytes (TooLarge: the whole
+  """The lines of the binary file `f` as text, each at most manual_files.LIMITS.max_text_bytes (TooLarge: the whole
   file is refused by the errors.reading around it, as a line that is not UTF-8 is)."""
-  limit = common.LIMITS.max_text_bytes
-  for number, raw in common.lines(f, limit):
+  limit = manual_files.LIMITS.max_text_bytes
+  for number, raw in manual_files.lines(f, limit):
     if raw is None:
-      raise common.TooLarge(f"line {number} is over {limit:,} bytes (--max_text_bytes)")
+      raise manual_files.TooLarge(f"line {number} is over {limit:,} bytes (--max_text_bytes)")
     yield raw.decode("utf-8")
 
 

@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from vlrep import errors
-from vlrep.data.builders import common
+from vlrep.data import manual_files
 
 _HINT = "Expected COCO's annotations JSON ({'images': [...], 'annotations': [...]}), as downloaded."
 
@@ -57,7 +57,7 @@ class CocoCaptions2017(tfds.core.GeneratorBasedBuilder):
 
   def _split_generators(self, dl_manager):
     root = dl_manager.manual_dir
-    self.info.metadata["converted"] = {}  # filled as images are stored (common.CONVERTED)
+    self.info.metadata["converted"] = {}  # filled as images are stored (manual_files.CONVERTED)
     out = {}
     for split, folder in _SPLITS.items():
       ann = os.path.join(root, "annotations", f"captions_{folder}.json")
@@ -72,18 +72,18 @@ class CocoCaptions2017(tfds.core.GeneratorBasedBuilder):
     labels = collections.defaultdict(list)
     if instances_file and os.path.exists(instances_file):
       with errors.reading(instances_file, "COCO instances annotation file", _HINT):
-        with common.open_regular(instances_file) as f:
+        with manual_files.open_regular(instances_file) as f:
           instances = json.load(f)
         index = {cat["id"]: i for i, cat in enumerate(sorted(instances["categories"], key=lambda c: c["id"]))}
         for ann in instances["annotations"]:
           if ann.get("category_id") in index:
             labels[ann["image_id"]].append(index[ann["category_id"]])
           else:
-            common.skip("coco_captions2017", "instance with unknown category", f"annotation {ann.get('id')}")
+            manual_files.skip("coco_captions2017", "instance with unknown category", f"annotation {ann.get('id')}")
     # A file whose structure is not COCO's (a key missing, a list where an object belongs) is a BadFile naming
-    # it: the images are read inside the block, but their own errors are counted skips (common.viewer_jpeg).
+    # it: the images are read inside the block, but their own errors are counted skips (manual_files.viewer_jpeg).
     with errors.reading(annotation_file, "COCO captions annotation file", _HINT):
-      with common.open_regular(annotation_file) as f:
+      with manual_files.open_regular(annotation_file) as f:
         data = json.load(f)
       captions = collections.defaultdict(list)
       for ann in data["annotations"]:
@@ -91,19 +91,19 @@ class CocoCaptions2017(tfds.core.GeneratorBasedBuilder):
         if text:
           captions[ann["image_id"]].append(text)
         else:
-          common.skip("coco_captions2017", "empty caption", f"annotation {ann.get('id')}")
+          manual_files.skip("coco_captions2017", "empty caption", f"annotation {ann.get('id')}")
       for image in data["images"]:
         image_id = image["id"]
         if not captions.get(image_id):
-          common.skip("coco_captions2017", "image without captions", image["file_name"])
+          manual_files.skip("coco_captions2017", "image without captions", image["file_name"])
           continue
         path = os.path.join(image_dir, image["file_name"])
-        # Stored as a viewer shows it (common.viewer_jpeg): an upright RGB or grayscale JPEG, as nearly all of
+        # Stored as a viewer shows it (manual_files.viewer_jpeg): an upright RGB or grayscale JPEG, as nearly all of
         # COCO's are, byte for byte; an EXIF-rotated, CMYK or non-JPEG file converted and counted.
-        raw = common.read_image_file(path, _NAME, root or None)
-        stored = None if raw is None else common.viewer_jpeg(raw, _NAME, path)
+        raw = manual_files.read_image_file(path, _NAME, root or None)
+        stored = None if raw is None else manual_files.viewer_jpeg(raw, _NAME, path)
         if stored is None:
           continue
-        self.info.metadata["converted"] = common.converted(_NAME)
+        self.info.metadata["converted"] = manual_files.converted(_NAME)
         objects = {"label": labels.get(image_id, [])}
         yield image_id, {"image": stored[0], "image_id": image_id, "captions": captions[image_id], "objects": objects}

@@ -10,7 +10,8 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from vlrep import errors
-from vlrep.data.builders import _vl_datasets, common
+from vlrep.data import manual_files
+from vlrep.data.builders import _vl_datasets
 
 
 class ConceptualCaptions(tfds.core.GeneratorBasedBuilder):
@@ -60,11 +61,11 @@ class ConceptualCaptions(tfds.core.GeneratorBasedBuilder):
       yield from self._rows(tsv, image_dir, root)
 
   def _rows(self, tsv, image_dir, root):
-    with common.open_regular(tsv) as f:
+    with manual_files.open_regular(tsv) as f:
       for row, fields in enumerate(csv.reader(_vl_datasets.texts(f), delimiter="\t", quoting=csv.QUOTE_NONE)):
         caption = fields[0].strip() if fields else ""
         if not caption:
-          common.skip("conceptual_captions", "empty caption", f"{tsv}:{row}")
+          manual_files.skip("conceptual_captions", "empty caption", f"{tsv}:{row}")
           continue
         path = os.path.join(image_dir, f"{row}.jpg")
         image = _vl_datasets.stored_image(self, path, "conceptual_captions", root)

@@ -51,8 +51,7 @@ import tensorflow_datasets as tfds
 from absl import logging
 
 from vlrep import errors, safe_files
-from vlrep.data import images
-from vlrep.data.builders import common
+from vlrep.data import images, manual_files
 from vlrep.data.builders.image_text import SourceError, csv_rows, index_lines
 
 NAME = "image_folder"
@@ -99,7 +98,7 @@ class ImageFolder(tfds.core.GeneratorBasedBuilder):
     by_split = {split: [(path, label) for path, label, s in listing if s == split] for split in SPLITS}
     counts = {name: dict.fromkeys(SPLITS, 0) for name in names}  # filled as images decode
     self.info.metadata["classes"] = counts
-    self.info.metadata["converted"] = {}  # filled as images are stored (common.CONVERTED)
+    self.info.metadata["converted"] = {}  # filled as images are stored (manual_files.CONVERTED)
     return {split: self._generate_examples(root, items, split, counts) for split, items in by_split.items() if items}
 
   def _generate_examples(self, root: str, items: list[tuple[str, str]], split: str, counts: dict):
@@ -110,11 +109,11 @@ class ImageFolder(tfds.core.GeneratorBasedBuilder):
         continue
       n += 1
       counts[label][split] += 1
-      self.info.metadata["converted"].update(common.converted(NAME))
+      self.info.metadata["converted"].update(manual_files.converted(NAME))
       yield path, {"image": io.BytesIO(jpeg), "label": label, "key": path}
     if not n:
       # Raised before TFDS finalizes the split (which would assert "No examples were yielded").
-      skipped = {reason: k for (name, reason), k in common.SKIPPED.items() if name == NAME}
+      skipped = {reason: k for (name, reason), k in manual_files.SKIPPED.items() if name == NAME}
       raise SourceError(f"{root}: no usable image in split {split!r} ({len(items)} listed); skipped: {skipped}")
 
 
@@ -122,22 +121,22 @@ def _jpeg(path: str, what: str, root: str) -> bytes | None:
   """The image as JPEG bytes as a viewer shows it (vlrep.data.images: EXIF orientation applied, 16-bit scaled by
   its range, transparency over white, the first frame; upright RGB and grayscale JPEGs kept as they are), or None
   (counted) if it is missing, outside `root` (check_source refused those unless they are allowed), over
-  common.LIMITS (file size, pixels) or does not decode."""
-  if common.outside(root, path) is not None and not common.LIMITS.allow_outside_manual_dir:
-    common.skip(NAME, "image outside --manual_dir (not read)", what)
+  manual_files.LIMITS (file size, pixels) or does not decode."""
+  if manual_files.outside(root, path) is not None and not manual_files.LIMITS.allow_outside_manual_dir:
+    manual_files.skip(NAME, "image outside --manual_dir (not read)", what)
     return None
   try:
-    data = common.read_file(path)
-  except (OSError, common.TooLarge) as e:
-    common.skip(NAME, common.image_skip_reason(e), what)
+    data = manual_files.read_file(path)
+  except (OSError, manual_files.TooLarge) as e:
+    manual_files.skip(NAME, manual_files.image_skip_reason(e), what)
     return None
-  stored = common.viewer_jpeg(data, NAME, what)
+  stored = manual_files.viewer_jpeg(data, NAME, what)
   return stored and stored[0]
 
 
 def _skip(reason: str, what: str, quiet: bool) -> None:
   if not quiet:  # check_source lists the source once before preparing: its skips are counted when preparing
-    common.skip(NAME, reason, what)
+    manual_files.skip(NAME, reason, what)
 
 
 def _is_image(name: str) -> bool:
@@ -169,9 +168,9 @@ def _class_folders(root: str, top: str, quiet: bool) -> list[tuple[str, str]]:
   items = []
   for name in entries:
     if os.path.isdir(os.path.join(where, name)):
-      real = common.outside(root, os.path.join(where, name))
-      if real is not None and not common.LIMITS.allow_outside_manual_dir:  # not walked: it may be a link to /
-        common.refuse_outside(root, [(os.path.join(top, name), real)], "the class folders")
+      real = manual_files.outside(root, os.path.join(where, name))
+      if real is not None and not manual_files.LIMITS.allow_outside_manual_dir:  # not walked: it may be a link to /
+        manual_files.refuse_outside(root, [(os.path.join(top, name), real)], "the class folders")
       images = _class_images(root, os.path.join(top, name) if top else name, quiet)
       if not images:
         _skip("class folder without an image (class left out)", os.path.join(top, name), quiet)
@@ -321,8 +320,8 @@ def check_source(root: str) -> dict:
   listing = read_listing(root, quiet=True)
   index = os.path.join(root, INDEX_FILE)
   named = ([INDEX_FILE] if os.path.lexists(index) else []) + [p for p, _, _ in listing]
-  outside = [(p, real) for p in named if (real := common.outside(root, os.path.join(root, p)))]
-  common.refuse_outside(root, outside, INDEX_FILE if os.path.lexists(index) else "the class folders")
+  outside = [(p, real) for p in named if (real := manual_files.outside(root, os.path.join(root, p)))]
+  manual_files.refuse_outside(root, outside, INDEX_FILE if os.path.lexists(index) else "the class folders")
   lines = [_stat_line(root, *entry) for entry in listing]
   logging.info("%s: %d images in %d classes in %s", NAME, len(listing), len({c for _, c, _ in listing}), root)
   with errors.reading(index, "text index"):

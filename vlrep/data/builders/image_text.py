@@ -30,7 +30,7 @@ images, captions that are not strings, unreadable shards (a torn shard keeps the
 images without a caption and captions without an image (mismatched keys in a shard), shard metadata that is not
 a UTF-8 JSON object.
 
-A manual_dir may come from someone else; what is read from it is bounded (vlrep/data/builders/common.py, the
+A manual_dir may come from someone else; what is read from it is bounded (vlrep/data/builders/manual_files.py, the
 limits are `vlrep.data.prepare` flags), each refusal counted under a reason naming its flag: an image file or shard
 member over --max_file_bytes (256 MiB; a member's declared size is checked before it is read, and its read capped,
 so a small gzip shard that inflates to gigabytes is never held), an index line or a shard's KEY.txt / KEY.json
@@ -115,8 +115,7 @@ import tensorflow_datasets as tfds
 from absl import logging
 
 from vlrep import errors, safe_files
-from vlrep.data import images
-from vlrep.data.builders import common
+from vlrep.data import images, manual_files
 from vlrep.data.builders import localized_narratives as ln
 from vlrep.errors import UserError
 
@@ -208,7 +207,7 @@ class ImageText(tfds.core.GeneratorBasedBuilder):
       yield example["key"], {**example, "image": io.BytesIO(example["image"]), "image_id": n - 1}
     if not n:
       # Raised before TFDS finalizes the split (which would assert "No examples were yielded").
-      skipped = {reason: k for (name, reason), k in common.SKIPPED.items() if name == NAME}
+      skipped = {reason: k for (name, reason), k in manual_files.SKIPPED.items() if name == NAME}
       raise SourceError(f"{root}: no usable example: every row, image or shard member was skipped: {skipped}")
     self.info.metadata["fields"] = counts
     self.info.metadata["trace_mismatch"] = mismatched
@@ -216,7 +215,7 @@ class ImageText(tfds.core.GeneratorBasedBuilder):
     # prepared says it too.
     self.info.metadata["row_fields"] = {k: dict(sorted(v.items())) for k, v in stats["row_fields"].items()}
     self.info.metadata["merged"] = dict(sorted(stats["merged"].items()))
-    self.info.metadata["converted"] = common.converted(NAME)
+    self.info.metadata["converted"] = manual_files.converted(NAME)
 
 
 def new_stats() -> dict:
@@ -260,7 +259,7 @@ def _source_files(root: str) -> tuple[list[str], str | None]:
 
 def read_manual_dir(root: str, stats: dict | None = None):
   """One dict per usable image of `root`, in key order: key, image (JPEG bytes), captions, tags, narration,
-  timed_caption, traces, boxes, box_labels; skips counted in common, the fields read or ignored and the merges in
+  timed_caption, traces, boxes, box_labels; skips counted in manual_files, the fields read or ignored and the merges in
   `stats` (new_stats())."""
   stats = stats or new_stats()
   shards, index = _source_files(root)
@@ -284,12 +283,12 @@ def check_source(root: str) -> dict:
   shard's size and mtime), "files": the images the index names, "files_sha256": SHA-256 of their names, sizes and
   modification times}. Raises SourceError (no traceback from the CLI) when the index cannot give a single row: an
   empty file, a CSV header without image and caption (or with unknown fields), no JSON object with both; and
-  common.OutsideManualDir when shards, the index or the images it names resolve outside `root` (an absolute path,
-  a '../' path, a symlink), all counted and a few named, unless common.LIMITS allows them."""
+  manual_files.OutsideManualDir when shards, the index or the images it names resolve outside `root` (an absolute path,
+  a '../' path, a symlink), all counted and a few named, unless manual_files.LIMITS allows them."""
   shards, index = _source_files(root)
   if shards:
-    outside = [(os.path.basename(s), real) for s in shards if (real := common.outside(root, s))]
-    common.refuse_outside(root, outside, "the shard listing (*.tar)")
+    outside = [(os.path.basename(s), real) for s in shards if (real := manual_files.outside(root, s))]
+    manual_files.refuse_outside(root, outside, "the shard listing (*.tar)")
     lines = [_stat_line(root, os.path.relpath(s, root)) for s in shards]
     return {"index": {}, "files": len(lines), "files_sha256": hashlib.sha256("\n".join(lines).encode()).hexdigest()}
   path = os.path.join(root, index)
@@ -312,8 +311,8 @@ def check_source(root: str) -> dict:
       '[...]), with optional "tags", "timed_caption", "traces", "boxes", "labels"'
     )
   named = [index] + sorted(images)
-  outside = [(n, real) for n in named if (real := common.outside(root, os.path.join(root, n)))]
-  common.refuse_outside(root, outside, index)
+  outside = [(n, real) for n in named if (real := manual_files.outside(root, os.path.join(root, n)))]
+  manual_files.refuse_outside(root, outside, index)
   lines = [_stat_line(root, image) for image in sorted(images)]
   with errors.reading(path, "text index"):
     sha256 = safe_files.sha256_of(path)
@@ -343,15 +342,15 @@ def source_changes(old: dict | None, new: dict) -> list[str]:
 def _count(reason: str, n: int, what: str) -> None:
   """Counts n skips (points, words, boxes) of one row under `reason`, logged once."""
   if n:
-    common.SKIPPED[(NAME, reason)] += n
+    manual_files.SKIPPED[(NAME, reason)] += n
     logging.warning("%s: %s: %d x %s", NAME, what, n, reason)
 
 
 def _jpeg(data: bytes, what: str) -> tuple[bytes, tuple[int, int]] | None:
   """(the image as JPEG bytes as a viewer shows it (vlrep.data.images; a JPEG already upright kept as it is),
   its (width, height)), or None (counted) if it does not decode or its header declares more than
-  common.LIMITS.max_image_pixels."""
-  return common.viewer_jpeg(data, NAME, what)
+  manual_files.LIMITS.max_image_pixels."""
+  return manual_files.viewer_jpeg(data, NAME, what)
 
 
 def _count_fields(row: dict, stats: dict, read=ROW_FIELDS) -> None:
@@ -381,10 +380,10 @@ def _text_fields(meta: dict, what: str, first: tuple = ()) -> tuple[list[str], l
   tags = tags.split("|") if isinstance(tags, str) else list(tags) if isinstance(tags, list | tuple) else []
   strings = [c for c in captions if isinstance(c, str)]
   if len(strings) < len(captions):  # e.g. {"caption": 3} or {"captions": [null]}
-    common.skip(NAME, "caption not a string", what)
+    manual_files.skip(NAME, "caption not a string", what)
   kept = [c.strip() for c in strings if c.strip()]
   if len(kept) < len(strings):
-    common.skip(NAME, "empty caption", what)
+    manual_files.skip(NAME, "empty caption", what)
   return kept, [t.strip() for t in tags if isinstance(t, str) and t.strip()]
 
 
@@ -402,17 +401,17 @@ def _narration(row: dict, what: str) -> dict | None:
   traces}, or None when the row has no `traces` or its narration is dropped (counted; its caption is kept)."""
   if "traces" not in row:
     if row.get("timed_caption"):
-      common.skip(NAME, "timed_caption without traces (timed words ignored)", what)
+      manual_files.skip(NAME, "timed_caption without traces (timed words ignored)", what)
     return None
   traces, timed, caption = row["traces"], row.get("timed_caption") or [], row.get("caption")
   if not isinstance(traces, list) or not all(isinstance(segment, list) for segment in traces):
-    common.skip(NAME, "traces not a list of segments (narration dropped, caption kept)", what)
+    manual_files.skip(NAME, "traces not a list of segments (narration dropped, caption kept)", what)
     return None
   if not isinstance(timed, list):
-    common.skip(NAME, "timed_caption not a list (narration dropped, caption kept)", what)
+    manual_files.skip(NAME, "timed_caption not a list (narration dropped, caption kept)", what)
     return None
   if not isinstance(caption, str) or not caption.strip():
-    common.skip(NAME, "narration without a caption (narration dropped)", what)
+    manual_files.skip(NAME, "narration without a caption (narration dropped)", what)
     return None
   points, malformed, outside = [], 0, 0
   for point in (p for segment in traces for p in segment):
@@ -426,11 +425,11 @@ def _narration(row: dict, what: str) -> dict | None:
   _count("malformed trace point (point dropped)", malformed, what)
   _count(f"trace point outside the image by more than {TRACE_TOLERANCE} (point dropped)", outside, what)
   if not points:
-    common.skip(NAME, "narration without usable trace points (narration dropped, caption kept)", what)
+    manual_files.skip(NAME, "narration without usable trace points (narration dropped, caption kept)", what)
     return None
   times = [t for _, _, t in points]
   if any(b < a for a, b in zip(times, times[1:], strict=False)):
-    common.skip(NAME, "trace times decrease (narration dropped, caption kept)", what)
+    manual_files.skip(NAME, "trace times decrease (narration dropped, caption kept)", what)
     return None
   words, malformed, counts = [], 0, collections.Counter()
   for entry in timed:
@@ -450,7 +449,7 @@ def _narration(row: dict, what: str) -> dict | None:
   timed_words = [w for w in words if not math.isnan(w["start_time"])]
   outside = [w for w in timed_words if w["end_time"] < times[0] or w["start_time"] > times[-1]]
   if timed_words and len(outside) == len(timed_words):
-    common.skip(NAME, "no timed word within the trace's time span (narration dropped, caption kept)", what)
+    manual_files.skip(NAME, "no timed word within the trace's time span (narration dropped, caption kept)", what)
     return None
   counts["timed word outside the trace's time span (word kept; it gets no trace)"] += len(outside)
   for reason, n in counts.items():
@@ -464,15 +463,15 @@ def _boxes(row: dict, what: str) -> list[tuple[list[float], str]] | None:
   boxes, labels = row.get("boxes"), row.get("labels")
   if boxes is None or boxes == []:
     if labels:
-      common.skip(NAME, "labels without boxes (labels ignored)", what)
+      manual_files.skip(NAME, "labels without boxes (labels ignored)", what)
     return None
   if not isinstance(boxes, list):
-    common.skip(NAME, "boxes not a list (boxes ignored)", what)
+    manual_files.skip(NAME, "boxes not a list (boxes ignored)", what)
     return None
   if labels is not None and not (
     isinstance(labels, list) and len(labels) == len(boxes) and all(x is None or isinstance(x, str) for x in labels)
   ):
-    common.skip(NAME, "labels not one string per box (labels dropped, boxes kept)", what)
+    manual_files.skip(NAME, "labels not one string per box (labels dropped, boxes kept)", what)
     labels = None
   labels = [(x or "").strip() for x in labels] if labels is not None else [""] * len(boxes)
   kept, malformed, empty = [], 0, 0
@@ -530,7 +529,7 @@ def _example(key, image, captions, tags, narration, boxes, what) -> dict | None:
 # The shard members read (a sample's image and texts); members with other suffixes are passed over unread.
 TEXT_SUFFIXES = (".txt", ".json")
 # A tar header record (a pax header, a GNU long name) is read whole by tarfile before any member: at most this.
-MAX_HEADER_BYTES = common.MIB
+MAX_HEADER_BYTES = manual_files.MIB
 # What a shard stops at: a torn or corrupt tar, gzip, bzip2 or xz stream, a header record over MAX_HEADER_BYTES.
 SHARD_ERRORS = (tarfile.TarError, OSError, EOFError, ValueError, zlib.error, lzma.LZMAError)
 
@@ -544,7 +543,9 @@ class _CappedReads:
 
   def read(self, n: int = -1) -> bytes:
     if n is None or n < 0 or n > self.cap:
-      raise common.TooLarge(f"shard header record over {common._size(MAX_HEADER_BYTES)} (rest of the shard skipped)")
+      raise manual_files.TooLarge(
+        f"shard header record over {manual_files._size(MAX_HEADER_BYTES)} (rest of the shard skipped)"
+      )
     return self.stream.read(n)
 
   def seek(self, offset: int, whence: int = 0) -> int:
@@ -571,12 +572,12 @@ def _decompressed(f):
 def _member_bytes(tar, stream: _CappedReads, member, limit: int, flag: str) -> bytes:
   """A member's data, refused (TooLarge) when its header declares more than `limit` bytes or its data runs longer:
   nothing over the limit is held."""
-  reason = f"shard member over {common._size(limit)} (--{flag}; its sample skipped)"
+  reason = f"shard member over {manual_files._size(limit)} (--{flag}; its sample skipped)"
   if member.size > limit:
-    raise common.TooLarge(reason)
+    raise manual_files.TooLarge(reason)
   stream.cap = limit + 1
   try:
-    return common.read_capped(tar.extractfile(member), limit, reason)
+    return manual_files.read_capped(tar.extractfile(member), limit, reason)
   finally:
     stream.cap = MAX_HEADER_BYTES
 
@@ -584,13 +585,13 @@ def _member_bytes(tar, stream: _CappedReads, member, limit: int, flag: str) -> b
 def _shard_samples(shard: str):
   """(key, {suffix: bytes} or None when a member of the sample was refused) of a shard's samples in file order: as
   webdataset groups them, consecutive members with one key (KEY.jpg, KEY.txt, ...) form a sample. One member is
-  held at a time besides the sample's own, each within common.LIMITS, so a shard of any size or compression ratio
+  held at a time besides the sample's own, each within manual_files.LIMITS, so a shard of any size or compression ratio
   is read in bounded memory. A torn or corrupt shard keeps the samples before the break (counted)."""
-  limits = common.LIMITS
+  limits = manual_files.LIMITS
   try:
-    f = common.open_regular(shard)
+    f = manual_files.open_regular(shard)
   except OSError as e:
-    common.skip(NAME, f"unreadable shard or shard tail ({type(e).__name__})", shard)
+    manual_files.skip(NAME, f"unreadable shard or shard tail ({type(e).__name__})", shard)
     return
   key, files = None, {}
   with f:
@@ -616,21 +617,21 @@ def _shard_samples(shard: str):
         limit, flag = (limits.max_text_bytes, "max_text_bytes") if text else (limits.max_file_bytes, "max_file_bytes")
         try:
           files[ext] = _member_bytes(tar, stream, member, limit, flag)
-        except common.TooLarge as e:
-          common.skip(NAME, e.reason, f"{os.path.basename(shard)}:{member.name}")
+        except manual_files.TooLarge as e:
+          manual_files.skip(NAME, e.reason, f"{os.path.basename(shard)}:{member.name}")
           files = None  # the sample is dropped; its other members are not read
       # tarfile ends an archive at a header it cannot read as silently as at the end-of-archive blocks: what
       # follows must be zeros (read in bounded pieces; a gzip stream's checksum is checked at its end).
-      while chunk := stream.stream.read(common.MIB):
+      while chunk := stream.stream.read(manual_files.MIB):
         if chunk.strip(b"\0"):
           raise tarfile.ReadError("data after a header that is not a tar header")
-    except common.TooLarge as e:
-      common.skip(NAME, e.reason, shard)
+    except manual_files.TooLarge as e:
+      manual_files.skip(NAME, e.reason, shard)
       return
     except SHARD_ERRORS as e:
       # A torn download or a damaged file: the samples read before the break are kept; the one being read is
       # dropped with everything after it. A file that is no tar at all keeps nothing.
-      common.skip(NAME, f"unreadable shard or shard tail ({type(e).__name__})", shard)
+      manual_files.skip(NAME, f"unreadable shard or shard tail ({type(e).__name__})", shard)
       return
   if key is not None:
     yield key, files
@@ -644,7 +645,9 @@ def _from_shards(shards: list[str], stats: dict):
       if files is None:  # a member over a limit: counted when it was refused
         continue
       if key in yielded:
-        common.skip(NAME, "sample files apart from the rest of their sample (webdataset keeps them together)", what)
+        manual_files.skip(
+          NAME, "sample files apart from the rest of their sample (webdataset keeps them together)", what
+        )
         continue
       example = _shard_example(shard, key, files, what, stats)
       if example is not None:
@@ -661,10 +664,10 @@ def _shard_example(shard: str, key: str, files: dict, what: str, stats: dict) ->
     try:
       meta = json.loads(files[".json"].decode("utf-8"))
     except (ValueError, RecursionError):  # not UTF-8, not JSON, an integer too long, nested too deep
-      common.skip(NAME, "metadata not UTF-8 JSON", what)
+      manual_files.skip(NAME, "metadata not UTF-8 JSON", what)
       meta = {}
     if not isinstance(meta, dict):
-      common.skip(NAME, "metadata not a JSON object", what)
+      manual_files.skip(NAME, "metadata not a JSON object", what)
       meta = {}
   extra = dict(meta)  # the narration is KEY.json's caption, even beside a KEY.txt
   first = ()
@@ -672,7 +675,7 @@ def _shard_example(shard: str, key: str, files: dict, what: str, stats: dict) ->
     try:
       first = (files[".txt"].decode("utf-8"),)
     except UnicodeDecodeError:
-      common.skip(NAME, "caption not UTF-8", what)
+      manual_files.skip(NAME, "caption not UTF-8", what)
     stats["row_fields"]["read"]["shard member *.txt"] += 1
     caption = meta.get("caption")
     if first and isinstance(caption, str) and caption.strip() == first[0].strip():
@@ -687,15 +690,15 @@ def _shard_example(shard: str, key: str, files: dict, what: str, stats: dict) ->
         if other
         else "caption without an image (mismatched keys)"
       )
-      common.skip(NAME, reason, what)
+      manual_files.skip(NAME, reason, what)
     return None
   if not has_text:
-    common.skip(NAME, "image without a caption (mismatched keys)", what)
+    manual_files.skip(NAME, "image without a caption (mismatched keys)", what)
     return None
   captions, tags = _text_fields(meta, what, first)
   captions = _unique(captions, what, stats)
   if not captions:
-    common.skip(NAME, "image without captions", what)
+    manual_files.skip(NAME, "image without captions", what)
     return None
   key = f"{os.path.basename(shard)}/{key}"
   return _example(key, image, captions, tags, _narration(extra, what), _boxes(extra, what), what)
@@ -703,21 +706,21 @@ def _shard_example(shard: str, key: str, files: dict, what: str, stats: dict) ->
 
 def _skip(reason: str, what: str, quiet: bool) -> None:
   if not quiet:  # check_source reads the index once before preparing: its skips are counted when preparing
-    common.skip(NAME, reason, what)
+    manual_files.skip(NAME, reason, what)
 
 
 def index_lines(path: str, quiet: bool, skip=None):
   """(line number, text) of an index file's lines, decoded; lines that are not UTF-8 or longer than
-  common.LIMITS.max_text_bytes skipped (counted unless `quiet`; `skip(reason, what)`: image_folder counts its
+  manual_files.LIMITS.max_text_bytes skipped (counted unless `quiet`; `skip(reason, what)`: image_folder counts its
   own). A file that cannot be opened or read as a whole (a folder, a FIFO, an I/O error) is a BadFile."""
   skip = skip or (lambda reason, what: _skip(reason, what, quiet))
-  limit = common.LIMITS.max_text_bytes
+  limit = manual_files.LIMITS.max_text_bytes
   with errors.reading(path, "text index", "It should be a UTF-8 text file, one row per line."):
-    with common.open_regular(path) as f:
-      for number, raw in common.lines(f, limit):
+    with manual_files.open_regular(path) as f:
+      for number, raw in manual_files.lines(f, limit):
         what = f"{os.path.basename(path)} line {number}"
         if raw is None:
-          skip(f"line over {common._size(limit)} (--max_text_bytes)", what)
+          skip(f"line over {manual_files._size(limit)} (--max_text_bytes)", what)
           continue
         try:
           text = raw.decode("utf-8")
@@ -801,15 +804,15 @@ def _csv_rows(path: str, quiet: bool = False):
 
 def _image_file(root: str, image: str) -> bytes | None:
   """The bytes of the image a row names, or None (counted): missing, not a regular file, over
-  common.LIMITS.max_file_bytes, outside manual_dir (check_source refused those unless they are allowed)."""
+  manual_files.LIMITS.max_file_bytes, outside manual_dir (check_source refused those unless they are allowed)."""
   path = os.path.join(root, image)
-  if common.outside(root, path) is not None and not common.LIMITS.allow_outside_manual_dir:
-    common.skip(NAME, "image outside --manual_dir (not read)", image)
+  if manual_files.outside(root, path) is not None and not manual_files.LIMITS.allow_outside_manual_dir:
+    manual_files.skip(NAME, "image outside --manual_dir (not read)", image)
     return None
   try:
-    return common.read_file(path)
-  except (OSError, common.TooLarge) as e:
-    common.skip(NAME, common.image_skip_reason(e), image)
+    return manual_files.read_file(path)
+  except (OSError, manual_files.TooLarge) as e:
+    manual_files.skip(NAME, manual_files.image_skip_reason(e), image)
     return None
 
 
@@ -833,7 +836,7 @@ def _from_index(root: str, rows, stats: dict):
     _count_fields(row, stats)
     image = row.get("image")
     if not isinstance(image, str) or not image or "caption" not in row and "captions" not in row:
-      common.skip(NAME, "row without an image or caption field", what)
+      manual_files.skip(NAME, "row without an image or caption field", what)
       continue
     captions, tags = _text_fields(row, what)
     if image not in by_spelling:
@@ -850,20 +853,20 @@ def _from_index(root: str, rows, stats: dict):
     if entry["narration"] is None:
       entry["narration"] = _narration(row, what)
     elif "traces" in row:
-      common.skip(NAME, "second narration of an image (its caption kept, its trace not)", what)
+      manual_files.skip(NAME, "second narration of an image (its caption kept, its trace not)", what)
     elif row.get("timed_caption"):
-      common.skip(NAME, "timed_caption without traces (timed words ignored)", what)
+      manual_files.skip(NAME, "timed_caption without traces (timed words ignored)", what)
     if entry["boxes"] is None:
       entry["boxes"] = _boxes(row, what)
     elif row.get("boxes"):
-      common.skip(NAME, "second set of boxes of an image (its caption kept, its boxes not)", what)
+      manual_files.skip(NAME, "second set of boxes of an image (its caption kept, its boxes not)", what)
     elif row.get("labels"):
-      common.skip(NAME, "labels without boxes (labels ignored)", what)
+      manual_files.skip(NAME, "labels without boxes (labels ignored)", what)
   for image in sorted(grouped):
     entry = grouped[image]
     entry["captions"] = _unique(entry["captions"], image, stats)
     if not entry["captions"]:
-      common.skip(NAME, "image without captions", image)
+      manual_files.skip(NAME, "image without captions", image)
       continue
     data = _image_file(root, image)
     if data is None:

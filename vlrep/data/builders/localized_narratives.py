@@ -32,8 +32,7 @@ import tensorflow_datasets as tfds
 from PIL import Image
 
 from vlrep import errors
-from vlrep.data import images
-from vlrep.data.builders import common
+from vlrep.data import images, manual_files
 
 OPEN_IMAGES_SCALE = 0.6
 _NAME = "localized_narratives"
@@ -88,20 +87,20 @@ def parse_narration(line: str) -> dict | None:
   try:
     record = json.loads(line)
   except (ValueError, RecursionError):  # not JSON, an integer too long to read, nested too deep
-    common.skip(_NAME, "line is not valid JSON", line[:60])
+    manual_files.skip(_NAME, "line is not valid JSON", line[:60])
     return None
   if not isinstance(record, dict) or "image_id" not in record or "caption" not in record:
-    common.skip(_NAME, "line without image_id or caption", line[:60])
+    manual_files.skip(_NAME, "line without image_id or caption", line[:60])
     return None
   caption = str(record.get("caption") or "").strip()
   if not caption:
-    common.skip(_NAME, "empty caption", f"image {record['image_id']}")
+    manual_files.skip(_NAME, "empty caption", f"image {record['image_id']}")
     return None
   timed = []
   for entry in _list(record.get("timed_caption")):
     word = timed_word(entry)
     if word is None or word["start_time"] is None or word["end_time"] is None:
-      common.SKIPPED[(_NAME, "malformed timed word (dropped)")] += 1
+      manual_files.SKIPPED[(_NAME, "malformed timed word (dropped)")] += 1
       continue
     timed.append(word)
   points = []
@@ -109,12 +108,12 @@ def parse_narration(line: str) -> dict | None:
     for p in segment if isinstance(segment, list) else []:
       xyt = trace_point(p)
       if xyt is None:
-        common.SKIPPED[(_NAME, "malformed trace point (dropped)")] += 1
+        manual_files.SKIPPED[(_NAME, "malformed trace point (dropped)")] += 1
         continue
       points.append(xyt)
   traces = np.asarray(points, np.float32).reshape(-1, 3)
   if not len(traces):
-    common.SKIPPED[(_NAME, "narration without trace points (kept)")] += 1
+    manual_files.SKIPPED[(_NAME, "narration without trace points (kept)")] += 1
   return {
     "source": str(record.get("dataset_id", "")),
     "image_id": str(record["image_id"]),
@@ -126,16 +125,16 @@ def parse_narration(line: str) -> dict | None:
 
 
 def _downsampled_jpeg(data: bytes, scale: float, what: str) -> bytes | None:
-  """An Open Images picture as a viewer shows it (vlrep.data.images; each conversion counted in common.CONVERTED)
-  scaled by `scale`, as JPEG; None (a counted skip) when it is over common.LIMITS or does not decode."""
+  """An Open Images picture as a viewer shows it (vlrep.data.images; each conversion counted in manual_files.CONVERTED)
+  scaled by `scale`, as JPEG; None (a counted skip) when it is over manual_files.LIMITS or does not decode."""
   try:
-    with common.decode_image(data) as im:
+    with manual_files.decode_image(data) as im:
       rgb, notes = images.viewer_rgb(im)
   except Exception as e:  # PIL raises many types for corrupt files
-    common.skip(_NAME, common.image_skip_reason(e), what)
+    manual_files.skip(_NAME, manual_files.image_skip_reason(e), what)
     return None
   for note in notes:
-    common.CONVERTED[(_NAME, note)] += 1
+    manual_files.CONVERTED[(_NAME, note)] += 1
   size = (max(1, round(rgb.width * scale)), max(1, round(rgb.height * scale)))
   out = io.BytesIO()
   rgb.resize(size, Image.BICUBIC).save(out, format="JPEG", quality=images.JPEG_QUALITY, subsampling=0)
@@ -174,7 +173,7 @@ class LocalizedNarratives(tfds.core.GeneratorBasedBuilder):
     )
 
   def _split_generators(self, dl_manager):
-    self.info.metadata["converted"] = {}  # filled as images are stored (common.CONVERTED)
+    self.info.metadata["converted"] = {}  # filled as images are stored (manual_files.CONVERTED)
     root = os.fspath(dl_manager.manual_dir)
     ann = os.path.join(root, "localized_narratives")
     sources = {
@@ -199,20 +198,22 @@ class LocalizedNarratives(tfds.core.GeneratorBasedBuilder):
     return out
 
   def _generate_examples(self, files):
-    limit = common.LIMITS.max_text_bytes
+    limit = manual_files.LIMITS.max_text_bytes
     for paths, image_dir, kind in files:
       root = os.path.dirname(os.path.dirname(paths[0])) if paths else None  # MANUAL_DIR/localized_narratives/..
       for path in paths:
-        with errors.reading(path, "Localized Narratives JSONL file"), common.open_regular(path) as f:
-          for line_no, raw in common.lines(f, limit):
+        with errors.reading(path, "Localized Narratives JSONL file"), manual_files.open_regular(path) as f:
+          for line_no, raw in manual_files.lines(f, limit):
             line_no -= 1  # keys count from 0, as before
             try:
               line = raw.decode("utf-8") if raw is not None else None
             except UnicodeDecodeError:
-              common.skip(_NAME, "line not UTF-8", f"{os.path.basename(path)}:{line_no}")
+              manual_files.skip(_NAME, "line not UTF-8", f"{os.path.basename(path)}:{line_no}")
               continue
             if line is None:
-              common.skip(_NAME, f"line over {limit:,} bytes (--max_text_bytes)", f"{os.path.basename(path)}:{line_no}")
+              manual_files.skip(
+                _NAME, f"line over {limit:,} bytes (--max_text_bytes)", f"{os.path.basename(path)}:{line_no}"
+              )
               continue
             if not line.strip():
               continue
@@ -221,23 +222,23 @@ class LocalizedNarratives(tfds.core.GeneratorBasedBuilder):
               continue
             if kind == "coco":
               if not n["image_id"].isdigit():
-                common.skip(_NAME, "COCO image_id is not a number", n["image_id"])
+                manual_files.skip(_NAME, "COCO image_id is not a number", n["image_id"])
                 continue
               image_path = os.path.join(image_dir, f"{int(n['image_id']):012d}.jpg")
             else:
               image_path = os.path.join(image_dir, f"{n['image_id']}.jpg")
             # Stored as a viewer shows it: a COCO image that already is (an upright RGB or grayscale JPEG) byte
-            # for byte (common.viewer_jpeg); an Open Images picture downsampled from what a viewer shows.
-            raw = common.read_image_file(image_path, _NAME, root)
+            # for byte (manual_files.viewer_jpeg); an Open Images picture downsampled from what a viewer shows.
+            raw = manual_files.read_image_file(image_path, _NAME, root)
             if raw is None:
               continue
             if kind == "coco":
-              stored = common.viewer_jpeg(raw, _NAME, image_path)
+              stored = manual_files.viewer_jpeg(raw, _NAME, image_path)
               image = None if stored is None else stored[0]
             else:
               image = _downsampled_jpeg(raw, OPEN_IMAGES_SCALE, image_path)
             if image is None:
               continue
-            self.info.metadata["converted"] = common.converted(_NAME)
+            self.info.metadata["converted"] = manual_files.converted(_NAME)
             key = f"{os.path.basename(path)}:{line_no}"
             yield key, {**n, "image": image}

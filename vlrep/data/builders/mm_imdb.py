@@ -8,7 +8,8 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from vlrep import errors
-from vlrep.data.builders import _vl_datasets, common
+from vlrep.data import manual_files
+from vlrep.data.builders import _vl_datasets
 
 # The 23 genres of Arevalo et al. (2017), most frequent first; MM-IMDB's other genres are too rare to split.
 MMIMDB_GENRES = (
@@ -61,19 +62,19 @@ class MmImdb(tfds.core.GeneratorBasedBuilder):
     known = set(MMIMDB_GENRES)
     for movie in ids:
       if not (isinstance(movie, str) and movie.isdigit()):
-        common.skip("mm_imdb", "movie id not a string of digits", repr(movie)[:60])
+        manual_files.skip("mm_imdb", "movie id not a string of digits", repr(movie)[:60])
         continue
       meta_path = os.path.join(folder, f"{movie}.json")
       if not os.path.exists(meta_path):
-        common.skip("mm_imdb", "missing metadata file", meta_path)
+        manual_files.skip("mm_imdb", "missing metadata file", meta_path)
         continue
       meta = _vl_datasets.load_json(meta_path, "mm_imdb")
       if not isinstance(meta, dict) or not isinstance(meta.get("plot") or [], list):
-        common.skip("mm_imdb", "metadata not a JSON object with a plot list", meta_path)
+        manual_files.skip("mm_imdb", "metadata not a JSON object with a plot list", meta_path)
         continue
       plots = [p.strip() for p in meta.get("plot") or [] if isinstance(p, str) and p.strip()]
       if not plots:
-        common.skip("mm_imdb", "movie without a plot", movie)
+        manual_files.skip("mm_imdb", "movie without a plot", movie)
         continue
       genres = []
       for g in meta.get("genres") if isinstance(meta.get("genres"), list) else []:
@@ -82,9 +83,9 @@ class MmImdb(tfds.core.GeneratorBasedBuilder):
         if g in known and g not in genres:
           genres.append(g)
         elif g not in known:
-          common.skip("mm_imdb", "genre outside the 23 (dropped)", f"{movie}: {g}")
+          manual_files.skip("mm_imdb", "genre outside the 23 (dropped)", f"{movie}: {g}")
       if not genres:
-        common.skip("mm_imdb", "movie without any of the 23 genres", movie)
+        manual_files.skip("mm_imdb", "movie without any of the 23 genres", movie)
         continue
       path = os.path.join(folder, f"{movie}.jpeg")
       image = _vl_datasets.stored_image(self, path, "mm_imdb", root)

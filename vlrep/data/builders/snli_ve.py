@@ -11,7 +11,8 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from vlrep import errors
-from vlrep.data.builders import _vl_datasets, common
+from vlrep.data import manual_files
+from vlrep.data.builders import _vl_datasets
 
 ENTAILMENT_LABELS = ("entailment", "contradiction", "neutral")  # synthetic_scenes' order (scenes.ENTAILMENT_LABELS)
 
@@ -59,8 +60,8 @@ class SnliVe(tfds.core.GeneratorBasedBuilder):
 
   def _generate_examples(self, path, image_dir, root=None):
     pairs, premises = collections.defaultdict(list), collections.defaultdict(list)
-    with errors.reading(path, "SNLI-VE JSONL file"), common.open_regular(path) as f:
-      for n, raw in common.lines(f, common.LIMITS.max_text_bytes):
+    with errors.reading(path, "SNLI-VE JSONL file"), manual_files.open_regular(path) as f:
+      for n, raw in manual_files.lines(f, manual_files.LIMITS.max_text_bytes):
         try:
           line = raw.decode("utf-8")
           if not line.strip():
@@ -70,14 +71,14 @@ class SnliVe(tfds.core.GeneratorBasedBuilder):
           if not isinstance(name, str):
             raise TypeError(name)
         except (AttributeError, ValueError, RecursionError, KeyError, TypeError):  # too long, not UTF-8, not JSON
-          common.skip("snli_ve", "malformed line", f"{path}:{n}")
+          manual_files.skip("snli_ve", "malformed line", f"{path}:{n}")
           continue
         label, statement = item.get("gold_label", "-"), str(item.get("sentence2") or "").strip()
         if not isinstance(label, str) or label not in ENTAILMENT_LABELS:
-          common.skip("snli_ve", "no gold label ('-')", f"pair {item.get('pairID', n)}")
+          manual_files.skip("snli_ve", "no gold label ('-')", f"pair {item.get('pairID', n)}")
           continue
         if not statement:
-          common.skip("snli_ve", "empty hypothesis", f"pair {item.get('pairID', n)}")
+          manual_files.skip("snli_ve", "empty hypothesis", f"pair {item.get('pairID', n)}")
           continue
         pairs[name].append({"statement": statement, "label": label})
         premise = str(item.get("sentence1") or "").strip()

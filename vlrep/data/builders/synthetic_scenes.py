@@ -24,7 +24,7 @@ import zlib
 import numpy as np
 import tensorflow_datasets as tfds
 
-from vlrep.data.builders import scenes
+from vlrep.data import scenes
 
 
 @dataclasses.dataclass

@@ -7,7 +7,8 @@ import re
 
 import tensorflow_datasets as tfds
 
-from vlrep.data.builders import _vl_datasets, common
+from vlrep.data import manual_files
+from vlrep.data.builders import _vl_datasets
 
 
 class Vizwiz(tfds.core.GeneratorBasedBuilder):
@@ -45,12 +46,12 @@ class Vizwiz(tfds.core.GeneratorBasedBuilder):
     items = _vl_datasets.load_json(annotation_file, "vizwiz")
     for k, item in enumerate(items if isinstance(items, list) else []):
       if not isinstance(item, dict) or not isinstance(item.get("image", ""), str):
-        common.skip("vizwiz", "malformed entry", f"{annotation_file} entry {k}")
+        manual_files.skip("vizwiz", "malformed entry", f"{annotation_file} entry {k}")
         continue
       name = item.get("image", "")
       text = (item.get("question") or "").strip()
       if not text:
-        common.skip("vizwiz", "empty question", name)
+        manual_files.skip("vizwiz", "empty question", name)
         continue
       digits = re.findall(r"\d+", name)
       image_id = int(digits[-1]) if digits else k

@@ -22,7 +22,7 @@ import tensorflow_datasets as tfds
 from PIL import Image
 
 from vlrep import errors
-from vlrep.data.builders import common
+from vlrep.data import manual_files
 
 CLASSES = (
   "aeroplane",
@@ -78,7 +78,7 @@ class Voc2007(tfds.core.GeneratorBasedBuilder):
     )
 
   def _split_generators(self, dl_manager):
-    self.info.metadata["converted"] = {}  # filled as images are stored (common.CONVERTED)
+    self.info.metadata["converted"] = {}  # filled as images are stored (manual_files.CONVERTED)
     root = str(dl_manager.manual_dir)
     if os.path.isdir(os.path.join(root, "VOC2007")):
       root = os.path.join(root, "VOC2007")
@@ -94,35 +94,35 @@ class Voc2007(tfds.core.GeneratorBasedBuilder):
   def _generate_examples(self, root: str, split: str):
     ids_file = os.path.join(root, "ImageSets", "Main", f"{split}.txt")
     with errors.reading(ids_file, "VOC image set file", "Expected one image id per line, as in VOCdevkit."):
-      with common.open_regular(ids_file) as f:
-        ids = [_id_line(raw, number) for number, raw in common.lines(f, 4096)]
+      with manual_files.open_regular(ids_file) as f:
+        ids = [_id_line(raw, number) for number, raw in manual_files.lines(f, 4096)]
         ids = [i for i in ids if i]
     for image_id in ids:
       image_path = os.path.join(root, "JPEGImages", f"{image_id}.jpg")
       try:
-        with common.open_regular(os.path.join(root, "Annotations", f"{image_id}.xml")) as f:
+        with manual_files.open_regular(os.path.join(root, "Annotations", f"{image_id}.xml")) as f:
           tree = ET.parse(f)
       except (OSError, ET.ParseError) as e:  # missing, not a regular file, not XML
-        common.skip("voc2007", f"bad annotation ({type(e).__name__})", image_id)
+        manual_files.skip("voc2007", f"bad annotation ({type(e).__name__})", image_id)
         continue
-      raw = common.read_image_file(image_path, "voc2007", root)
-      stored = None if raw is None else common.viewer_jpeg(raw, "voc2007", image_path)
+      raw = manual_files.read_image_file(image_path, "voc2007", root)
+      stored = None if raw is None else manual_files.viewer_jpeg(raw, "voc2007", image_path)
       if stored is None:
         continue
       try:
         objects = _objects(tree, image_id)
         annotated = (float(tree.find("size").findtext("width")), float(tree.find("size").findtext("height")))
       except (TypeError, ValueError, AttributeError, ArithmeticError) as e:  # no numeric size or box coordinates
-        common.skip("voc2007", f"bad annotation ({type(e).__name__})", image_id)
+        manual_files.skip("voc2007", f"bad annotation ({type(e).__name__})", image_id)
         continue
-      self.info.metadata["converted"] = common.converted("voc2007")
+      self.info.metadata["converted"] = manual_files.converted("voc2007")
       width, height = stored[1]
       with Image.open(io.BytesIO(raw)) as im:  # the header only: the stored size, before any EXIF orientation
         turned = im.size != stored[1]
       if turned and annotated == (height, width):
         # The boxes (normalised by the annotation's size) were drawn on the stored pixels: turned upright, they
         # would lie across the wrong part of the image.
-        common.skip("voc2007", TURNED_ACROSS, image_id)
+        manual_files.skip("voc2007", TURNED_ACROSS, image_id)
         continue
       yield image_id, {"image": stored[0], "image_id": image_id, "objects": objects}
 
@@ -142,13 +142,13 @@ def _objects(tree, image_id: str) -> list[dict]:
   for obj in tree.findall("object"):
     name = obj.findtext("name", "").strip()
     if name not in CLASSES:
-      common.skip("voc2007", "unknown class name", f"{image_id}/{name!r}")
+      manual_files.skip("voc2007", "unknown class name", f"{image_id}/{name!r}")
       continue
     box = obj.find("bndbox")
     xmin, ymin, xmax, ymax = (float(box.findtext(k)) for k in ("xmin", "ymin", "xmax", "ymax"))
     bbox = tfds.features.BBox(max(ymin - 1, 0) / h, max(xmin - 1, 0) / w, min(ymax / h, 1), min(xmax / w, 1))
     if not (0 <= bbox.ymin <= bbox.ymax <= 1 and 0 <= bbox.xmin <= bbox.xmax <= 1):  # NaN fails too
-      common.skip("voc2007", "box not inside the image with min <= max (dropped)", f"{image_id}/{name}")
+      manual_files.skip("voc2007", "box not inside the image with min <= max (dropped)", f"{image_id}/{name}")
       continue
     objects.append({"label": name, "bbox": bbox, "is_difficult": obj.findtext("difficult", "0").strip() == "1"})
   return objects

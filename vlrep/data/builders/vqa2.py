@@ -7,7 +7,8 @@ import os
 
 import tensorflow_datasets as tfds
 
-from vlrep.data.builders import _vl_datasets, common
+from vlrep.data import manual_files
+from vlrep.data.builders import _vl_datasets
 
 
 class Vqa2(tfds.core.GeneratorBasedBuilder):
@@ -65,11 +66,11 @@ class Vqa2(tfds.core.GeneratorBasedBuilder):
     for q in questions:
       text = (q.get("question") or "").strip()
       if not text:
-        common.skip("vqa2", "empty question", f"question {q.get('question_id')}")
+        manual_files.skip("vqa2", "empty question", f"question {q.get('question_id')}")
         continue
       ann = annotations.get(q["question_id"])
       if ann is None:
-        common.skip("vqa2", "question without an annotation (no answers)", f"question {q['question_id']}")
+        manual_files.skip("vqa2", "question without an annotation (no answers)", f"question {q['question_id']}")
       answers = _vl_datasets.answers(ann["answers"] if ann else [], "vqa2", q["question_id"])
       by_image[int(q["image_id"])].append({"question": text, "answers": answers, "question_id": q["question_id"]})
     return by_image

@@ -44,7 +44,7 @@ _PLURAL = {"cross": "crosses", "box": "boxes"}
 _MATERIALS = ("wooden", "metal", "plastic", "glass", "paper")
 # Geometry, as fractions of the image side: at 64 px a small shape's radius is 7.7-9.6 px and a large one's
 # 12.8-16.6 px, so each covers several cells of a stride-2 stem's 32x32 grid; a shape about one cell wide is not
-# learned from its labels at the runlocal budget (README, synthetic_scenes).
+# learned from its labels at the runlocal budget (docs/data.md, synthetic_scenes).
 RADIUS = {"small": (0.12, 0.15), "large": (0.2, 0.26)}
 MAX_OBJECTS = 3
 # Main-style background: a two-colour gradient (channel values drawn in `colour`) with pixel noise, no stripes or
