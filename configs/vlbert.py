@@ -70,7 +70,7 @@ import re
 
 from ml_collections import ConfigDict
 
-from vlrep import runs
+from vlrep import defaults, runs
 from vlrep.config_utils import OWN_DATA_VAL_PERCENT, config_module, parse_arg, use_own_data
 
 common = config_module(__file__, "common.py")  # the blocks every recipe shares
@@ -130,44 +130,19 @@ def get_config(arg=None):
     bert_layers=0,
     # The pooled output reads BERT's [CLS] (the study's); 'mean' = the mean text state.
     text_pool="cls",
-    # ViLBERT's pooled output joins its pooled text and image: 'mul' (their product; ViLBERT's and MMF's
-    # fusion_method default) or 'sum'.
-    fusion="mul",
     task="pretrain" if pretrain else "classify",
     loss=TASK_SETUP[arg.task][1],
     num_labels=TASK_SETUP[arg.task][2],  # -1: the answer vocabulary's size
     pretrained_run="",
     freeze_base=arg.frozen,
-    # Dropout while training, in both streams and before the task head: MMF's (and BERT's) 0.1; < 0 takes the
-    # checkpoint's config.json rates.
-    bert_dropout=0.1,
-    mask_rate=0.15,
-    region_mask_rate=0.15,
-    region_classes=1601,  # Visual Genome's classes in the paper's detector; runlocal: synthetic_scenes' 10 shapes
-    # ViLBERT's masked-region target: 'distribution' (KL to the region files' cls_prob, the study's), 'classes'
-    # (each box's class label), 'feature' (MSE to the feature: grid cells) -- see vlrep.methods.vlbert.
-    region_target="classes",
-    region_weight=1.0,
+    # fusion, dropout, masking rates, the masked-region target and ViLBERT's stream sizes: vlrep.defaults.VLBERT_MODEL
+    # (runlocal: region_classes = synthetic_scenes' 10 shapes, below)
+    **defaults.VLBERT_MODEL,
     # Image-text alignment in pretraining (ViLBERT's multimodal alignment prediction): the study drops it (0), as
     # VQA-P's questions fit many images; > 0 adds it with that weight (vlrep.methods.vlbert).
     alignment_weight=0.0,
-    # ViLBERT's visual stream and co-attention (the paper's sizes).
-    v_layers=6,
-    v_hidden=1024,
-    v_heads=8,
-    v_intermediate=1024,
-    bi_hidden=1024,
-    bi_heads=8,
     dtype="bfloat16",
-    visual=dict(
-      backbone=dict(depth=50, width=64, bn_group_size=0),
-      init_from="",  # required without region files: the run whose backbone extracts the regions
-      allow_random_init=False,  # True: a random frozen extractor on purpose (runlocal), else an error
-      seed=0,
-      mode="roi_align",
-      roi_size=7,
-      crop_size=32,
-    ),
+    visual=dict(**defaults.VLBERT_VISUAL, mode="roi_align"),
   )
   if arg.arch == "visual_bert":
     # Region embeddings (vlrep/models/vl_bert.py) as VisualBERT's and MMF's (BertVisioLinguisticEmbeddings, the

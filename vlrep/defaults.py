@@ -110,3 +110,40 @@ TAGGING_RUNLOCAL = dict(
   train_limit=2000,
   test_limit=500,
 )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# VisualBERT / ViLBERT (vlrep.methods.vlbert): the model settings every configs/vlbert.py run and an imported
+# VisualBERT (vlrep.interop.formats.visual_bert) start from.
+# ---------------------------------------------------------------------------------------------------------------
+VLBERT_MODEL = dict(
+  # ViLBERT's pooled output joins its pooled text and image: 'mul' (their product; ViLBERT's and MMF's
+  # fusion_method default) or 'sum'.
+  fusion="mul",
+  # Dropout while training, in both streams and before the task head: MMF's (and BERT's) 0.1; < 0 takes the
+  # checkpoint's config.json rates.
+  bert_dropout=0.1,
+  mask_rate=0.15,
+  region_mask_rate=0.15,
+  region_classes=1601,  # Visual Genome's classes in the paper's detector
+  # ViLBERT's masked-region target: 'distribution' (KL to the region files' cls_prob, the study's), 'classes'
+  # (each box's class label), 'feature' (MSE to the feature: grid cells) -- see vlrep.methods.vlbert.
+  region_target="classes",
+  region_weight=1.0,
+  # ViLBERT's visual stream and co-attention (the paper's sizes); vlrep.methods.vlbert reads them for either arch.
+  v_layers=6,
+  v_hidden=1024,
+  v_heads=8,
+  v_intermediate=1024,
+  bi_hidden=1024,
+  bi_heads=8,
+)
+# The visual side: the frozen extractor's backbone (ResNet-50) and how regions are cut from its grid.
+VLBERT_VISUAL = dict(
+  backbone=dict(depth=50, width=64, bn_group_size=0),
+  init_from="",  # required without region files: the run whose backbone extracts the regions
+  allow_random_init=False,  # True: a random frozen extractor on purpose (runlocal), else an error
+  seed=0,
+  roi_size=7,
+  crop_size=32,
+)

@@ -54,7 +54,7 @@ from absl import logging
 from ml_collections import ConfigDict
 from safetensors.numpy import save_file
 
-from vlrep import safe_files
+from vlrep import defaults, safe_files
 from vlrep.errors import BadFile, UserError, reading
 from vlrep.interop import keymaps
 from vlrep.interop.formats import torchvision as tv
@@ -479,30 +479,9 @@ def default_config(regions: str) -> ConfigDict:
         task="pretrain",
         loss="bce",
         num_labels=-1,
-        bert_dropout=0.1,
-        mask_rate=0.15,
-        region_mask_rate=0.15,
-        region_classes=1601,
-        region_target="classes",
-        region_weight=1.0,
         freeze_base=False,
-        fusion="mul",
-        v_layers=6,
-        v_hidden=1024,
-        v_heads=8,
-        v_intermediate=1024,
-        bi_hidden=1024,
-        bi_heads=8,
-        visual=dict(
-          backbone=dict(depth=50, width=64, bn_group_size=0),
-          init_from="",
-          allow_random_init=False,
-          seed=0,
-          mode="file",
-          dim=2048,
-          roi_size=7,
-          crop_size=32,
-        ),
+        **defaults.VLBERT_MODEL,
+        visual=dict(**defaults.VLBERT_VISUAL, mode="file", dim=2048),
       ),
       tokenizer=dict(kind="wordpiece", path=""),
       data=dict(name="coco_captions2017", split="train", data_dir="", config_name="", pp=pp),
