@@ -220,8 +220,9 @@ def _driver(args):
   return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
 
 
-@needs_detectron2
-def test_a_tiny_resnet50_run_fine_tunes_and_its_metrics_reach_the_summary(tmp_path):
+def _tiny_resnet50_transfer(tmp_path, *overrides: str):
+  """A 2-step ResNet-50 (width 8) run and the driver's arguments that fine-tune its COCO FPN Mask R-CNN for 4
+  iterations on 8 shapes images and test it on 4 (`overrides`: Detectron2 config keys and values added)."""
   from conftest import run_main
 
   run = tmp_path / "run"
@@ -247,7 +248,29 @@ def test_a_tiny_resnet50_run_fine_tunes_and_its_metrics_reach_the_summary(tmp_pa
     "--num-workers=0",
     *("SOLVER.MAX_ITER 4 SOLVER.STEPS (3,) SOLVER.IMS_PER_BATCH 2 SOLVER.BASE_LR 0.002 SOLVER.WARMUP_ITERS 1").split(),
     *("INPUT.MIN_SIZE_TRAIN (96,) INPUT.MIN_SIZE_TEST 96 MODEL.ROI_HEADS.NUM_CLASSES 2 TEST.EVAL_PERIOD 0").split(),
+    *overrides,
   ]
+  return run, args
+
+
+@needs_detectron2
+def test_a_detector_without_predictions_is_ap_0_through_real_detectron2(tmp_path, caplog):
+  """The issue's case with Detectron2 itself: a detector whose every score is below the test threshold ("No
+  predictions from the model!", NaN APs from Detectron2) is AP 0 in transfer_results.json and summary.json, and
+  the driver says so."""
+  run, args = _tiny_resnet50_transfer(tmp_path, "MODEL.ROI_HEADS.SCORE_THRESH_TEST", "1.01")
+  proc = _driver(args)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "made no predictions on shapes_val (bbox)" in proc.stdout + proc.stderr
+  summary = json.loads((run / "summary.json").read_text())
+  for task in ("bbox", "segm"):
+    assert summary[f"detectron2/coco_mask_rcnn_R_50_FPN_2x/{task}/AP"] == 0.0, sorted(summary)
+    assert summary[f"detectron2/coco_mask_rcnn_R_50_FPN_2x/{task}/AP50"] == 0.0
+
+
+@needs_detectron2
+def test_a_tiny_resnet50_run_fine_tunes_and_its_metrics_reach_the_summary(tmp_path):
+  run, args = _tiny_resnet50_transfer(tmp_path)
   proc = _driver(args)
   assert proc.returncode == 0, proc.stderr[-3000:]
   summary = json.loads((run / "summary.json").read_text())
