@@ -1,0 +1,162 @@
+"""The shareable folder (--format=vlrep): what export writes reads back bit for bit as a run, and a crafted folder
+is a clear BadFile with nothing executed, unpickled or written."""
+
+import json
+import os
+import shutil
+import struct
+
+import numpy as np
+import pytest
+from conftest import run_module
+
+from vlrep import runs
+from vlrep.errors import BadFile
+from vlrep.interop import export
+from vlrep.interop.formats import vlrep as folder_format
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_virtex_run, tmp_path_factory):
+  """(the tiny VirTex run, its folder exported by the command)."""
+  out = tmp_path_factory.mktemp("shared") / "virtex_shared"
+  proc = run_module("vlrep.interop.export", f"--workdir={tiny_virtex_run.workdir}", "--format=vlrep", f"--out={out}")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "Exported step" in proc.stdout
+  return runs.load_run(str(tiny_virtex_run.workdir)), str(out)
+
+
+def _flat(tree, prefix=""):
+  out = {}
+  for k, v in tree.items():
+    out.update(_flat(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": v})
+  return out
+
+
+def test_export_then_read_gives_the_same_run(exported):
+  run, out = exported
+  assert sorted(os.listdir(out)) == ["README.md", "config.json", "model.safetensors", "tokenizer.model"]
+  back = folder_format.read_folder(out)
+  want, got = _flat(run.variables), _flat(back.variables)
+  assert sorted(want) == sorted(got)
+  assert any(k.startswith("batch_stats/") for k in got) and any(k.startswith("params/textual_head/") for k in got)
+  for k in want:
+    assert got[k].dtype == want[k].dtype and np.array_equal(got[k], want[k]), k
+  assert back.config.method.to_dict() == run.config.method.to_dict()
+  assert back.step == run.step
+  assert back.config.data.pp == run.config.data.pp
+  assert back.config.tokenizer.path == os.path.join(out, "tokenizer.model")
+  config = json.load(open(os.path.join(out, "config.json")))
+  folder_format.check_data_only(config, "config.json")  # no path, no data_dir
+  assert "data_dir" not in config["data"]
+  card = open(os.path.join(out, "README.md")).read()
+  assert "virtex" in card and f"{run.step} steps" in card and "synthetic_scenes" in card
+
+
+def test_features_from_the_folder_equal_the_runs(exported):
+  run, out = exported
+  back = folder_format.read_folder(out)
+  images = np.random.default_rng(0).normal(size=(2, 32, 32, 3)).astype(np.float32)
+  for key in ("pre_logits", "grid"):
+    want, _ = runs.backbone_fn(run)({"image": images}, key)
+    got, _ = runs.backbone_fn(back)({"image": images}, key)
+    assert np.array_equal(want, got), key
+
+
+def test_export_refuses_a_non_empty_folder_without_overwrite(exported, tiny_virtex_run, tmp_path):
+  _, out = exported
+  before = {n: os.path.getmtime(os.path.join(out, n)) for n in os.listdir(out)}
+  with pytest.raises(export.keymaps.OutExists):
+    export.export(str(tiny_virtex_run.workdir), "vlrep", out)
+  assert {n: os.path.getmtime(os.path.join(out, n)) for n in os.listdir(out)} == before
+
+
+def _copy(out, tmp_path):
+  crafted = tmp_path / "crafted"
+  shutil.copytree(out, crafted)
+  return str(crafted)
+
+
+def _edit_config(folder, edit):
+  path = os.path.join(folder, "config.json")
+  config = json.load(open(path))
+  edit(config)
+  json.dump(config, open(path, "w"))
+
+
+@pytest.mark.parametrize(
+  "edit, message",
+  [
+    (lambda c: c["method"].update(name="payload.evil"), "not the plain name"),
+    (lambda c: c["method"].update(name="/abs/evil"), "a path"),
+    (lambda c: c["data"].update(name="/etc/data"), "a path"),
+    (lambda c: c["tokenizer"].update(file="../outside.model"), "a path"),
+    (lambda c: c["tokenizer"].update(sha256="0" * 64), "SHA-256"),
+  ],
+)
+def test_crafted_config_is_refused(exported, tmp_path, edit, message):
+  folder = _copy(exported[1], tmp_path)
+  _edit_config(folder, edit)
+  before = sorted(os.listdir(folder))
+  with pytest.raises(BadFile, match=message):
+    folder_format.read_folder(folder)
+  assert sorted(os.listdir(folder)) == before
+
+
+def test_oversized_safetensors_header_is_refused(exported, tmp_path):
+  folder = _copy(exported[1], tmp_path)
+  weights = os.path.join(folder, "model.safetensors")
+  with open(weights, "r+b") as f:
+    f.write(struct.pack("<Q", 10**12))
+  with pytest.raises(BadFile, match="header"):
+    folder_format.read_folder(folder)
+
+
+def test_truncated_weights_are_refused(exported, tmp_path):
+  folder = _copy(exported[1], tmp_path)
+  weights = os.path.join(folder, "model.safetensors")
+  os.truncate(weights, os.path.getsize(weights) - 100)
+  with pytest.raises(BadFile, match="model.safetensors"):
+    folder_format.read_folder(folder)
+
+
+def test_python_file_beside_is_never_imported(exported, tmp_path, monkeypatch):
+  folder = _copy(exported[1], tmp_path)
+  marker = tmp_path / "imported"
+  for name in ("payload.py", "config.py", "vlrep.py", "__init__.py"):
+    (tmp_path / "crafted" / name).write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+  (tmp_path / "crafted" / "extra.pkl").write_bytes(b"\x80\x04crafted")
+  monkeypatch.chdir(folder)
+  monkeypatch.syspath_prepend(folder)
+  run = folder_format.read_folder(folder)
+  runs.backbone_fn(run)
+  assert not marker.exists()
+
+
+def test_symlinked_weights_pointing_outside_are_refused(exported, tmp_path):
+  folder = _copy(exported[1], tmp_path)
+  outside = tmp_path / "outside.safetensors"
+  shutil.move(os.path.join(folder, "model.safetensors"), outside)
+  os.symlink(outside, os.path.join(folder, "model.safetensors"))
+  with pytest.raises(BadFile, match="outside the folder"):
+    folder_format.read_folder(folder)
+
+
+def test_huggingface_cache_layout_reads(exported, tmp_path):
+  """snapshot_download's folder: snapshots/<revision>/FILE, each a link into the repository's blobs/."""
+  repo = tmp_path / "models--someone--virtex"
+  snapshot, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+  snapshot.mkdir(parents=True)
+  blobs.mkdir()
+  for i, name in enumerate(sorted(os.listdir(exported[1]))):
+    shutil.copy(os.path.join(exported[1], name), blobs / f"blob{i}")
+    os.symlink(os.path.join("..", "..", "blobs", f"blob{i}"), snapshot / name)
+  back = folder_format.read_folder(str(snapshot))
+  assert back.step == exported[0].step
+
+
+def test_export_command_exits_2_on_an_existing_folder(exported, tiny_virtex_run):
+  _, out = exported
+  proc = run_module("vlrep.interop.export", f"--workdir={tiny_virtex_run.workdir}", "--format=vlrep", f"--out={out}")
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert "--overwrite" in proc.stderr
