@@ -490,6 +490,7 @@ COMMANDS: dict[str, object] = {
   "python -m vlrep.interop.export --workdir=DIR --format=backbone --out=FOLDER": SameAs(
     "python -m vlrep.interop.export --workdir=RUN --checkpoint=best --format=backbone --out=FOLDER"
   ),
+  "python -m vlrep.interop.export --workdir=/tmp/vlrep_virtex_local --format=vlrep --out=/tmp/vlrep_virtex_shared": Run(),
   "python -m vlrep.interop.export --workdir=RUN --format=torchvision --out=backbone.safetensors": Refuses(
     SMALL_STEM, replace=(("RUN", VIRTEX), ("backbone.safetensors", "{tmp}/backbone.safetensors"))
   ),

@@ -1,7 +1,7 @@
 """vlrep's own shareable folder (export, and `read_folder` to load it back as a run): flat files a model repository
 holds as they are, so a folder downloaded with huggingface_hub's `snapshot_download` loads as it is.
 
-  python -m vlrep.interop.export --workdir=RUN --format=vlrep --out=FOLDER
+  python -m vlrep.interop.export --workdir=/tmp/vlrep_virtex_local --format=vlrep --out=/tmp/vlrep_virtex_shared
 
   FOLDER/config.json        data only: the run's method section (its backbone architecture included), the data's
                             plain name and its preprocessing, the tokenizer's kind, special tokens, file and SHA-256
