@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import run_module
 
-from vlrep import runs
+from vlrep import run_setup, runs
 from vlrep.errors import BadFile
 from vlrep.interop import export
 from vlrep.interop.formats import vlrep as folder_format
@@ -160,3 +160,14 @@ def test_export_command_exits_2_on_an_existing_folder(exported, tiny_virtex_run)
   proc = run_module("vlrep.interop.export", f"--workdir={tiny_virtex_run.workdir}", "--format=vlrep", f"--out={out}")
   assert proc.returncode == 2, proc.stderr[-2000:]
   assert "--overwrite" in proc.stderr
+
+
+def test_folder_tokenizer_is_the_runs(exported, tiny_virtex_run):
+  """The caption tool's and vlrep.evaluate's inputs (run_setup.build_inputs) read the folder's own vocabulary."""
+  run, out = exported
+  back = folder_format.read_folder(out)
+  theirs = run_setup.build_inputs(back.config, back.path).tokenizer
+  ours = run_setup.build_inputs(run.config, str(tiny_virtex_run.workdir)).tokenizer
+  assert theirs.path == os.path.join(out, "tokenizer.model")
+  caption = "a red square left of a blue circle"
+  assert np.array_equal(theirs.encode(caption, 16)[0], ours.encode(caption, 16)[0])
