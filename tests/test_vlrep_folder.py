@@ -166,7 +166,8 @@ def test_folder_tokenizer_is_the_runs(exported, tiny_virtex_run):
   """The caption tool's and vlrep.evaluate's inputs (run_setup.build_inputs) read the folder's own vocabulary."""
   run, out = exported
   back = folder_format.read_folder(out)
-  theirs = run_setup.build_inputs(back.config, back.path).tokenizer
+  assert back.workdir == out  # what the caption tool and vlrep.evaluate hand to build_inputs
+  theirs = run_setup.build_inputs(back.config, back.workdir).tokenizer
   ours = run_setup.build_inputs(run.config, str(tiny_virtex_run.workdir)).tokenizer
   assert theirs.path == os.path.join(out, "tokenizer.model")
   caption = "a red square left of a blue circle"

@@ -56,8 +56,9 @@ class Run:
 
   @property
   def workdir(self) -> str:
-    """The run's folder (`path` is WORKDIR/checkpoints/<step> or WORKDIR/best/<step>)."""
-    return os.path.dirname(os.path.dirname(self.path))
+    """The run's folder (`path` is WORKDIR/checkpoints/<step> or WORKDIR/best/<step>; a shared folder, export
+    --format=vlrep, is its own, `meta['folder']`)."""
+    return self.meta.get("folder") or os.path.dirname(os.path.dirname(self.path))
 
 
 def load_run(workdir: str, checkpoint: str = "best") -> Run:
