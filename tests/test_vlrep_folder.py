@@ -13,7 +13,6 @@ from conftest import run_module
 from vlrep import run_setup, runs
 from vlrep.errors import BadFile
 from vlrep.interop import export
-from vlrep.interop.formats import vlrep as folder_format
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +35,7 @@ def _flat(tree, prefix=""):
 def test_export_then_read_gives_the_same_run(exported):
   run, out = exported
   assert sorted(os.listdir(out)) == ["README.md", "config.json", "model.safetensors", "tokenizer.model"]
-  back = folder_format.read_folder(out)
+  back = runs.load_run(out)
   want, got = _flat(run.variables), _flat(back.variables)
   assert sorted(want) == sorted(got)
   assert any(k.startswith("batch_stats/") for k in got) and any(k.startswith("params/textual_head/") for k in got)
@@ -47,7 +46,7 @@ def test_export_then_read_gives_the_same_run(exported):
   assert back.config.data.pp == run.config.data.pp
   assert back.config.tokenizer.path == os.path.join(out, "tokenizer.model")
   config = json.load(open(os.path.join(out, "config.json")))
-  folder_format.check_data_only(config, "config.json")  # no path, no data_dir
+  runs.check_data_only(config, "config.json")  # no path, no data_dir
   assert "data_dir" not in config["data"]
   card = open(os.path.join(out, "README.md")).read()
   assert "virtex" in card and f"{run.step} steps" in card and "synthetic_scenes" in card
@@ -55,7 +54,7 @@ def test_export_then_read_gives_the_same_run(exported):
 
 def test_features_from_the_folder_equal_the_runs(exported):
   run, out = exported
-  back = folder_format.read_folder(out)
+  back = runs.load_run(out)
   images = np.random.default_rng(0).normal(size=(2, 32, 32, 3)).astype(np.float32)
   for key in ("pre_logits", "grid"):
     want, _ = runs.backbone_fn(run)({"image": images}, key)
@@ -99,7 +98,7 @@ def test_crafted_config_is_refused(exported, tmp_path, edit, message):
   _edit_config(folder, edit)
   before = sorted(os.listdir(folder))
   with pytest.raises(BadFile, match=message):
-    folder_format.read_folder(folder)
+    runs.load_run(folder)
   assert sorted(os.listdir(folder)) == before
 
 
@@ -109,7 +108,7 @@ def test_oversized_safetensors_header_is_refused(exported, tmp_path):
   with open(weights, "r+b") as f:
     f.write(struct.pack("<Q", 10**12))
   with pytest.raises(BadFile, match="header"):
-    folder_format.read_folder(folder)
+    runs.load_run(folder)
 
 
 def test_truncated_weights_are_refused(exported, tmp_path):
@@ -117,7 +116,7 @@ def test_truncated_weights_are_refused(exported, tmp_path):
   weights = os.path.join(folder, "model.safetensors")
   os.truncate(weights, os.path.getsize(weights) - 100)
   with pytest.raises(BadFile, match="model.safetensors"):
-    folder_format.read_folder(folder)
+    runs.load_run(folder)
 
 
 def test_python_file_beside_is_never_imported(exported, tmp_path, monkeypatch):
@@ -128,7 +127,7 @@ def test_python_file_beside_is_never_imported(exported, tmp_path, monkeypatch):
   (tmp_path / "crafted" / "extra.pkl").write_bytes(b"\x80\x04crafted")
   monkeypatch.chdir(folder)
   monkeypatch.syspath_prepend(folder)
-  run = folder_format.read_folder(folder)
+  run = runs.load_run(folder)
   runs.backbone_fn(run)
   assert not marker.exists()
 
@@ -139,7 +138,7 @@ def test_symlinked_weights_pointing_outside_are_refused(exported, tmp_path):
   shutil.move(os.path.join(folder, "model.safetensors"), outside)
   os.symlink(outside, os.path.join(folder, "model.safetensors"))
   with pytest.raises(BadFile, match="outside the folder"):
-    folder_format.read_folder(folder)
+    runs.load_run(folder)
 
 
 def test_huggingface_cache_layout_reads(exported, tmp_path):
@@ -151,7 +150,7 @@ def test_huggingface_cache_layout_reads(exported, tmp_path):
   for i, name in enumerate(sorted(os.listdir(exported[1]))):
     shutil.copy(os.path.join(exported[1], name), blobs / f"blob{i}")
     os.symlink(os.path.join("..", "..", "blobs", f"blob{i}"), snapshot / name)
-  back = folder_format.read_folder(str(snapshot))
+  back = runs.load_run(str(snapshot))
   assert back.step == exported[0].step
 
 
@@ -165,10 +164,30 @@ def test_export_command_exits_2_on_an_existing_folder(exported, tiny_virtex_run)
 def test_folder_tokenizer_is_the_runs(exported, tiny_virtex_run):
   """The caption tool's and vlrep.evaluate's inputs (run_setup.build_inputs) read the folder's own vocabulary."""
   run, out = exported
-  back = folder_format.read_folder(out)
+  back = runs.load_run(out)
   assert back.workdir == out  # what the caption tool and vlrep.evaluate hand to build_inputs
   theirs = run_setup.build_inputs(back.config, back.workdir).tokenizer
   ours = run_setup.build_inputs(run.config, str(tiny_virtex_run.workdir)).tokenizer
   assert theirs.path == os.path.join(out, "tokenizer.model")
   caption = "a red square left of a blue circle"
   assert np.array_equal(theirs.encode(caption, 16)[0], ours.encode(caption, 16)[0])
+
+
+def test_load_run_reads_a_shared_folder_and_the_features_tool_gives_the_runs_features(exported, tmp_path):
+  """`runs.load_run` opens the folder as it opens a run folder, so `vlrep.tools.features` (a real photograph,
+  skimage's astronaut) gives the run's features to the bit; a checkpoint step is refused: the folder has one."""
+  from PIL import Image
+  from skimage import data as photos
+
+  from vlrep.tools import features
+
+  run, out = exported
+  photo = tmp_path / "astronaut.jpg"
+  Image.fromarray(photos.astronaut()).save(photo, quality=90)
+  theirs = features.extract(out, [str(photo)])
+  ours = features.extract(run.workdir, [str(photo)])
+  for key in ("pooled", "grid"):
+    np.testing.assert_array_equal(theirs[key], ours[key])
+  assert theirs["step"] == ours["step"]
+  with pytest.raises(runs.NotARun, match="one model"):
+    runs.load_run(out, checkpoint="3")

@@ -16,6 +16,7 @@ config holds are only read: a run loaded from a folder never builds a missing to
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from typing import Any
@@ -26,8 +27,8 @@ import orbax.checkpoint as ocp
 from absl import logging
 from ml_collections import ConfigDict
 
-from vlrep import sharding
-from vlrep.errors import BadFile, UserError
+from vlrep import safe_files, sharding, torch_files
+from vlrep.errors import BadFile, UserError, reading
 from vlrep.models import resnet, vgg
 
 
@@ -67,8 +68,16 @@ def load_run(workdir: str, checkpoint: str = "best") -> Run:
   'best' falls back to 'latest' when the run kept no best checkpoint (no evaluator had a best metric) or when
   its best checkpoint does not restore (damaged files); 'latest' falls back to the newest step that restores.
   Each fallback is logged with the error that caused it; a step asked for by number never falls back.
+  A shared folder (`vlrep.interop.export --format=vlrep`: config.json and model.safetensors, no checkpoints) holds
+  one model, read by `load_shared_folder`.
   """
   workdir, dirs = _run_dirs(workdir)
+  if not any(os.path.isdir(d) for d in dirs.values()) and all(
+    os.path.lexists(os.path.join(workdir, name)) for name in (FOLDER_CONFIG, FOLDER_WEIGHTS)
+  ):
+    if checkpoint not in ("best", "latest"):
+      raise NotARun(f"{workdir} is a shared vlrep folder: one model, no checkpoint {checkpoint!r}.")
+    return load_shared_folder(workdir)
   if checkpoint.isdigit():
     step = int(checkpoint)
     directory = next((d for d in dirs.values() if step in _steps_in(d)), None)
@@ -375,3 +384,122 @@ def backbone_fn(run: Run, mesh=None):
   extract = sharded_features(features, mesh)
   variables = jax.device_put(variables, sharding.replicated(mesh))
   return lambda local_batch, key: extract(variables, local_batch, key)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# A shared folder (`vlrep.interop.export --format=vlrep`): one model as flat files a model repository holds
+# (what huggingface_hub's snapshot_download returns), data only: nothing in it is executed or unpickled, and only
+# config.json, model.safetensors and the tokenizer file it names are opened.
+# ------------------------------------------------------------------------------------------------------------------
+FOLDER_FORMAT = "vlrep"
+FOLDER_FORMAT_VERSION = 1
+FOLDER_CONFIG = "config.json"
+FOLDER_WEIGHTS = "model.safetensors"
+FOLDER_TOKENIZER = "tokenizer.model"
+FOLDER_CARD = "README.md"
+FOLDER_MAX_CONFIG_BYTES = 1 << 20  # a config of a few hundred values is a few KB
+FOLDER_COLLECTIONS = ("params", "batch_stats")  # the variables' top-level names a folder may hold
+_FOLDER_PLAIN_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*\Z")  # a file name in the folder: no '/', no leading '.'
+FOLDER_SPECIAL_TOKENS = ("vlrep", "virtex")  # tokenizers.SPECIAL_TOKEN_LAYOUTS of a BPE vocabulary
+
+
+def check_data_only(config, where: str, key: str = "") -> None:
+  """Refuses (BadFile) a string anywhere in `config` that is a file or folder path ('/', '\\' or a leading '~'):
+  the folder's config is data, never a place to read or write."""
+  if isinstance(config, dict):
+    for k, v in config.items():
+      check_data_only(v, where, f"{key}.{k}" if key else str(k))
+  elif isinstance(config, (list, tuple)):
+    for i, v in enumerate(config):
+      check_data_only(v, where, f"{key}[{i}]")
+  elif isinstance(config, str) and ("/" in config or "\\" in config or config.startswith("~")):
+    raise BadFile(f"{where} has {key}={config[:200]!r}, a path; a shared folder's config.json holds data only.")
+
+
+def load_shared_folder(path: str) -> Run:
+  """The shared folder at `path` (`vlrep.interop.export --format=vlrep`) as a Run: the config rebuilt through
+  `saved_config`, the variables from model.safetensors, the tokenizer pointing at the folder's copy; any malformed
+  or crafted file a BadFile naming it. `load_run` calls it for such a folder."""
+  folder = os.path.abspath(os.path.expanduser(path)).rstrip(os.sep)
+  if not os.path.isdir(folder):
+    raise NotARun(f"No folder {path}.")
+  config_path = _file_in(folder, FOLDER_CONFIG)
+  with reading(config_path, what="vlrep folder config (JSON)"):
+    if os.path.getsize(config_path) > FOLDER_MAX_CONFIG_BYTES:
+      raise BadFile(f"{config_path}: larger than {FOLDER_MAX_CONFIG_BYTES >> 10} KB; a folder's config is a few KB.")
+    with open(config_path, encoding="utf-8") as f:
+      saved = json.load(f)
+  if not isinstance(saved, dict) or saved.get("format") != FOLDER_FORMAT:
+    raise BadFile(f'{config_path} is not a vlrep folder\'s config (no "format": "{FOLDER_FORMAT}").')
+  check_data_only(saved, config_path)
+  for section in ("method", "data", "tokenizer"):
+    if not isinstance(saved.get(section), dict):
+      raise BadFile(f"{config_path}: {section!r} is not an object.")
+  tok = saved["tokenizer"]
+  name = tok.get("file")
+  if not (isinstance(name, str) and _FOLDER_PLAIN_FILE.match(name)) or tok.get("kind") != "bpe":
+    raise BadFile(f"{config_path}: the tokenizer must be kind 'bpe' with a plain file name, got {tok}.")
+  if tok.get("special_tokens") not in FOLDER_SPECIAL_TOKENS:
+    known = FOLDER_SPECIAL_TOKENS
+    raise BadFile(f"{config_path}: tokenizer special_tokens {tok.get('special_tokens')!r}; known: {known}.")
+  vocabulary = _file_in(folder, name)
+  if safe_files.sha256_of(vocabulary) != tok.get("sha256"):
+    raise BadFile(f"{vocabulary}: its SHA-256 is not the one {config_path} records; the folder is damaged.")
+  step = saved.get("step", 0)
+  if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+    raise BadFile(f"{config_path}: step {step!r} is not a non-negative integer.")
+  config = saved_config(
+    {
+      "method": saved["method"],
+      "data": {k: saved["data"].get(k) for k in ("name", "config_name", "pp")},
+      # The path is the folder's own file, set here: never one a file names.
+      "tokenizer": {"kind": "bpe", "special_tokens": tok["special_tokens"], "path": vocabulary},
+    },
+    config_path,
+  )
+  variables = _variables(_file_in(folder, FOLDER_WEIGHTS))
+  return Run(
+    config=config,
+    params=variables.pop("params", {}),
+    model_state=variables,
+    step=step,
+    path=folder,
+    meta={"config": config.to_dict(), "folder": folder},
+  )
+
+
+def _file_in(folder: str, name: str) -> str:
+  """FOLDER/name, a regular file inside the folder (a link only into the Hugging Face cache's blobs/)."""
+  path = os.path.join(folder, name)
+  if not os.path.lexists(path):
+    raise BadFile(f"{folder} is not a vlrep folder: it has no {name}.")
+  real = os.path.realpath(path)
+  allowed = [os.path.realpath(folder)]
+  if os.path.basename(os.path.dirname(folder)) == "snapshots":  # huggingface_hub's cache: snapshots/<rev>/ -> blobs/
+    allowed.append(os.path.realpath(os.path.join(folder, "..", "..", "blobs")))
+  if not any(os.path.dirname(real) == root for root in allowed) or not os.path.isfile(real):
+    raise BadFile(f"{path} leads to {real}, outside the folder (or not a file); a shared folder's files are its own.")
+  return path
+
+
+def _variables(path: str) -> dict:
+  """model.safetensors as {'params': tree, 'batch_stats': tree, ...}, its header checked before any tensor is read."""
+  tensors, _, _ = torch_files.safetensors_header(path)
+  for name in tensors:
+    parts = name.split("/")
+    if len(parts) < 2 or parts[0] not in FOLDER_COLLECTIONS or not all(p for p in parts):
+      raise BadFile(f"{path}: tensor {name[:100]!r} is not a variable name ({' or '.join(FOLDER_COLLECTIONS)}/...).")
+  flat = torch_files.load_safetensors(path)
+  return _unflatten({k: np.array(v) for k, v in flat.items()})
+
+
+def _unflatten(flat: dict[str, Any]) -> dict:
+  """{'a/b/c': x} -> {'a': {'b': {'c': x}}}."""
+  out: dict = {}
+  for path, v in flat.items():
+    node = out
+    *parents, leaf = path.split("/")
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = v
+  return out
