@@ -487,8 +487,8 @@ def test_export_of_a_vlrep_trained_visual_bert_computes_its_outputs_in_transform
   first layer, with another activation and LayerNorm eps; MMF's region type 0; no alignment head): transformers
   loads the export and computes vlrep's outputs."""
   from vlrep.config_utils import sibling_config
-  from vlrep.interop.keymaps import unflatten
   from vlrep.models import bert as bert_lib
+  from vlrep.runs import unflatten
 
   bert_dir = tmp_path / "bert"
   _write_vocab(bert_dir)

@@ -490,10 +490,10 @@ def _variables(path: str) -> dict:
     if len(parts) < 2 or parts[0] not in FOLDER_COLLECTIONS or not all(p for p in parts):
       raise BadFile(f"{path}: tensor {name[:100]!r} is not a variable name ({' or '.join(FOLDER_COLLECTIONS)}/...).")
   flat = torch_files.load_safetensors(path)
-  return _unflatten({k: np.array(v) for k, v in flat.items()})
+  return unflatten({k: np.array(v) for k, v in flat.items()})
 
 
-def _unflatten(flat: dict[str, Any]) -> dict:
+def unflatten(flat: dict[str, Any]) -> dict:
   """{'a/b/c': x} -> {'a': {'b': {'c': x}}}."""
   out: dict = {}
   for path, v in flat.items():

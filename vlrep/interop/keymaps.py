@@ -276,17 +276,6 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, np.ndarray]:
   return out
 
 
-def unflatten(flat: dict[str, Any]) -> dict:
-  out: dict = {}
-  for path, v in flat.items():
-    node = out
-    *parents, leaf = path.split("/")
-    for p in parents:
-      node = node.setdefault(p, {})
-    node[leaf] = v
-  return out
-
-
 @dataclasses.dataclass
 class Converted:
   """What `KeyMap.to_vlrep` read: the run's variables (flat), the foreign keys it dropped (with their shapes), the

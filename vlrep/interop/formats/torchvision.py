@@ -47,10 +47,10 @@ from vlrep.interop.keymaps import (
   load_checkpoint,
   no_format_error,
   rule,
-  unflatten,
 )
 from vlrep.models import resnet
 from vlrep.pytorch.handoff import HANDOFF_INFO, HANDOFF_WEIGHTS
+from vlrep.runs import unflatten
 
 DESCRIPTION = "torchvision/timm ResNet-18/50/101/152 or Wide ResNet-50-2 state dict (.pth, .safetensors)"
 # What --out may end in (the file type is chosen by it).

@@ -48,8 +48,9 @@ from vlrep.data import tokenizers
 from vlrep.errors import BadFile, UserError, reading
 from vlrep.interop import keymaps
 from vlrep.interop.formats import torchvision as tv
-from vlrep.interop.keymaps import ImportedRun, KeyMap, flatten, rule, unflatten
+from vlrep.interop.keymaps import ImportedRun, KeyMap, flatten, rule
 from vlrep.methods import virtex as virtex_method
+from vlrep.runs import unflatten
 
 DESCRIPTION = "official VirTex checkpoint (model zoo {'model': ...} .pth, any task) or hub backbone file"
 OUT_SUFFIXES = (".pth", ".pt")  # the official code reads it with torch.load

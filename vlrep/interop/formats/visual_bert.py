@@ -64,11 +64,11 @@ from vlrep.interop.keymaps import (
   closest_format,
   flatten,
   rule,
-  unflatten,
 )
 from vlrep.methods import vlbert
 from vlrep.models import bert as bert_lib
 from vlrep.models import vl_bert
+from vlrep.runs import unflatten
 
 DESCRIPTION = (
   "VisualBERT: a Hugging Face VisualBertModel / VisualBertForPreTraining folder or an MMF VisualBERT checkpoint, as "
