@@ -164,11 +164,15 @@ LAYERS = {
   "vlrep.train": 4,
   "vlrep.visualize": 4,
   "vlrep.tools": 4,  # user tools: never import a command-line module or bench
+  "vlrep.inference": 4,  # vlrep.load: a run as a model to use from Python (the tools call it)
   "vlrep.bench": 5,  # vlrep's own benchmarks and harnesses
   "vlrep.main": 6,  # the command-line modules: nothing imports them
   "vlrep.evaluate": 6,
+  "vlrep.predict": 6,
 }
-ROOT_PACKAGE = "vlrep"  # its __init__ imports nothing, so it is on no layer (a key "vlrep" would place everything)
+# Its __init__ imports nothing, so it is on no layer (a key "vlrep" would place everything); `vlrep.load` is looked up
+# in vlrep.inference on first use (test_vlrep_load_is_looked_up_on_first_use).
+ROOT_PACKAGE = "vlrep"
 
 
 def layer_of(module: str) -> int | None:
@@ -339,3 +343,17 @@ def test_a_method_of_your_own_trains_end_to_end_without_touching_vlrep(tmp_path)
   summary = json.loads((tmp_path / "run" / "summary.json").read_text())
   assert summary["steps"] == 6 and np.isfinite(summary["train/loss"]) and 0 < summary["probe/map"] <= 100
   assert os.listdir(tmp_path / "run" / "checkpoints")  # checkpointed like any method
+
+
+def test_vlrep_load_is_looked_up_on_first_use():
+  """`import vlrep` (as every submodule's import does) loads no JAX; `vlrep.load` is vlrep.inference's."""
+  import subprocess
+  import sys
+
+  code = (
+    "import sys, vlrep; assert 'jax' not in sys.modules, 'import vlrep loaded jax'; "
+    "load = vlrep.load; import vlrep.inference; assert load is vlrep.inference.load; "
+    "print(hasattr(vlrep, 'nothing'))"
+  )
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+  assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr[-2000:]

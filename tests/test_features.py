@@ -18,7 +18,7 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
-from vlrep import runs, visualize
+from vlrep import inference, runs, visualize
 from vlrep.data.ops import IMAGENET_MEAN, IMAGENET_STD
 from vlrep.errors import UserError
 from vlrep.interop import import_run
@@ -121,7 +121,7 @@ def test_features_of_a_trained_run_are_its_backbones(tiny_virtex_run, photos, tm
   assert prep["size"] == 224 and prep["transform"] == "resize_crop"
   run = runs.load_run(workdir)
   module, variables = runs.backbone_of(run)
-  pixels = visualize.normalize(np.stack([features.load_image(p, prep) for p in photos]))
+  pixels = visualize.normalize(np.stack([inference.load_image(p, prep) for p in photos]))
   grid, aux = module.apply(variables, pixels, False)
   # Compiled (jit, in batches of 2) against op by op: float32 rounding.
   assert _rel(got["grid"], np.asarray(grid)) < 1e-5 and _rel(got["pooled"], np.asarray(aux["pre_logits"])) < 1e-5

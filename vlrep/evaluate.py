@@ -15,9 +15,8 @@ import jax
 from absl import app, flags, logging
 from ml_collections import ConfigDict, config_flags
 
-from vlrep import evaluators, run_setup, run_summary, runs
+from vlrep import evaluators, inference, run_setup, run_summary, runs
 from vlrep.errors import UserError, exit_2_on_user_error
-from vlrep.tools import features
 
 
 def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", names=None) -> dict[str, float]:
@@ -26,14 +25,14 @@ def evaluate(eval_config: ConfigDict, workdir: str, checkpoint: str = "best", na
   unknown = [n for n in (names or []) if n not in evals_cfg]
   if unknown:
     raise UserError(f"Unknown evaluations {unknown}; this config defines {sorted(evals_cfg)}.")
-  run = features.load_run(workdir, checkpoint)
+  run = inference.load_run(workdir, checkpoint)
   run_summary.read_summary(workdir)  # a damaged summary.json is refused before the evaluations, not after them
-  with features.saved_config_errors(run):
+  with inference.saved_config_errors(run):
     logging.info("Evaluating %s (step %d, %s).", run.path, run.step, run.config.method.get("name"))
   if "backbone" in run.params:
-    features.check_backbone(run)
+    inference.check_backbone(run)
   if any(evaluators.needs_method(cfg) for cfg in evals_cfg.values()):
-    with features.saved_config_errors(run):
+    with inference.saved_config_errors(run):
       # the method and tokenizer, rebuilt as training built them (its own vocabulary copy where it has one)
       eval_inputs = run_setup.build_inputs(run.config, run.workdir)
   else:

@@ -91,7 +91,11 @@ def load_image_official(path: str, resize: int = 256, crop: int = 224) -> np.nda
   """An image file -> uint8 [crop, crop, 3] as kdexd/virtex's evaluation transform makes it (albumentations'
   SmallestMaxSize(resize): OpenCV INTER_LINEAR, i.e. bilinear at half-pixel centres without antialiasing, rounded
   to uint8; then CenterCrop(crop))."""
-  img = read_rgb(path)
+  return official_crop(read_rgb(path), resize, crop)
+
+
+def official_crop(img: np.ndarray, resize: int = 256, crop: int = 224) -> np.ndarray:
+  """uint8 [H, W, 3] -> uint8 [crop, crop, 3], `load_image_official`'s transform of decoded pixels."""
   h, w = img.shape[:2]
   scale = resize / min(h, w)
   # albumentations' SmallestMaxSize rounds the new size (py3round: Python's round): 300x451 -> 256x385

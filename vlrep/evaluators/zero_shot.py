@@ -224,7 +224,8 @@ class _Contrastive:
     self.embed_images = jax.jit(lambda v, x: method.embed(v, images=x)["image"])
     self.embed_texts = jax.jit(lambda v, t: method.embed(v, tokens=t)["text"])
 
-  def classes(self, variables, tokens: np.ndarray, num_templates: int) -> np.ndarray:
+  def texts(self, variables, tokens: np.ndarray) -> np.ndarray:
+    """[N, D] text embeddings of [N, L] prompt tokens, in batches of at most `batch_size`."""
     n = len(tokens)
     size = min(self.batch_size, n)
     # Padded with copies of the last prompt to one shape (one compile); an all-padding row could pool to NaN.
@@ -232,7 +233,10 @@ class _Contrastive:
     emb = np.concatenate(
       [np.asarray(self.embed_texts(variables, padded[i : i + size])) for i in range(0, len(padded), size)]
     )
-    return class_embeddings(emb[:n], num_templates)
+    return emb[:n]
+
+  def classes(self, variables, tokens: np.ndarray, num_templates: int) -> np.ndarray:
+    return class_embeddings(self.texts(variables, tokens), num_templates)
 
   def scores(self, variables, images, classes: np.ndarray) -> np.ndarray:
     return l2_normalize(np.asarray(self.embed_images(variables, images), np.float64)) @ classes.T

@@ -19,10 +19,9 @@ import numpy as np
 from absl import app, flags
 from PIL import Image, ImageDraw
 
-from vlrep import run_setup, safe_files, visualize
+from vlrep import inference, run_setup, safe_files, visualize
 from vlrep.data import pipeline, tokenizers
 from vlrep.errors import UserError, exit_2_on_user_error
-from vlrep.tools import features
 from vlrep.tools.caption import NoImageFile, training_size
 
 
@@ -67,8 +66,8 @@ def render(
   in `words`, if given)."""
   import jax
 
-  run = features.load_run(workdir, checkpoint)
-  with features.saved_config_errors(run):
+  run = inference.load_run(workdir, checkpoint)
+  with inference.saved_config_errors(run):
     _, inputs = run_setup.build(run.config)
   method, tok = inputs.method, inputs.tokenizer
   if not hasattr(method, "attention"):
@@ -132,7 +131,7 @@ def load_inputs(
 
 def main(argv):
   f = flags.FLAGS
-  run_config = features.load_run(f.workdir, f.checkpoint).config
+  run_config = inference.load_run(f.workdir, f.checkpoint).config
   size = f.size or training_size(run_config)
   images, captions, names = load_inputs(argv[1:], f.caption, run_config, f.split, f.num_examples, size)
   results = render(f.workdir, f.out_dir, images, captions, names, f.checkpoint, f.map, f.upscale, f.words)

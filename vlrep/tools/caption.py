@@ -3,7 +3,10 @@ r"""Captions image files with a checkpoint's forward model; optionally saves per
   python -m vlrep.tools.caption --workdir=/tmp/virtex_local photo1.jpg photo2.png
   python -m vlrep.tools.caption --workdir=DIR --decoding=nucleus --attention_dir=/tmp/att photo.jpg
 
-Images are resized (shorter side) and centre-cropped to the size the run trained on (--size to override), bicubic;
+The Python call is `vlrep.load(workdir).caption(images)`; this command decodes through it.
+
+Images are resized (shorter side) and centre-cropped to the size the run trained on (--size to override), bicubic,
+with torchvision's sizes and offsets (the features tool's and vlrep.load's preprocessing);
 --preprocess=virtex_official is the official VirTex evaluation's instead (shorter side 256, bilinear without
 antialiasing as OpenCV's INTER_LINEAR, centre crop 224). --decoding=virtex_official is the official evaluation's
 beam search (vlrep.decoding.virtex_official); both together caption a zoo checkpoint as its published results did:
@@ -21,14 +24,9 @@ import os
 
 import numpy as np
 from absl import app, flags
-from ml_collections import ConfigDict
 
-from vlrep import decoding, run_setup, safe_files, visualize
-from vlrep.data import pipeline, registry  # noqa: F401 (pipeline registers the ops)
-from vlrep.data.tokenizers import EOS_ID
+from vlrep import decoding, inference, safe_files, visualize
 from vlrep.errors import UserError, exit_2_on_user_error
-from vlrep.evaluators.captioning import captioner_for
-from vlrep.tools import features
 
 
 def define_flags():
@@ -48,27 +46,15 @@ def define_flags():
 
 
 PREPROCESS = ("crop", "virtex_official")
-OFFICIAL_RESIZE, OFFICIAL_CROP = 256, 224  # kdexd/virtex's DEFAULT_IMAGE_TRANSFORM (its evaluation's)
 
 
 class NoImageFile(UserError, FileNotFoundError):
   """An image file named on the command line does not exist."""
 
 
-def load_images(paths: list[str], preprocess: str, size: int) -> np.ndarray:
-  """uint8 [N, S, S, 3]: `crop` resizes the shorter side to `size` (bicubic) and centre-crops it; `virtex_official`
-  resizes the shorter side to 256 (bilinear, no antialiasing) and centre-crops 224, as the official evaluation."""
-  if preprocess == "crop":
-    return np.stack([visualize.load_image(p, size) for p in paths])
-  if preprocess == "virtex_official":
-    return np.stack([visualize.load_image_official(p, OFFICIAL_RESIZE, OFFICIAL_CROP) for p in paths])
-  raise ValueError(f"Unknown preprocess {preprocess!r}; expected one of {PREPROCESS}.")
-
-
 def training_size(config) -> int:
   """The crop size in the run's training preprocessing, e.g. inception_crop(224, ...) -> 224."""
-  crop = registry.op_arguments(config.data.pp, "inception_crop", "central_crop", "resize")
-  return int(crop["size"]) if crop else 224
+  return inference.training_size(config)
 
 
 def caption_files(
@@ -83,41 +69,31 @@ def caption_files(
   preprocess: str = "crop",
   **decode_kwargs,
 ) -> dict[str, dict]:
-  """{path: {'caption', 'tokens', 'attention_pngs'}} for each image file."""
-  import jax
-
+  """{path: {'caption', 'tokens', 'attention_pngs'}} for each image file: `vlrep.load(workdir).caption_tokens`,
+  the decoding `vlrep.load(...).caption` runs."""
+  if preprocess not in PREPROCESS:
+    raise UserError(f"--preprocess={preprocess!r}: one of {', '.join(PREPROCESS)}.")
   if not paths:
     raise UserError("Give at least one image file.")
   missing = [p for p in paths if not os.path.isfile(p)]
   if missing:
     raise NoImageFile(f"No such image file(s): {missing}")
   visualize.check_images(paths)  # every file an image of a size vlrep decodes, before the model is built
-  run = features.load_run(workdir, checkpoint)
-  if "backbone" in run.params:
-    features.check_backbone(run)  # the saved config builds the backbone it describes, before anything else
-  with features.saved_config_errors(run):
-    size = size or training_size(run.config)
-  images = load_images(paths, preprocess, size)  # decoded (a damaged file refused) before the model is built
+  model = inference.load(workdir, checkpoint)
+  with inference.saved_config_errors(model.run):
+    if preprocess == "crop":
+      prep = inference.preprocessing(model.run.config, "resize_crop", size)
+    else:
+      prep = inference.preprocessing(model.run.config, "virtex_official")
+  images = np.stack([inference.load_image(p, prep) for p in paths])  # a damaged file refused before the model builds
   size = images.shape[1]
-  with features.saved_config_errors(run):
-    inputs = run_setup.build_inputs(run.config, run.workdir)
-  cfg = {"decoding": decoding_method, "max_len": max_len, **decode_kwargs}
-  try:
-    caption = captioner_for(inputs.method, ConfigDict(cfg))
-  except UserError:
-    raise
-  except ValueError as e:  # a run without a captioning head, or a decoding it does not support: said, not a bug
-    raise UserError(f"--workdir={workdir}: {e}") from e
-  tokens, attention = caption(jax.device_put(run.variables), visualize.normalize(images), jax.random.PRNGKey(seed))
-  tokens, attention = np.asarray(tokens), np.asarray(attention)
-  tok = inputs.tokenizer
+  tokens, attention = model.caption_tokens(visualize.normalize(images), decoding_method, max_len, seed, **decode_kwargs)
   out = {}
   for i, path in enumerate(paths):
-    ids = tokens[i].tolist()
-    n = ids.index(EOS_ID) if EOS_ID in ids else len(ids)
-    entry = {"caption": tok.decode(ids), "tokens": [tok.sp.id_to_piece(t) for t in ids[:n]]}
+    entry = {"caption": model.decode(tokens[i]), "tokens": model.pieces(tokens[i])}
     if attention_dir:
       name = os.path.splitext(os.path.basename(path))[0]
+      n = len(entry["tokens"])
       entry["attention_pngs"] = visualize.save_token_overlays(
         images[i], attention[i, :n], entry["tokens"], os.path.join(attention_dir, name), upscale=max(1, 224 // size)
       )
