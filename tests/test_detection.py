@@ -59,6 +59,10 @@ def test_converted_backbone_features_equal_jax(arch, tmp_path):
   _, stages = module.apply(variables, images, False)
   folder = str(tmp_path / "backbone")
   tv_format.write_backbone(variables, detection.method_section(module), folder)
+  # torch's own shapes, to the counter: a 0-d num_batches_tracked (not the 1-d that np.ascontiguousarray makes).
+  weights = handoff.read_weights(folder)
+  counters = [k for k in weights if k.endswith("num_batches_tracked")]
+  assert counters and all(np.shape(weights[k]) == () for k in counters)
   assert handoff.read_info(folder)["architecture"] == {k: arch.get(k, 2 if k == "stem_stride" else 1) for k in
     ("depth", "width", "inner_multiplier", "stem", "stem_stride")} | arch  # fmt: skip
   for norm in detection_spec.NORMS:

@@ -325,7 +325,8 @@ def write_backbone(
   root = os.path.abspath(folder)
   safe_files.make_dirs(root)
   with safe_files.atomic_path(os.path.join(root, HANDOFF_WEIGHTS), ".safetensors", root=root) as tmp:
-    save_file({k: np.ascontiguousarray(v) for k, v in sd.items()}, tmp, metadata={"format": "pt"})
+    # np.ascontiguousarray makes a 0-d array 1-d: num_batches_tracked keeps torch's shape () by the reshape.
+    save_file({k: np.ascontiguousarray(v).reshape(np.shape(v)) for k, v in sd.items()}, tmp, metadata={"format": "pt"})
   safe_files.write_json(os.path.join(root, HANDOFF_INFO), info, root=root)
   return info
 
