@@ -191,3 +191,168 @@ def test_load_run_reads_a_shared_folder_and_the_features_tool_gives_the_runs_fea
   assert theirs["step"] == ours["step"]
   with pytest.raises(runs.NotARun, match="one model"):
     runs.load_run(out, checkpoint="3")
+
+
+# -- runs without a tokenizer, and runs whose tokenizer the folder cannot hold --------------------------------------
+def _card_code(folder: str, photo: str) -> str:
+  """The model card's Loading block, its FOLDER and photo.jpg the test's own."""
+  card = open(os.path.join(folder, "README.md")).read()
+  code = card.split("## Loading", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+  return code.replace('"FOLDER"', repr(folder)).replace('"photo.jpg"', repr(photo))
+
+
+@pytest.fixture(scope="module")
+def photo(tmp_path_factory):
+  """A real photograph (skimage's astronaut) as a JPEG."""
+  from PIL import Image
+  from skimage import data as photos
+
+  path = tmp_path_factory.mktemp("photo") / "astronaut.jpg"
+  Image.fromarray(photos.astronaut()).save(path, quality=90)
+  return str(path)
+
+
+@pytest.fixture(scope="module")
+def torchvision_exported(tmp_path_factory):
+  """(the run imported from a torchvision ResNet-18 state dict written by torch.save, random weights and BatchNorm
+  statistics, as tests/test_features.py writes it; its folder exported by the command)."""
+  torch = pytest.importorskip("torch")
+  torchvision = pytest.importorskip("torchvision")
+  from vlrep.interop import import_run
+
+  root = tmp_path_factory.mktemp("in1k_r18")
+  torch.manual_seed(0)
+  model = torchvision.models.resnet18()
+  g = torch.Generator().manual_seed(0)
+  with torch.no_grad():
+    for m in model.modules():
+      if isinstance(m, torch.nn.BatchNorm2d):
+        m.weight.copy_(1 + 0.2 * torch.randn(m.weight.shape, generator=g))
+        m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=g))
+        m.running_mean.copy_(0.1 * torch.randn(m.running_mean.shape, generator=g))
+        m.running_var.copy_(0.5 + torch.rand(m.running_var.shape, generator=g))
+  torch.save(model.state_dict(), root / "resnet18.pth")
+  import_run.import_run("torchvision", str(root / "resnet18.pth"), str(root / "run"))
+  out = root / "shared"
+  proc = run_module("vlrep.interop.export", f"--workdir={root / 'run'}", "--format=vlrep", f"--out={out}")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  return str(root / "run"), str(out)
+
+
+def test_a_run_without_a_tokenizer_exports_and_reads_back_bit_equal(torchvision_exported, photo):
+  """An imported torchvision run (a classifier's config, no tokenizer section): config.json says "tokenizer": null,
+  no vocabulary is written, and the folder reads back as the run: its variables to the bit, its config without a
+  tokenizer, and the features tool (a real photograph) gives the run's features to the bit."""
+  from vlrep.tools import features
+
+  workdir, out = torchvision_exported
+  run, back = runs.load_run(workdir), runs.load_run(out)
+  assert sorted(os.listdir(out)) == ["README.md", "config.json", "model.safetensors"]
+  assert json.load(open(os.path.join(out, "config.json")))["tokenizer"] is None
+  assert "tokenizer" not in run.config and "tokenizer" not in back.config
+  assert back.config.method.to_dict() == run.config.method.to_dict() and back.config.method.name == "classifier"
+  want, got = _flat(run.variables), _flat(back.variables)
+  assert sorted(want) == sorted(got) and any(k.startswith("batch_stats/backbone/") for k in got)
+  for k in want:
+    assert got[k].dtype == want[k].dtype and np.array_equal(got[k], want[k]), k
+  theirs, ours = features.extract(out, [photo]), features.extract(workdir, [photo])
+  for key in ("pooled", "grid"):
+    assert theirs[key].shape[-1] == 512
+    np.testing.assert_array_equal(theirs[key], ours[key])
+
+
+def test_a_folder_without_a_tokenizer_never_opens_one_beside_it(torchvision_exported, tmp_path):
+  """A vocabulary dropped beside a "tokenizer": null folder is no part of it: the run has no tokenizer still."""
+  folder = _copy(torchvision_exported[1], tmp_path)
+  (tmp_path / "crafted" / "tokenizer.model").write_bytes(b"\x00not a vocabulary")
+  back = runs.load_run(folder)
+  assert "tokenizer" not in back.config
+  assert run_setup.build_inputs(back.config, back.workdir).tokenizer is None
+
+
+def test_card_of_a_run_without_text_loads_it_with_its_own_lines(torchvision_exported, photo):
+  """The card's Loading block runs as written (vlrep.load, encode_images) and offers nothing the run cannot do."""
+  out = torchvision_exported[1]
+  code = _card_code(out, photo)
+  assert "vlrep.load(" in code and "snapshot_download" in code
+  assert "caption" not in code and "zero_shot" not in code and "encode_text" not in code
+  assert "tokenizer.model" not in open(os.path.join(out, "README.md")).read()
+  scope = {}
+  exec(code, scope)  # noqa: S102 -- the card's own code, on the test's folder and photo
+  got = scope["model"].encode_images([photo])
+  assert got["pooled"].shape == (1, 512) and got["grid"].shape[0] == 1
+
+
+def test_card_of_a_captioner_shows_and_runs_its_captions(exported, photo):
+  """The tiny VirTex run (bicaptioning) captions and scores labels: its card shows both, and they run as written."""
+  _, out = exported
+  code = _card_code(out, photo)
+  assert "model.caption(" in code and "model.zero_shot(" in code and "encode_text" not in code
+  scope = {}
+  exec(code, scope)  # noqa: S102 -- the card's own code, on the test's folder and photo
+  model = scope["model"]
+  assert len(model.caption([photo], max_len=5)) == 1
+
+
+@pytest.mark.parametrize(
+  "method, card",
+  [
+    ({"name": "clip"}, ("zero_shot", "encode_text")),
+    ({"name": "mct"}, ("zero_shot", "encode_text")),
+    ({"name": "loctex"}, ("zero_shot", "encode_text")),
+    ({"name": "virtex", "task": "captioning"}, ("caption", "zero_shot")),
+    ({"name": "virtex", "task": "cappa"}, ("caption", "zero_shot")),
+    ({"name": "virtex", "task": "masked_lm"}, ()),  # no forward captioner: neither captions nor scores captions
+    ({"name": "virtex", "task": "token_classification"}, ()),
+    ({"name": "classifier"}, ()),
+    ({"name": "icmlm"}, ()),
+  ],
+)
+def test_card_lines_follow_the_method(method, card):
+  from vlrep.interop.formats import vlrep as folder_format
+
+  assert folder_format.uses(method) == card
+
+
+def _without_tokenizer(config):
+  config["tokenizer"] = None
+
+
+@pytest.mark.parametrize("method", ["virtex", "loctex"])
+def test_a_text_method_with_a_null_tokenizer_is_refused_at_load(method, request, tmp_path):
+  """A crafted config.json saying "tokenizer": null (its vocabulary removed) for a method that reads captions: a
+  BadFile naming config.json at load time, not an error inside the method on first use."""
+  run = request.getfixturevalue(f"tiny_{method}_run")
+  out = tmp_path / "shared"
+  export.export(str(run.workdir), "vlrep", str(out))
+  os.remove(out / "tokenizer.model")
+  _edit_config(str(out), _without_tokenizer)
+  with pytest.raises(BadFile, match=r"config\.json says \"tokenizer\": null, but method .* reads text \(tokens"):
+    runs.load_run(str(out))
+
+
+@pytest.mark.parametrize("value", ["bpe", 0, []])
+def test_a_tokenizer_that_is_neither_an_object_nor_null_is_refused(exported, tmp_path, value):
+  folder = _copy(exported[1], tmp_path)
+  _edit_config(folder, lambda c: c.update(tokenizer=value))
+  with pytest.raises(BadFile, match="config.json: 'tokenizer' is neither an object nor null"):
+    runs.load_run(folder)
+
+
+def test_a_wordpiece_run_is_refused_saying_what_to_share(exported, tmp_path):
+  """A run with BERT's WordPiece vocabulary (as a CLIP text=bert or imported VisualBERT run's config has it): the
+  folder cannot carry a BERT folder, so export says so and what to share instead, and writes nothing."""
+  import dataclasses
+
+  from vlrep.interop.formats import vlrep as folder_format
+
+  run = exported[0]
+  config = run.config.copy_and_resolve_references()
+  config.tokenizer = {"kind": "wordpiece", "path": str(tmp_path / "bert")}
+  wordpiece = dataclasses.replace(run, config=config)
+  out = tmp_path / "shared"
+  with pytest.raises(export.keymaps.NotExportable) as refused:
+    folder_format.export(wordpiece, str(out))
+  message = str(refused.value)
+  assert "WordPiece" in message and "BPE vocabulary or none" in message and "Share the run folder" in message
+  assert not out.exists() and sorted(os.listdir(tmp_path)) == []

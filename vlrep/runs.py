@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from ml_collections import ConfigDict
 
-from vlrep import safe_files, sharding, torch_files
+from vlrep import methods, safe_files, sharding, torch_files
 from vlrep.errors import BadFile, UserError, reading
 from vlrep.models import resnet, vgg
 
@@ -389,7 +389,8 @@ def backbone_fn(run: Run, mesh=None):
 # ------------------------------------------------------------------------------------------------------------------
 # A shared folder (`vlrep.interop.export --format=vlrep`): one model as flat files a model repository holds
 # (what huggingface_hub's snapshot_download returns), data only: nothing in it is executed or unpickled, and only
-# config.json, model.safetensors and the tokenizer file it names are opened.
+# config.json, model.safetensors and the tokenizer file it names (a BPE vocabulary, or none: "tokenizer": null for a
+# run without text, e.g. an imported torchvision classifier) are opened.
 # ------------------------------------------------------------------------------------------------------------------
 FOLDER_FORMAT = "vlrep"
 FOLDER_FORMAT_VERSION = 1
@@ -432,31 +433,21 @@ def load_shared_folder(path: str) -> Run:
   if not isinstance(saved, dict) or saved.get("format") != FOLDER_FORMAT:
     raise BadFile(f'{config_path} is not a vlrep folder\'s config (no "format": "{FOLDER_FORMAT}").')
   check_data_only(saved, config_path)
-  for section in ("method", "data", "tokenizer"):
+  for section in ("method", "data"):
     if not isinstance(saved.get(section), dict):
       raise BadFile(f"{config_path}: {section!r} is not an object.")
-  tok = saved["tokenizer"]
-  name = tok.get("file")
-  if not (isinstance(name, str) and _FOLDER_PLAIN_FILE.match(name)) or tok.get("kind") != "bpe":
-    raise BadFile(f"{config_path}: the tokenizer must be kind 'bpe' with a plain file name, got {tok}.")
-  if tok.get("special_tokens") not in FOLDER_SPECIAL_TOKENS:
-    known = FOLDER_SPECIAL_TOKENS
-    raise BadFile(f"{config_path}: tokenizer special_tokens {tok.get('special_tokens')!r}; known: {known}.")
-  vocabulary = _file_in(folder, name)
-  if safe_files.sha256_of(vocabulary) != tok.get("sha256"):
-    raise BadFile(f"{vocabulary}: its SHA-256 is not the one {config_path} records; the folder is damaged.")
+  if not isinstance(saved.get("tokenizer", ()), (dict, type(None))):  # null: a run without a vocabulary
+    raise BadFile(f"{config_path}: 'tokenizer' is neither an object nor null.")
   step = saved.get("step", 0)
   if not isinstance(step, int) or isinstance(step, bool) or step < 0:
     raise BadFile(f"{config_path}: step {step!r} is not a non-negative integer.")
-  config = saved_config(
-    {
-      "method": saved["method"],
-      "data": {k: saved["data"].get(k) for k in ("name", "config_name", "pp")},
-      # The path is the folder's own file, set here: never one a file names.
-      "tokenizer": {"kind": "bpe", "special_tokens": tok["special_tokens"], "path": vocabulary},
-    },
-    config_path,
-  )
+  run_config = {"method": saved["method"], "data": {k: saved["data"].get(k) for k in ("name", "config_name", "pp")}}
+  if saved["tokenizer"] is not None:
+    # The path is the folder's own file, set here: never one a file names.
+    run_config["tokenizer"] = _folder_tokenizer(folder, saved["tokenizer"], config_path)
+  config = saved_config(run_config, config_path)
+  if saved["tokenizer"] is None:
+    _check_builds_without_tokenizer(config, config_path)
   variables = _variables(_file_in(folder, FOLDER_WEIGHTS))
   return Run(
     config=config,
@@ -466,6 +457,38 @@ def load_shared_folder(path: str) -> Run:
     path=folder,
     meta={"config": config.to_dict(), "folder": folder},
   )
+
+
+def _folder_tokenizer(folder: str, tok: dict, config_path: str) -> dict:
+  """The run config's tokenizer section of the folder's vocabulary: its file checked against its SHA-256."""
+  name = tok.get("file")
+  if not (isinstance(name, str) and _FOLDER_PLAIN_FILE.match(name)) or tok.get("kind") != "bpe":
+    raise BadFile(f"{config_path}: the tokenizer must be kind 'bpe' with a plain file name (or null), got {tok}.")
+  if tok.get("special_tokens") not in FOLDER_SPECIAL_TOKENS:
+    known = FOLDER_SPECIAL_TOKENS
+    raise BadFile(f"{config_path}: tokenizer special_tokens {tok.get('special_tokens')!r}; known: {known}.")
+  vocabulary = _file_in(folder, name)
+  if safe_files.sha256_of(vocabulary) != tok.get("sha256"):
+    raise BadFile(f"{vocabulary}: its SHA-256 is not the one {config_path} records; the folder is damaged.")
+  return {"kind": "bpe", "special_tokens": tok["special_tokens"], "path": vocabulary}
+
+
+def _check_builds_without_tokenizer(config: ConfigDict, config_path: str) -> None:
+  """A folder without a vocabulary ("tokenizer": null) holds a method that reads no text: built as every run's
+  method is without a tokenizer (`methods.build`, vocabulary size 0), it reads no token field. Otherwise the folder
+  is refused here, not with an error deep inside the method the first time it is used."""
+  name = config.method.get("name")
+  try:
+    fields = tuple(methods.build(config.method, 0).fields)
+  except Exception as e:  # noqa: BLE001 -- a method's own check of its config (any type): the folder is refused
+    why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+    raise BadFile(f'{config_path} says "tokenizer": null, but method {name!r} does not build without one: {why}') from e
+  text = [f for f in fields if f.startswith("tokens")]
+  if text:
+    raise BadFile(
+      f'{config_path} says "tokenizer": null, but method {name!r} reads text ({", ".join(text)}) and needs its '
+      "vocabulary; the folder is incomplete (export the run again with its tokenizer)."
+    )
 
 
 def _file_in(folder: str, name: str) -> str:

@@ -6,11 +6,15 @@ huggingface_hub's `snapshot_download` loads as it is.
 
   FOLDER/config.json        data only: the run's method section (its backbone architecture included), the data's
                             plain name and its preprocessing, the tokenizer's kind, special tokens, file and SHA-256
+                            ("tokenizer": null for a run without one: an imported torchvision model, a classifier)
   FOLDER/model.safetensors  every parameter and model-state leaf ("params/...", "batch_stats/..."), stored dtypes
-  FOLDER/tokenizer.model    the run's vocabulary, copied
+  FOLDER/tokenizer.model    the run's BPE vocabulary, copied (none without a tokenizer)
   FOLDER/README.md          a model card: method, backbone, data, steps, the run's summary.json metrics
 
-The folder is data from someone else once shared: reading it executes and unpickles nothing, opens only the three
+A WordPiece tokenizer (ICMLM, VisualBERT, CLIP with text=bert) is refused: its vocabulary is a BERT folder beside
+the BERT weights the method names, which this folder does not carry; such a run is shared as its run folder.
+
+The folder is data from someone else once shared: reading it executes and unpickles nothing, opens only the
 files config.json names (a `.py` or a pickle beside them is never opened), checks the config's names as a run's
 saved config is checked (`runs.saved_config`), refuses any file or folder path in it, checks the safetensors
 header before reading a tensor, and refuses a file that is a link leading outside the folder (a link into the
@@ -31,7 +35,7 @@ from vlrep import run_summary, runs, safe_files
 from vlrep.data import pipeline, tokenizers
 from vlrep.interop import keymaps
 
-DESCRIPTION = "vlrep's shareable folder: config.json + model.safetensors + tokenizer.model + README.md"
+DESCRIPTION = "vlrep's shareable folder: config.json + model.safetensors (+ tokenizer.model, BPE) + README.md"
 OUT_SUFFIXES = ()  # a folder
 
 
@@ -49,15 +53,16 @@ def export(run: runs.Run, out: str, overwrite: bool = False) -> dict:
       f"--out={out} already exists and is not empty; pass --overwrite to replace it, or choose another folder."
     )
   config = keymaps.refusal(folder_config, run)
-  vocabulary = keymaps.refusal(tokenizer_file, run)
+  vocabulary = keymaps.refusal(tokenizer_file, run) if config["tokenizer"] else None
   flat = {k: np.ascontiguousarray(v) for k, v in keymaps.flatten(run.variables).items()}
   safe_files.make_dirs(keymaps.out_root(folder))
   with safe_files.atomic_dir(folder) as tmp:
     save_file(flat, os.path.join(tmp, runs.FOLDER_WEIGHTS), metadata={"format": "np"})
-    copy = os.path.join(tmp, runs.FOLDER_TOKENIZER)
-    with safe_files.open_atomic(copy, "wb", root=tmp) as f, open(vocabulary, "rb") as v:
-      shutil.copyfileobj(v, f)
-    config["tokenizer"]["sha256"] = safe_files.sha256_of(os.path.join(tmp, runs.FOLDER_TOKENIZER))
+    if vocabulary:
+      copy = os.path.join(tmp, runs.FOLDER_TOKENIZER)
+      with safe_files.open_atomic(copy, "wb", root=tmp) as f, open(vocabulary, "rb") as v:
+        shutil.copyfileobj(v, f)
+      config["tokenizer"]["sha256"] = safe_files.sha256_of(copy)
     safe_files.write_text(os.path.join(tmp, runs.FOLDER_CONFIG), json.dumps(config, indent=2) + "\n", root=tmp)
     safe_files.write_text(os.path.join(tmp, runs.FOLDER_CARD), model_card(run, config), root=tmp)
   parameters = sum(int(v.size) for k, v in flat.items() if k.startswith("params/"))
@@ -65,16 +70,9 @@ def export(run: runs.Run, out: str, overwrite: bool = False) -> dict:
 
 
 def folder_config(run: runs.Run) -> dict:
-  """config.json's contents (without the tokenizer's SHA-256): data only, its names checked plain, no paths."""
+  """config.json's contents (without the tokenizer's SHA-256): data only, its names checked plain, no paths; the
+  tokenizer null for a run without one."""
   c = run.config
-  tokenizer = c.get("tokenizer") or ConfigDict()
-  kind = tokenizer.get("kind", "bpe")
-  special = tokenizer.get("special_tokens", "vlrep")
-  if kind != "bpe" or special not in runs.FOLDER_SPECIAL_TOKENS:
-    raise ValueError(
-      f"The run's tokenizer is kind={kind!r}, special_tokens={special!r}; --format=vlrep holds a BPE vocabulary "
-      f"(special tokens {', '.join(runs.FOLDER_SPECIAL_TOKENS)})."
-    )
   data = c.get("data") or ConfigDict()
   config = {
     "format": runs.FOLDER_FORMAT,
@@ -83,11 +81,32 @@ def folder_config(run: runs.Run) -> dict:
     "method": c.method.to_dict(),
     "architecture": runs.backbone_architecture(c.method.get("backbone", {})) if "backbone" in c.method else None,
     "data": {"name": data.get("name"), "config_name": data.get("config_name"), "pp": data.get("pp", "")},
-    "tokenizer": {"kind": kind, "special_tokens": special, "file": runs.FOLDER_TOKENIZER},
+    "tokenizer": tokenizer_section(c.get("tokenizer")),
   }
   runs.check_data_only(config, "the run's config")
   runs.check_saved_names(config, f"{run.path}: the run's config")
   return config
+
+
+def tokenizer_section(tokenizer) -> dict | None:
+  """config.json's tokenizer: a BPE vocabulary's kind, special tokens and file, or None for a run without one."""
+  if not tokenizer:
+    return None
+  kind, special = tokenizer.get("kind", "bpe"), tokenizer.get("special_tokens", "vlrep")
+  if kind == "wordpiece":
+    raise ValueError(
+      "The run's tokenizer is WordPiece (tokenizer.kind='wordpiece': ICMLM, VisualBERT, CLIP with text=bert, MCT "
+      "with a BERT text tower). Its vocabulary is a BERT folder's vocab.txt, read with the BERT weights the method "
+      "names (method.bert_path), and --format=vlrep holds a BPE vocabulary or none: it cannot carry them. Share the "
+      "run folder itself (its checkpoints, with the BERT folder its config names), or export the visual backbone "
+      "alone (--format=backbone)."
+    )
+  if kind != "bpe" or special not in runs.FOLDER_SPECIAL_TOKENS:
+    raise ValueError(
+      f"The run's tokenizer is kind={kind!r}, special_tokens={special!r}; --format=vlrep holds a BPE vocabulary "
+      f"(special tokens {' or '.join(runs.FOLDER_SPECIAL_TOKENS)}) or none. Share the run folder itself instead."
+    )
+  return {"kind": kind, "special_tokens": special, "file": runs.FOLDER_TOKENIZER}
 
 
 def tokenizer_file(run: runs.Run) -> str:
@@ -130,12 +149,38 @@ def model_card(run: runs.Run, config: dict) -> str:
     "## Loading",
     "",
     "```python",
-    "from vlrep import runs",
-    "run = runs.load_run('FOLDER')  # a vlrep.runs.Run: features, captions, evaluation",
+    "import vlrep",
+    'model = vlrep.load("FOLDER")          # or a hub download: vlrep.load(huggingface_hub.snapshot_download(REPO))',
+    'model.encode_images(["photo.jpg"])    # pooled and grid backbone features',
+    *(CARD_USES[use] for use in uses(method)),
     "```",
     "",
-    "Files: config.json (data only), model.safetensors (every variable, 'params/...', 'batch_stats/...'), "
-    "tokenizer.model (its SHA-256 in config.json).",
+    "Files: config.json (data only), model.safetensors (every variable, 'params/...', 'batch_stats/...')"
+    + (", tokenizer.model (its SHA-256 in config.json)." if config["tokenizer"] else "; no tokenizer (no text side)."),
     "",
   ]
   return "\n".join(lines)
+
+
+# What `vlrep.load(FOLDER)` gives beyond image features (`vlrep.inference.TrainedModel`), one card line each.
+CARD_USES = {
+  "caption": 'model.caption(["photo.jpg"])          # a caption per image',
+  "zero_shot": 'model.zero_shot(["photo.jpg"], ["cat", "dog", "boat"])  # class scores, top labels',
+  "encode_text": 'model.encode_text(["a dog on a boat."])  # l2-normalised text embeddings',
+}
+# Which a method has, by its name (and VirTex's by its task: only a forward captioning head captions and scores a
+# text given an image); a method not named here gives image features alone.
+METHOD_USES = {
+  "clip": ("zero_shot", "encode_text"),
+  "loctex": ("zero_shot", "encode_text"),
+  "mct": ("zero_shot", "encode_text"),
+  ("virtex", "captioning"): ("caption", "zero_shot"),
+  ("virtex", "bicaptioning"): ("caption", "zero_shot"),
+  ("virtex", "cappa"): ("caption", "zero_shot"),
+}
+
+
+def uses(method: dict) -> tuple[str, ...]:
+  """The keys of CARD_USES that the folder's method (config.json's "method") has."""
+  name = method.get("name")
+  return METHOD_USES.get((name, method.get("task")), METHOD_USES.get(name, ()))
