@@ -172,6 +172,7 @@ BAD = [
   (("caption", "{bad}/missing.jpg"), "No such image file"),
   (("caption", "{bad}/notes.jpg"), "notes.jpg is not a readable image file"),
   (("caption", "{photo}", "{bad}/truncated.jpg"), "truncated.jpg"),
+  (("--checkpoint=999", "caption", "{photo}"), "no checkpoint of step 999"),
   (("caption", "{bad}"), "is a folder"),
   (("caption", "--labels=cat", "{photo}"), "--labels: not a flag of 'caption'"),
   (("caption", "--beam_size=0", "{photo}"), "--beam_size=0: at least 1"),
