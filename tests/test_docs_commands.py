@@ -527,6 +527,25 @@ COMMANDS: dict[str, object] = {
   "python -m vlrep.tools.features --workdir=/runs/in1k_r50 photo.jpg --resize=256 --size=224 --out=/tmp/pooled.npy": Run(
     replace=(("{tmp}/runs/in1k_r50", VIRTEX), (" photo.jpg", " {image}")), expect=r"1 images, pooled \[1, \d+\]"
   ),
+  # vlrep.predict (README, docs/interop.md) on the quick start's run; tests/test_predict.py checks its JSON lines
+  # against vlrep.load's values and its refusals.
+  "python -m vlrep.predict": Synopsis(),
+  "python -m vlrep.predict --model=/tmp/vlrep_virtex_local caption photo.jpg": Run(
+    replace=((" photo.jpg", " {image}"),), expect=r'\{"image": "[^"]*photo\.jpg", "caption": "\w'
+  ),
+  "python -m vlrep.predict --model=/tmp/vlrep_virtex_local zero-shot --labels=cat,dog,boat photo.jpg": Run(
+    replace=((" photo.jpg", " {image}"),), expect=r'"top": \[\{"label": "(cat|dog|boat)", "score": -?\d'
+  ),
+  "python -m vlrep.predict --model=/tmp/vlrep_virtex_local embed photo.jpg": Run(
+    replace=((" photo.jpg", " {image}"),), expect=r'"pooled": \[-?\d'
+  ),
+  # vlrep.bench.load_speed (docs/speed.md) on the shared folder the export entry above wrote, one fresh process.
+  "python -m vlrep.bench.load_speed --model=/tmp/vlrep_virtex_shared --task=caption --repeats=5": Run(
+    replace=(("--repeats=5", "--repeats=1"),), expect=r"total +median +\d"
+  ),
+  "python -m vlrep.bench.load_speed --model=/tmp/clip_shared --task=zero_shot --repeats=5": SameAs(
+    "python -m vlrep.bench.load_speed --model=/tmp/vlrep_virtex_shared --task=caption --repeats=5"
+  ),
   # vlrep.pytorch.detectron2_transfer (docs/detectron2.md): Detectron2 is not on the package index, so CI has none;
   # tests/test_detectron2_transfer.py checks its refusal, and where Detectron2 is built, runs it end to end.
   "python -m vlrep.pytorch.detectron2_transfer --workdir=RUN --config-file=configs/detectron2/FILE.yaml": Synopsis(),

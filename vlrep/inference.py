@@ -18,7 +18,8 @@ features are `vlrep.runs.backbone_fn`'s (BatchNorm in inference mode, float32), 
 the features tool (which calls `encode_images`) use; captions are `vlrep.evaluators.captioning.captioner_for`'s
 decoders (the caption tool calls `caption`); zero-shot scores are the zero_shot evaluator's scorer (its prompts, its
 class embeddings or caption log-likelihoods, its class posterior). The preprocessing is the features tool's:
-the shorter side resized to the run's training crop size and the centre crop taken (torchvision's Resize + CenterCrop
+the shorter side resized to the run's training image size (`training_size`: its preprocessing's crop, or its
+dataset's fixed size) and the centre crop taken (torchvision's Resize + CenterCrop
 sizes, bicubic), ImageNet mean/std; `preprocessing=` takes another (see `preprocessing`).
 
 The method runs in float32 on a CPU and in its configured dtype on an accelerator. Each call runs in batches of at
@@ -45,7 +46,7 @@ from PIL import Image
 
 from vlrep import run_setup, runs, visualize
 from vlrep.data import images as image_files
-from vlrep.data import registry
+from vlrep.data import pipeline, registry
 from vlrep.data.tokenizers import EOS_ID
 from vlrep.errors import BadFile, UserError
 from vlrep.evaluators import zero_shot as zero_shot_eval
@@ -101,11 +102,14 @@ TRANSFORMS = ("resize_crop", "squash", "virtex_official")
 OFFICIAL_RESIZE, OFFICIAL_CROP = 256, 224  # kdexd/virtex's DEFAULT_IMAGE_TRANSFORM (its evaluation's)
 
 
+DEFAULT_SIZE = 224  # a run whose training images' size is known nowhere: ImageNet's crop
+MAX_SIDE = 4096  # the largest input side: a run's config may be a crafted file
+
+
 def training_size(config) -> int:
-  """The crop size of the run's training preprocessing (e.g. inception_crop(224, ...) -> 224); 224 if none."""
-  pp = config.get("data", {}).get("pp", "")
-  crop = registry.op_arguments(pp, "inception_crop", "central_crop", "resize") if pp else None
-  return int(crop["size"]) if crop else 224
+  """The side of the images the run trained on (`pipeline.training_image_size` of its data section), else
+  DEFAULT_SIZE."""
+  return pipeline.training_image_size(config.get("data", {}) or {}) or DEFAULT_SIZE
 
 
 def preprocessing(config, transform: str = "resize_crop", size: int = 0, resize: int = 0) -> dict:
@@ -114,7 +118,7 @@ def preprocessing(config, transform: str = "resize_crop", size: int = 0, resize:
   resize_crop: the shorter side resized to `resize` (default `size`), the centre `size` x `size` crop, with
   torchvision's sizes and offsets, bicubic; squash: resized to `size` x `size`; virtex_official: the official VirTex
   evaluation's (shorter side 256, bilinear without antialiasing as OpenCV's INTER_LINEAR, centre crop 224).
-  `size` 0: the run's training crop size."""
+  `size` 0: the run's training image size (`training_size`)."""
   if transform not in TRANSFORMS:
     raise UserError(f"--transform={transform!r}: one of {', '.join(TRANSFORMS)}.")
   if transform == "virtex_official":
@@ -128,8 +132,12 @@ def preprocessing(config, transform: str = "resize_crop", size: int = 0, resize:
       "resampling": "bilinear (OpenCV INTER_LINEAR, no antialiasing)",
       "normalization": "ImageNet mean/std",
     }
-  size_from = "given" if size else "the run's training crop size"
+  size_from = "given" if size else "the run's training image size"
+  if size > MAX_SIDE or resize > MAX_SIDE:
+    raise UserError(f"--size={size}, --resize={resize}: at most {MAX_SIDE} px.")
   size = size or training_size(config)
+  if size > MAX_SIDE:  # the run's files say so: a crafted config must not allocate the machine's memory away
+    raise BadFile(f"The run's config says its images are {size} px; vlrep.load takes at most {MAX_SIDE} px (--size).")
   out = {"transform": transform, "size": size, "size_from": size_from}
   if transform == "resize_crop":
     resize = resize or size

@@ -1,7 +1,8 @@
 """A run's working directory: restoring its checkpoints without the training data (`load_run`) and its frozen
 backbone (`backbone_of`, `backbone_fn`: BatchNorm in inference mode, float32, as every transfer evaluation uses);
 its flat metrics file, summary.json, is `vlrep.run_summary`'s. Shared by the loop, `vlrep.evaluate`, export, the
-tools and the notebook; it imports only the models and sharding, so any of them can import it.
+tools and the notebook; it imports only the models, sharding and the methods' lookup (a shared folder's method is
+checked at load), so any of them can import it.
 
 A run folder may come from someone else, so the config a checkpoint saved is data (`saved_config`): the names in it
 that vlrep looks code or data up by (the method, the evaluator types, the datasets) must be plain names, which
@@ -441,7 +442,13 @@ def load_shared_folder(path: str) -> Run:
   step = saved.get("step", 0)
   if not isinstance(step, int) or isinstance(step, bool) or step < 0:
     raise BadFile(f"{config_path}: step {step!r} is not a non-negative integer.")
-  run_config = {"method": saved["method"], "data": {k: saved["data"].get(k) for k in ("name", "config_name", "pp")}}
+  image_size = saved["data"].get("image_size")
+  if image_size is not None and (not isinstance(image_size, int) or isinstance(image_size, bool) or image_size < 1):
+    raise BadFile(f"{config_path}: data.image_size {image_size!r} is not a positive integer or null.")
+  run_config = {
+    "method": saved["method"],
+    "data": {k: saved["data"].get(k) for k in ("name", "config_name", "pp", "image_size")},
+  }
   if saved["tokenizer"] is not None:
     # The path is the folder's own file, set here: never one a file names.
     run_config["tokenizer"] = _folder_tokenizer(folder, saved["tokenizer"], config_path)

@@ -156,6 +156,36 @@ def check_required_fields(
   return coverage
 
 
+def training_image_size(data) -> int | None:
+  """The side of the images a run trained on, from its config's `data` section: the crop of its preprocessing
+  (inception_crop(224, ...) -> 224); else, for a preprocessing that keeps the dataset's images as they are, the
+  dataset's fixed image size (synthetic_scenes: 64, its tiny config 32; read from vlrep's builder definition, no
+  data needed); else `data.image_size` (a shared folder records it); else None."""
+  pp = data.get("pp", "") or ""
+  for names in (("inception_crop", "central_crop"), ("resize",)):  # a crop is the final size, whatever came before
+    crop = registry.op_arguments(pp, *names) if pp else None
+    if crop:
+      return int(crop["size"])
+  native = dataset_image_size(data.get("name"), data.get("config_name"))
+  if native:
+    return native
+  recorded = data.get("image_size")
+  return recorded if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded > 0 else None
+
+
+def dataset_image_size(name, config_name=None) -> int | None:
+  """The fixed square image size of one of vlrep's datasets (its builder's 'image' feature), None when its images
+  vary in size or it is not one of vlrep's. The builder's definition is read; nothing is opened or written."""
+  if not isinstance(name, str) or name not in datasets():
+    return None
+  try:
+    builder = builder_class(name)(config=config_name or None, data_dir=os.devnull)
+    shape = builder.info.features["image"].shape
+  except Exception:  # noqa: BLE001 -- an unknown config name, a dataset without an 'image' feature: not fixed
+    return None
+  return int(shape[0]) if shape[0] and shape[0] == shape[1] else None
+
+
 def get_builder(
   name: str, data_dir: str | None, config_name: str | None = None, generate: bool = True
 ) -> tfds.core.DatasetBuilder:

@@ -19,7 +19,8 @@ Preprocessing (`--transform`): 'resize_crop' (default) resizes the shorter side 
 resizes to --size x --size whatever the aspect ratio; 'virtex_official' is the official VirTex evaluation's (256,
 bilinear, centre crop 224). Bicubic resampling (PIL's), then ImageNet mean/std
 normalisation, as the models were trained. --size defaults to the crop size of the run's training
-preprocessing (its config's data.pp, e.g. inception_crop(224) -> 224; 224 when it names none), --resize to --size.
+preprocessing (its config's data.pp, e.g. inception_crop(224) -> 224; when it names none, its dataset's fixed image
+size, e.g. synthetic_scenes' 64; else 224), --resize to --size.
 The command prints what it used, and the output records it.
 
 Output, chosen by --out's extension, one row per image in the order given:
@@ -120,7 +121,7 @@ def define_flags():
   flags.DEFINE_string("out", None, "The output file: .safetensors (pooled and grid) or .npy (one array).")
   flags.DEFINE_list("features", [], "pooled, grid or both (default: both for .safetensors, pooled for .npy).")
   flags.DEFINE_enum("transform", "resize_crop", TRANSFORMS, "resize_crop: shorter side, centre crop; squash.")
-  flags.DEFINE_integer("size", 0, "The side of the image the backbone sees (0: the run's training crop size).")
+  flags.DEFINE_integer("size", 0, "The side of the image the backbone sees (0: the run's training image size).")
   flags.DEFINE_integer("resize", 0, "resize_crop: the shorter side before the crop (0: --size).")
   flags.DEFINE_integer("batch_size", 32, "Images per backbone call.")
   flags.DEFINE_bool("overwrite", False, "Replace an existing --out.")

@@ -54,7 +54,8 @@ def export(run: runs.Run, out: str, overwrite: bool = False) -> dict:
     )
   config = keymaps.refusal(folder_config, run)
   vocabulary = keymaps.refusal(tokenizer_file, run) if config["tokenizer"] else None
-  flat = {k: np.ascontiguousarray(v) for k, v in keymaps.flatten(run.variables).items()}
+  # np.ascontiguousarray makes a 0-d array 1-d (CLIP's logit_scale): the reshape keeps every variable's shape.
+  flat = {k: np.ascontiguousarray(v).reshape(np.shape(v)) for k, v in keymaps.flatten(run.variables).items()}
   safe_files.make_dirs(keymaps.out_root(folder))
   with safe_files.atomic_dir(folder) as tmp:
     save_file(flat, os.path.join(tmp, runs.FOLDER_WEIGHTS), metadata={"format": "np"})
@@ -80,7 +81,14 @@ def folder_config(run: runs.Run) -> dict:
     "step": int(run.step),
     "method": c.method.to_dict(),
     "architecture": runs.backbone_architecture(c.method.get("backbone", {})) if "backbone" in c.method else None,
-    "data": {"name": data.get("name"), "config_name": data.get("config_name"), "pp": data.get("pp", "")},
+    "data": {
+      "name": data.get("name"),
+      "config_name": data.get("config_name"),
+      "pp": data.get("pp", ""),
+      # The side of the training images (vlrep.load's default input size), known here beside the dataset's
+      # definition; null when unknown.
+      "image_size": pipeline.training_image_size(data),
+    },
     "tokenizer": tokenizer_section(c.get("tokenizer")),
   }
   runs.check_data_only(config, "the run's config")
