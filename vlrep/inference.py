@@ -55,18 +55,19 @@ from vlrep.evaluators.captioning import captioner_for
 # -- opening a run from outside ------------------------------------------------------------------------------------
 
 
-def load_run(workdir: str, checkpoint: str = "best") -> runs.Run:
+def load_run(workdir: str, checkpoint: str = "best", flag: str = "--workdir") -> runs.Run:
   """runs.load_run for the tools, vlrep.evaluate and `load`: every way a folder fails to be a restorable run
-  (missing, no checkpoint, damaged or crafted checkpoint files) one UserError naming it, not a traceback."""
+  (missing, no checkpoint, damaged or crafted checkpoint files) one UserError naming it (as `flag`=WORKDIR, the
+  command-line flag that gave it), not a traceback."""
   try:
     return runs.load_run(workdir, checkpoint)
   except FileNotFoundError as e:  # no such folder, or no checkpoint in it (runs.NotARun)
-    raise UserError(f"--workdir={workdir} is not a vlrep run directory with a restorable checkpoint: {e}") from e
+    raise UserError(f"{flag}={workdir} is not a vlrep run directory with a restorable checkpoint: {e}") from e
   except UserError:
     raise
   except Exception as e:  # noqa: BLE001 -- orbax and tensorstore raise many types for damaged or crafted files
     raise BadFile(
-      f"--workdir={workdir} is not a vlrep run directory with a restorable checkpoint: {type(e).__name__}: {e}. "
+      f"{flag}={workdir} is not a vlrep run directory with a restorable checkpoint: {type(e).__name__}: {e}. "
       "Its checkpoint files are damaged or not vlrep's: copy the run folder again from where it came from."
     ) from e
 
@@ -495,8 +496,8 @@ class TrainedModel:
     return [self.tokenizer.sp.id_to_piece(t) for t in ids[:n]]
 
 
-def load(path, checkpoint: str = "best", batch_size: int = 32) -> TrainedModel:
+def load(path, checkpoint: str = "best", batch_size: int = 32, flag: str = "path") -> TrainedModel:
   """A run folder (its 'best' checkpoint, 'latest' or a step number) or a shared folder as a `TrainedModel`; any
   folder that is not one, or whose files are damaged or crafted, a UserError naming what was wrong."""
   path = os.fspath(path)
-  return TrainedModel(load_run(path, str(checkpoint)), batch_size, source=path)
+  return TrainedModel(load_run(path, str(checkpoint), flag), batch_size, source=path)

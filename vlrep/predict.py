@@ -174,11 +174,7 @@ def read_features(value: str) -> tuple[str, ...]:
 
 
 def open_model(path: str, checkpoint: str, batch_size: int) -> inference.TrainedModel:
-  try:
-    model = inference.load(path, checkpoint, batch_size)
-  except UserError as e:
-    # load_run's message names the folder as the tools' flag; here it is --model.
-    raise type(e)(str(e).replace(f"--workdir={path}", f"--model={path}")) from e
+  model = inference.load(path, checkpoint, batch_size, flag="--model")
   logging.info("Loaded %r; images: %s.", model, inference.describe(model.preprocessing))
   return model
 

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from vlrep import decoding
+from vlrep import decoding, methods
 from vlrep.data import records
 from vlrep.evaluators import _caption_metrics
 from vlrep.evaluators._inputs import EvalInputs, Model
@@ -29,7 +29,7 @@ def captioner_for(method, config):
     raise ValueError(
       "Captioning needs a model with a forward captioning head (VirTex task 'captioning', 'bicaptioning' or "
       "'cappa'); "
-      f"this run's method is {type(method).__name__} with directions {tuple(directions)}."
+      f"this run's method is {methods.name_of(method)} with directions {tuple(directions)}."
     )
   method_name = config.get("decoding", "beam")
   # vlrep's decoders feed [SOS] and the words (max_len + 1 positions); the official one drops [SOS] after the first

@@ -42,7 +42,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from absl import logging
 
-from vlrep import modules
+from vlrep import methods, modules
 from vlrep.data import records
 from vlrep.errors import UserError
 from vlrep.evaluators._inputs import EvalInputs, Model
@@ -208,8 +208,9 @@ def scoring_of(method, wanted: str = "auto") -> str:
     if callable(getattr(method, _SCORING_ATTR[scoring], None)):
       return scoring
   have = methods_with_text_side()
+  name = methods.name_of(method)
   raise UserError(
-    f"The zero_shot evaluator needs a method with a text side, and this run's {type(method).__name__} has "
+    f"Zero-shot classification needs a method with a text side, and this run's {name} has "
     f"{'no ' + _SCORING_ATTR[wanted] if wanted != 'auto' else 'none'}. Methods with one: contrastive towers "
     f"(embed: {', '.join(have['embed']) or 'none'}) and captioners (caption_log_likelihood: "
     f"{', '.join(have['caption']) or 'none'})."

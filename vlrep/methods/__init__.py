@@ -91,3 +91,10 @@ def build(config: ml_collections.ConfigDict, vocab_size: int, **needs) -> Method
   """The method named by `config.name`: the `Method` class of the module vlrep.methods.<name> (or of the module
   at that dotted path), given what `setup` returned."""
   return _module(config.name).Method(config, vocab_size, **needs)
+
+
+def name_of(method) -> str:
+  """What messages call a built method: its module's name for one of vlrep's (`clip`, every class being `Method`),
+  its class's name otherwise."""
+  module = type(method).__module__
+  return module.rsplit(".", 1)[-1] if module.startswith("vlrep.methods.") else type(method).__name__
