@@ -278,6 +278,7 @@ class TrainedModel:
     if jax.default_backend() == "cpu" and "dtype" in self.config.method:
       self.config.method.dtype = "float32"
     self._captioners: dict = {}
+    self._scorers: dict = {}
     self._class_cache: dict = {}
 
   def __repr__(self) -> str:
@@ -390,7 +391,11 @@ class TrainedModel:
     return np.stack([tok.encode(t, max_len or self.text_length())[0] for t in texts]).astype(np.int32)
 
   def _scorer(self, **settings):
-    return zero_shot_eval.scorer(self.method, ConfigDict({"batch_size": self.batch_size, **settings}))
+    """The zero_shot evaluator's scorer of these settings, built once (its jitted functions compile once per shape)."""
+    key = tuple(sorted(settings.items()))
+    if key not in self._scorers:
+      self._scorers[key] = zero_shot_eval.scorer(self.method, ConfigDict({"batch_size": self.batch_size, **settings}))
+    return self._scorers[key]
 
   def encode_text(self, texts, max_len: int = 0) -> np.ndarray:
     """[N, D] float32 l2-normalised text embeddings (the text towers of CLIP, SigLIP, LocTex, MCT)."""
