@@ -18,10 +18,11 @@ compute and against independent references.
 import json
 import os
 import shutil
+import types
 
 import numpy as np
 import pytest
-from conftest import ROOT, run_module, shared_run
+from conftest import ROOT, run_main, run_module, shared_run
 from PIL import Image, ImageOps
 from skimage import data as skdata
 
@@ -44,6 +45,14 @@ TEXTS = ["a red circle and a blue square.", "there is a green star.", "a red cir
 @pytest.fixture(scope="module")
 def tiny_clip_run(tmp_path_factory):
   return shared_run(tmp_path_factory, "tests/tiny_clip.py")
+
+
+@pytest.fixture(scope="module")
+def tiny_siglip_run(tmp_path_factory):
+  """tests/tiny_clip.py with SigLIP's sigmoid loss (no shared run of it: shared_run names runs by their file)."""
+  workdir = tmp_path_factory.mktemp("siglip") / "run"
+  proc = run_main(workdir, config="tests/tiny_clip.py:loss=sigmoid")
+  return types.SimpleNamespace(workdir=workdir, returncode=proc.returncode, stderr=proc.stderr)
 
 
 @pytest.fixture(scope="module")
@@ -210,10 +219,10 @@ def _check_tower(model, photos):
     model.caption(images)
 
 
-@pytest.mark.parametrize("name", ["clip", "loctex", "mct"])
+@pytest.mark.parametrize("name", ["clip", "siglip", "loctex", "mct"])
 def test_text_towers(name, request, photos):
   model = vlrep.load(_trained(request.getfixturevalue(f"tiny_{name}_run")))
-  assert model.method_name == name
+  assert model.method_name == {"siglip": "clip"}.get(name, name)
   _check_image_features(model, photos)
   _check_tower(model, photos)
 
