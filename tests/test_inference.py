@@ -552,6 +552,9 @@ def test_bad_inputs_are_refused_before_compute(tiny_virtex_run, photos, tmp_path
   with pytest.raises(UserError, match="choose from pooled, grid, embedding"):
     model.encode_images([good], features=("logits",))
   _nothing_computed(model)
+  model.similarity([good], ["a cat."])
+  model.encode_images([good], features="pooled")
+  assert "_backbone" in model.__dict__ and "inputs" in model.__dict__  # what _nothing_computed looks for, once built
   with pytest.raises(UserError, match="batch_size=0: at least 1"):
     vlrep.load(workdir, batch_size=0)
   # Folders that are not runs.
