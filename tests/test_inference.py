@@ -20,6 +20,7 @@ import os
 import shutil
 import types
 
+import jax
 import numpy as np
 import pytest
 from conftest import ROOT, run_main, run_module, shared_run
@@ -194,6 +195,26 @@ def test_virtex(tiny_virtex_run, photos):
   assert len(captions) == 2 and all(isinstance(c, str) for c in captions)
   greedy = model.caption([photos["astronaut"]], decoding="greedy", max_len=6)
   assert isinstance(greedy[0], str)
+
+
+def test_each_batch_shape_compiles_once(tiny_virtex_run, photos):
+  """Batches are padded to a power of two: 3 then 4 images share a compile, 5 make one more; a second zero_shot
+  with the same labels compiles nothing (its scorer and class prompts are kept)."""
+  model = vlrep.load(_trained(tiny_virtex_run))
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+    lambda name, *_, **__: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
+  )
+  image = photos["astronaut"]
+  counts = []
+  for n in (3, 4, 5):
+    model.encode_images([image] * n, features=("pooled",))
+    counts.append(len(compiles))
+  assert counts[0] > 0 and counts[1] == counts[0] and counts[2] > counts[1], counts
+  model.zero_shot([image], ["circle", "square"])
+  before = len(compiles)
+  model.zero_shot([photos["chelsea_tall"]], ["circle", "square"])
+  assert len(compiles) == before
 
 
 def _check_tower(model, photos):
@@ -425,14 +446,15 @@ def test_imported_virtex(imported_virtex, photos):
     model.encode_text(["a cat."])
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="vlrep.inference: zero_shot's max_len=24 default exceeds this head's 16 positions: a ValueError from the "
-  "transformer, where the prompts should be cut to the head's positions (or a UserError say so)",
-)
 def test_imported_virtex_zero_shot_with_default_prompt_length(imported_virtex, photos):
-  zs = vlrep.load(imported_virtex).zero_shot([photos["astronaut"]], ["cat", "person"])
+  """zero_shot's default 24 tokens exceed this head's 16 positions: the prompts are cut to them (what max_len=16
+  gives), not a transformer's ValueError."""
+  model = vlrep.load(imported_virtex)
+  zs = model.zero_shot([photos["astronaut"]], ["cat", "person"])
   assert zs["scores"].shape == (1, 2)
+  np.testing.assert_array_equal(
+    zs["scores"], model.zero_shot([photos["astronaut"]], ["cat", "person"], max_len=16)["scores"]
+  )
 
 
 def test_imported_torchvision_resnet18(photos, tmp_path):
@@ -504,15 +526,19 @@ def test_imported_visual_bert(imported_visual_bert, photos):
     model.encode_images([photos["astronaut"]])
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="vlrep.inference: TrainedModel._need_embed builds the method's inputs (run_setup.build_inputs), which for "
-  "an imported VisualBERT needs its recipe's training data (COCO): refused with DatasetNotPrepared, not the reason",
-)
-def test_imported_visual_bert_has_no_text_embedding_and_says_why(imported_visual_bert):
+def test_imported_visual_bert_has_no_text_embedding_and_says_why(imported_visual_bert, photos):
   """No training data here (an imported run's recipe data is not prepared): the reason, not a missing dataset."""
+  model = vlrep.load(imported_visual_bert)
   with pytest.raises(UserError, match="VisualBERT/ViLBERT encode text and image jointly.*text towers of CLIP"):
-    vlrep.load(imported_visual_bert).encode_text(["a cat."])
+    model.encode_text(["a cat."])
+  for call in (
+    lambda: model.zero_shot([photos["astronaut"]], ["cat"]),
+    lambda: model.similarity([photos["astronaut"]], ["a cat."]),
+  ):
+    with pytest.raises(UserError, match="needs a method with a text side .*this run's is vlbert"):
+      call()
+  with pytest.raises(UserError, match="caption needs a method with a text side \\(virtex\\); this run's is vlbert"):
+    model.caption([photos["astronaut"]])
 
 
 # -- 4. bad inputs -------------------------------------------------------------------------------------------------

@@ -364,9 +364,22 @@ class TrainedModel:
 
   # -- text ------------------------------------------------------------------------------------------------------
   def _need_embed(self):
-    if not callable(getattr(self.method, "embed", None)):
-      why = _NO_TEXT_EMBEDDING.get(self.method_name, f"this {self.method_name} method has no embed")
-      raise UserError(f"{self.source}: {why}. Text embeddings come from the text towers of {TEXT_TOWERS} runs.")
+    """A UserError saying why for a run without text embeddings, decided from its method's name first: building a
+    method may need its training data (an imported VisualBERT's recipe), which is no reason to give."""
+    why = _NO_TEXT_EMBEDDING.get(self.method_name)
+    if why is None and callable(getattr(self.method, "embed", None)):
+      return
+    why = why or f"this {self.method_name} method has no embed"
+    raise UserError(f"{self.source}: {why}. Text embeddings come from the text towers of {TEXT_TOWERS} runs.")
+
+  def _need_text_side(self, what: str, scorings=("embed", "caption")):
+    """A UserError for `what` on a run whose method (by name, before it is built) has none of `scorings`."""
+    have = zero_shot_eval.methods_with_text_side()
+    names = sorted({name for scoring in scorings for name in have[scoring]})
+    if self.method_name not in names:
+      raise UserError(
+        f"{self.source}: {what} needs a method with a text side ({', '.join(names)}); this run's is {self.method_name}."
+      )
 
   @functools.cached_property
   def _embed_images(self):
@@ -388,7 +401,12 @@ class TrainedModel:
     if not texts or not all(isinstance(t, str) for t in texts):
       raise UserError("texts: a non-empty list of strings.")
     tok = self.tokenizer
-    return np.stack([tok.encode(t, max_len or self.text_length())[0] for t in texts]).astype(np.int32)
+    max_len = max_len or self.text_length()
+    method = self.config.method
+    positions = method.get("max_len") or (method.get("text") or {}).get("max_len")
+    if isinstance(positions, int) and positions > 0:  # no more tokens than the text side has positions
+      max_len = min(max_len, positions)
+    return np.stack([tok.encode(t, max_len)[0] for t in texts]).astype(np.int32)
 
   def _scorer(self, **settings):
     """The zero_shot evaluator's scorer of these settings, built once (its jitted functions compile once per shape)."""
@@ -418,6 +436,7 @@ class TrainedModel:
 
   def similarity(self, images, texts, max_len: int = 0) -> np.ndarray:
     """[N images, N texts]: the cosine of their embeddings (text towers) or log p(text | image) (captioners)."""
+    self._need_text_side("similarity")
     pixels = self.pixels(images)
     settings = {"scoring": "auto", "class_posterior": False, "length_normalize": False}
     return self._scores(pixels, self.tokens(texts, max_len), 1, settings)
@@ -440,6 +459,7 @@ class TrainedModel:
     labels = [labels] if isinstance(labels, str) else [str(x) for x in labels]
     if not labels:
       raise UserError("labels: give at least one class name.")
+    self._need_text_side("zero_shot")
     templates = tuple(templates or zero_shot_eval.DEFAULT_TEMPLATES)
     texts = zero_shot_eval.prompts(labels, templates, articles)
     pixels = self.pixels(images)
@@ -466,6 +486,7 @@ class TrainedModel:
   ) -> tuple[np.ndarray, np.ndarray]:
     """(tokens [N, T], cross-attention [N, T, cells]) of normalised `pixels` ([N, S, S, 3]), as the captioning
     evaluator decodes them."""
+    self._need_text_side("caption", ("caption",))
     caption = self._captioner({"decoding": decoding, "max_len": max_len, **decode_kwargs})
     rng = jax.random.PRNGKey(seed)
     parts = self._batched(
