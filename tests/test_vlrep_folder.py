@@ -8,11 +8,12 @@ import struct
 
 import numpy as np
 import pytest
-from conftest import run_module
+from conftest import ROOT, run_module
 
 from vlrep import run_setup, runs
 from vlrep.errors import BadFile
 from vlrep.interop import export
+from vlrep.interop.formats import vlrep as vlrep_format
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +51,18 @@ def test_export_then_read_gives_the_same_run(exported):
   assert "data_dir" not in config["data"]
   card = open(os.path.join(out, "README.md")).read()
   assert "virtex" in card and f"{run.step} steps" in card and "synthetic_scenes" in card
+  # The run's own metrics, each evaluation's under what measured it (its evals entry, the evaluator, the data).
+  summary = json.load(open(os.path.join(run.workdir, "summary.json")))
+  for name, entry in run.config.evals.items():
+    assert f"`{name}`: the run's `evals.{name}`, the {entry.type} evaluator on {entry.dataset}" in card
+  metrics = [k for k, v in summary.items() if "/" in k and k.split("/")[0] in run.config.evals and isinstance(v, float)]
+  assert metrics and all(f"| {k} | {summary[k]:.4g} |" in card for k in metrics)
+  assert card.index("`probe`: the run's") < card.index("| probe/map |") < card.index("Training:")
+
+
+def test_the_cards_evaluator_configs_are_the_ones_in_configs_eval():
+  files = sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "configs", "eval")) if f.endswith(".py"))
+  assert sorted(vlrep_format.EVAL_CONFIGS) == files
 
 
 def test_features_from_the_folder_equal_the_runs(exported):

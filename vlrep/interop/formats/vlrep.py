@@ -133,9 +133,6 @@ def tokenizer_file(run: runs.Run) -> str:
 def model_card(run: runs.Run, config: dict) -> str:
   """README.md: what the folder holds, where it came from, the run's own metrics and how to load it."""
   method, data = config["method"], config["data"]
-  summary = run_summary.read_summary(run.workdir)
-  numbers = {k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-  metrics = [f"| {k} | {v} |" for k, v in sorted(numbers.items())]
   lines = [
     f"# vlrep {method.get('name')} model",
     "",
@@ -143,16 +140,11 @@ def model_card(run: runs.Run, config: dict) -> str:
     f"{data['name']} ({data['config_name']}).",
     "",
     f"Backbone: {json.dumps(config['architecture'], sort_keys=True)}.",
-    f"Preprocessing: `{data['pp']}`.",
+    f"Preprocessing: `{data['pp']}`; vlrep.load's input size {data.get('image_size') or 'unknown (224)'} px.",
     "",
     "## Metrics",
     "",
-    "The run's own summary.json, measured by its evaluations during training (`python -m vlrep.main`) or later by "
-    "`python -m vlrep.evaluate --workdir=RUN`:",
-    "",
-  ]
-  lines += ["| metric | value |", "| --- | --- |", *metrics] if metrics else ["(none recorded)"]
-  lines += [
+    *metrics_section(run),
     "",
     "## Loading",
     "",
@@ -168,6 +160,55 @@ def model_card(run: runs.Run, config: dict) -> str:
     "",
   ]
   return "\n".join(lines)
+
+
+def metrics_section(run: runs.Run) -> list[str]:
+  """The card's metrics: the run's own summary.json, one table per evaluation with what measured it (the
+  evaluator, its dataset and split from the run's config, and the command that measures it again), then training's."""
+  summary = run_summary.read_summary(run.workdir)
+  numbers = {k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+  if not numbers:
+    return ["(none recorded)"]
+  evals = run.config.get("evals") or {}
+  fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
+  out = [
+    "From the run's own summary.json: its evaluations during training (`python -m vlrep.main`) or later "
+    "(`python -m vlrep.evaluate`).",
+  ]
+  if isinstance(summary.get("best_checkpoint_selected_on"), str):
+    out += ["", f"These weights are the best checkpoint by {summary['best_checkpoint_selected_on']}."]
+  groups: dict[str, list[str]] = {}
+  for key in sorted(numbers):
+    groups.setdefault(key.split("/", 1)[0] if "/" in key and key.split("/", 1)[0] in evals else "", []).append(key)
+  for name in sorted(g for g in groups if g):
+    entry = evals[name]
+    kind = entry.get("type", name)
+    where = " ".join(str(x) for x in (entry.get("dataset"), entry.get("config_name"), entry.get("split")) if x)
+    command = (
+      f" To measure it again or on other data: `python -m vlrep.evaluate --config=configs/eval/{kind}.py[:ARGS] "
+      "--workdir=FOLDER` (that evaluator's config; its arguments choose the data)."
+      if kind in EVAL_CONFIGS
+      else ""
+    )
+    out += ["", f"`{name}`: the run's `evals.{name}`, the {kind} evaluator on {where or 'its data'}.{command}", ""]
+    out += ["| metric | value |", "| --- | --- |", *(f"| {k} | {fmt(numbers[k])} |" for k in groups[name])]
+  if groups.get(""):
+    out += ["", "Training:", "", "| metric | value |", "| --- | --- |"]
+    out += [f"| {k} | {fmt(numbers[k])} |" for k in groups[""]]
+  return out
+
+
+# The evaluators with a config file of their own in configs/eval/ (what `vlrep.evaluate --config=` takes).
+EVAL_CONFIGS = (
+  "captioning",
+  "detection",
+  "linear_probe",
+  "localization",
+  "retrieval",
+  "tagging",
+  "voc07_svm",
+  "zero_shot",
+)
 
 
 # What `vlrep.load(FOLDER)` gives beyond image features (`vlrep.inference.TrainedModel`), one card line each.
