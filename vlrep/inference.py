@@ -321,18 +321,24 @@ class TrainedModel:
 
   # -- images ----------------------------------------------------------------------------------------------------
   def pixels(self, images, prep: dict | None = None) -> np.ndarray:
-    """float32 [N, S, S, 3]: the images preprocessed (`prep`, default the model's) and normalised."""
-    prep = prep or self.preprocessing
-    items = as_image_list(images)
-    return visualize.normalize(np.stack([transform_image(read_item(x), prep) for x in items]))
+    """float32 [N, S, S, 3]: the images preprocessed (`prep`, default the model's) and normalised, all at once (the
+    model's own calls read them a batch at a time)."""
+    return np.concatenate(list(self._pixel_chunks(as_image_list(images), prep)))
 
-  def _batched(self, pixels: np.ndarray, fn) -> list:
-    """fn(padded batch, real count) over `pixels` in buckets; its outputs in order."""
+  def _pixel_chunks(self, items: list, prep: dict | None = None):
+    """The checked `items` (as_image_list) read, preprocessed and normalised `batch_size` at a time, as each batch is
+    reached: however many images, one batch of them is in memory."""
+    prep = prep or self.preprocessing
+    for start in range(0, len(items), self.batch_size):
+      chunk = items[start : start + self.batch_size]
+      yield visualize.normalize(np.stack([transform_image(read_item(x), prep) for x in chunk]))
+
+  def _batched(self, chunks, fn) -> list:
+    """fn(padded batch, real count) for each chunk of at most `batch_size` images, padded to its bucket; the
+    outputs in order."""
     out = []
-    for start in range(0, len(pixels), self.batch_size):
-      chunk = pixels[start : start + self.batch_size]
-      size = _bucket(len(chunk), self.batch_size)
-      padded = np.zeros((size, *pixels.shape[1:]), np.float32)
+    for chunk in chunks:
+      padded = np.zeros((_bucket(len(chunk), self.batch_size), *chunk.shape[1:]), np.float32)
       padded[: len(chunk)] = chunk
       out.append(fn(padded, len(chunk)))
     return out
@@ -345,22 +351,22 @@ class TrainedModel:
       features = (features,)
     if not features or any(f not in known for f in features):
       raise UserError(f"features={list(features)}: choose from {', '.join(known)}.")
-    pixels = self.pixels(images, preprocessing)
-    out = {}
+    items = as_image_list(images)  # every image checked before anything is built or computed
+    calls = {}
     for name in features:
       if name == "embedding":
         self._need_embed()
         embed = self._embed_images
-
-        def embedding(batch, n, embed=embed):
-          return np.asarray(embed(self.variables, batch), np.float32)[:n]
-
-        out[name] = np.concatenate(self._batched(pixels, embedding))
+        calls[name] = lambda batch, embed=embed: embed(self.variables, batch)
       else:
         backbone, key = self._backbone, {"pooled": "pre_logits", "grid": "grid"}[name]
-        parts = self._batched(pixels, lambda batch, n, key=key: np.asarray(backbone({"image": batch}, key)[0])[:n])
-        out[name] = np.concatenate(parts).astype(np.float32)
-    return out
+        calls[name] = lambda batch, backbone=backbone, key=key: backbone({"image": batch}, key)[0]
+
+    def apply(batch, n):
+      return {name: np.asarray(call(batch), np.float32)[:n] for name, call in calls.items()}
+
+    parts = self._batched(self._pixel_chunks(items, preprocessing), apply)
+    return {name: np.concatenate([p[name] for p in parts]) for name in features}
 
   # -- text ------------------------------------------------------------------------------------------------------
   def _need_embed(self):
@@ -421,7 +427,7 @@ class TrainedModel:
     return self._scorer(scoring="embed").texts(self.variables, self.tokens(texts, max_len)).astype(np.float32)
 
   # -- images and texts ------------------------------------------------------------------------------------------
-  def _scores(self, pixels, tokens, num_templates: int, settings: dict) -> np.ndarray:
+  def _scores(self, items: list, tokens, num_templates: int, settings: dict) -> np.ndarray:
     """[N, C] scores of the zero_shot evaluator's scorer, classes from `tokens` (class-major, `num_templates` each)."""
     try:
       scorer = self._scorer(**settings)
@@ -431,15 +437,16 @@ class TrainedModel:
     if key not in self._class_cache:
       self._class_cache = {key: scorer.classes(self.variables, tokens, num_templates)}  # the last label set
     classes = self._class_cache[key]
-    parts = self._batched(pixels, lambda batch, n: scorer.scores(self.variables, batch, classes)[:n])
+    chunks = self._pixel_chunks(items)
+    parts = self._batched(chunks, lambda batch, n: scorer.scores(self.variables, batch, classes)[:n])
     return np.concatenate(parts)
 
   def similarity(self, images, texts, max_len: int = 0) -> np.ndarray:
     """[N images, N texts]: the cosine of their embeddings (text towers) or log p(text | image) (captioners)."""
     self._need_text_side("similarity")
-    pixels = self.pixels(images)
+    items = as_image_list(images)
     settings = {"scoring": "auto", "class_posterior": False, "length_normalize": False}
-    return self._scores(pixels, self.tokens(texts, max_len), 1, settings)
+    return self._scores(items, self.tokens(texts, max_len), 1, settings)
 
   def zero_shot(
     self,
@@ -462,9 +469,9 @@ class TrainedModel:
     self._need_text_side("zero_shot")
     templates = tuple(templates or zero_shot_eval.DEFAULT_TEMPLATES)
     texts = zero_shot_eval.prompts(labels, templates, articles)
-    pixels = self.pixels(images)
+    items = as_image_list(images)
     settings = {"scoring": "auto", "length_normalize": length_normalize, "class_posterior": class_posterior}
-    scores = self._scores(pixels, self.tokens(texts, max_len), len(templates), settings)
+    scores = self._scores(items, self.tokens(texts, max_len), len(templates), settings)
     order = np.argsort(-scores, axis=1, kind="stable")[:, :top_k]
     top = [[(labels[c], float(scores[i, c])) for c in row] for i, row in enumerate(order)]
     return {"labels": labels, "scores": scores, "top": top}
@@ -482,15 +489,18 @@ class TrainedModel:
     return self._captioners[key]
 
   def caption_tokens(
-    self, pixels: np.ndarray, decoding: str = "beam", max_len: int = 30, seed: int = 0, **decode_kwargs
+    self, pixels, decoding: str = "beam", max_len: int = 30, seed: int = 0, **decode_kwargs
   ) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens [N, T], cross-attention [N, T, cells]) of normalised `pixels` ([N, S, S, 3]), as the captioning
-    evaluator decodes them."""
+    """(tokens [N, T], cross-attention [N, T, cells]) of normalised `pixels` ([N, S, S, 3], or an iterable of such
+    batches), as the captioning evaluator decodes them."""
     self._need_text_side("caption", ("caption",))
     caption = self._captioner({"decoding": decoding, "max_len": max_len, **decode_kwargs})
     rng = jax.random.PRNGKey(seed)
+    chunks = pixels
+    if isinstance(pixels, np.ndarray):
+      chunks = (pixels[i : i + self.batch_size] for i in range(0, len(pixels), self.batch_size))
     parts = self._batched(
-      pixels, lambda batch, n: tuple(np.asarray(x)[:n] for x in caption(self.variables, batch, rng))
+      chunks, lambda batch, n: tuple(np.asarray(x)[:n] for x in caption(self.variables, batch, rng))
     )
     return np.concatenate([t for t, _ in parts]), np.concatenate([a for _, a in parts])
 
@@ -509,7 +519,8 @@ class TrainedModel:
     inference.preprocessing(config, 'virtex_official') it captions a zoo checkpoint as its published results)."""
     kwargs = {"beam_size": beam_size} if decoding in ("beam", "virtex_official") else {}
     kwargs.update({"top_p": top_p} if decoding == "nucleus" else {})
-    tokens, _ = self.caption_tokens(self.pixels(images, preprocessing), decoding, max_len, seed, **kwargs)
+    chunks = self._pixel_chunks(as_image_list(images), preprocessing)
+    tokens, _ = self.caption_tokens(chunks, decoding, max_len, seed, **kwargs)
     return [self.decode(ids) for ids in tokens]
 
   def decode(self, ids) -> str:
