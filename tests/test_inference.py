@@ -217,6 +217,19 @@ def test_each_batch_shape_compiles_once(tiny_virtex_run, photos):
   assert len(compiles) == before
 
 
+def test_images_are_read_a_batch_at_a_time(tiny_virtex_run, photos, monkeypatch):
+  """However many images, one batch of them is read before it is computed: reads and batches interleave."""
+  model = vlrep.load(_trained(tiny_virtex_run), batch_size=2)
+  log = []
+  read, bucket = inference.read_item, inference._bucket
+  monkeypatch.setattr(inference, "read_item", lambda item: log.append("read") or read(item))
+  monkeypatch.setattr(inference, "_bucket", lambda n, b: log.append("batch") or bucket(n, b))
+  out = model.encode_images([photos["astronaut"]] * 5, features=("pooled", "grid"))
+  assert log == ["read", "read", "batch"] * 2 + ["read", "batch"]
+  assert out["pooled"].shape[0] == 5
+  np.testing.assert_allclose(out["pooled"][4], out["pooled"][0], rtol=1e-5, atol=1e-6)  # a batch of 1 vs of 2
+
+
 def _check_tower(model, photos):
   emb = model.encode_text(TEXTS)
   assert emb.ndim == 2 and emb.shape[0] == 3 and emb.dtype == np.float32
