@@ -894,11 +894,31 @@ def base_run(root) -> str:
   return run
 
 
+def captioner_run(root) -> str:
+  """A valid captioner run (it reads its vocabulary): the committed tiny official VirTex checkpoint
+  (tests/fixtures/virtex_official) imported by vlrep.interop.import_run --format=virtex. Written once per corpus."""
+  run = os.path.join(root, "base", "captioner")
+  if not os.path.isdir(run):
+    fixture = os.path.join(TESTS, "fixtures", "virtex_official")
+    checkpoint, vocab = os.path.join(fixture, "bicaptioning_tiny.pth"), os.path.join(fixture, "vocab.model")
+    import_run.import_run("virtex", checkpoint, run, vocab=vocab, heads=2)
+  return run
+
+
 def _copy_run(base: str, to: str, edit=None) -> str:
   shutil.copytree(base, to)
   if edit:
     _edit_config(to, edit)
   return to
+
+
+# Refused within memory, but the message names no file: which run's or folder's config says so is the user's first
+# question (vlrep.inference.preprocessing raises this BadFile with no path; saved_config_errors passes a UserError on
+# unchanged).
+UNNAMED_SIZE_BUG = (
+  "vlrep.inference.preprocessing's BadFile 'The run's config says its images are N px' names no file; "
+  "saved_config_errors re-raises it without the config's path"
+)
 
 
 def _export_folder(run: str, out: str) -> str:
@@ -1073,6 +1093,54 @@ def shared_folders(root, base: str) -> list[dict]:
   # A method without text may never open its vocabulary (exit 0); what matters is that nothing runs.
   commands(folder, "tokenizer.model a pickle payload, its sha256 recorded", expect=[0, 2], markers=[marker2])
 
+  # A captioner's folder, which reads its vocabulary: valid (exit 0), then its tokenizer.model crafted with the new
+  # SHA-256 recorded (a folder crafted whole, not damaged), or its tokenizer null.
+  cap_valid = _export_folder(captioner_run(root), os.path.join(root, "shared", "captioner_valid"))
+  with open(os.path.join(cap_valid, "config.json")) as f:
+    cap_config = json.load(f)
+
+  def captioner_commands(folder, tag, kind="crafted shared folder", expect=(2,), markers=()):
+    for key, argv in (
+      ("predict caption", ["caption", "--beam_size=2", "--max_len=5", photo]),
+      ("predict zero-shot", ["zero-shot", "--labels=cat,dog", photo]),
+    ):
+      cases.append(
+        _case(
+          f"shared folder, a captioner: {tag} [{key}]",
+          kind,
+          "vlrep.predict",
+          [f"--model={folder}", *argv],
+          expect=list(expect),
+          markers=list(markers),
+          target=folder,
+          names=folder if expect == (2,) else "",
+        )
+      )
+
+  def captioner_folder(tag, vocabulary: bytes | None):
+    folder = os.path.join(root, "shared", "captioner_" + _slug(tag))
+    shutil.copytree(cap_valid, folder)
+    c = json.loads(json.dumps(cap_config))
+    os.remove(os.path.join(folder, "tokenizer.model"))
+    if vocabulary is None:
+      c["tokenizer"] = None
+    else:
+      _write(os.path.join(folder, "tokenizer.model"), vocabulary)
+      c["tokenizer"]["sha256"] = safe_files.sha256_of(os.path.join(folder, "tokenizer.model"))
+    _write(os.path.join(folder, "config.json"), json.dumps(c))
+    return folder
+
+  captioner_commands(cap_valid, "valid (exported)", kind="shared folder (valid)", expect=(0,))
+  marker3 = os.path.join(root, "markers", "shared_captioner_tokenizer")
+  each = {
+    "tokenizer.model a pickle payload, its sha256 recorded": _payloads(marker3)["GLOBAL os.system"][0],
+    "tokenizer.model random bytes, its sha256 recorded": np.random.default_rng(3).bytes(900),
+    "tokenizer.model empty, its sha256 recorded": b"",
+    "tokenizer null": None,
+  }
+  for tag, vocabulary in each.items():
+    captioner_commands(captioner_folder(tag, vocabulary), tag, markers=[marker3])
+
   # model.safetensors crafted.
   with open(os.path.join(valid, "model.safetensors"), "rb") as f:
     weights = f.read()
@@ -1113,13 +1181,9 @@ def shared_folders(root, base: str) -> list[dict]:
       c["architecture"].update(depth=10**6),
     ),
   }
-  # Refused within memory, but the message names no file: which folder's config says so is the user's first question.
-  unnamed = (
-    "vlrep.inference.preprocessing raises BadFile('The run's config says its images are N px ...') without the "
-    "folder or metadata path, and saved_config_errors re-raises a UserError as it is"
-  )
+  # Refused within memory, but the message names no file (UNNAMED_SIZE_BUG).
   for tag, edit in each.items():
-    bug = unnamed if tag.startswith("data.") else None
+    bug = UNNAMED_SIZE_BUG if tag.startswith("data.") else None
     commands(crafted(tag, config=edit), tag, kind="memory bomb", **({"bug": bug} if bug else {}))
   # A classifier head of 10**9 classes: the commands here use the backbone alone, so they may ignore it (exit 0);
   # what matters is that nothing of that size is allocated.
@@ -1266,33 +1330,50 @@ def run_folders(root, base: str) -> list[dict]:
     c["tokenizer"].update(build_if_missing=True, corpus_split="train", corpus_key="captions")
     c["data"].update(name="synthetic_scenes", config_name="tiny", data_dir=data_dir)
 
+  # The caption commands refuse a classifier before its vocabulary: they get the captioner's copy (an imported VirTex).
+  captioner = captioner_run(root)
   run = _copy_run(base, os.path.join(root, "runs", "tokenizer_outside"), tokenizer_outside)
-  commands(run, "tokenizer.path outside", absent=[outside_tok], only=("evaluate", "caption"), names=outside_tok)
-  cases.append(
-    _case(
-      "tokenizer.path outside [predict caption]",
-      "crafted run folder",
-      "vlrep.predict",
-      [f"--model={run}", "caption", photo],
-      absent=[outside_tok],
-      target=run,
-      names=run,  # the base run is a classifier: refused for that, before any tokenizer (nothing may be created)
-    )
+  commands(run, "tokenizer.path outside", absent=[outside_tok], only=("evaluate",), names=outside_tok)
+  special = {"special_tokens": "virtex"}  # the imported VirTex's own
+  run = _copy_run(
+    captioner,
+    os.path.join(root, "runs", "tokenizer_outside_captioner"),
+    lambda c: (tokenizer_outside(c), c["tokenizer"].update(special)),
   )
+  for key, entry, argv in (
+    ("caption", "vlrep.tools.caption", [f"--workdir={run}", photo]),
+    ("predict caption", "vlrep.predict", [f"--model={run}", "caption", photo]),
+    ("predict zero-shot", "vlrep.predict", [f"--model={run}", "zero-shot", "--labels=cat,dog", photo]),
+  ):
+    cases.append(
+      _case(
+        f"tokenizer.path outside, a captioner [{key}]",
+        "crafted run folder",
+        entry,
+        argv,
+        absent=[outside_tok],
+        target=run,
+        names=outside_tok,
+      )
+    )
 
   # A vocabulary that is not a sentencepiece model, inside the run.
   bad_vocab = _write(os.path.join(root, "runs", "bad_vocab_files", "vocab.model"), np.random.default_rng(1).bytes(600))
   run = _copy_run(
     base, os.path.join(root, "runs", "bad_vocab"), lambda c: c.update(tokenizer={"kind": "bpe", "path": bad_vocab})
   )
+  cap = _copy_run(
+    captioner,
+    os.path.join(root, "runs", "bad_vocab_captioner"),
+    lambda c: c["tokenizer"].update(path=bad_vocab, **special),
+  )
   for key, entry, argv in (
     ("evaluate", "vlrep.evaluate", [f"--config={captioning}", f"--workdir={run}"]),
-    ("caption", "vlrep.tools.caption", [f"--workdir={run}", photo]),
-    ("predict caption", "vlrep.predict", [f"--model={run}", "caption", photo]),
+    ("caption", "vlrep.tools.caption", [f"--workdir={cap}", photo]),
+    ("predict caption", "vlrep.predict", [f"--model={cap}", "caption", photo]),
+    ("predict zero-shot", "vlrep.predict", [f"--model={cap}", "zero-shot", "--labels=cat,dog", photo]),
   ):
-    # predict refuses the classifier before its vocabulary, naming the run
-    names = run if key.startswith("predict") else bad_vocab
-    cases.append(_case(f"vocabulary not sentencepiece [{key}]", "malformed vocabulary", entry, argv, names=names))
+    cases.append(_case(f"vocabulary not sentencepiece [{key}]", "malformed vocabulary", entry, argv, names=bad_vocab))
 
   # Every file of the run replaced by a payload.
   marker = os.path.join(root, "markers", "poisoned_run")
@@ -1309,6 +1390,28 @@ def run_folders(root, base: str) -> list[dict]:
       if os.path.basename(d) == "meta":
         _write(os.path.join(d, "metadata"), text)
     commands(run, tag, only=("evaluate", "export", "main", "predict"))
+  # A run whose saved preprocessing crops 100000 px: the image commands refuse it within memory, naming the run.
+  run = _copy_run(
+    base, os.path.join(root, "runs", "crop_100000"), lambda c: c["data"].update(pp="decode|inception_crop(100000)")
+  )
+  npy = os.path.join(out, "crop_100000.npy")
+  for key, entry, argv in (
+    ("predict embed", "vlrep.predict", [f"--model={run}", "embed", photo]),
+    ("features", "vlrep.tools.features", [f"--workdir={run}", f"--out={npy}", photo]),
+    ("caption", "vlrep.tools.caption", [f"--workdir={run}", photo]),
+  ):
+    cases.append(
+      _case(
+        f"data.pp inception_crop(100000) in the run's config [{key}]",
+        "memory bomb",
+        entry,
+        argv,
+        names=run,
+        target=run,
+        absent=[npy],
+        bug=UNNAMED_SIZE_BUG,
+      )
+    )
   # A run whose backbone has the small stem: export refuses it by design.
   run = _copy_run(
     base, os.path.join(root, "runs", "small_stem"), lambda c: c["method"]["backbone"].update(stem="cifar")
