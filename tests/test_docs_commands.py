@@ -491,6 +491,9 @@ COMMANDS: dict[str, object] = {
     "python -m vlrep.interop.export --workdir=RUN --checkpoint=best --format=backbone --out=FOLDER"
   ),
   "python -m vlrep.interop.export --workdir=/tmp/vlrep_virtex_local --format=vlrep --out=/tmp/vlrep_virtex_shared": Run(),
+  "python -m vlrep.interop.export --workdir=/tmp/clip_local --format=vlrep --out=/tmp/clip_shared": SameAs(
+    "python -m vlrep.interop.export --workdir=/tmp/vlrep_virtex_local --format=vlrep --out=/tmp/vlrep_virtex_shared"
+  ),
   "python -m vlrep.interop.export --workdir=RUN --format=torchvision --out=backbone.safetensors": Refuses(
     SMALL_STEM, replace=(("RUN", VIRTEX), ("backbone.safetensors", "{tmp}/backbone.safetensors"))
   ),
@@ -545,6 +548,12 @@ COMMANDS: dict[str, object] = {
   ),
   "python -m vlrep.bench.load_speed --model=/tmp/clip_shared --task=zero_shot --repeats=5": SameAs(
     "python -m vlrep.bench.load_speed --model=/tmp/vlrep_virtex_shared --task=caption --repeats=5"
+  ),
+  "python -m vlrep.bench.load_speed --model=/tmp/vlrep_virtex_shared --task=zero_shot --repeats=5": SameAs(
+    "python -m vlrep.bench.load_speed --model=/tmp/vlrep_virtex_shared --task=caption --repeats=5"
+  ),
+  "python -m vlrep.predict --model=/tmp/vlrep_virtex_shared caption photo.png": SameAs(
+    "python -m vlrep.predict --model=/tmp/vlrep_virtex_local caption photo.jpg"
   ),
   # vlrep.pytorch.detectron2_transfer (docs/detectron2.md): Detectron2 is not on the package index, so CI has none;
   # tests/test_detectron2_transfer.py checks its refusal, and where Detectron2 is built, runs it end to end.

@@ -550,7 +550,7 @@ def test_imported_visual_bert_has_no_text_embedding_and_says_why(imported_visual
   ):
     with pytest.raises(UserError, match="needs a method with a text side .*this run's is vlbert"):
       call()
-  with pytest.raises(UserError, match="caption needs a method with a text side \\(virtex\\); this run's is vlbert"):
+  with pytest.raises(UserError, match="Captioning needs a model with a forward captioning head .*method is vlbert"):
     model.caption([photos["astronaut"]])
 
 

@@ -268,15 +268,15 @@ class TrainedModel:
     self.run = run
     self.source = source or run.workdir
     self.batch_size = batch_size
-    self.method_name = str(run.config.method.get("name"))
-    with saved_config_errors(run):
+    with saved_config_errors(run):  # the run's config is a file from outside: any section may be malformed
+      self.method_name = str(run.config.method.get("name"))
       self.preprocessing = preprocessing(run.config)
+      # The method in float32 on a CPU (bf16 matmuls are slow and inexact there), its own dtype on an accelerator.
+      self.config = copy.deepcopy(run.config)
+      if jax.default_backend() == "cpu" and "dtype" in self.config.method:
+        self.config.method.dtype = "float32"
     if "backbone" in run.params:
       check_backbone(run)
-    # The method in float32 on a CPU (bf16 matmuls are slow and inexact there), its own dtype on an accelerator.
-    self.config = copy.deepcopy(run.config)
-    if jax.default_backend() == "cpu" and "dtype" in self.config.method:
-      self.config.method.dtype = "float32"
     self._captioners: dict = {}
     self._scorers: dict = {}
     self._class_cache: dict = {}
@@ -493,7 +493,11 @@ class TrainedModel:
   ) -> tuple[np.ndarray, np.ndarray]:
     """(tokens [N, T], cross-attention [N, T, cells]) of normalised `pixels` ([N, S, S, 3], or an iterable of such
     batches), as the captioning evaluator decodes them."""
-    self._need_text_side("caption", ("caption",))
+    if self.method_name not in zero_shot_eval.methods_with_text_side()["caption"]:  # by name, before it is built
+      raise UserError(
+        f"{self.source}: Captioning needs a model with a forward captioning head (VirTex task 'captioning', "
+        f"'bicaptioning' or 'cappa'); this run's method is {self.method_name}."
+      )
     caption = self._captioner({"decoding": decoding, "max_len": max_len, **decode_kwargs})
     rng = jax.random.PRNGKey(seed)
     chunks = pixels
