@@ -912,15 +912,6 @@ def _copy_run(base: str, to: str, edit=None) -> str:
   return to
 
 
-# Refused within memory, but the message names no file: which run's or folder's config says so is the user's first
-# question (vlrep.inference.preprocessing raises this BadFile with no path; saved_config_errors passes a UserError on
-# unchanged).
-UNNAMED_SIZE_BUG = (
-  "vlrep.inference.preprocessing's BadFile 'The run's config says its images are N px' names no file; "
-  "saved_config_errors re-raises it without the config's path"
-)
-
-
 def _export_folder(run: str, out: str) -> str:
   """`vlrep.interop.export --format=vlrep` of `run` to `out` (the shared folder vlrep.predict and vlrep.load read)."""
   vlrep_format.export(runs.load_run(run), out)
@@ -1181,10 +1172,8 @@ def shared_folders(root, base: str) -> list[dict]:
       c["architecture"].update(depth=10**6),
     ),
   }
-  # Refused within memory, but the message names no file (UNNAMED_SIZE_BUG).
   for tag, edit in each.items():
-    bug = UNNAMED_SIZE_BUG if tag.startswith("data.") else None
-    commands(crafted(tag, config=edit), tag, kind="memory bomb", **({"bug": bug} if bug else {}))
+    commands(crafted(tag, config=edit), tag, kind="memory bomb")
   # A classifier head of 10**9 classes: the commands here use the backbone alone, so they may ignore it (exit 0);
   # what matters is that nothing of that size is allocated.
   folder = crafted("method.num_classes 10**9", config=lambda c: c["method"].update(num_classes=10**9))
@@ -1409,7 +1398,6 @@ def run_folders(root, base: str) -> list[dict]:
         names=run,
         target=run,
         absent=[npy],
-        bug=UNNAMED_SIZE_BUG,
       )
     )
   # A run whose backbone has the small stem: export refuses it by design.

@@ -241,3 +241,27 @@ def run_module(module, *args, env=None, timeout=600):
 def pytest_sessionfinish(session):
   if _runner is not None:
     _runner.close()
+
+
+def imported_resnet18(root):
+  """torchvision's ResNet-18 with random weights and BatchNorm statistics and affine away from their identity
+  defaults (as a trained model's), written by torch.save to ROOT/resnet18.pth and imported as documented
+  (`vlrep.interop.import_run --format=torchvision`) into ROOT/run: (the torch model in eval mode, the run's path).
+  Skips where torchvision is not installed."""
+  torch = pytest.importorskip("torch")
+  torchvision = pytest.importorskip("torchvision")
+  from vlrep.interop import import_run
+
+  torch.manual_seed(0)
+  model = torchvision.models.resnet18()
+  g = torch.Generator().manual_seed(0)
+  with torch.no_grad():
+    for m in model.modules():
+      if isinstance(m, torch.nn.BatchNorm2d):
+        m.weight.copy_(1 + 0.2 * torch.randn(m.weight.shape, generator=g))
+        m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=g))
+        m.running_mean.copy_(0.1 * torch.randn(m.running_mean.shape, generator=g))
+        m.running_var.copy_(0.5 + torch.rand(m.running_var.shape, generator=g))
+  torch.save(model.state_dict(), os.path.join(root, "resnet18.pth"))
+  import_run.import_run("torchvision", os.path.join(root, "resnet18.pth"), os.path.join(root, "run"))
+  return model.eval(), os.path.join(root, "run")

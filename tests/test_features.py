@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import run_module
+from conftest import imported_resnet18, run_module
 from PIL import Image
 from safetensors import safe_open
 from safetensors.numpy import load_file
@@ -49,20 +49,7 @@ def photos(tmp_path_factory):
 @pytest.fixture(scope="module")
 def resnet18(tmp_path_factory):
   """(torchvision's ResNet-18 with random weights and statistics, its run imported as documented)."""
-  root = tmp_path_factory.mktemp("in1k_r18")
-  torch.manual_seed(0)
-  model = torchvision.models.resnet18()
-  g = torch.Generator().manual_seed(0)
-  with torch.no_grad():
-    for m in model.modules():
-      if isinstance(m, torch.nn.BatchNorm2d):
-        m.weight.copy_(1 + 0.2 * torch.randn(m.weight.shape, generator=g))
-        m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=g))
-        m.running_mean.copy_(0.1 * torch.randn(m.running_mean.shape, generator=g))
-        m.running_var.copy_(0.5 + torch.rand(m.running_var.shape, generator=g))
-  torch.save(model.state_dict(), root / "resnet18.pth")
-  import_run.import_run("torchvision", str(root / "resnet18.pth"), str(root / "run"))
-  return model.eval(), str(root / "run")
+  return imported_resnet18(str(tmp_path_factory.mktemp("in1k_r18")))
 
 
 def _torchvision_features(model, paths, resize, size):

@@ -23,7 +23,7 @@ import types
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, run_main, run_module, shared_run
+from conftest import ROOT, imported_resnet18, run_main, run_module, shared_run
 from PIL import Image, ImageOps
 from skimage import data as skdata
 
@@ -472,26 +472,15 @@ def test_imported_virtex_zero_shot_with_default_prompt_length(imported_virtex, p
 
 def test_imported_torchvision_resnet18(photos, tmp_path):
   torch = pytest.importorskip("torch")
-  torchvision = pytest.importorskip("torchvision")
+  pytest.importorskip("torchvision")
   from torchvision import transforms
 
-  torch.manual_seed(0)
-  net = torchvision.models.resnet18()
-  g = torch.Generator().manual_seed(0)
-  with torch.no_grad():  # BatchNorm statistics and affine away from their identity defaults, as a trained model's
-    for m in net.modules():
-      if isinstance(m, torch.nn.BatchNorm2d):
-        m.weight.copy_(1 + 0.2 * torch.randn(m.weight.shape, generator=g))
-        m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=g))
-        m.running_mean.copy_(0.1 * torch.randn(m.running_mean.shape, generator=g))
-        m.running_var.copy_(0.5 + torch.rand(m.running_var.shape, generator=g))
-  torch.save(net.state_dict(), tmp_path / "resnet18.pth")
-  import_run.import_run("torchvision", str(tmp_path / "resnet18.pth"), str(tmp_path / "run"))
-  model = vlrep.load(tmp_path / "run")
+  net, run = imported_resnet18(str(tmp_path))
+  model = vlrep.load(run)
   paths = [photos["astronaut"], photos["chelsea_tall"]]
   got = model.encode_images(paths)
   assert got["pooled"].shape == (2, 512) and got["grid"].shape == (2, 7, 7, 512)
-  tool = features.extract(str(tmp_path / "run"), paths)
+  tool = features.extract(run, paths)
   for key in ("pooled", "grid"):
     np.testing.assert_array_equal(got[key], tool[key])
   # torchvision's own preprocessing and model.

@@ -8,7 +8,7 @@ import struct
 
 import numpy as np
 import pytest
-from conftest import ROOT, run_module
+from conftest import ROOT, imported_resnet18, run_module
 
 from vlrep import run_setup, runs
 from vlrep.errors import BadFile
@@ -229,27 +229,12 @@ def photo(tmp_path_factory):
 def torchvision_exported(tmp_path_factory):
   """(the run imported from a torchvision ResNet-18 state dict written by torch.save, random weights and BatchNorm
   statistics, as tests/test_features.py writes it; its folder exported by the command)."""
-  torch = pytest.importorskip("torch")
-  torchvision = pytest.importorskip("torchvision")
-  from vlrep.interop import import_run
-
   root = tmp_path_factory.mktemp("in1k_r18")
-  torch.manual_seed(0)
-  model = torchvision.models.resnet18()
-  g = torch.Generator().manual_seed(0)
-  with torch.no_grad():
-    for m in model.modules():
-      if isinstance(m, torch.nn.BatchNorm2d):
-        m.weight.copy_(1 + 0.2 * torch.randn(m.weight.shape, generator=g))
-        m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=g))
-        m.running_mean.copy_(0.1 * torch.randn(m.running_mean.shape, generator=g))
-        m.running_var.copy_(0.5 + torch.rand(m.running_var.shape, generator=g))
-  torch.save(model.state_dict(), root / "resnet18.pth")
-  import_run.import_run("torchvision", str(root / "resnet18.pth"), str(root / "run"))
+  _, run = imported_resnet18(str(root))
   out = root / "shared"
-  proc = run_module("vlrep.interop.export", f"--workdir={root / 'run'}", "--format=vlrep", f"--out={out}")
+  proc = run_module("vlrep.interop.export", f"--workdir={run}", "--format=vlrep", f"--out={out}")
   assert proc.returncode == 0, proc.stderr[-2000:]
-  return str(root / "run"), str(out)
+  return run, str(out)
 
 
 def test_a_run_without_a_tokenizer_exports_and_reads_back_bit_equal(torchvision_exported, photo):

@@ -77,13 +77,18 @@ def saved_config_errors(run: runs.Run):
   """Context for building a run's model (method, tokenizer, backbone) from the config its checkpoint saved: that
   config is a file from outside, so one that does not build (a value of the wrong type, a section that is not one,
   sizes that do not fit the parameters) is one BadFile naming the checkpoint's metadata file, not a traceback."""
+  shared = "folder" in run.meta  # a shared folder's config is its config.json
+  where = os.path.join(run.path, runs.FOLDER_CONFIG) if shared else os.path.join(run.path, "meta", "metadata")
   try:
     yield
+  except BadFile as e:  # refused for what the file says: named by the file, once
+    if run.workdir in str(e) or where in str(e):
+      raise
+    raise BadFile(f"{where}: {e}") from e
   except UserError:
     raise
   except Exception as e:  # noqa: BLE001 -- Flax, JAX and the methods raise many types for a config that does not build
     detail = (str(e).splitlines() or [""])[0][:300]
-    where = os.path.join(run.path, "meta", "metadata") if "folder" not in run.meta else run.path
     raise BadFile(
       f"{where}: the run's saved config does not build its model ({type(e).__name__}: {detail}). The run folder "
       "is damaged or not vlrep's: copy it again from where it came from."

@@ -517,7 +517,7 @@ def _variables(path: str) -> dict:
   tensors, _, _ = torch_files.safetensors_header(path)
   for name in tensors:
     parts = name.split("/")
-    if len(parts) < 2 or parts[0] not in FOLDER_COLLECTIONS or not all(p for p in parts):
+    if len(parts) < 2 or parts[0] not in FOLDER_COLLECTIONS or not all(p and p not in (".", "..") for p in parts):
       raise BadFile(f"{path}: tensor {name[:100]!r} is not a variable name ({' or '.join(FOLDER_COLLECTIONS)}/...).")
   flat = torch_files.load_safetensors(path)
   return unflatten({k: np.array(v) for k, v in flat.items()})
