@@ -181,6 +181,28 @@ def tiny_mct_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_clip_run(tmp_path_factory):
+  """tests/tiny_clip.py's shared run (CLIP, a one-layer text tower): vlrep.load's and vlrep.predict's tower."""
+  return shared_run(tmp_path_factory, "tests/tiny_clip.py")
+
+
+@pytest.fixture(scope="session")
+def tiny_icmlm_run(tmp_path_factory):
+  return shared_run(tmp_path_factory, "tests/tiny_icmlm.py")
+
+
+@pytest.fixture(scope="session")
+def tiny_vlbert_run(tmp_path_factory):
+  return shared_run(tmp_path_factory, "tests/tiny_vlbert.py")
+
+
+@pytest.fixture(scope="session")
+def tiny_finetune_run(tmp_path_factory):
+  """tests/tiny_finetune.py's shared run (the classifier method)."""
+  return shared_run(tmp_path_factory, "tests/tiny_finetune.py")
+
+
+@pytest.fixture(scope="session")
 def tiny_builder():
   from vlrep.data import pipeline
 

@@ -23,7 +23,7 @@ import types
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, imported_resnet18, run_main, run_module, shared_run
+from conftest import ROOT, imported_resnet18, run_main, run_module
 from PIL import Image, ImageOps
 from skimage import data as skdata
 
@@ -44,31 +44,11 @@ TEXTS = ["a red circle and a blue square.", "there is a green star.", "a red cir
 
 # -- runs and photos -----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tiny_clip_run(tmp_path_factory):
-  return shared_run(tmp_path_factory, "tests/tiny_clip.py")
-
-
-@pytest.fixture(scope="module")
 def tiny_siglip_run(tmp_path_factory):
   """tests/tiny_clip.py with SigLIP's sigmoid loss (no shared run of it: shared_run names runs by their file)."""
   workdir = tmp_path_factory.mktemp("siglip") / "run"
   proc = run_main(workdir, config="tests/tiny_clip.py:loss=sigmoid")
   return types.SimpleNamespace(workdir=workdir, returncode=proc.returncode, stderr=proc.stderr)
-
-
-@pytest.fixture(scope="module")
-def tiny_icmlm_run(tmp_path_factory):
-  return shared_run(tmp_path_factory, "tests/tiny_icmlm.py")
-
-
-@pytest.fixture(scope="module")
-def tiny_vlbert_run(tmp_path_factory):
-  return shared_run(tmp_path_factory, "tests/tiny_vlbert.py")
-
-
-@pytest.fixture(scope="module")
-def tiny_finetune_run(tmp_path_factory):
-  return shared_run(tmp_path_factory, "tests/tiny_finetune.py")
 
 
 def _trained(run) -> str:

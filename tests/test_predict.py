@@ -8,7 +8,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import ROOT, run_module, shared_run
+from conftest import ROOT, run_module
 from PIL import Image
 from skimage import data as skdata
 
@@ -30,13 +30,6 @@ def photos(tmp_path_factory):
 @pytest.fixture(scope="module")
 def virtex(tiny_virtex_run):
   return vlrep.load(str(tiny_virtex_run.workdir))
-
-
-@pytest.fixture(scope="module")
-def tiny_clip_run(tmp_path_factory):
-  run = shared_run(tmp_path_factory, "tests/tiny_clip.py")
-  assert run.returncode == 0, run.stderr[-3000:]
-  return run
 
 
 def listing(*folders) -> list:
@@ -115,6 +108,7 @@ def test_a_shared_folder_predicts_as_its_run(tiny_virtex_run, virtex, photos, tm
 
 
 def test_clip_zero_shot_and_text_embeddings_are_vlrep_loads(tiny_clip_run, photos):
+  assert tiny_clip_run.returncode == 0, tiny_clip_run.stderr[-3000:]
   workdir = str(tiny_clip_run.workdir)
   clip = vlrep.load(workdir)
   labels = ["cat", "coffee", "camera"]

@@ -400,11 +400,7 @@ class TrainedModel:
   def text_length(self) -> int:
     """Tokens per text: the run's training `tokenize` length (its text positions), else the zero-shot default."""
     op = registry.op_arguments(self.config.get("data", {}).get("pp", ""), "tokenize")
-    if op:
-      for key in ("max_len", "length", "size"):
-        if isinstance(op.get(key), int):
-          return op[key]
-    return 24
+    return op["max_len"] if op and isinstance(op["max_len"], int) else zero_shot_eval.DEFAULT_MAX_LEN
 
   def tokens(self, texts, max_len: int = 0) -> np.ndarray:
     """int32 [N, max_len] token ids of `texts` with the run's tokenizer (max_len 0: `text_length`)."""
@@ -460,7 +456,7 @@ class TrainedModel:
     templates=None,
     top_k: int = 5,
     articles: bool = True,
-    max_len: int = 24,
+    max_len: int = zero_shot_eval.DEFAULT_MAX_LEN,
     length_normalize: bool = False,
     class_posterior: bool = True,
   ) -> dict:

@@ -53,10 +53,10 @@ from vlrep import inference, visualize
 from vlrep.decoding import METHODS as DECODINGS
 from vlrep.errors import UserError, exit_2_on_user_error, reading
 from vlrep.evaluators import zero_shot as zero_shot_eval
+from vlrep.tools.caption import PREPROCESS
 
 SUBCOMMANDS = ("caption", "zero-shot", "embed")
 USAGE = "python -m vlrep.predict --model=DIR_OR_RUN caption|zero-shot|embed IMAGES... (--help: every flag)"
-PREPROCESS = ("crop", "virtex_official")
 FEATURES = ("pooled", "grid", "embedding")
 MAX_LABELS_FILE_BYTES = 16 << 20  # a list of class names; far more than any label set
 

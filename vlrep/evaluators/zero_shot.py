@@ -58,6 +58,7 @@ DEFAULT_TEMPLATES = (
   "an image of a {}.",
   "a photo of the {}.",
 )
+DEFAULT_MAX_LEN = 24  # prompt tokens: every template with a class name of a few words
 SCORINGS = ("auto", "embed", "caption")
 _SCORING_ATTR = {"embed": "embed", "caption": "caption_log_likelihood"}
 
@@ -305,10 +306,11 @@ class Evaluator:
     self.class_names = [str(n) for n in names]
     self.templates = tuple(config.get("templates") or DEFAULT_TEMPLATES)
     texts = prompts(self.class_names, self.templates, config.get("articles", True))
-    encoded = [self.tokenizer.encode(t, config.get("max_len", 24)) for t in texts]
+    encoded = [self.tokenizer.encode(t, config.get("max_len", DEFAULT_MAX_LEN)) for t in texts]
     cut = [t for t, (_, truncated) in zip(texts, encoded, strict=True) if truncated]
     if cut:
-      logging.warning("zero_shot: %d prompts cut to max_len=%d, e.g. %r", len(cut), config.get("max_len", 24), cut[0])
+      max_len = config.get("max_len", DEFAULT_MAX_LEN)
+      logging.warning("zero_shot: %d prompts cut to max_len=%d, e.g. %r", len(cut), max_len, cut[0])
     self.tokens = np.stack([ids for ids, _ in encoded]).astype(np.int32)
 
   def evaluate(self, model: Model) -> dict[str, float]:

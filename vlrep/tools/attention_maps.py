@@ -22,7 +22,7 @@ from PIL import Image, ImageDraw
 from vlrep import inference, run_setup, safe_files, visualize
 from vlrep.data import pipeline, tokenizers
 from vlrep.errors import UserError, exit_2_on_user_error
-from vlrep.tools.caption import NoImageFile, training_size
+from vlrep.tools.caption import NoImageFile
 
 
 def define_flags():
@@ -132,7 +132,7 @@ def load_inputs(
 def main(argv):
   f = flags.FLAGS
   run_config = inference.load_run(f.workdir, f.checkpoint).config
-  size = f.size or training_size(run_config)
+  size = f.size or inference.training_size(run_config)
   images, captions, names = load_inputs(argv[1:], f.caption, run_config, f.split, f.num_examples, size)
   results = render(f.workdir, f.out_dir, images, captions, names, f.checkpoint, f.map, f.upscale, f.words)
   for name, entry in results.items():

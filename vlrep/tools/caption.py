@@ -52,11 +52,6 @@ class NoImageFile(UserError, FileNotFoundError):
   """An image file named on the command line does not exist."""
 
 
-def training_size(config) -> int:
-  """The crop size in the run's training preprocessing, e.g. inception_crop(224, ...) -> 224."""
-  return inference.training_size(config)
-
-
 def caption_files(
   workdir: str,
   paths: list[str],

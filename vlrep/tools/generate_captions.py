@@ -19,10 +19,9 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import ConfigDict
 
-from vlrep import run_setup, runs, safe_files
+from vlrep import inference, run_setup, runs, safe_files
 from vlrep.data import pipeline
 from vlrep.evaluators.captioning import captioner_for
-from vlrep.tools.caption import training_size
 
 
 def generate(
@@ -41,7 +40,7 @@ def generate(
 ) -> dict[str, list[str]]:
   run = runs.load_run(workdir, "best")
   inputs = run_setup.build_inputs(run.config, run.workdir)  # the run's saved config: what it names is only read
-  size = training_size(run.config)
+  size = inference.training_size(run.config)
   builder = pipeline.get_builder(dataset, data_dir or None, config_name or None)
   kwargs = {"beam_size": beam_size} if decoding == "beam" else {}
   caption = captioner_for(inputs.method, ConfigDict({"decoding": decoding, "max_len": max_len, **kwargs}))

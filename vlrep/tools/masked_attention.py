@@ -19,9 +19,8 @@ import os
 import numpy as np
 from absl import app, flags
 
-from vlrep import run_setup, runs, visualize
+from vlrep import inference, run_setup, runs, visualize
 from vlrep.tools.attention_maps import load_inputs, strip
-from vlrep.tools.caption import training_size
 
 
 def define_flags():
@@ -74,7 +73,7 @@ def render(workdir, out_dir, images, captions, names, checkpoint="best", upscale
 def main(argv):
   f = flags.FLAGS
   run_config = runs.load_run(f.workdir, f.checkpoint).config
-  size = f.size or training_size(run_config)
+  size = f.size or inference.training_size(run_config)
   images, captions, names = load_inputs(
     argv[1:], f.caption, run_config, f.split, f.num_examples, size, "|fixed_captions(1)", "captions"
   )
