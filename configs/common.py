@@ -20,10 +20,14 @@ ICMLM_SVM_COSTS = tuple(float(c) for c in np.logspace(-5, 5, 40))
 
 
 def run_defaults(c, checkpoint_every: int = 2000) -> None:
-  """The run-level settings of every training recipe: seed 0, parameters replicated on every device, checkpoints
-  every `checkpoint_every` steps (the latest 2 kept, written in the background; 20 s to finish one on SIGTERM),
-  metrics logged every 100 steps."""
+  """The run-level settings of every training recipe: seed 0, parameters replicated on every device, the whole
+  batch in one pass (microbatches=1: set N to take it in N parts, one update equal to the whole batch's) with no
+  rematerialisation (remat='none'; 'dots' or 'full' trade compute for memory, vlrep.train_step.REMAT_POLICIES),
+  checkpoints every `checkpoint_every` steps (the latest 2 kept, written in the background; 20 s to finish one on
+  SIGTERM), metrics logged every 100 steps."""
   c.seed = 0
+  c.microbatches = 1
+  c.remat = "none"
   c.sharding = dict(params="replicate", num_devices=0)
   c.checkpoint = dict(
     every_steps=checkpoint_every, keep=2, async_save=True, exit_deadline_secs=defaults.EXIT_DEADLINE_SECS

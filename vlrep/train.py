@@ -21,9 +21,10 @@ from absl import logging
 from clu import metric_writers
 
 from vlrep import checkpoint as ckpt_lib
-from vlrep import defaults, evaluators, optim, run_setup, run_summary, runs, sharding, train_state
+from vlrep import defaults, evaluators, optim, run_setup, run_summary, runs, sharding, train_state, train_step
 from vlrep import preemption as preemption_lib
 from vlrep.data import pipeline, records
+from vlrep.errors import UserError
 from vlrep.train_step import make_train_step
 
 
@@ -194,6 +195,9 @@ def _train(
   mesh = sharding.make_mesh(config.sharding.num_devices or None)
   global_bs = config.batch_size
   local_bs = local_batch_size(global_bs, mesh, num_hosts)
+  step_errors = train_step.step_errors(config, train_step.batch_shards(sharding.batch_sharding(mesh)))
+  if step_errors:
+    raise UserError("The train step's settings:\n  " + "\n  ".join(step_errors))
   trained_config = config_as_trained(config, command_line_keys, train_state.init_from_architecture(config, workdir))
   run_data, builder, eval_inputs, plan = build_for_training(trained_config, workdir, allow_changed_data)
   method, total_steps = eval_inputs.method, plan.total_steps
@@ -231,7 +235,17 @@ def _train(
   # checkpoint's metadata.
   # ---------------------------------------------------------------------------------------------------- #
   step_fn = jit_train_step(
-    make_train_step(method, tx, schedules, base_rng, optim.frozen_rules(config.optim)), layout, batch_sharding
+    make_train_step(
+      method,
+      tx,
+      schedules,
+      base_rng,
+      optim.frozen_rules(config.optim),
+      config.get("microbatches", 1),
+      batch_sharding,
+    ),
+    layout,
+    batch_sharding,
   )
   evals = evaluators.build_all(config.get("evals", {}), eval_inputs)
   extract = runs.sharded_features(method.features, mesh)

@@ -8,7 +8,9 @@ only vlrep's own methods, `vlrep.runs.check_saved_names`). Either way the module
 - optionally, on the class, `pretrained_variables(pretrained)` (`UsesPretrained`: values the loop writes into the
   fresh state) and `pretrained_runs()` (`NamesPretrainedRuns`: the runs the loop loads and hands to it; without it
   `pretrained` is {});
-- optionally, at module level, `setup(config, builder, tokenizer) -> dict` (see `setup` here).
+- optionally, at module level, `setup(config, builder, tokenizer) -> dict` (see `setup` here);
+- for `config.microbatches` (`SplitsItsLoss`): `per_example` and `combine`, the loss in two parts, and optionally
+  `prepare`; `loss` is then `loss_of_parts` (docs/architecture.md, "Contracts").
 
 A method never reads a checkpoint and knows nothing of devices. `vlrep.modules` looks the name up and lists the
 methods: every module here whose name does not start with '_' (those that do are the methods' helpers, e.g.
@@ -57,6 +59,56 @@ class NamesPretrainedRuns(Protocol):
 
   def pretrained_runs(self) -> Mapping[str, str]:
     """{name: workdir} of the runs `pretrained_variables` receives."""
+
+
+@runtime_checkable
+class SplitsItsLoss(Protocol):
+  """A method whose loss splits into work per example and a combination over the global batch: what the train
+  step needs to take a batch in microbatches (`config.microbatches`, vlrep.train_step). Its `loss` is
+  `loss_of_parts`, so one batch at once computes exactly these parts.
+
+  `per_example` must treat examples independently (BatchNorm groups aside: a microbatch holds whole groups), so
+  that running it on each microbatch and concatenating equals running it on the batch; everything that mixes
+  examples (a contrastive loss's negatives, a mean's denominator, a queue's update) is `combine`'s. The step
+  takes the gradient through both: `combine`'s with respect to the outputs, pulled back through `per_example`
+  one microbatch at a time (Gao et al. 2021's gradient cache, exact for any `combine`; when `combine` is linear
+  in the outputs XLA drops the first forward pass, and the step costs what one pass costs)."""
+
+  def per_example(self, variables, batch, rng, train):
+    """(outputs, new model state): outputs a dict of floating arrays, each with the batch's leading dimension
+    (embeddings, per-token losses, weights); the state is BatchNorm's (averaged over microbatches)."""
+
+  def combine(self, variables, outputs, batch):
+    """(scalar loss, {metric: scalar}, new model state) from the global batch's `outputs` (in the batch's order)
+    and the batch; may read parameters (a learned temperature) and the model state (a queue)."""
+
+
+def loss_of_parts(method, variables, batch, rng, train: bool):
+  """A `SplitsItsLoss` method's `loss`: `prepare` (the draws over the whole batch, when the method has it),
+  `per_example` on the whole batch, then `combine`; the two parts' new model states merged. Both `prepare` and
+  `per_example` get `rng` (a method splits it, so its masks and its dropout draw apart); the train step's
+  microbatched path gives microbatch m's `per_example` `fold_in(rng, m)`, and calls the same parts, so
+  `microbatches=1` and N compute one loss (dropout aside: its draws differ)."""
+  batch = prepare(method, batch, rng)
+  outputs, example_state = method.per_example(variables, batch, rng, train)
+  loss, metrics, batch_state = method.combine(variables, outputs, batch)
+  return loss, metrics, merge_states(example_state, batch_state)
+
+
+def prepare(method, batch, rng):
+  """The batch with the method's draws over the whole batch added (`method.prepare(batch, rng)`: masks, a
+  shuffle), or as it is for a method without them. Done before a batch is split, so the draws are the same
+  whatever the microbatch count."""
+  return method.prepare(batch, rng) if hasattr(method, "prepare") else batch
+
+
+def merge_states(a: Mapping, b: Mapping) -> dict:
+  """`a` updated by `b`, nested dicts merged key by key (MCT: `per_example` gives the momentum encoder's
+  BatchNorm statistics, `combine` its parameters)."""
+  out = dict(a)
+  for k, v in b.items():
+    out[k] = merge_states(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
+  return out
 
 
 def available() -> tuple[str, ...]:

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from vlrep import methods
 from vlrep.methods import _contrastive
 from vlrep.models import bert as bert_lib
 from vlrep.models.clip import LOSSES, CLIPModel
@@ -70,25 +71,36 @@ class Method:
     return {} if self._bert is None else {"params": {"textual": self._bert}}
 
   def loss(self, variables, batch, rng, train: bool = True):
+    return methods.loss_of_parts(self, variables, batch, rng, train)
+
+  def per_example(self, variables, batch, rng, train: bool = True):
+    """The l2-normalised image and caption embeddings (the towers see one example at a time, BatchNorm groups
+    aside)."""
     out, new_state = self.model.apply(
       variables, batch["image"], batch["tokens"], train, rngs={"dropout": rng}, mutable=["batch_stats"]
     )
-    img, txt = _contrastive.l2_normalize(out["image"]), _contrastive.l2_normalize(out["text"])
+    return {"image": _contrastive.l2_normalize(out["image"]), "text": _contrastive.l2_normalize(out["text"])}, new_state
+
+  def combine(self, variables, outputs, batch):
+    """The loss over the global batch's embeddings, every other pair a negative, at the learned scale (and bias)."""
+    del batch
+    img, txt = outputs["image"], outputs["text"]
+    learned = self.model.apply(variables, method=CLIPModel.temperature)
     if self.loss_name == "softmax":
-      loss = _contrastive.clip_loss(img, txt, out["logit_scale"])
-      scale = _contrastive.clipped_logit_scale(out["logit_scale"])
+      loss = _contrastive.clip_loss(img, txt, learned["logit_scale"])
+      scale = _contrastive.clipped_logit_scale(learned["logit_scale"])
       metrics = {"clip_loss": loss, "logit_scale": scale, "temperature": 1.0 / scale}
     else:
-      t = jnp.exp(out["t_prime"].astype(jnp.float32))
-      loss = _contrastive.sigmoid_loss_chunked(img, txt, t, out["logit_bias"], self.loss_chunks)
-      metrics = {"sigmoid_loss": loss, "t": t, "b": out["logit_bias"]}
+      t = jnp.exp(learned["t_prime"].astype(jnp.float32))
+      loss = _contrastive.sigmoid_loss_chunked(img, txt, t, learned["logit_bias"], self.loss_chunks)
+      metrics = {"sigmoid_loss": loss, "t": t, "b": learned["logit_bias"]}
     # Mean cosine similarity of the matching pairs and of all other pairs, from sums (no B x B matrix): both
     # near 1 is a collapse to one point.
     b = img.shape[0]
     positive = jnp.sum(img * txt)
     metrics["positive_similarity"] = positive / b
     metrics["negative_similarity"] = (jnp.sum(img, 0) @ jnp.sum(txt, 0) - positive) / max(b * (b - 1), 1)
-    return loss, metrics, new_state
+    return loss, metrics, {}
 
   def features(self, variables, images) -> dict:
     """Frozen-backbone features for evaluators: pooled 'pre_logits' and the final 'grid'."""

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from vlrep import methods
 from vlrep.models import special_tokens
 from vlrep.models.virtex import VirTexModel
 
@@ -80,10 +81,14 @@ def mask_tokens(tokens, rng, mask_prob: float, mask_token_prob: float, random_to
   return jnp.where(is_masked, replaced, tokens), is_masked
 
 
-def _token_cross_entropy(logits, targets, weights):
+def _token_nll(logits, targets):
+  """-log p(target) [B, T] under logits [B, T, V], in float32."""
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-  return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+  return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+
+def _weighted_mean(values, weights):
+  return jnp.sum(values * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
 class Method:
@@ -133,16 +138,36 @@ class Method:
     )
 
   def loss(self, variables, batch, rng, train: bool = True):
-    mask_rng, dropout_rng = jax.random.split(rng)
+    return methods.loss_of_parts(self, variables, batch, rng, train)
+
+  def prepare(self, batch, rng):
+    """The draws over the whole batch, before it is split: masked LM's masked tokens, CapPa's parallel rows."""
+    mask_rng, _ = jax.random.split(rng)
+    task = self.config.task
+    if task == "cappa":
+      inputs, padding, parallel = cappa_inputs(batch["tokens"], mask_rng, self.parallel_fraction)
+      return {**batch, "cappa_inputs": inputs, "cappa_padding": padding, "cappa_parallel": parallel}
+    if task == "masked_lm":
+      inputs, _, is_masked = self._inputs(batch["tokens"], mask_rng)
+      return {**batch, "masked_tokens": inputs["bidirectional"], "is_masked": is_masked}
+    return batch
+
+  def per_example(self, variables, batch, rng, train: bool = True):
+    """Each caption token's negative log-likelihood and weight (1 where it counts: not padding, a caption that is
+    not empty, masked LM's picked tokens), per direction; token classification's loss per image and whether the
+    image has targets."""
+    _, dropout_rng = jax.random.split(rng)
     tokens = batch["tokens"]
     valid_caption = ~batch["stat_empty"] if "stat_empty" in batch else jnp.ones(tokens.shape[:1], bool)
     task = self.config.task
-    causal, parallel = None, None
+    causal = None
     if task == "cappa":
-      inputs, pad, parallel = cappa_inputs(tokens, mask_rng, self.parallel_fraction)
-      tokens_in, padding, causal = {"forward": inputs}, {"forward": pad}, {"forward": ~parallel}
+      tokens_in, padding = {"forward": batch["cappa_inputs"]}, {"forward": batch["cappa_padding"]}
+      causal = {"forward": ~batch["cappa_parallel"]}
+    elif task == "masked_lm":
+      tokens_in, padding = {"bidirectional": batch["masked_tokens"]}, {"bidirectional": tokens == special_tokens.PAD_ID}
     else:
-      tokens_in, padding, is_masked = self._inputs(tokens, mask_rng)
+      tokens_in, padding, _ = self._inputs(tokens, None)
     (logits, _), new_state = self.model.apply(
       variables,
       batch["image"],
@@ -153,33 +178,46 @@ class Method:
       rngs={"dropout": dropout_rng},
       mutable=["batch_stats"],
     )
-    metrics = {}
     if task == "token_classification":
       targets = jax.nn.one_hot(tokens, self.vocab_size).max(axis=1).at[:, : special_tokens.NUM_SPECIAL].set(0)
       targets = targets * valid_caption[:, None]
       # Normalised multi-label cross-entropy: the caption's token set shares the target probability mass.
       per_image = -jnp.sum(targets * jax.nn.log_softmax(logits), -1) / jnp.maximum(targets.sum(-1), 1)
-      loss = jnp.sum(per_image) / jnp.maximum(jnp.sum(targets.sum(-1) > 0), 1)
-    elif task == "masked_lm":
-      weights = (is_masked & valid_caption[:, None]).astype(jnp.float32)
-      loss = _token_cross_entropy(logits["bidirectional"], tokens, weights)
-    else:
-      loss = 0.0
-      seqs = {"forward": tokens, "backward": reverse_captions(tokens)}
-      for direction in _DIRECTIONS[task]:
-        targets = seqs[direction][:, 1:]
-        weights = ((targets != special_tokens.PAD_ID) & valid_caption[:, None]).astype(jnp.float32)
-        d_loss = _token_cross_entropy(logits[direction], targets, weights)
+      return {"per_image": per_image, "has_targets": (targets.sum(-1) > 0).astype(jnp.float32)}, new_state
+    outputs = {}
+    if task == "masked_lm":
+      weights = batch["is_masked"] & valid_caption[:, None]
+      outputs["bidirectional_nll"] = _token_nll(logits["bidirectional"], tokens)
+      outputs["bidirectional_weight"] = weights.astype(jnp.float32)
+      return outputs, new_state
+    seqs = {"forward": tokens, "backward": reverse_captions(tokens)}
+    for direction in _DIRECTIONS[task]:
+      targets = seqs[direction][:, 1:]
+      outputs[f"{direction}_nll"] = _token_nll(logits[direction], targets)
+      outputs[f"{direction}_weight"] = ((targets != special_tokens.PAD_ID) & valid_caption[:, None]).astype(jnp.float32)
+    return outputs, new_state
+
+  def combine(self, variables, outputs, batch):
+    """Means over the whole batch's counted tokens (images, for token classification): linear in the outputs."""
+    del variables
+    task = self.config.task
+    if task == "token_classification":
+      loss = jnp.sum(outputs["per_image"] * outputs["has_targets"]) / jnp.maximum(jnp.sum(outputs["has_targets"]), 1)
+      return loss, {}, {}
+    metrics, loss = {}, 0.0
+    for direction in _DIRECTIONS[task]:
+      nll, weights = outputs[f"{direction}_nll"], outputs[f"{direction}_weight"]
+      d_loss = _weighted_mean(nll, weights)
+      if task != "masked_lm":
         metrics[f"{direction}_loss"] = d_loss
-        loss = loss + d_loss
-        if parallel is not None:
-          # Each kind's loss over its own rows' tokens; 0 in a batch that drew none of that kind.
-          metrics["parallel_loss"] = _token_cross_entropy(logits[direction], targets, weights * parallel[:, None])
-          metrics["autoregressive_loss"] = _token_cross_entropy(
-            logits[direction], targets, weights * ~parallel[:, None]
-          )
-          metrics["parallel_share"] = jnp.mean(parallel.astype(jnp.float32))
-    return loss, metrics, new_state
+      loss = loss + d_loss
+      if task == "cappa":
+        # Each kind's loss over its own rows' tokens; 0 in a batch that drew none of that kind.
+        parallel = batch["cappa_parallel"][:, None]
+        metrics["parallel_loss"] = _weighted_mean(nll, weights * parallel)
+        metrics["autoregressive_loss"] = _weighted_mean(nll, weights * ~parallel)
+        metrics["parallel_share"] = jnp.mean(batch["cappa_parallel"].astype(jnp.float32))
+    return loss, metrics, {}
 
   def features(self, variables, images) -> dict:
     """Frozen-backbone features for evaluators: pooled 'pre_logits' and the final 'grid'."""
