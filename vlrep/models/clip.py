@@ -78,6 +78,7 @@ class CLIPModel(nn.Module):
   pool: str = "avg"
   loss: str = "softmax"
   dtype: Any = jnp.float32
+  remat: str = "none"  # rematerialisation policy of the blocks (vlrep.models.remat.POLICIES); no parameter changes
 
   def setup(self):
     if self.pool not in POOLS:

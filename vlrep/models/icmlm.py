@@ -101,6 +101,7 @@ class ICMLMModel(nn.Module):
   fc_layers: int = 1
   dropout: float = 0.1
   dtype: Any = jnp.float32
+  remat: str = "none"  # rematerialisation policy of the blocks (vlrep.models.remat.POLICIES); no parameter changes
 
   def setup(self):
     if self.variant not in VARIANTS:

@@ -56,6 +56,7 @@ class LocTexModel(nn.Module):
   embed_dim: int = 1024
   scales: tuple[int, ...] = (1, 2)
   dtype: Any = jnp.float32
+  remat: str = "none"  # rematerialisation policy of the blocks (vlrep.models.remat.POLICIES); no parameter changes
 
   def setup(self):
     dense = lambda name: nn.Dense(self.embed_dim, dtype=self.dtype, param_dtype=jnp.float32, name=name)

@@ -53,6 +53,7 @@ class MCTModel(nn.Module):
   # caption (tests/test_mct.py checks it at init), and runlocal's budget does not train it out of that.
   text_pool: str = "cls"
   dtype: Any = jnp.float32
+  remat: str = "none"  # rematerialisation policy of the blocks (vlrep.models.remat.POLICIES); no parameter changes
 
   def setup(self):
     self.visual = resnet.from_config(self.backbone, dtype=self.dtype, name="backbone")

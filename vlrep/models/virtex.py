@@ -45,6 +45,7 @@ class VirTexModel(nn.Module):
   mlp_dropout: bool = False
   official_init: bool = False
   official_padding: bool = False
+  remat: str = "none"  # rematerialisation policy of the blocks (vlrep.models.remat.POLICIES); no parameter changes
 
   def setup(self):
     self.visual = resnet.from_config(self.backbone, dtype=self.dtype, name="backbone")

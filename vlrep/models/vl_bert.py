@@ -198,6 +198,7 @@ class VLBertModel(nn.Module):
   region_type_embedding: str = "segment"
   region_type_id: int = 1
   dtype: Any = jnp.float32
+  remat: str = "none"  # rematerialisation policy of the blocks (vlrep.models.remat.POLICIES); no parameter changes
 
   def setup(self):
     if self.arch not in ARCHS:
