@@ -46,6 +46,9 @@ VARIANTS = {
   "icmlm": ("tiny_icmlm", {}),
   "vlbert": ("tiny_vlbert", {}),
   "classifier": ("tiny_finetune", {}),
+  # Parameters, gradients and optimizer state split over the devices (ZeRO-3 style), as `sharding.params='fsdp'`.
+  "virtex_fsdp": ("tiny_virtex", {"sharding.params": "fsdp"}),
+  "clip_fsdp": ("tiny_clip", {"sharding.params": "fsdp"}),
 }
 
 
@@ -99,14 +102,23 @@ def one_step(name: str, microbatches: int) -> dict:
   batch = sharding.global_batch(local, batch_sh)
   key = jax.random.PRNGKey(0)
   tx = optax.sgd(1.0)
-  init = jax.jit(lambda k, b: train_step.init_train_state(method, tx, k, b))
-  state = init(key, batch)
+  init = lambda k, b: train_step.init_train_state(method, tx, k, b)  # noqa: E731
+  # The loop's layout: replicated, or FSDP down to small leaves (the tiny models' are all small).
+  state_sh = sharding.state_shardings(
+    mesh, jax.eval_shape(init, key, batch), config.sharding.params, fsdp_min_size=256,
+    rules=config.sharding.get("rules", ()),
+  )
+  state = jax.jit(init, out_shardings=state_sh)(key, batch)
   pretrained = getattr(method, "pretrained_variables", None)
   if pretrained is not None and not hasattr(method, "pretrained_runs"):
     values = pretrained({})
     state["params"] = _written(state["params"], values.get("params", {}))
   start = jax.tree.map(np.asarray, state["params"])
-  step = jax.jit(train_step.make_train_step(method, tx, {}, jax.random.PRNGKey(1), (), microbatches, batch_sh))
+  step = jax.jit(
+    train_step.make_train_step(method, tx, {}, jax.random.PRNGKey(1), (), microbatches, batch_sh),
+    in_shardings=(state_sh, batch_sh),
+    out_shardings=(state_sh, None),
+  )
   new, metrics = step(state, batch)
   return {
     "loss": float(metrics["train/loss"]),
