@@ -137,6 +137,9 @@ COMMANDS: dict[str, object] = {
   ),
   # tests/test_clip.py trains tests/tiny_clip.py (this command's smallest form) to the end, resumed, evaluated.
   "python -m vlrep.main --config=configs/clip.py:runlocal --workdir=/tmp/clip_local": Covered("tests/test_clip.py"),
+  # docs/at_scale.md: microbatches and remat, run on the tiny VirTex against a whole-batch run.
+  "python -m vlrep.main --config=configs/clip.py --workdir=/data/runs/clip --config.microbatches=8 "
+  "--config.remat=dots": Covered("tests/test_microbatches.py"),
   "python -m vlrep.main --config=configs/mct.py:runlocal --workdir=/tmp/mct_local": SessionRun(
     expect="Finished", config="tiny_mct"
   ),
