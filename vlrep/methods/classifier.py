@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from vlrep import methods
 from vlrep.models import resnet
 
 
@@ -37,6 +38,9 @@ class ClassifierModel(nn.Module):
 
 
 class Method:
+  """A ResNet classifier behind vlrep's method contract, its loss split for microbatches
+  (`methods.SplitsItsLoss`)."""
+
   fields = ("image", "label")
 
   def __init__(self, config: ml_collections.ConfigDict, vocab_size: int = 0):
@@ -52,6 +56,10 @@ class Method:
     return self.model.init(rng, batch["image"], False)
 
   def loss(self, variables, batch, rng, train: bool = True):
+    return methods.loss_of_parts(self, variables, batch, rng, train)
+
+  def per_example(self, variables, batch, rng, train: bool = True):
+    """Each image's loss and whether it is right (accuracy; multilabel: every class right), as floats."""
     del rng
     (logits, _), new_state = self.model.apply(variables, batch["image"], train, mutable=["batch_stats"])
     if self.config.get("multilabel", False):
@@ -60,15 +68,21 @@ class Method:
         raise ValueError(
           f"multilabel needs a multi-hot 'label' [B, {self.config.num_classes}]; got shape {targets.shape}."
         )
-      loss = jnp.mean(optax.sigmoid_binary_cross_entropy(logits.astype(jnp.float32), targets))
+      loss = jnp.mean(optax.sigmoid_binary_cross_entropy(logits.astype(jnp.float32), targets), axis=-1)
       exact = jnp.all((logits > 0) == (targets > 0.5), axis=-1)
-      return loss, {"exact_match": jnp.mean(exact)}, new_state
+      return {"loss": loss, "exact_match": exact.astype(jnp.float32)}, new_state
     labels = optax.smooth_labels(
       jax.nn.one_hot(batch["label"], self.config.num_classes), self.config.get("label_smoothing", 0.0)
     )
-    loss = jnp.mean(optax.softmax_cross_entropy(logits.astype(jnp.float32), labels))
-    accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
-    return loss, {"accuracy": accuracy}, new_state
+    loss = optax.softmax_cross_entropy(logits.astype(jnp.float32), labels)
+    correct = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
+    return {"loss": loss, "accuracy": correct}, new_state
+
+  def combine(self, variables, outputs, batch):
+    """Means over the batch: linear in the outputs."""
+    del variables, batch
+    metric = "exact_match" if self.config.get("multilabel", False) else "accuracy"
+    return jnp.mean(outputs["loss"]), {metric: jnp.mean(outputs[metric])}, {}
 
   def features(self, variables, images) -> dict:
     logits, aux = self.model.apply(variables, images, False)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from vlrep import methods
 from vlrep.methods._contrastive import info_nce, l2_normalize
 from vlrep.models import special_tokens
 from vlrep.models.loctex import LocTexModel
@@ -33,13 +34,13 @@ from vlrep.models.loctex import LocTexModel
 LOCALIZATION_NORMS = ("caption", "traced")
 
 
-def localization_loss(
+def localization_loss_per_example(
   logits: jnp.ndarray, target: jnp.ndarray, rows: jnp.ndarray | None = None
 ) -> tuple[jnp.ndarray, jnp.ndarray]:
-  """Eq. 3 on attention logits [B, T, N] and binary targets [B, T, N]. `rows` [B, T] (0/1) are the tokens whose
-  attention enters M's normalisation (the caption's tokens for eq. 3 as printed; tokens with a target always
-  do); None: only the tokens with a non-empty target ("traced"). Returns (mean loss over examples with at least
-  one supervised token, number of such examples)."""
+  """Eq. 3 per example on attention logits [B, T, N] and binary targets [B, T, N]. `rows` [B, T] (0/1) are the
+  tokens whose attention enters M's normalisation (the caption's tokens for eq. 3 as printed; tokens with a target
+  always do); None: only the tokens with a non-empty target ("traced"). Returns (loss [B], counts [B]: 1.0 where the
+  example has at least one supervised token, 0.0 where it has none and its loss does not count)."""
   target = target.astype(jnp.float32)
   supervised = (jnp.sum(target, axis=2) > 0).astype(jnp.float32)  # [B, T]
   kept = supervised if rows is None else jnp.maximum(rows.astype(jnp.float32), supervised)
@@ -51,13 +52,26 @@ def localization_loss(
 
   diff = unit(attention) - unit(target)
   per_example = jnp.sqrt(jnp.maximum(jnp.sum(jnp.square(diff), axis=(1, 2)), 1e-24))
-  valid = (jnp.sum(supervised, axis=1) > 0).astype(jnp.float32)
-  count = jnp.sum(valid)
-  return jnp.sum(per_example * valid) / jnp.maximum(count, 1.0), count
+  return per_example, (jnp.sum(supervised, axis=1) > 0).astype(jnp.float32)
+
+
+def localization_loss(
+  logits: jnp.ndarray, target: jnp.ndarray, rows: jnp.ndarray | None = None
+) -> tuple[jnp.ndarray, jnp.ndarray]:
+  """Eq. 3 over a batch (`localization_loss_per_example`'s arguments): (mean loss over examples with at least one
+  supervised token, number of such examples)."""
+  return _counted_mean(*localization_loss_per_example(logits, target, rows))
+
+
+def _counted_mean(per_example, counts):
+  """(mean of `per_example` over the examples that count, their number)."""
+  count = jnp.sum(counts)
+  return jnp.sum(per_example * counts) / jnp.maximum(count, 1.0), count
 
 
 class Method:
-  """LocTex behind vlrep's method contract (init / loss / features)."""
+  """LocTex behind vlrep's method contract (init / loss / features), its loss split for microbatches
+  (`methods.SplitsItsLoss`)."""
 
   def __init__(self, config: ml_collections.ConfigDict, vocab_size: int):
     if config.contrastive_group_size < 0:
@@ -89,18 +103,15 @@ class Method:
     return self.model.init({"params": params_rng, "dropout": dropout_rng}, batch["image"], batch["tokens"], False)
 
   def loss(self, variables, batch, rng, train: bool = True):
+    return methods.loss_of_parts(self, variables, batch, rng, train)
+
+  def per_example(self, variables, batch, rng, train: bool = True):
+    """The two L_C embeddings (as the model gives them), and per scale each example's localization loss and whether
+    it counts (1.0: it has a traced token)."""
     (out, _), new_state = self.model.apply(
       variables, batch["image"], batch["tokens"], train, rngs={"dropout": rng}, mutable=["batch_stats"]
     )
-    cfg = self.config
-    valid_caption = ~batch["stat_empty"] if "stat_empty" in batch else None
-    b, size = out["image_embedding"].shape[0], cfg.contrastive_group_size
-    if size and b % size:
-      raise ValueError(f"The batch of {b} does not split into contrastive groups of {size} (contrastive_group_size).")
-    groups = b // size if size else 1
-    l_c = info_nce(out["image_embedding"], out["text_embedding"], cfg.temperature, groups, cfg.symmetric, valid_caption)
-    metrics = {"contrastive_loss": l_c}
-    l_l = 0.0
+    outputs = {"image_embedding": out["image_embedding"], "text_embedding": out["text_embedding"]}
     rows = (batch["tokens"] != special_tokens.PAD_ID) if self.localization_norm == "caption" else None
     for s, r in zip(self.scales, self.grid_sizes, strict=True):
       logits = out[f"attention_logits_{s}x"]
@@ -110,13 +121,31 @@ class Method:
           "method.grid_sizes (and trace_words' sizes) to the input size / 32 * scale."
         )
       target = batch[f"trace_mask_{r}"].reshape(logits.shape)
-      loss_s, count = localization_loss(logits, target, rows)
+      outputs[f"localization_{s}x"], outputs[f"counts_{s}x"] = localization_loss_per_example(logits, target, rows)
+    return outputs, new_state
+
+  def combine(self, variables, outputs, batch):
+    """L_C over the global batch's embeddings (groups of consecutive examples in the batch's order) and each
+    scale's mean localization loss over the batch's supervised examples."""
+    del variables
+    cfg = self.config
+    valid_caption = ~batch["stat_empty"] if "stat_empty" in batch else None
+    img, txt = outputs["image_embedding"], outputs["text_embedding"]
+    b, size = img.shape[0], cfg.contrastive_group_size
+    if size and b % size:
+      raise ValueError(f"The batch of {b} does not split into contrastive groups of {size} (contrastive_group_size).")
+    groups = b // size if size else 1
+    l_c = info_nce(img, txt, cfg.temperature, groups, cfg.symmetric, valid_caption)
+    metrics = {"contrastive_loss": l_c}
+    l_l = 0.0
+    for s in self.scales:
+      loss_s, count = _counted_mean(outputs[f"localization_{s}x"], outputs[f"counts_{s}x"])
       metrics[f"localization_loss_{s}x"] = loss_s
       metrics[f"supervised_examples_{s}x"] = count
       l_l = l_l + loss_s
     metrics["localization_loss"] = l_l
     loss = cfg.contrastive_weight * l_c + cfg.localization_weight * l_l
-    return loss, metrics, new_state
+    return loss, metrics, {}
 
   def features(self, variables, images) -> dict:
     """Frozen-backbone features for evaluators: pooled 'pre_logits' and the final 'grid'."""
