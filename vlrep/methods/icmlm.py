@@ -20,17 +20,27 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from vlrep import methods
 from vlrep.models import bert as bert_lib
 from vlrep.models.icmlm import VARIANTS, ICMLMModel
 
 
 def normalized_tag_loss(logits, tags):
   """Eq. (2): -sum_k y_k log softmax(logits)_k with y normalised to sum 1; images without tags are skipped."""
+  per_image, has = tag_loss_per_image(logits, tags)
+  return _weighted_mean(per_image, has)
+
+
+def tag_loss_per_image(logits, tags):
+  """Eq. (2) per image: (loss [B], has tags [B] float32); `normalized_tag_loss` is their weighted mean."""
   tags = tags.astype(jnp.float32)
   count = tags.sum(-1)
   per_image = -jnp.sum(tags * jax.nn.log_softmax(logits), -1) / jnp.maximum(count, 1.0)
-  has = (count > 0).astype(jnp.float32)
-  return jnp.sum(per_image * has) / jnp.maximum(has.sum(), 1.0)
+  return per_image, (count > 0).astype(jnp.float32)
+
+
+def _weighted_mean(values, weights):
+  return jnp.sum(values * weights) / jnp.maximum(weights.sum(), 1.0)
 
 
 def choose_masked_concepts(tokens, concept_mask, rng):
@@ -98,6 +108,8 @@ class Method:
       fc_layers=config.fc_layers,
       dropout=config.dropout,
       dtype=jnp.dtype(config.dtype),
+      # config.remat's policy (vlrep.run_setup.method_config adds it to the method's block): no value changes.
+      remat=config.get("remat", "none"),
     )
 
   # -- contract -----------------------------------------------------------------------------------------
@@ -132,33 +144,70 @@ class Method:
     return out
 
   def loss(self, variables, batch, rng, train: bool = True):
-    mask_rng, dropout_rng = jax.random.split(rng)
-    metrics = {}
-    # tfm keeps its attention weights for the `visual_attention` metric (dropped from the returned state).
-    extra = ("intermediates",) if self.variant == "tfm" else ()
-    out, new_state, targets, valid = self._forward(variables, batch, mask_rng, dropout_rng, train, extra)
-    new_state = {k: v for k, v in new_state.items() if k != "intermediates"}
-    loss = 0.0
+    return methods.loss_of_parts(self, variables, batch, rng, train)
+
+  def prepare(self, batch, rng):
+    """The draw over the whole batch, before it is split: each caption's masked concept token (its position, and
+    whether the caption has a concept token at all)."""
+    if self.variant == "tp":
+      return batch
+    mask_rng, _ = jax.random.split(rng)
+    positions, has_concept = choose_masked_concepts(batch["tokens"], self.concept_mask, mask_rng)
+    return {**batch, "masked_position": positions, "has_concept": has_concept}
+
+  def per_example(self, variables, batch, rng, train: bool = True):
+    """Per caption: the masked token's negative log-likelihood (`mlm_nll`), whether it is the top prediction
+    (`mlm_top1`, 0/1) and the image's share of its attention (`visual_mass`, tfm and att-fc); per image: eq. (2)'s
+    tag loss (`tp_loss`)."""
+    _, dropout_rng = jax.random.split(rng)
+    if self.variant == "tp":
+      out, state = self._apply(variables, batch["image"], None, None, dropout_rng, train)
+    else:
+      tokens, positions = batch["tokens"], batch["masked_position"]
+      # tfm keeps its attention weights for the `visual_attention` metric (dropped from the returned state).
+      extra = ("intermediates",) if self.variant == "tfm" else ()
+      out, state = self._apply(variables, batch["image"], tokens, positions, dropout_rng, train, extra)
+    outputs = {}
     if self.variant != "tp":
       logits = out["mlm_logits"]
+      targets = jnp.take_along_axis(tokens, positions[:, None], axis=1)[:, 0]
       logp = jax.nn.log_softmax(logits, axis=-1)
-      nll = -jnp.take_along_axis(logp, targets[:, None], axis=1)[:, 0]
-      w = valid.astype(jnp.float32)
-      mlm = jnp.sum(nll * w) / jnp.maximum(w.sum(), 1.0)
-      metrics["mlm_loss"] = mlm
-      metrics["mlm_top1"] = jnp.sum(top_k_hits(logits, targets, 1) * w) / jnp.maximum(w.sum(), 1.0)
-      metrics["captions_without_concept"] = jnp.sum(~valid & ~self._empty(batch)).astype(jnp.float32)
-      if "visual_mass" in out:
-        # Share of the masked token's attention that goes to the image (tfm) or the largest grid cell's share
-        # of the pooling (att-fc): near 0 the tfm has learned to ignore the image, near 1/cells att-fc's
-        # pooling is still uniform (the paper's warm-up remark).
-        metrics["visual_attention"] = jnp.sum(out["visual_mass"] * w) / jnp.maximum(w.sum(), 1.0)
-      loss = mlm
+      outputs["mlm_nll"] = -jnp.take_along_axis(logp, targets[:, None], axis=1)[:, 0]
+      outputs["mlm_top1"] = top_k_hits(logits, targets, 1).astype(jnp.float32)
+      # Share of the masked token's attention that goes to the image (tfm) or the largest grid cell's share of
+      # the pooling (att-fc): near 0 the tfm has learned to ignore the image, near 1/cells att-fc's pooling is
+      # still uniform (the paper's warm-up remark).
+      if "attention" in out:  # att-fc
+        outputs["visual_mass"] = jnp.max(out["attention"].reshape(out["attention"].shape[0], -1), axis=1)
+      elif "intermediates" in state:  # tfm
+        outputs["visual_mass"] = self._masked_token_on_image(state, tokens, positions).sum(-1)
     if "tag_logits" in out:
-      tp = normalized_tag_loss(out["tag_logits"], batch["tags"])
+      outputs["tp_loss"], _ = tag_loss_per_image(out["tag_logits"], batch["tags"])
+    return outputs, {k: v for k, v in state.items() if k != "intermediates"}
+
+  def combine(self, variables, outputs, batch):
+    """l_mlm over the captions with a masked concept (a caption without one, or empty, is left out and counted),
+    eq. (2) over the images with tags, and eq. (8)'s sum: means with the whole batch's counts, linear in the
+    outputs."""
+    del variables
+    metrics, loss = {}, 0.0
+    if self.variant != "tp":
+      empty = self._empty(batch)
+      valid = batch["has_concept"] & ~empty
+      w = valid.astype(jnp.float32)
+      mlm = _weighted_mean(outputs["mlm_nll"], w)
+      metrics["mlm_loss"] = mlm
+      metrics["mlm_top1"] = _weighted_mean(outputs["mlm_top1"], w)
+      metrics["captions_without_concept"] = jnp.sum(~valid & ~empty).astype(jnp.float32)
+      if "visual_mass" in outputs:
+        metrics["visual_attention"] = _weighted_mean(outputs["visual_mass"], w)
+      loss = mlm
+    if "tp_loss" in outputs:
+      has = (batch["tags"].astype(jnp.float32).sum(-1) > 0).astype(jnp.float32)
+      tp = _weighted_mean(outputs["tp_loss"], has)
       metrics["tp_loss"] = tp
       loss = tp if self.variant == "tp" else loss + self.config.tp_weight * tp
-    return loss, metrics, new_state
+    return loss, metrics, {}
 
   def features(self, variables, images) -> dict:
     """Backbone features for evaluators: pooled 'pre_logits' and the final 'grid'."""
@@ -195,20 +244,6 @@ class Method:
   def _empty(batch):
     n = batch["image"].shape[0]
     return batch["stat_empty"] if "stat_empty" in batch else jnp.zeros((n,), bool)
-
-  def _forward(self, variables, batch, mask_rng, dropout_rng, train, extra_mutable=()):
-    if self.variant == "tp":
-      out, state = self._apply(variables, batch["image"], None, None, dropout_rng, train)
-      return out, state, None, None
-    tokens = batch["tokens"]
-    positions, has_concept = choose_masked_concepts(tokens, self.concept_mask, mask_rng)
-    targets = jnp.take_along_axis(tokens, positions[:, None], axis=1)[:, 0]
-    out, state = self._apply(variables, batch["image"], tokens, positions, dropout_rng, train, extra_mutable)
-    if "attention" in out:  # att-fc
-      out["visual_mass"] = jnp.max(out["attention"].reshape(out["attention"].shape[0], -1), axis=1)
-    elif "intermediates" in state:  # tfm
-      out["visual_mass"] = self._masked_token_on_image(state, tokens, positions).sum(-1)
-    return out, state, targets, has_concept & ~self._empty(batch)
 
   def _masked_token_on_image(self, state, tokens, positions):
     """[B, cells]: the last tfm layer's attention (mean over heads) of the masked token on the visual tokens,
