@@ -130,3 +130,28 @@ def test_sigterm_to_one_process_stops_both_after_one_step_and_a_kill_mid_save_lo
   assert kill["injected"] and kill["exit_codes"][0] == -9 and kill["exit_codes"][1] != 0, table
   assert kill["exit_seconds"] < result["heartbeat_timeout"] + 30, kill
   assert kill["resumed_from"] == kill["newest_after"] >= term["newest_after"], kill
+
+
+def test_two_processes_train_in_microbatches_and_resume_bit_identically(tmp_path):
+  """`microbatches=2` across two processes of two devices each (the global batch of 16 split over 4 devices, each
+  device's 4 examples in 2 microbatches of 2: BatchNorm groups of 2 stay whole), with remat: a SIGKILL of process 1
+  mid-training, then the same command on both resumes and ends with the uninterrupted pair's parameters."""
+  overrides = [
+    "total_steps=12",
+    "checkpoint.every_steps=4",
+    "evals={}",
+    "batch_size=16",
+    "microbatches=2",
+    "remat=full",
+    "method.backbone.bn_group_size=2",
+  ]
+  plan = [faults.Fault("sigkill", "train", delay=0.2, target="1", at_step=6)]
+  result = faults.harness(
+    CONFIG, str(tmp_path), kills=1, overrides=overrides, processes=2, devices_per_process=2, plan=plan
+  )
+  table = faults.table(result)
+  assert result["ok"] and result["equal"], table
+  (kill,) = result["faults"]
+  assert kill["injected"] and kill["resumed_from"] >= 4, kill
+  log = (tmp_path / "reference.log").read_text()
+  assert "process 0/2, 2 local / 4 global devices" in log, log[-3000:]
