@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from vlrep import methods
 from vlrep.models import bert as bert_lib
 from vlrep.models.mct import MCTModel
 
@@ -78,7 +79,9 @@ def _age_gap(q, queue, ptr, b: int):
 
 
 class Method:
-  """MCT behind vlrep's method contract (init / loss / features), plus `embed` for retrieval."""
+  """MCT behind vlrep's method contract (init / loss / features), plus `embed` for retrieval; its loss split for
+  microbatches (`methods.SplitsItsLoss`: queries and keys per example, the J terms, queues and momentum update over
+  the global batch)."""
 
   fields = ("image_q", "image_k", "tokens_q", "tokens_k", "tags")
 
@@ -114,6 +117,7 @@ class Method:
       intra_dim=config.intra_dim,
       inter_dim=config.inter_dim,
       dtype=jnp.dtype(config.dtype),
+      remat=config.get("remat", "none"),  # config.remat, copied in by run_setup.method_config
     )
 
   # -- contract -----------------------------------------------------------------------------------------
@@ -150,48 +154,62 @@ class Method:
     return {"params": {"textual": self._bert}, "model_state": {"momentum": {"params": {"textual": self._bert}}}}
 
   def loss(self, variables, batch, rng, train: bool = True):
-    c = self.config
-    params, queues = variables["params"], variables["queues"]
-    q_rng, k_rng, shuffle_rng = jax.random.split(rng, 3)
-    b = batch["image_q"].shape[0]
+    return methods.loss_of_parts(self, variables, batch, rng, train)
 
-    # Queries, from the encoder being trained.
+  def prepare(self, batch, rng):
+    """Shuffled BatchNorm's permutation of the global batch: the key images in shuffled order ('image_k_shuffled')
+    and the positions that put them back ('unshuffle'). Drawn before a batch is split, so the key encoder's
+    BatchNorm groups are the same whatever the microbatch count. The key captions need no shuffle: the text
+    encoders use LayerNorm, and the heads' BatchNorm (head_batchnorm) takes its statistics over the whole batch,
+    which a permutation leaves unchanged (tested:
+    test_text_keys_need_no_shuffle_their_only_batchnorm_sees_the_whole_batch)."""
+    _, _, shuffle_rng = jax.random.split(rng, 3)
+    perm = jax.random.permutation(shuffle_rng, batch["image_q"].shape[0])
+    return {**batch, "image_k_shuffled": batch["image_k"][perm], "unshuffle": jnp.argsort(perm)}
+
+  def per_example(self, variables, batch, rng, train: bool = True):
+    """The l2-normalised queries (from the encoder being trained) and keys (no gradient, from the momentum
+    encoder after this step's update; the image keys in the shuffled order, `combine` puts them back), and both
+    encoders' BatchNorm statistics."""
+    q_rng, k_rng, _ = jax.random.split(rng, 3)
     (img_q, txt_q), new_stats = self.model.apply(
-      {"params": params, "batch_stats": variables["batch_stats"]},
+      {"params": variables["params"], "batch_stats": variables["batch_stats"]},
       batch["image_q"],
       batch["tokens_q"],
       train,
       rngs={"dropout": q_rng},
       mutable=["batch_stats"],
     )
-    # Momentum update first, then keys from the updated key encoder (no gradient). Shuffled BatchNorm: the
-    # key images are permuted before the encoder and put back after, so BatchNorm groups of the key encoder
-    # never hold a query's own positive in the same positions (MoCo's guard against BN leakage). The key captions
-    # need no shuffle: the text encoders use LayerNorm, and the heads' BatchNorm (head_batchnorm) takes its
-    # statistics over the whole batch, which a permutation leaves unchanged (tested:
-    # test_text_keys_need_no_shuffle_their_only_batchnorm_sees_the_whole_batch).
-    m = c.momentum
-    mom_params = jax.tree.map(
-      lambda k, q: m * k + (1 - m) * jax.lax.stop_gradient(q), variables["momentum"]["params"], params
-    )
-    perm = jax.random.permutation(shuffle_rng, b)
+    # Momentum update first, then keys from the updated key encoder, as MoCo does. Shuffled BatchNorm: the key
+    # images arrive permuted (`prepare`), so BatchNorm groups of the key encoder never hold a query's own positive
+    # in the same positions (MoCo's guard against BN leakage).
     (img_k, txt_k), mom_stats = self.model.apply(
-      {"params": mom_params, "batch_stats": variables["momentum"]["batch_stats"]},
-      batch["image_k"][perm],
+      {"params": self._momentum_params(variables), "batch_stats": variables["momentum"]["batch_stats"]},
+      batch["image_k_shuffled"],
       batch["tokens_k"],
       train,
       rngs={"dropout": k_rng},
       mutable=["batch_stats"],
     )
-    inverse = jnp.argsort(perm)
-    img_k = jax.tree.map(lambda x: jax.lax.stop_gradient(x[inverse]), img_k)
-    txt_k = jax.tree.map(jax.lax.stop_gradient, txt_k)
+    outputs = {"q_ii": img_q["intra"], "q_ic": img_q["inter"], "q_cc": txt_q["intra"], "q_ci": txt_q["inter"]}
+    outputs = {k: l2_normalize(v) for k, v in outputs.items()}
+    keys = {"image_intra_shuffled": img_k["intra"], "image_inter_shuffled": img_k["inter"]}
+    keys.update(text_intra=txt_k["intra"], text_inter=txt_k["inter"])
+    outputs.update({f"k_{k}": jax.lax.stop_gradient(l2_normalize(v)) for k, v in keys.items()})
+    state = {"batch_stats": new_stats["batch_stats"], "momentum": {"batch_stats": mom_stats["batch_stats"]}}
+    return outputs, state
 
-    q = {"ii": l2_normalize(img_q["intra"]), "ic": l2_normalize(img_q["inter"])}
-    q.update(cc=l2_normalize(txt_q["intra"]), ci=l2_normalize(txt_q["inter"]))
+  def combine(self, variables, outputs, batch):
+    """Every J term over the global batch's queries and keys (the image keys put back in order) against the
+    queues; the queues with the batch's keys enqueued in order, and the momentum encoder's parameters."""
+    c = self.config
+    queues = variables["queues"]
+    b = outputs["q_ii"].shape[0]
+    q = {name: outputs[f"q_{name}"] for name in ("ii", "ic", "cc", "ci")}
     # Keys by queue path: image keys for image queues, the momentum text encoder's for caption queues.
-    keys = {"image_intra": l2_normalize(img_k["intra"]), "text_intra": l2_normalize(txt_k["intra"])}
-    keys.update(image_inter=l2_normalize(img_k["inter"]), text_inter=l2_normalize(txt_k["inter"]))
+    unshuffle = batch["unshuffle"]
+    keys = {"image_intra": outputs["k_image_intra_shuffled"][unshuffle], "text_intra": outputs["k_text_intra"]}
+    keys.update(image_inter=outputs["k_image_inter_shuffled"][unshuffle], text_inter=outputs["k_text_inter"])
 
     tags = batch["tags"].astype(jnp.float32)
     has_tags = jnp.sum(tags, -1) > 0
@@ -218,7 +236,7 @@ class Method:
     weights = dict(c.weights)
     loss = sum(weights[name] * terms[name] for name in terms if weights[name])
 
-    # Enqueue this batch's keys (the global batch, in order) and advance the pointer.
+    # Enqueue this batch's keys (the global batch, in order) and advance the pointer: once per step.
     ptr = queues["ptr"]
     new_queues = {p: enqueue(queues[p], keys[p], ptr) for p in PATHS}
     new_queues.update(
@@ -240,12 +258,16 @@ class Method:
     # growing when all embeddings drift together, so the freshest key (the positive) wins on recency alone.
     metrics["queue_age_gap"] = _age_gap(q["ii"], queues["image_intra"], ptr, b)
     metrics["inter_age_gap"] = _age_gap(q["ic"], queues["text_inter"], ptr, b)
-    new_state = {
-      "batch_stats": new_stats["batch_stats"],
-      "momentum": {"params": mom_params, "batch_stats": mom_stats["batch_stats"]},
-      "queues": new_queues,
-    }
+    # The momentum update once per step (per_example recomputes the same values for its keys).
+    new_state = {"momentum": {"params": self._momentum_params(variables)}, "queues": new_queues}
     return loss, metrics, new_state
+
+  def _momentum_params(self, variables):
+    """MoCo's key encoder after this step's update: m k + (1 - m) q, no gradient to q."""
+    m = self.config.momentum
+    return jax.tree.map(
+      lambda k, q: m * k + (1 - m) * jax.lax.stop_gradient(q), variables["momentum"]["params"], variables["params"]
+    )
 
   def features(self, variables, images) -> dict:
     """Frozen query-encoder features for evaluators: pooled 'pre_logits' and the final 'grid'."""
