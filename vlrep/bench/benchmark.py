@@ -220,10 +220,13 @@ def model_flops_per_step(method, variables, batch, rng) -> float:
 
 
 def _image_size(config) -> int:
-  """--image_size, else the size of the config's `inception_crop`, else 224. Read from the op string without
-  building the ops (their module imports TensorFlow, which GPU machines may not have)."""
-  if FLAGS.image_size:
-    return FLAGS.image_size
+  """--image_size, else the config's (`config_image_size`)."""
+  return FLAGS.image_size or config_image_size(config)
+
+
+def config_image_size(config) -> int:
+  """The size of the config's `inception_crop`, else 224. Read from the op string without building the ops (their
+  module imports TensorFlow, which GPU machines may not have)."""
   for name, args, kwargs in op_strings.op_calls(config.data.pp):
     if name == "inception_crop":
       return int(kwargs.get("size", args[0] if args else 224))
@@ -235,32 +238,70 @@ def _image_size(config) -> int:
 _DEVICE_LOCK = threading.Lock()
 
 
+def batch_shapes(method, batch_size: int, image_size: int, vocab_size: int, max_len: int, num_tags: int = 80) -> dict:
+  """{field: (shape, numpy dtype)} of a batch of every field the method reads: images ('image', MCT's
+  'image_q'/'image_k'), token sequences ('tokens*'), LocTex's rendered traces ('trace_mask_R'), MCT's tags; and
+  'stat_empty'. What `random_batch` fills and what `vlrep.bench.memory` compiles against without data."""
+  shapes = {"stat_empty": ((batch_size,), np.dtype(bool))}
+  for field in method.fields:
+    if field.startswith("image"):
+      shapes[field] = ((batch_size, image_size, image_size, 3), np.dtype(np.float32))
+    elif field.startswith("tokens"):
+      shapes[field] = ((batch_size, max_len), np.dtype(np.int32))
+    elif field.startswith("trace_mask_"):
+      r = int(field.rsplit("_", 1)[1])
+      shapes[field] = ((batch_size, max_len, r, r), np.dtype(np.uint8))
+    elif field == "tags":
+      shapes[field] = ((batch_size, num_tags), np.dtype(np.uint8))
+    else:
+      raise ValueError(f"The benchmark does not know how to make field {field!r} of {type(method).__module__}.")
+  return shapes
+
+
+def random_batch(shapes: dict, vocab_size: int, rng: np.random.Generator) -> dict:
+  """A random batch of `batch_shapes`' fields: normal images, tokens in [5, vocab) between BOS 2 and EOS 3, about
+  10% of the trace cells per token, 5% of the tags."""
+  local = {}
+  for field, (shape, dtype) in shapes.items():
+    if field.startswith("image"):
+      local[field] = rng.normal(size=shape).astype(dtype)
+    elif field.startswith("tokens"):
+      local[field] = rng.integers(5, vocab_size, size=shape).astype(dtype)
+      local[field][:, 0], local[field][:, -1] = 2, 3
+    elif field.startswith("trace_mask_"):
+      local[field] = (rng.random(shape) < 0.1).astype(dtype)
+    elif field == "tags":
+      local[field] = (rng.random(shape) < 0.05).astype(dtype)
+    else:
+      local[field] = np.zeros(shape, dtype)
+  return local
+
+
+def method_block(config) -> ml_collections.ConfigDict:
+  """`vlrep.run_setup.method_config` (the method block with the run's `remat` added), which this TensorFlow-free
+  module cannot import: run_setup imports the input pipeline."""
+  remat = config.get("remat", "none")
+  if remat == "none":
+    return config.method
+  return ml_collections.ConfigDict({**config.method.to_dict(), "remat": remat})
+
+
 def prepare(
   config, image_size: int, vocab_size: int, input_mode: str = "device", num_tags: int = 80, offload_state=False
 ) -> dict:
   """The config's train step compiled on random inputs of its shapes, with its state: what `run_steps` times.
-  `offload_state`: the state waits in host memory after the warm-up (`run_steps` brings it back)."""
+  The step is the loop's, with the config's `microbatches` and `remat` (refused as the loop refuses them,
+  `train_step.step_errors`). `offload_state`: the state waits in host memory after the warm-up (`run_steps` brings
+  it back)."""
   mesh = sharding.make_mesh(config.sharding.num_devices or None)
+  errors = train_step.step_errors(config, int(mesh.devices.size))
+  if errors:
+    raise ValueError(" ".join(errors))
   bs = config.batch_size
   rng = np.random.default_rng(0)
   max_len = config.method.get("max_len") or config.method.text.max_len
-  method = methods.build(config.method, vocab_size)
-  # A random batch of every field the method reads: images ('image', MCT's 'image_q'/'image_k'), token
-  # sequences ('tokens*'), LocTex's rendered traces (about 10% of the cells per token), MCT's tags.
-  local = {"stat_empty": np.zeros((bs,), bool)}
-  for field in method.fields:
-    if field.startswith("image"):
-      local[field] = rng.normal(size=(bs, image_size, image_size, 3)).astype(np.float32)
-    elif field.startswith("tokens"):
-      local[field] = rng.integers(5, vocab_size, size=(bs, max_len)).astype(np.int32)
-      local[field][:, 0], local[field][:, -1] = 2, 3
-    elif field.startswith("trace_mask_"):
-      r = int(field.rsplit("_", 1)[1])
-      local[field] = (rng.random((bs, max_len, r, r)) < 0.1).astype(np.uint8)
-    elif field == "tags":
-      local[field] = (rng.random((bs, num_tags)) < 0.05).astype(np.uint8)
-    else:
-      raise ValueError(f"The benchmark does not know how to make field {field!r} of {config.method.name}.")
+  method = methods.build(method_block(config), vocab_size)
+  local = random_batch(batch_shapes(method, bs, image_size, vocab_size, max_len, num_tags), vocab_size, rng)
   batch_sh = sharding.batch_sharding(mesh)
   with _DEVICE_LOCK:
     batch = sharding.global_batch(local, batch_sh)
@@ -277,7 +318,7 @@ def prepare(
   with _DEVICE_LOCK:
     state = jax.jit(init, out_shardings=state_sh)(key, batch)
   step = jax.jit(
-    train_step.make_train_step(method, tx, schedules, key),
+    train_step.make_train_step(method, tx, schedules, key, (), config.get("microbatches", 1), batch_sh),
     in_shardings=(state_sh, batch_sh),
     out_shardings=(state_sh, None),
     donate_argnums=(0,),
