@@ -59,7 +59,8 @@ class Method:
     return methods.loss_of_parts(self, variables, batch, rng, train)
 
   def per_example(self, variables, batch, rng, train: bool = True):
-    """Each image's loss and whether it is right (accuracy; multilabel: every class right), as floats."""
+    """Each image's loss (multilabel: each class's) and whether it is right (accuracy; multilabel: every class
+    right), as floats."""
     del rng
     (logits, _), new_state = self.model.apply(variables, batch["image"], train, mutable=["batch_stats"])
     if self.config.get("multilabel", False):
@@ -68,7 +69,8 @@ class Method:
         raise ValueError(
           f"multilabel needs a multi-hot 'label' [B, {self.config.num_classes}]; got shape {targets.shape}."
         )
-      loss = jnp.mean(optax.sigmoid_binary_cross_entropy(logits.astype(jnp.float32), targets), axis=-1)
+      # Per class [B, C]: combine's mean over all of them is the loss's, bit for bit.
+      loss = optax.sigmoid_binary_cross_entropy(logits.astype(jnp.float32), targets)
       exact = jnp.all((logits > 0) == (targets > 0.5), axis=-1)
       return {"loss": loss, "exact_match": exact.astype(jnp.float32)}, new_state
     labels = optax.smooth_labels(

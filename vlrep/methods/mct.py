@@ -165,7 +165,7 @@ class Method:
     test_text_keys_need_no_shuffle_their_only_batchnorm_sees_the_whole_batch)."""
     _, _, shuffle_rng = jax.random.split(rng, 3)
     perm = jax.random.permutation(shuffle_rng, batch["image_q"].shape[0])
-    return {**batch, "image_k_shuffled": batch["image_k"][perm], "unshuffle": jnp.argsort(perm)}
+    return {**batch, "image_k_shuffled": jnp.take(batch["image_k"], perm, axis=0), "unshuffle": jnp.argsort(perm)}
 
   def per_example(self, variables, batch, rng, train: bool = True):
     """The l2-normalised queries (from the encoder being trained) and keys (no gradient, from the momentum
