@@ -40,6 +40,7 @@ import numpy as np
 
 from vlrep import errors, torch_files
 from vlrep.errors import BadFile, UserError
+from vlrep.models import remat as remat_lib
 
 _ACTIVATIONS = {
   "gelu": lambda x: jax.nn.gelu(x, approximate=False),
@@ -184,6 +185,12 @@ class BertLayer(nn.Module):
     return norm("output_LayerNorm")(x + hidden_dropout(dense(c.hidden_size, "output")(h)))
 
 
+def bert_layer(remat: str = "none") -> type[BertLayer]:
+  """BertLayer under rematerialisation policy `remat` (vlrep.models.remat); called as layer(x, mask, deterministic),
+  `deterministic` positional (static)."""
+  return remat_lib.wrap(BertLayer, remat, static_argnums=(3,))
+
+
 class BertEmbeddings(nn.Module):
   config: BertConfig
   dtype: Any = jnp.float32
@@ -206,14 +213,18 @@ class BertEncoder(nn.Module):
   """ids int[B, T] -> (hidden [B, T, H], {'pooled': [B, H], 'hidden_states': per-layer outputs}).
 
   `mask` (bool [B, T], True = real token) defaults to ids != 0 ([PAD] is id 0 in BERT vocabularies).
-  `deterministic=False` applies the config's dropout (needs a 'dropout' rng), as Hugging Face's train mode does."""
+  `deterministic=False` applies the config's dropout (needs a 'dropout' rng), as Hugging Face's train mode does.
+  `remat`: each layer's rematerialisation (vlrep.models.remat): 'dots' keeps its matmul outputs and recomputes its
+  LayerNorms, softmax, activation and dropout; 'full' keeps only its input. The parameter tree is the same."""
 
   config: BertConfig
   dtype: Any = jnp.float32
+  remat: str = "none"
 
   def setup(self):
     self.embeddings = BertEmbeddings(self.config, self.dtype)
-    self.layers = [BertLayer(self.config, self.dtype, name=f"layer_{i}") for i in range(self.config.num_hidden_layers)]
+    layer_cls = bert_layer(self.remat)
+    self.layers = [layer_cls(self.config, self.dtype, name=f"layer_{i}") for i in range(self.config.num_hidden_layers)]
     self.pooler = nn.Dense(self.config.hidden_size, dtype=self.dtype)
 
   def __call__(self, ids, mask=None, type_ids=None, deterministic: bool = True):

@@ -85,15 +85,17 @@ class CLIPModel(nn.Module):
       raise ValueError(f"Unknown image pooling {self.pool!r}; known: {POOLS}")
     if self.loss not in LOSSES:
       raise ValueError(f"Unknown loss {self.loss!r}; known: {LOSSES}")
-    self.visual = resnet.from_config(self.backbone, dtype=self.dtype, name="backbone")
+    self.visual = resnet.from_config(self.backbone, dtype=self.dtype, remat=self.remat, name="backbone")
     if self.pool == "attention":
       self.attention_pool = AttentionPool(self.embed_dim, self.dtype, name="attention_pool")
     else:
       self.visual_projection = self._projection("visual_projection")
     if self.bert is not None:
-      self.textual = bert_lib.BertEncoder(self.bert, dtype=self.dtype, name="textual")
+      self.textual = bert_lib.BertEncoder(self.bert, dtype=self.dtype, remat=self.remat, name="textual")
     else:
-      self.textual = TextEncoder(self.vocab_size, **self.text, dtype=self.dtype, causal=True, name="textual")
+      self.textual = TextEncoder(
+        self.vocab_size, **self.text, dtype=self.dtype, causal=True, remat=self.remat, name="textual"
+      )
       self.text_ln = nn.LayerNorm(dtype=self.dtype, param_dtype=jnp.float32, name="text_ln")
     self.text_projection = self._projection("text_projection")
     constant = lambda v: nn.initializers.constant(v)

@@ -20,7 +20,8 @@ SCALE_TO_STAGE = {1: "stage4", 2: "stage3", 4: "stage2"}
 
 class TextEncoder(nn.Module):
   """Post-LN transformer encoder with GELU (VirTex's layers without cross-attention) -> the final states
-  [B, T, hidden]: bidirectional (LocTex), or `causal` (CLIP's text tower, pooled at [EOS])."""
+  [B, T, hidden]: bidirectional (LocTex), or `causal` (CLIP's text tower, pooled at [EOS]). `remat`: each layer's
+  rematerialisation (vlrep.models.remat; transformer.TransformerTextualHead says what each policy keeps)."""
 
   vocab_size: int
   hidden: int = 1024
@@ -31,6 +32,7 @@ class TextEncoder(nn.Module):
   dropout: float = 0.1
   dtype: Any = jnp.float32
   causal: bool = False
+  remat: str = "none"
 
   @nn.compact
   def __call__(self, tokens, train: bool = False):
@@ -42,8 +44,9 @@ class TextEncoder(nn.Module):
     x = transformer.WordAndPositionEmbedding(
       self.vocab_size, self.hidden, self.max_len, self.dropout, self.dtype, name="embedding"
     )(tokens, train)
+    layer_cls = transformer.decoder_layer(self.remat)
     for layer in range(self.num_layers):
-      x, _ = transformer.DecoderLayer(
+      x, _ = layer_cls(
         self.num_heads, self.mlp_dim or 4 * self.hidden, self.dropout, False, self.dtype, name=f"layer{layer}"
       )(x, None, mask, train)
     return x
@@ -60,8 +63,8 @@ class LocTexModel(nn.Module):
 
   def setup(self):
     dense = lambda name: nn.Dense(self.embed_dim, dtype=self.dtype, param_dtype=jnp.float32, name=name)
-    self.visual = resnet.from_config(self.backbone, dtype=self.dtype, name="backbone")
-    self.textual = TextEncoder(self.vocab_size, **self.text, dtype=self.dtype, name="textual")
+    self.visual = resnet.from_config(self.backbone, dtype=self.dtype, remat=self.remat, name="backbone")
+    self.textual = TextEncoder(self.vocab_size, **self.text, dtype=self.dtype, remat=self.remat, name="textual")
     self.visual_contrastive = dense("visual_contrastive")
     self.text_contrastive = dense("text_contrastive")
     for s in self.scales:

@@ -56,12 +56,12 @@ class MCTModel(nn.Module):
   remat: str = "none"  # rematerialisation policy of the blocks (vlrep.models.remat.POLICIES); no parameter changes
 
   def setup(self):
-    self.visual = resnet.from_config(self.backbone, dtype=self.dtype, name="backbone")
+    self.visual = resnet.from_config(self.backbone, dtype=self.dtype, remat=self.remat, name="backbone")
     if self.bert is not None:
-      self.textual = bert_lib.BertEncoder(self.bert, dtype=self.dtype, name="textual")
+      self.textual = bert_lib.BertEncoder(self.bert, dtype=self.dtype, remat=self.remat, name="textual")
       text_width = self.bert.hidden_size
     else:
-      self.textual = TextEncoder(self.vocab_size, **self.text, dtype=self.dtype, name="textual")
+      self.textual = TextEncoder(self.vocab_size, **self.text, dtype=self.dtype, remat=self.remat, name="textual")
       text_width = self.text["hidden"]
     self.text_pooler = nn.Dense(text_width, dtype=self.dtype, param_dtype=jnp.float32, name="text_pooler")
     for kind in self.head_batchnorm:

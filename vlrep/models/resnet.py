@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from vlrep.models import remat as remat_lib
 from vlrep.models.resnet_layout import DEPTHS
 
 
@@ -133,6 +134,10 @@ class ResNet(nn.Module):
     stem_stride: the small stem's stride (1 or 2); the ImageNet stem's is fixed.
     zero_init_last_bn: start the last BatchNorm of every residual branch at scale 0 (torchvision's
       zero_init_residual; VirTex's official backbone sets it).
+    remat: rematerialisation of each residual block (vlrep.models.remat): 'none' keeps every activation for the
+      backward pass; 'dots' keeps each block's convolution outputs and recomputes its BatchNorms, ReLUs and
+      residual sum; 'full' keeps only each block's input and runs the block again in the backward pass. The stem
+      is not rematerialised. Parameters, BatchNorm statistics and their updates are the same under every policy.
   Returns:
     (features [B, H/32, W/32, C] (H/8 or H/16 with the small stem), {'stage1'..'stage4', 'pre_logits' [B, C]}).
   """
@@ -146,6 +151,7 @@ class ResNet(nn.Module):
   stem: str = "imagenet"
   stem_stride: int = 2
   zero_init_last_bn: bool = False
+  remat: str = "none"
 
   @property
   def bottleneck(self) -> bool:
@@ -184,10 +190,12 @@ class ResNet(nn.Module):
       raise ValueError(f"Unknown ResNet stem {self.stem!r}; known: 'imagenet', 'small'.")
     if self.inner_multiplier != 1 and not self.bottleneck:
       raise ValueError(f"inner_multiplier={self.inner_multiplier} needs bottleneck blocks (depth 26 or more).")
-    block_cls = functools.partial(BasicBlock, zero_init_last_bn=self.zero_init_last_bn)
+    # A block is called as block(x, train): `train` (argument 2, after self) is static under remat.
+    wrap = lambda block: remat_lib.wrap(block, self.remat, static_argnums=(2,))
+    block_cls = functools.partial(wrap(BasicBlock), zero_init_last_bn=self.zero_init_last_bn)
     if self.bottleneck:
       block_cls = functools.partial(
-        Bottleneck, inner_multiplier=self.inner_multiplier, zero_init_last_bn=self.zero_init_last_bn
+        wrap(Bottleneck), inner_multiplier=self.inner_multiplier, zero_init_last_bn=self.zero_init_last_bn
       )
     for stage, num_blocks in enumerate(_stage_sizes(self.depth)):
       for b in range(num_blocks):

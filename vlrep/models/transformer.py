@@ -13,6 +13,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from vlrep.models import remat as remat_lib
+
 # BERT-style initialisation N(0, 0.02), as VirTex uses. Its gain per matrix, 0.02 * sqrt(H), is ~0.9 at the paper's
 # H=2048 but ~0.2 at a CPU-sized H=128, where the products of several small matrices between the image and the
 # logits stall learning; `init_std` lets small heads keep the paper's gain (docs/results/virtex.md).
@@ -112,6 +114,12 @@ class DecoderLayer(nn.Module):
     return x, cross
 
 
+def decoder_layer(remat: str = "none") -> type[DecoderLayer]:
+  """DecoderLayer under rematerialisation policy `remat` (vlrep.models.remat); called as layer(x, memory, mask,
+  train), `train` positional (static)."""
+  return remat_lib.wrap(DecoderLayer, remat, static_argnums=(4,))
+
+
 class WordAndPositionEmbedding(nn.Module):
   """Token + learned position embeddings, summed, LayerNorm, dropout. `attend` ties the output layer."""
 
@@ -164,6 +172,10 @@ class TransformerTextualHead(nn.Module):
     official_init: initialise as the official head effectively does: weights N(0, init_std) as always, but the
       feed-forward and output biases U(+-1/sqrt(fan_in)) (torch.nn.Linear's default, which the official
       `_init_weights` leaves alone) and the padding token's embedding row zero. Attention biases are zero in both.
+    remat: rematerialisation of each decoder layer (vlrep.models.remat): 'none' keeps every activation for the
+      backward pass; 'dots' keeps the layer's matmul outputs (projections, attention scores and mixes, MLP) and
+      recomputes its LayerNorms, softmaxes, GELU and dropout; 'full' keeps only the layer's input and runs it again.
+      The embedding and the output layer are not rematerialised; parameters are the same under every policy.
   `causal_by_direction` (optional, {direction: [B] bool}): per example, whether a forward/backward decoder keeps its
   causal mask (True) or attends to every non-padding position (False: CapPa's parallel prediction); a direction
   not in it is causal for every example.
@@ -185,6 +197,7 @@ class TransformerTextualHead(nn.Module):
   official_init: bool = False
   padding_id: int = 0
   zero_padding_embedding: bool = False  # the official embedding's zeroed padding-id positions (see above)
+  remat: str = "none"
 
   @nn.compact
   def __call__(
@@ -209,6 +222,7 @@ class TransformerTextualHead(nn.Module):
     bias_init = torch_bias_init(self.hidden) if self.official_init else nn.initializers.zeros
     output_bias = self.param("output_bias", bias_init, (self.vocab_size,), jnp.float32)
     heads = self.num_heads or max(1, self.hidden // 64)
+    layer_cls = decoder_layer(self.remat)
     logits, aux = {}, {}
     for direction in self.directions:
       if direction not in tokens_by_direction:  # e.g. decoding runs the forward model alone
@@ -225,7 +239,7 @@ class TransformerTextualHead(nn.Module):
       x = embedding(tokens, train)
       crosses = []
       for layer in range(self.num_layers):
-        x, cross = DecoderLayer(
+        x, cross = layer_cls(
           heads,
           self.mlp_dim or 4 * self.hidden,
           self.dropout,

@@ -48,7 +48,7 @@ class VirTexModel(nn.Module):
   remat: str = "none"  # rematerialisation policy of the blocks (vlrep.models.remat.POLICIES); no parameter changes
 
   def setup(self):
-    self.visual = resnet.from_config(self.backbone, dtype=self.dtype, name="backbone")
+    self.visual = resnet.from_config(self.backbone, dtype=self.dtype, remat=self.remat, name="backbone")
     if self.head == "linear":
       self.classifier = nn.Dense(self.vocab_size, dtype=self.dtype, param_dtype=jnp.float32, name="classifier")
     elif self.head == "transformer":
@@ -77,6 +77,7 @@ class VirTexModel(nn.Module):
         official_init=self.official_init,
         padding_id=special_tokens.PAD_ID,
         zero_padding_embedding=self.official_padding,
+        remat=self.remat,
         name="textual_head",
       )
     else:

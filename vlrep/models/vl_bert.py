@@ -33,6 +33,7 @@ import numpy as np
 
 from vlrep.errors import UserError
 from vlrep.models import bert as bert_lib
+from vlrep.models import remat as remat_lib
 from vlrep.models import resnet
 
 ARCHS = ("visual_bert", "vilbert")
@@ -177,6 +178,8 @@ class VLBertModel(nn.Module):
       'own' LayerNorm over the regions or BERT's embedding LayerNorm 'shared' with the text; a learned 'segment'
       vector or VisualBERT's visual token-type / position 'tables' (the regions' token type: `region_type_id`,
       1 in the authors' and Hugging Face's code, 0 in MMF's).
+    remat: rematerialisation (vlrep.models.remat) of each BERT layer, ViLBERT visual layer and co-attention block:
+      'dots' keeps their matmul outputs, 'full' only their inputs. The parameter tree is the same.
   """
 
   arch: str
@@ -222,7 +225,7 @@ class VLBertModel(nn.Module):
     tables = self.region_type_embedding == "tables"
     if tables and not 0 <= self.region_type_id < c.type_vocab_size:
       raise ValueError(f"region_type_id={self.region_type_id} is not a row of the {c.type_vocab_size} token types.")
-    self.text = bert_lib.BertEncoder(c, self.dtype, name="bert")
+    self.text = bert_lib.BertEncoder(c, self.dtype, self.remat, name="bert")
     if self.arch == "visual_bert":
       self.regions_embed = RegionEmbeddings(
         c.hidden_size,
@@ -242,9 +245,12 @@ class VLBertModel(nn.Module):
       v_cfg = dataclasses.replace(
         c, hidden_size=self.v_hidden, num_attention_heads=self.v_heads, intermediate_size=self.v_intermediate
       )
-      self.v_stream = [bert_lib.BertLayer(v_cfg, self.dtype, name=f"v_layer_{i}") for i in range(self.v_layers)]
+      v_layer = bert_lib.bert_layer(self.remat)
+      self.v_stream = [v_layer(v_cfg, self.dtype, name=f"v_layer_{i}") for i in range(self.v_layers)]
+      # Called as block(t, t_mask, v, v_mask, deterministic): `deterministic` (argument 5 after self) is static.
+      co_block = remat_lib.wrap(CoAttentionBlock, self.remat, static_argnums=(5,))
       self.co_attention = [
-        CoAttentionBlock(
+        co_block(
           c.hidden_size,
           self.v_hidden,
           self.bi_hidden,
