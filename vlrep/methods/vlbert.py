@@ -51,7 +51,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from vlrep import runs
+from vlrep import methods, runs
 from vlrep.data import vl_ops
 from vlrep.models import bert as bert_lib
 from vlrep.models import resnet, vl_bert
@@ -118,11 +118,26 @@ def bert_mask(rng, tokens, special, rate: float, vocab_size: int, mask_id: int):
 def region_kl(logits, probs, weights):
   """Mean over the weighted regions of KL(probs || softmax(logits)) (MMF's masked-region loss against the
   detector's class distribution); a region whose distribution is all zero (no target) is left out."""
+  return _weighted_mean(region_kl_per_region(logits, probs), weights * _has_distribution(probs))
+
+
+def region_kl_per_region(logits, probs):
+  """KL(probs || softmax(logits)) of each region [..., classes] -> [...], float32 (0 for an all-zero `probs`)."""
   probs = probs.astype(jnp.float32)
   log_p = jnp.log(jnp.where(probs > 0, probs, 1.0))  # 0 * log 0 = 0
-  kl = jnp.sum(probs * (log_p - jax.nn.log_softmax(logits.astype(jnp.float32), -1)), -1)
-  w = weights * (jnp.sum(probs, -1) > 0)
-  return jnp.sum(kl * w) / jnp.maximum(w.sum(), 1.0)
+  return jnp.sum(probs * (log_p - jax.nn.log_softmax(logits.astype(jnp.float32), -1)), -1)
+
+
+def _has_distribution(probs):
+  return jnp.sum(probs.astype(jnp.float32), -1) > 0
+
+
+def _weighted_mean(values, weights):
+  return jnp.sum(values * weights) / jnp.maximum(weights.sum(), 1.0)
+
+
+def _token_nll(logits, targets):
+  return -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), targets[..., None], -1)[..., 0]
 
 
 class Method:
@@ -199,6 +214,8 @@ class Method:
       fusion=config.get("fusion", "mul"),
       alignment=self.alignment,
       dtype=jnp.dtype(config.dtype),
+      # config.remat's policy (vlrep.run_setup.method_config adds it to the method's block): no value changes.
+      remat=config.get("remat", "none"),
       **region_embedding_knobs(config),
     )
     visual_field = "regions" if self.from_files else "image"
@@ -333,99 +350,144 @@ class Method:
         )
 
   def loss(self, variables, batch, rng, train: bool = True):
+    return methods.loss_of_parts(self, variables, batch, rng, train)
+
+  def prepare(self, batch, rng):
+    """The draws over the whole batch, before it is split (pretraining; fine-tuning draws only dropout): BERT's
+    token masks (`masked_tokens`, `picked` [B, Q, T]); with alignment, each pair's coin (`swapped` [B, Q]) and
+    the batch's other image each text may meet (`other_*`: the visual inputs rolled by one, so that a pair's
+    regions stay a per-example computation); ViLBERT's masked regions (`region_picked`, `region_zeroed`
+    [B, Q, R])."""
+    if self.task != "pretrain":
+      return batch
     mask_rng, region_rng = jax.random.split(rng)
+    tokens, _, pair_mask = self._flatten_pairs(batch)
+    b, q = batch["tokens"].shape[:2]
+    rep = lambda x: jnp.repeat(x, q, axis=0)  # one copy of the image's regions per text
+    per_pair = lambda x: x.reshape(b, q, *x.shape[1:])
+    special = (tokens == 0) | (tokens == self.cls_id) | (tokens == self.sep_id) | ~pair_mask[:, None]
+    inputs, picked = bert_mask(
+      mask_rng, tokens, special, self.config.mask_rate, self.bert_config.vocab_size, self.mask_id
+    )
+    region_mask = self._region_mask(batch)
+    r_mask = rep(region_mask)
+    aligned = pair_mask
+    out = dict(batch)
+    if self.alignment:
+      if b < 2:
+        raise ValueError("method.alignment_weight > 0 pairs texts with other images of the batch: it needs >= 2.")
+      # Folded in (as dropout's rng) so that the token and region masks stay those of a run without alignment.
+      swap = jax.random.uniform(jax.random.fold_in(rng, 2), pair_mask.shape) < 0.5
+      for key in self._visual_inputs():  # each text meets the batch's next image
+        out[f"other_{key}"] = jnp.roll(batch[key], 1, axis=0)
+      r_mask = jnp.where(swap[:, None], rep(jnp.roll(region_mask, 1, axis=0)), r_mask)
+      aligned = pair_mask & ~swap
+      picked = picked & aligned[:, None]
+      out["swapped"] = per_pair(swap)
+    out.update(masked_tokens=per_pair(inputs), picked=per_pair(picked))
+    if self.region_classes:
+      pick_rng, zero_rng = jax.random.split(region_rng)
+      region_picked = (jax.random.uniform(pick_rng, r_mask.shape) < self.config.region_mask_rate) & r_mask
+      region_picked &= aligned[:, None]
+      zeroed = region_picked & (jax.random.uniform(zero_rng, r_mask.shape) < 0.9)
+      out.update(region_picked=per_pair(region_picked), region_zeroed=per_pair(zeroed))
+    return out
+
+  def per_example(self, variables, batch, rng, train: bool = True):
+    """Per (image, text) pair, shaped [B, Q, ...]: pretraining's negative log-likelihood of each masked-token slot
+    (`mlm_nll` [B, Q, K], `_mlm_at_picked`'s slots) and whether it is the top prediction (`mlm_correct`), each
+    region's loss (`region_loss` [B, Q, R]: KL, cross-entropy or squared error), the alignment head's (`alignment_nll`,
+    `alignment_right`); fine-tuning's task loss and top answer's score (`task_loss`, `task_score`)."""
     # Folded in, not split off, so the token and region masks (from split(rng)) do not depend on dropout.
     dropout = {"deterministic": not train, "rngs": {"dropout": jax.random.fold_in(rng, 1)}}
     feats, boxes, region_mask = self._regions(variables, batch)
     tokens, type_ids, pair_mask = self._flatten_pairs(batch)
-    q = batch["tokens"].shape[1]
+    b, q = batch["tokens"].shape[:2]
     rep = lambda x: jnp.repeat(x, q, axis=0)  # one copy of the image's regions per text
+    pairs = lambda x: x.reshape(b * q, *x.shape[2:])
+    per_pair = lambda x: x.reshape(b, q, *x.shape[1:])
     params = variables["params"]
-    metrics = {"pairs": jnp.sum(pair_mask).astype(jnp.float32)}
-    if self.task == "pretrain":
-      special = (tokens == 0) | (tokens == self.cls_id) | (tokens == self.sep_id) | ~pair_mask[:, None]
-      inputs, picked = bert_mask(
-        mask_rng, tokens, special, self.config.mask_rate, self.bert_config.vocab_size, self.mask_id
-      )
-      r_feats, r_boxes, r_mask = rep(feats), rep(boxes), rep(region_mask)
-      aligned = pair_mask
-      if self.alignment:
-        if feats.shape[0] < 2:
-          raise ValueError("method.alignment_weight > 0 pairs texts with other images of the batch: it needs >= 2.")
-        # Folded in (as dropout's rng) so that the token and region masks stay those of a run without alignment.
-        swap = jax.random.uniform(jax.random.fold_in(rng, 2), pair_mask.shape) < 0.5
-        other = lambda x: rep(jnp.roll(x, 1, axis=0))  # each text meets the batch's next image
-        pick = lambda mine, theirs: jnp.where(swap.reshape(swap.shape + (1,) * (mine.ndim - 1)), theirs, mine)
-        r_feats, r_boxes, r_mask = (
-          pick(r_feats, other(feats)),
-          pick(r_boxes, other(boxes)),
-          pick(r_mask, other(region_mask)),
-        )
-        aligned = pair_mask & ~swap
-        picked = picked & aligned[:, None]
-      region_picked = jnp.zeros(r_mask.shape, bool)
-      if self.region_classes:
-        pick_rng, zero_rng = jax.random.split(region_rng)
-        region_picked = (jax.random.uniform(pick_rng, r_mask.shape) < self.config.region_mask_rate) & r_mask
-        region_picked &= aligned[:, None]
-        zeroed = region_picked & (jax.random.uniform(zero_rng, r_mask.shape) < 0.9)
-        r_input = jnp.where(zeroed[..., None], 0.0, r_feats)
+    if self.task != "pretrain":
+      logits = self.classify(variables, batch, feats=(feats, boxes, region_mask), **dropout)
+      targets = batch["targets"].reshape(-1, self.num_labels).astype(jnp.float32)
+      if self.config.loss == "bce":  # MMF's logit BCE: summed over labels, averaged over pairs
+        per = jnp.sum(jnp.maximum(logits, 0) - logits * targets + jnp.log1p(jnp.exp(-jnp.abs(logits))), axis=-1)
       else:
-        r_input = r_feats
-      t_states, v_states, pooled, _ = self.model.apply(
-        {"params": params}, inputs, type_ids, r_input, r_boxes, r_mask, method=vl_bert.VLBertModel.encode, **dropout
-      )
-      logits, targets, w = self._mlm_at_picked(params, t_states, tokens, picked)
-      nll = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), targets[..., None], -1)[..., 0]
-      mlm = jnp.sum(nll * w) / jnp.maximum(w.sum(), 1.0)
-      metrics.update(
-        mlm_loss=mlm,
-        mlm_accuracy=jnp.sum((jnp.argmax(logits, -1) == targets) * w) / jnp.maximum(w.sum(), 1.0),
-        masked_tokens=w.sum(),
-      )
-      loss = mlm
-      if self.region_classes:
-        out = self.model.apply({"params": params}, v_states[:, 1:], method=vl_bert.VLBertModel.region_outputs)
-        rw = region_picked.astype(jnp.float32)
-        if self.region_target == "distribution":  # KL(detector's distribution || predicted), MMF's MMM
-          probs = rep(batch["region_probs"])
-          rw = rw * (jnp.sum(probs, -1) > 0)  # regions without a distribution are not scored (nor counted)
-          region_loss = region_kl(out, probs, rw)
-        elif self.region_target == "classes":  # cross-entropy to the box's class (one-hot: ground-truth labels)
-          labels = rep(batch["region_labels"])
-          in_range = (labels >= 0) & (labels < self.region_classes)
-          # A label the head has no class for is left out of the loss and counted (check method.region_classes).
-          metrics["region_labels_out_of_range"] = jnp.sum(region_picked & (labels >= self.region_classes)).astype(
-            jnp.float32
-          )
-          safe = jnp.where(in_range, labels, 0)
-          region_nll = -jnp.take_along_axis(jax.nn.log_softmax(out, -1), safe[..., None], -1)[..., 0]
-          rw = rw * in_range
-          region_loss = jnp.sum(region_nll * rw) / jnp.maximum(rw.sum(), 1.0)
-        else:  # the region's feature
-          region_loss = jnp.sum(jnp.mean((out - r_feats) ** 2, -1) * rw) / jnp.maximum(rw.sum(), 1.0)
-        metrics.update(region_loss=region_loss, masked_regions=rw.sum())
-        loss = loss + self.config.region_weight * region_loss
-      if self.alignment:
-        a_logits = self.model.apply({"params": params}, pooled, method=vl_bert.VLBertModel.alignment_logits)
-        a_nll = -jnp.take_along_axis(jax.nn.log_softmax(a_logits, -1), (~swap).astype(jnp.int32)[:, None], -1)[:, 0]
-        pw = pair_mask.astype(jnp.float32)
-        a_loss = jnp.sum(a_nll * pw) / jnp.maximum(pw.sum(), 1.0)
-        a_right = (jnp.argmax(a_logits, -1) == 1) == ~swap
-        metrics.update(alignment_loss=a_loss, alignment_accuracy=jnp.sum(a_right * pw) / jnp.maximum(pw.sum(), 1.0))
-        loss = loss + self.alignment_weight * a_loss
+        per = -jnp.sum(targets * jax.nn.log_softmax(logits, -1), -1)
+      # Score of the top answer under the targets: VQA accuracy for soft scores, accuracy for one-hot.
+      top = jnp.take_along_axis(targets, jnp.argmax(logits, -1)[:, None], -1)[:, 0]
+      return {"task_loss": per_pair(per), "task_score": per_pair(top)}, {}
+    r_feats, r_boxes, r_mask = rep(feats), rep(boxes), rep(region_mask)
+    if self.alignment:
+      swap = pairs(batch["swapped"])
+      o_feats, o_boxes, o_mask = self._regions(variables, batch, "other_")
+      pick = lambda mine, theirs: jnp.where(swap.reshape(swap.shape + (1,) * (mine.ndim - 1)), theirs, mine)
+      r_feats, r_boxes, r_mask = pick(r_feats, rep(o_feats)), pick(r_boxes, rep(o_boxes)), pick(r_mask, rep(o_mask))
+    r_input = r_feats
+    if self.region_classes:
+      r_input = jnp.where(pairs(batch["region_zeroed"])[..., None], 0.0, r_feats)
+    t_states, v_states, pooled, _ = self.model.apply(
+      {"params": params}, pairs(batch["masked_tokens"]), type_ids, r_input, r_boxes, r_mask,
+      method=vl_bert.VLBertModel.encode, **dropout,
+    )  # fmt: skip
+    logits, targets, _ = self._mlm_at_picked(params, t_states, tokens, pairs(batch["picked"]))
+    outputs = {
+      "mlm_nll": per_pair(_token_nll(logits, targets)),
+      "mlm_correct": per_pair((jnp.argmax(logits, -1) == targets).astype(jnp.float32)),
+    }
+    if self.region_classes:
+      out = self.model.apply({"params": params}, v_states[:, 1:], method=vl_bert.VLBertModel.region_outputs)
+      if self.region_target == "distribution":  # KL(detector's distribution || predicted), MMF's MMM
+        region_loss = region_kl_per_region(out, rep(batch["region_probs"]))
+      elif self.region_target == "classes":  # cross-entropy to the box's class (one-hot: ground-truth labels)
+        labels = rep(batch["region_labels"])
+        region_loss = _token_nll(out, jnp.where((labels >= 0) & (labels < self.region_classes), labels, 0))
+      else:  # the region's feature
+        region_loss = jnp.mean((out - r_feats) ** 2, -1)
+      outputs["region_loss"] = per_pair(region_loss)
+    if self.alignment:
+      a_logits = self.model.apply({"params": params}, pooled, method=vl_bert.VLBertModel.alignment_logits)
+      outputs["alignment_nll"] = per_pair(_token_nll(a_logits, (~swap).astype(jnp.int32)))
+      outputs["alignment_right"] = per_pair(((jnp.argmax(a_logits, -1) == 1) == ~swap).astype(jnp.float32))
+    return outputs, {}
+
+  def combine(self, variables, outputs, batch):
+    """The losses and metrics over the whole batch: means over its scored tokens, regions and pairs, with weights
+    from the (prepared) batch alone, so linear in the outputs."""
+    del variables
+    _, _, pair_mask = self._flatten_pairs(batch)
+    b, q = batch["tokens"].shape[:2]
+    rep = lambda x: jnp.repeat(x, q, axis=0)
+    pairs = lambda x: x.reshape(b * q, *x.shape[2:])
+    metrics = {"pairs": jnp.sum(pair_mask).astype(jnp.float32)}
+    pw = pair_mask.astype(jnp.float32)
+    if self.task != "pretrain":
+      loss = _weighted_mean(pairs(outputs["task_loss"]), pw)
+      metrics.update(task_loss=loss, train_score=_weighted_mean(pairs(outputs["task_score"]), pw))
       return loss, metrics, {}
-    logits = self.classify(variables, batch, feats=(feats, boxes, region_mask), **dropout)
-    targets = batch["targets"].reshape(-1, self.num_labels).astype(jnp.float32)
-    w = pair_mask.astype(jnp.float32)
-    if self.config.loss == "bce":  # MMF's logit BCE: summed over labels, averaged over pairs
-      per = jnp.sum(jnp.maximum(logits, 0) - logits * targets + jnp.log1p(jnp.exp(-jnp.abs(logits))), axis=-1)
-    else:
-      per = -jnp.sum(targets * jax.nn.log_softmax(logits, -1), -1)
-    loss = jnp.sum(per * w) / jnp.maximum(w.sum(), 1.0)
-    # Score of the top answer under the targets: VQA accuracy for soft scores, accuracy for one-hot.
-    top = jnp.take_along_axis(targets, jnp.argmax(logits, -1)[:, None], -1)[:, 0]
-    metrics.update(task_loss=loss, train_score=jnp.sum(top * w) / jnp.maximum(w.sum(), 1.0))
+    _, w = self._slots(pairs(batch["picked"]))
+    mlm = _weighted_mean(pairs(outputs["mlm_nll"]), w)
+    metrics.update(mlm_loss=mlm, mlm_accuracy=_weighted_mean(pairs(outputs["mlm_correct"]), w), masked_tokens=w.sum())
+    loss = mlm
+    if self.region_classes:
+      region_picked = pairs(batch["region_picked"])
+      rw = region_picked.astype(jnp.float32)
+      if self.region_target == "distribution":
+        rw = rw * _has_distribution(rep(batch["region_probs"]))  # regions without a distribution: not scored or counted
+      elif self.region_target == "classes":
+        labels = rep(batch["region_labels"])
+        # A label the head has no class for is left out of the loss and counted (check method.region_classes).
+        metrics["region_labels_out_of_range"] = jnp.sum(region_picked & (labels >= self.region_classes)).astype(
+          jnp.float32
+        )
+        rw = rw * ((labels >= 0) & (labels < self.region_classes))
+      region_loss = _weighted_mean(pairs(outputs["region_loss"]), rw)
+      metrics.update(region_loss=region_loss, masked_regions=rw.sum())
+      loss = loss + self.config.region_weight * region_loss
+    if self.alignment:
+      a_loss = _weighted_mean(pairs(outputs["alignment_nll"]), pw)
+      metrics.update(alignment_loss=a_loss, alignment_accuracy=_weighted_mean(pairs(outputs["alignment_right"]), pw))
+      loss = loss + self.alignment_weight * a_loss
     return loss, metrics, {}
 
   def classify(self, variables, batch, feats=None, deterministic: bool = True, rngs=None) -> jax.Array:
@@ -472,23 +534,42 @@ class Method:
     return {"pre_logits": aux["pre_logits"], "grid": grid.astype(jnp.float32)}
 
   # -- helpers ------------------------------------------------------------------------------------------
-  def _regions(self, variables, batch):
+  def _visual_inputs(self) -> tuple[str, ...]:
+    """The batch fields the regions come from."""
+    return ("regions" if self.from_files else "image", "boxes", "box_mask")
+
+  def _regions(self, variables, batch, prefix: str = ""):
+    """(features float32 [B, R, D], boxes, mask [B, R]) of the batch's images (of the `other_` images with that
+    `prefix`)."""
+    image_or_regions, boxes, mask = (batch[prefix + k] for k in self._visual_inputs())
     if self.from_files:
-      return batch["regions"].astype(jnp.float32), batch["boxes"], batch["box_mask"]
-    feats, boxes, mask = self.regions.apply(variables["visual"], batch["image"], batch["boxes"], batch["box_mask"])
+      return image_or_regions.astype(jnp.float32), boxes, mask
+    feats, boxes, mask = self.regions.apply(variables["visual"], image_or_regions, boxes, mask)
     return jax.lax.stop_gradient(feats).astype(jnp.float32), boxes, mask
+
+  def _region_mask(self, batch):
+    """The mask [B, R] `_regions` gives, without extracting: the boxes', or every cell of a grid extractor's."""
+    if self.from_files or self.regions.mode != "grid":
+      return batch["box_mask"]
+    extract = lambda *x: self.regions.init_with_output(jax.random.PRNGKey(0), *x)[0][2]
+    shape = jax.eval_shape(extract, batch["image"], batch["boxes"], batch["box_mask"]).shape
+    return jnp.ones(shape, bool)
 
   def _mlm_at_picked(self, params, t_states, tokens, picked):
     """MLM logits at the picked positions only (the vocabulary projection dominates the cost otherwise):
     -> (logits [B, K, V], target ids [B, K], weights [B, K] (0 for unused slots))."""
-    k = max_predictions(tokens.shape[1], self.config.mask_rate)
-    # Positions of the picked tokens first (in order), then the others.
-    order = jnp.argsort(~picked, axis=1, stable=True)[:, :k]
+    order, w = self._slots(picked)
     states = jnp.take_along_axis(t_states, order[..., None], axis=1)
     logits = self.model.apply({"params": params}, states, method=vl_bert.VLBertModel.mlm_logits)
     targets = jnp.take_along_axis(tokens, order, axis=1)
-    w = jnp.take_along_axis(picked, order, axis=1).astype(jnp.float32)
     return logits, targets, w
+
+  def _slots(self, picked):
+    """The K scored slots of each sequence [N, T]: (positions [N, K]: the picked tokens first, in order, then the
+    others; weights [N, K] float32: 1 at a picked token)."""
+    k = max_predictions(picked.shape[1], self.config.mask_rate)
+    order = jnp.argsort(~picked, axis=1, stable=True)[:, :k]
+    return order, jnp.take_along_axis(picked, order, axis=1).astype(jnp.float32)
 
   @staticmethod
   def _flatten_pairs(batch):
