@@ -24,10 +24,11 @@ class ClassifierModel(nn.Module):
   backbone: dict
   head_init_std: float = 0.01
   dtype: jnp.dtype = jnp.float32
+  remat: str = "none"  # the backbone's rematerialisation policy (vlrep.models.remat.POLICIES); no parameter changes
 
   @nn.compact
   def __call__(self, images, train: bool = False):
-    _, aux = resnet.from_config(self.backbone, dtype=self.dtype, name="backbone")(images, train)
+    _, aux = resnet.from_config(self.backbone, dtype=self.dtype, remat=self.remat, name="backbone")(images, train)
     logits = nn.Dense(
       self.num_classes,
       kernel_init=nn.initializers.normal(self.head_init_std),
@@ -49,7 +50,11 @@ class Method:
       raise ValueError("method.num_classes must be set for the classifier.")
     self.config = config
     self.model = ClassifierModel(
-      config.num_classes, dict(config.backbone), config.get("head_init_std", 0.01), jnp.dtype(config.dtype)
+      config.num_classes,
+      dict(config.backbone),
+      config.get("head_init_std", 0.01),
+      jnp.dtype(config.dtype),
+      remat=config.get("remat", "none"),  # config.remat, copied in by run_setup.method_config
     )
 
   def init(self, rng, batch) -> dict:
