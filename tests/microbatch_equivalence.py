@@ -4,7 +4,7 @@ devices (one) or, run as a script, on 8 simulated ones.
 
 Every variant is made exact where microbatches would otherwise change the maths, and says how: dropout off (each
 microbatch draws its own masks), BatchNorm in groups of 8 examples (a microbatch holds whole groups; a whole-batch
-BatchNorm would take its statistics per microbatch), plain SGD at learning rate 1 (the update is minus the
+BatchNorm, as MCT's head BatchNorm, would take its statistics per microbatch: MCT's variant has none), plain SGD at learning rate 1 (the update is minus the
 gradient, so equal parameters mean equal gradients; Adam's first step divides a gradient by its own size, which
 turns a rounding difference near zero into a full step).
 
@@ -42,7 +42,9 @@ VARIANTS = {
   "siglip_chunked": ("tiny_clip", {"method.loss": "sigmoid", "method.loss_chunks": 4}),
   "loctex": ("tiny_loctex", {}),
   "loctex_groups": ("tiny_loctex", {"method.contrastive_group_size": 16}),
-  "mct": ("tiny_mct", {"method.queue_size": 2 * BATCH}),
+  # MCT's head BatchNorm (runlocal's head_batchnorm=('inter',)) takes its statistics over the whole batch, with no
+  # groups: per microbatch it would differ, so this variant has none.
+  "mct": ("tiny_mct", {"method.queue_size": 2 * BATCH, "method.head_batchnorm": ()}),
   "icmlm": ("tiny_icmlm", {}),
   "vlbert": ("tiny_vlbert", {}),
   "classifier": ("tiny_finetune", {}),
