@@ -11,15 +11,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from vlrep import methods, optim
+from vlrep.models import remat
 from vlrep.sharding import DATA
 
-# config.remat's choices (each residual block and each transformer layer is one `jax.checkpoint`): what its
-# backward pass keeps of the forward pass's values.
-REMAT_POLICIES = {
-  "none": None,  # no rematerialisation: everything the backward pass needs is kept
-  "dots": jax.checkpoint_policies.dots_saveable,  # matmul and convolution outputs kept; norms, activations redone
-  "full": jax.checkpoint_policies.nothing_saveable,  # only each block's input kept; the block is run again
-}
+# config.remat's choices, what each residual block and transformer layer keeps for its backward pass (the table
+# lives beside the models that apply it).
+REMAT_POLICIES = remat.POLICIES
 
 
 def make_train_step(method, tx, schedules: dict, base_rng, frozen=(), microbatches: int = 1, batch_sharding=None):
