@@ -12,7 +12,7 @@ def test_memory_falls_with_microbatches_and_refused_settings_are_named():
   label, path, arg, devices = memory.parse_method(os.path.join(TESTS, "tiny_clip.py") + "@1", 8)
   assert (label, arg, devices) == ("tiny_clip", None, 1)
   # 8 examples in 3 microbatches: refused before anything compiles.
-  rows = memory.memory_table(label, path, arg, devices, [1, 2, 3], ["none"])
+  rows = memory.memory_table(label, path, arg, devices, memory.grid([1, 2, 3], ["none"]))
   one, two, three = rows
   assert "batch_size=8 does not split into microbatches=3" in three["refused"], three
   assert two["argument_bytes"] == one["argument_bytes"]  # the same state and batch come in

@@ -17,7 +17,8 @@ one-shot step's is each lever's compute cost. `--devices=N` simulates N devices 
 (`--xla_force_host_platform_device_count`, set here before JAX starts its backends) so that each device's program
 is the one an N-device run compiles; `NAME@N` gives one method its own device count. A setting the loop would
 refuse (`train_step.step_errors`: a microbatch splitting BatchNorm groups, a batch not dividing) is listed as
-refused, not measured.
+refused, not measured. XLA's CPU pipeline would merge a rematerialised block's recomputation with its forward pass
+(`KEEP_REMAT`): the command keeps jax.checkpoint's barriers, as accelerators' pipelines do.
 
 Methods are NAME (configs/NAME.py, at its recipe: batch, backbone, image size) or a config file's path, with
 `:ARG` for the config's argument (`clip:loss=sigmoid`, `tests/tiny_clip.py`) and `@N` for its device count.
@@ -48,8 +49,14 @@ from vlrep import config_utils, methods, optim, run_setup, sharding, train_step
 from vlrep.bench import benchmark
 
 GIB = 2**30
-# Simulated CPU devices: set in XLA_FLAGS before JAX starts its backends (`simulate_devices`).
+# Simulated CPU devices: set in XLA_FLAGS before JAX starts its backends (`cpu_flags`).
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
+# XLA's CPU pipeline expands the optimization barriers that keep a rematerialised block's recomputation apart
+# (jax.checkpoint's prevent_cse) before its common-subexpression pass, which then merges the recomputation with the
+# forward pass: the backward pass reads the forward's values again, so remat changes neither memory nor time there
+# (a 16-layer MLP's gradient: 512 MiB of temporaries under every policy; 272 MiB under 'full' with this flag).
+# Keeping the barriers compiles what an accelerator's pipeline keeps; steps without remat have no barriers to keep.
+KEEP_REMAT = "--xla_disable_hlo_passes=cse_barrier_expander"
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 
 
@@ -58,6 +65,7 @@ def _define_flags() -> None:
   flags.DEFINE_list("methods", ["virtex@1", "virtex", "clip", "loctex"], "NAME[:ARG][@DEVICES] or PATH.py[:ARG][@N].")
   flags.DEFINE_list("microbatches", ["1", "2", "4", "8"], "Microbatch counts (config.microbatches).")
   flags.DEFINE_list("remat", ["none", "dots", "full"], "Rematerialisation policies (config.remat).")
+  flags.DEFINE_list("settings", [], "N:POLICY pairs (microbatches:remat) instead of the grid of the two flags above.")
   flags.DEFINE_integer("devices", 8, "Devices simulated on the CPU (a method's @N overrides).")
   flags.DEFINE_string("platform", "cpu", "Whose devices compile the step (the CPU's can be simulated).")
   flags.DEFINE_integer("image_size", 0, "Image side (default: the config's inception_crop, else 224).")
@@ -189,26 +197,23 @@ def measure(config, devices: int, platform: str = "cpu", image_size: int = 0, nu
   return out
 
 
-def memory_table(
-  label, path, arg, devices, microbatches, remats, platform="cpu", image_size=0, num_tags=80, done=()
-) -> list[dict]:
-  """Rows of one method: every microbatch count x remat policy at the config's own batch, with ratios to the
-  one-shot step (microbatches=1, remat='none'; `with_ratios`). `done`: rows measured before (a resumed run),
-  kept instead of measured again."""
+def memory_table(label, path, arg, devices, settings, platform="cpu", image_size=0, num_tags=80, done=()) -> list[dict]:
+  """Rows of one method: each (microbatches, remat) setting at the config's own batch, with ratios to the one-shot
+  step (microbatches=1, remat='none'; `with_ratios`). `done`: rows measured before (a resumed run), kept instead
+  of measured again."""
   rows = []
-  for remat in remats:
-    for n in microbatches:
-      before = [r for r in done if _key(r) == (label, devices, n, remat)]
-      if before:
-        rows.append(before[0])
-        continue
-      config = load_config(path, arg, microbatches=n, remat=remat)
-      row = {"method": label, "devices": devices, "batch_size": int(config.batch_size), "microbatches": n}
-      row["remat"] = remat
-      row["per_device_microbatch"] = config.batch_size / (devices * n)
-      row.update(measure(config, devices, platform, image_size, num_tags))
-      rows.append(row)
-      print(f"{label}@{devices} microbatches={n} remat={remat}: {_summary(row)}", file=sys.stderr, flush=True)
+  for n, remat in settings:
+    before = [r for r in done if _key(r) == (label, devices, n, remat)]
+    if before:
+      rows.append(before[0])
+      continue
+    config = load_config(path, arg, microbatches=n, remat=remat)
+    row = {"method": label, "devices": devices, "batch_size": int(config.batch_size), "microbatches": n}
+    row["remat"] = remat
+    row["per_device_microbatch"] = config.batch_size / (devices * n)
+    row.update(measure(config, devices, platform, image_size, num_tags))
+    rows.append(row)
+    print(f"{label}@{devices} microbatches={n} remat={remat}: {_summary(row)}", file=sys.stderr, flush=True)
   return with_ratios(rows)
 
 
@@ -263,11 +268,12 @@ def memory_markdown(rows: list[dict]) -> str:
   return "\n".join(lines) + "\n"
 
 
-def time_table(label, path, arg, microbatches, remats, batch_size, image_size, steps, windows, num_tags=80) -> dict:
-  """One method's settings timed side by side on one device (`benchmark.benchmark`'s variants)."""
+def time_table(label, path, arg, settings, batch_size, image_size, steps, windows, num_tags=80) -> dict:
+  """One method's (microbatches, remat) settings timed side by side on one device (`benchmark.benchmark`'s
+  variants), with the one-shot step (1, 'none') as the baseline."""
   config = load_config(path, arg, batch_size=batch_size)
   config.sharding.num_devices = 1
-  settings = [(n, r) for r in remats for n in microbatches]
+  settings = [(1, "none"), *(s for s in settings if s != (1, "none"))]
   variants = tuple((f"mb{n}_{r}", f"microbatches={n},remat={r}") for n, r in settings if (n, r) != (1, "none"))
   result = benchmark.benchmark(config, steps, image_size, vocab_size_of(config), "device", num_tags, windows, variants)
   rows = []
@@ -306,9 +312,16 @@ def time_markdown(rows: list[dict]) -> str:
   return "\n".join(lines) + "\n"
 
 
+def grid(microbatches, remats, settings=()) -> list[tuple[int, str]]:
+  """(microbatches, remat) pairs: `settings` ('N:POLICY') when given, else every policy x every count."""
+  if settings:
+    return [(int(n), r) for n, _, r in (s.partition(":") for s in settings)]
+  return [(int(n), r) for r in remats for n in microbatches]
+
+
 def main(argv):
   del argv
-  microbatches = [int(n) for n in FLAGS.microbatches]
+  settings = grid(FLAGS.microbatches, FLAGS.remat, FLAGS.settings)
   specs = [parse_method(s, FLAGS.devices) for s in FLAGS.methods]
   result = {"jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""), "argv": sys.argv}
   if FLAGS.time:
@@ -319,8 +332,7 @@ def main(argv):
         label,
         path,
         arg,
-        microbatches,
-        FLAGS.remat,
+        settings,
         FLAGS.time_batch_size,
         FLAGS.time_image_size,
         FLAGS.steps,
@@ -338,9 +350,7 @@ def main(argv):
         done = json.load(f)["rows"]
     rows = []
     for label, path, arg, devices in specs:
-      rows += memory_table(
-        label, path, arg, devices, microbatches, FLAGS.remat, FLAGS.platform, FLAGS.image_size, FLAGS.num_tags, done
-      )
+      rows += memory_table(label, path, arg, devices, settings, FLAGS.platform, FLAGS.image_size, FLAGS.num_tags, done)
       if FLAGS.out:  # what is measured so far survives a stopped run
         kept = [r for r in done if _key(r) not in {_key(x) for x in rows}]
         _write(FLAGS.out, {**result, "rows": with_ratios(kept + rows)})
@@ -361,21 +371,26 @@ def _write(path: str, result: dict) -> None:
     json.dump(result, f, indent=2)
 
 
-def simulate_devices(argv: list[str]) -> None:
-  """Adds --xla_force_host_platform_device_count to XLA_FLAGS for the largest device count the command asks for
-  (before JAX starts its backends), unless XLA_FLAGS already sets it."""
-  if _DEVICE_FLAG in os.environ.get("XLA_FLAGS", ""):
-    return
-  counts = [8]
-  for a in argv:
-    if a.startswith("--devices="):
-      counts[0] = int(a.split("=", 1)[1])
-    if a.startswith("--methods="):
-      counts += [int(n) for n in re.findall(r"@(\d+)", a)]
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}={max(counts)}".strip()
+def cpu_flags(argv: list[str]) -> None:
+  """Sets XLA_FLAGS before JAX starts its backends: the simulated devices (--xla_force_host_platform_device_count
+  for the largest device count the command asks for; not when it times, on one device, nor where XLA_FLAGS sets
+  it already) and `KEEP_REMAT`."""
+  flags_now = os.environ.get("XLA_FLAGS", "")
+  extra = []
+  if _DEVICE_FLAG not in flags_now and "--time" not in argv:
+    counts = [8]
+    for a in argv:
+      if a.startswith("--devices="):
+        counts[0] = int(a.split("=", 1)[1])
+      if a.startswith("--methods="):
+        counts += [int(n) for n in re.findall(r"@(\d+)", a)]
+    extra.append(f"{_DEVICE_FLAG}={max(counts)}")
+  if "--xla_disable_hlo_passes" not in flags_now:
+    extra.append(KEEP_REMAT)
+  os.environ["XLA_FLAGS"] = " ".join([flags_now, *extra]).strip()
 
 
 if __name__ == "__main__":
-  simulate_devices(sys.argv)
+  cpu_flags(sys.argv)
   _define_flags()
   app.run(main)
