@@ -30,7 +30,7 @@ BATCH = 256  # 8 devices x 4 microbatches x 8 examples: one BatchNorm group per 
 GROUP = 8
 MICROBATCHES = 4
 
-# name: (tiny config module, config overrides, why this variant is exact)
+# name: (tiny config module[:its argument], config overrides)
 VARIANTS = {
   "virtex_bicaptioning": ("tiny_virtex", {}),
   "virtex_captioning": ("tiny_virtex", {"method.task": "captioning"}),
@@ -47,6 +47,11 @@ VARIANTS = {
   "mct": ("tiny_mct", {"method.queue_size": 2 * BATCH, "method.head_batchnorm": ()}),
   "icmlm": ("tiny_icmlm", {}),
   "vlbert": ("tiny_vlbert", {}),
+  # ViLBERT with the alignment objective: each example's negative pairs it with the next example's image (drawn in
+  # `prepare`, over the global batch).
+  "vilbert_alignment": ("tiny_vlbert:arch=vilbert", {"method.alignment_weight": 1.0}),
+  # VQA fine-tuning: its batches carry per-question counts (stat_*, B x questions long) beside per-image fields.
+  "vlbert_vqa": ("tiny_vlbert:stage=finetune,task=vqa", {}),
   "classifier": ("tiny_finetune", {}),
   # Parameters, gradients and optimizer state split over the devices (ZeRO-3 style), as `sharding.params='fsdp'`.
   "virtex_fsdp": ("tiny_virtex", {"sharding.params": "fsdp"}),
@@ -72,7 +77,8 @@ def _groups_of(tree: dict, size: int) -> None:
 
 def variant_config(name: str):
   module, overrides = VARIANTS[name]
-  config = importlib.import_module(module).get_config()
+  module, _, arg = module.partition(":")
+  config = importlib.import_module(module).get_config(arg or None)
   for key, value in overrides.items():
     node = config
     *path, last = key.split(".")

@@ -143,6 +143,10 @@ def microbatched_gradients(method, params, model_state, batch, rng, n: int, batc
       f"microbatches={n}: method {methods.name_of(method)!r} does not split its loss into per_example and combine "
       "(vlrep.methods.SplitsItsLoss); train it with microbatches=1."
     )
+  # Counts the input pipeline keeps per question, not per example (VQA's stat_*), are not split: the step's data
+  # metrics read them from the whole batch, and no method reads them.
+  sizes = {x.shape[0] for k, x in batch.items() if not k.startswith("stat_")}
+  batch = {k: x for k, x in batch.items() if not k.startswith("stat_") or x.shape[0] in sizes}
   batch = methods.prepare(method, batch, rng)
   shards = batch_shards(batch_sharding)
   split, merge = _splitter(batch, n, shards, batch_sharding)
