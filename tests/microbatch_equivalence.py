@@ -11,6 +11,7 @@ turns a rounding difference near zero into a full step).
   python tests/microbatch_equivalence.py OUT.json [VARIANT ...]   (XLA_FLAGS sets the device count)
 """
 
+import functools
 import importlib
 import json
 import os
@@ -75,7 +76,7 @@ def _groups_of(tree: dict, size: int) -> None:
       tree[k] = size
 
 
-def variant_config(name: str):
+def variant_config(name: str, remat: str = "none"):
   module, overrides = VARIANTS[name]
   module, _, arg = module.partition(":")
   config = importlib.import_module(module).get_config(arg or None)
@@ -90,13 +91,14 @@ def variant_config(name: str):
   _groups_of(method, GROUP)
   config.method = method
   config.batch_size = BATCH
+  config.remat = remat
   return config
 
 
-def one_step(name: str, microbatches: int) -> dict:
+def one_step(name: str, microbatches: int, remat: str = "none") -> dict:
   """{'loss', 'metrics', 'params', 'model_state', 'start'} (numpy) after one step of `name` from its initial state
-  on the first training batch, with `microbatches`."""
-  config = variant_config(name)
+  on the first training batch, with `microbatches` and the `remat` policy."""
+  config = variant_config(name, remat)
   builder, inputs = run_setup.build(config, for_training=True)
   method = inputs.method
   mesh = sharding.make_mesh()
@@ -137,16 +139,23 @@ def one_step(name: str, microbatches: int) -> dict:
   }
 
 
+@functools.lru_cache(maxsize=None)
+def whole_batch_step(name: str) -> dict:
+  """`one_step(name, 1)`, computed once per process (every comparison starts from it)."""
+  return one_step(name, 1)
+
+
 def _written(tree, values):
   if not isinstance(values, dict):
     return np.asarray(values, dtype=np.asarray(tree).dtype)
   return {k: _written(v, values[k]) if k in values else v for k, v in tree.items()}
 
 
-def differences(name: str) -> dict:
-  """How far `microbatches=4` is from 1: the loss's relative difference, each metric's, the largest parameter
-  difference over the largest update, and the largest model-state difference over its scale."""
-  one, four = one_step(name, 1), one_step(name, MICROBATCHES)
+def differences(name: str, remat: str = "none") -> dict:
+  """How far `microbatches=4` (with the `remat` policy) is from 1 (without): the loss's relative difference, each
+  metric's, the largest parameter difference over the largest update, and the largest model-state difference over
+  its scale."""
+  one, four = whole_batch_step(name), one_step(name, MICROBATCHES, remat)
   flat = lambda t: jax.tree_util.tree_flatten_with_path(t)[0]
   update = max(float(np.max(np.abs(a - s))) for (_, a), (_, s) in zip(flat(one["params"]), flat(one["start"])))
   params = max(float(np.max(np.abs(a - b))) for (_, a), (_, b) in zip(flat(one["params"]), flat(four["params"])))

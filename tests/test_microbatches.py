@@ -41,6 +41,13 @@ def test_four_microbatches_give_the_whole_batch_step_on_one_device(name):
   _assert_equal(name, equivalence.differences(name))
 
 
+@pytest.mark.parametrize("name", ONE_DEVICE)
+def test_four_rematerialised_microbatches_give_the_whole_batch_step(name):
+  """remat='full' wraps every residual block and transformer layer of the method in a checkpoint: BatchNorm's
+  statistics, dropout's rngs and the sown values pass through it, so the step is the same."""
+  _assert_equal(name, equivalence.differences(name, "full"))
+
+
 @pytest.fixture(scope="module")
 def eight_devices(tmp_path_factory) -> dict:
   """Every variant on 8 simulated CPU devices, in one process (compiles are the cost)."""
