@@ -1,5 +1,6 @@
 """vlrep.bench.memory: the compiled step's per-device memory falls with microbatches (the tiny CLIP, whose loss mixes
-the whole batch: the gradient cache's case), and a setting the loop refuses is listed as refused."""
+the whole batch: the gradient cache's case), a setting the loop refuses is listed as refused, and --time times each
+setting beside the one-shot step."""
 
 import os
 
@@ -25,3 +26,12 @@ def test_memory_falls_with_microbatches_and_refused_settings_are_named():
   assert 1.0 < two["flops_vs_one_shot"] < 1.5, two
   table = memory.memory_markdown(rows)
   assert "| tiny_clip | 1 | 8 (4) | 2 | none |" in table and "refused" in table, table
+
+
+def test_time_table_times_each_setting_beside_the_one_shot_step():
+  path = os.path.join(TESTS, "tiny_clip.py")
+  timed = memory.time_table("tiny_clip", path, None, [(2, "none")], 8, 32, 1, 1)
+  one, two = timed["rows"]
+  assert (one["microbatches"], one["remat"], one["vs_one_shot"]) == (1, "none", 1.0), one
+  assert two["microbatches"] == 2 and two["step_seconds"] > 0 and two["vs_one_shot"] > 0, two
+  assert "| tiny_clip | 8 | 2 | none |" in memory.time_markdown(timed["rows"])

@@ -4,8 +4,8 @@ and the step's time on this machine.
 
   python -m vlrep.bench.memory --methods=virtex@1,virtex,clip,loctex --microbatches=1,2,4,8 \\
       --remat=none,dots,full --devices=8 --out=/tmp/memory.json
-  python -m vlrep.bench.memory --time --methods=virtex,clip,loctex --microbatches=1,2,4 --remat=none,dots,full \\
-      --out=/tmp/step_time.json
+  python -m vlrep.bench.memory --time --methods=clip --settings=1:none,2:none,4:none,1:dots,1:full,4:full \\
+      --steps=2 --windows=7 --out=/tmp/step_time_clip.json
 
 Memory: the loop's own step (`vlrep.train_step.make_train_step`, jitted with the loop's shardings and the donated
 state) is lowered on abstract inputs (`jax.ShapeDtypeStruct`s carrying their shardings; the state from
