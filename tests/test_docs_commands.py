@@ -675,6 +675,28 @@ COMMANDS: dict[str, object] = {
       "python -m vlrep.bench.benchmark --config=configs/mct.py:text=scratch,tags=True",
     )
   },
+  # docs/speed.md's memory table and step-time ratios (vlrep.bench.memory): on the tiny CLIP, one device.
+  "python -m vlrep.bench.memory --methods=virtex@1,virtex,clip,loctex --microbatches=1,2,4,8 --remat=none,dots,full "
+  "--devices=8 --out=/tmp/memory.json": Run(
+    replace=(
+      ("--methods=virtex@1,virtex,clip,loctex", "--methods=tests/tiny_clip.py@1"),
+      ("--microbatches=1,2,4,8", "--microbatches=1,2"),
+      ("--remat=none,dots,full", "--remat=none,full"),
+    ),
+    expect="| tiny_clip | 1 | 8 (4) | 2 | full |",
+  ),
+  "python -m vlrep.bench.memory --time --methods=clip --settings=1:none,2:none,4:none,1:dots,1:full,4:full --steps=2 "
+  "--windows=7 --out=/tmp/step_time_clip.json": Run(
+    replace=(
+      ("--methods=clip", "--methods=tests/tiny_clip.py"),
+      ("--settings=1:none,2:none,4:none,1:dots,1:full,4:full", "--settings=2:dots"),
+      ("--steps=2 --windows=7", "--steps=1 --windows=1"),
+    ),
+    expect="| tiny_clip | 8 | 2 | dots |",
+  ),
+  "python -m vlrep.bench.benchmark --config=configs/clip.py:runlocal --config.batch_size=128 "
+  "--config.sharding.num_devices=1 --variant=mb2:microbatches=2 --image_size=64 --steps=1 --windows=2 --profile "
+  "--profile_steps=1 --output_dir=/tmp/bench_microbatches": Covered("tests/test_speed_tools.py"),
   # --- Published checkpoints in and out (docs/interop.md): the files are not here, so each command refuses;
   # tests/test_import_run.py and tests/test_import_visual_bert.py run the same chain on checkpoints they write.
   **{
