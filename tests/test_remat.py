@@ -5,8 +5,8 @@ compiled backward pass keeps less.
 CPU note: XLA's CPU pipeline expands the optimisation barriers that keep a checkpoint's recomputation apart
 (`cse_barrier_expander`), after which common-subexpression elimination merges the recomputation back into the
 forward pass: on a CPU, rematerialisation saves no memory and the compiled figures of every policy are alike.
-GPU and TPU compilers keep the barriers. The memory figures here are compiled with that pass off
-(`NO_BARRIER_EXPANSION`), which is what an accelerator's compiler keeps.
+The memory figures here are compiled with that pass off (`NO_BARRIER_EXPANSION`): the program with the barriers
+jax.checkpoint emits kept (what an accelerator's compiler receives; not measured on one here, no device was lent).
 """
 
 import os
@@ -54,7 +54,7 @@ def _checkpoints(jaxpr) -> list:
 
 def _run(module, name: str) -> dict:
   """One tiny config with `remat=name`: its variables, and the loss, gradients and new BatchNorm statistics of one
-  training loss (dropout on) at BATCH, from the backward pass compiled as an accelerator's compiler keeps it."""
+  training loss (dropout on) at BATCH, from the backward pass compiled with jax.checkpoint's barriers kept."""
   config = module.get_config()
   config.remat = name
   method = methods.build(run_setup.method_config(config), VOCAB)
