@@ -92,6 +92,15 @@ def test_step_settings_that_cannot_hold_are_refused_with_the_reason():
   assert "remat='everything': one of 'none', 'dots', 'full'" in e
 
 
+def test_whole_batch_norms_are_named_for_the_warning():
+  """BatchNorms whose statistics become per microbatch: a whole-batch backbone, MCT's head BatchNorm; VL-BERT's
+  frozen region extractor (running statistics) and grouped backbones are not."""
+  whole = _config(method={"backbone": {"bn_group_size": 0}, "head_batchnorm": ("inter",)})
+  assert train_step.whole_batch_norms(whole) == ["method.backbone.bn_group_size=0", "method.head_batchnorm=('inter',)"]
+  assert train_step.whole_batch_norms(_config()) == []
+  assert train_step.whole_batch_norms(_config(method={"visual": {"backbone": {"bn_group_size": 0}}})) == []
+
+
 class _WholeBatchOnly:
   """A method of one's own with only `loss`: it cannot be split, and says so."""
 

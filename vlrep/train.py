@@ -198,6 +198,13 @@ def _train(
   step_errors = train_step.step_errors(config, train_step.batch_shards(sharding.batch_sharding(mesh)))
   if step_errors:
     raise UserError("The train step's settings:\n  " + "\n  ".join(step_errors))
+  if config.get("microbatches", 1) > 1 and train_step.whole_batch_norms(config):
+    logging.warning(
+      "microbatches=%d: %s take BatchNorm statistics over each microbatch of %d examples, not the whole batch.",
+      config.microbatches,
+      ", ".join(train_step.whole_batch_norms(config)),
+      config.batch_size // config.microbatches,
+    )
   if config.get("remat", "none") != "none" and jax.default_backend() == "cpu":
     # Measured (tests/test_remat.py, docs/speed.md): the CPU compiler's cse_barrier_expander removes the barriers
     # that keep a block's recomputation apart, and XLA then reuses the forward pass's values.

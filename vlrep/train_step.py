@@ -114,6 +114,17 @@ def step_errors(config, shards: int) -> list[str]:
   return errors
 
 
+def whole_batch_norms(config) -> list[str]:
+  """The method's BatchNorms over the whole batch (`bn_group_size=0` anywhere in its config, MCT's
+  `head_batchnorm`): with `config.microbatches` > 1 they take their statistics per microbatch instead."""
+  method = config.method.to_dict() if hasattr(config.method, "to_dict") else dict(config.method)
+  # VL-BERT's region extractor (method.visual) is frozen and runs with its running statistics.
+  out = [f"method.{path}=0" for path, size in _group_sizes(method) if not size and not path.startswith("visual.")]
+  if method.get("head_batchnorm"):
+    out.append(f"method.head_batchnorm={tuple(method['head_batchnorm'])}")
+  return out
+
+
 def _group_sizes(tree, prefix=""):
   for k, v in tree.items():
     if isinstance(v, dict):
