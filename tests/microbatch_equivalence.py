@@ -4,9 +4,9 @@ devices (one) or, run as a script, on 8 simulated ones.
 
 Every variant is made exact where microbatches would otherwise change the maths, and says how: dropout off (each
 microbatch draws its own masks), BatchNorm in groups of 8 examples (a microbatch holds whole groups; a whole-batch
-BatchNorm, as MCT's head BatchNorm, would take its statistics per microbatch: MCT's variant has none), plain SGD at learning rate 1 (the update is minus the
-gradient, so equal parameters mean equal gradients; Adam's first step divides a gradient by its own size, which
-turns a rounding difference near zero into a full step).
+BatchNorm, as MCT's head BatchNorm, would take its statistics per microbatch: MCT's variant has none), plain SGD at
+learning rate 1 (the update is minus the gradient, so equal parameters mean equal gradients; Adam's first step divides a
+gradient by its own size, which turns a rounding difference near zero into a full step).
 
   python tests/microbatch_equivalence.py OUT.json [VARIANT ...]   (XLA_FLAGS sets the device count)
 """
@@ -115,7 +115,10 @@ def one_step(name: str, microbatches: int, remat: str = "none") -> dict:
   init = lambda k, b: train_step.init_train_state(method, tx, k, b)  # noqa: E731
   # The loop's layout: replicated, or FSDP down to small leaves (the tiny models' are all small).
   state_sh = sharding.state_shardings(
-    mesh, jax.eval_shape(init, key, batch), config.sharding.params, fsdp_min_size=256,
+    mesh,
+    jax.eval_shape(init, key, batch),
+    config.sharding.params,
+    fsdp_min_size=256,
     rules=config.sharding.get("rules", ()),
   )
   state = jax.jit(init, out_shardings=state_sh)(key, batch)
@@ -139,7 +142,7 @@ def one_step(name: str, microbatches: int, remat: str = "none") -> dict:
   }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def whole_batch_step(name: str) -> dict:
   """`one_step(name, 1)`, computed once per process (every comparison starts from it)."""
   return one_step(name, 1)
@@ -157,11 +160,12 @@ def differences(name: str, remat: str = "none") -> dict:
   its scale."""
   one, four = whole_batch_step(name), one_step(name, MICROBATCHES, remat)
   flat = lambda t: jax.tree_util.tree_flatten_with_path(t)[0]
-  update = max(float(np.max(np.abs(a - s))) for (_, a), (_, s) in zip(flat(one["params"]), flat(one["start"])))
-  params = max(float(np.max(np.abs(a - b))) for (_, a), (_, b) in zip(flat(one["params"]), flat(four["params"])))
+  pairs = lambda x, y: zip(flat(x), flat(y), strict=True)  # noqa: E731
+  update = max(float(np.max(np.abs(a - s))) for (_, a), (_, s) in pairs(one["params"], one["start"]))
+  params = max(float(np.max(np.abs(a - b))) for (_, a), (_, b) in pairs(one["params"], four["params"]))
   state_diffs = [
     float(np.max(np.abs(a.astype(np.float64) - b))) / max(1.0, float(np.max(np.abs(a))))
-    for (_, a), (_, b) in zip(flat(one["model_state"]), flat(four["model_state"]))
+    for (_, a), (_, b) in zip(flat(one["model_state"]), flat(four["model_state"]), strict=True)
     if np.issubdtype(a.dtype, np.floating) and a.size
   ]
   metrics = {

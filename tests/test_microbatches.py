@@ -12,13 +12,13 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import microbatch_equivalence as equivalence
 import ml_collections
 import numpy as np
 import optax
 import pytest
 from conftest import ROOT, TESTS, final_params, run_main, with_devices
 
-import microbatch_equivalence as equivalence
 from vlrep import methods, train_step
 
 # float32 rounding: the sums over examples run in another order (observed: 1e-7 .. 1e-6 on this machine).
@@ -145,8 +145,8 @@ def test_a_per_example_output_that_is_not_floating_is_refused_by_name():
 
 def test_the_loop_trains_in_microbatches_as_it_trains_whole_batches(tmp_path):
   """vlrep.main with microbatches=2 and remat='dots' (tiny VirTex, dropout off, BatchNorm groups of 4: each
-  microbatch of 4 holds one) logs the same losses and ends at the same parameters as microbatches=1; a batch that does not split is
-  refused before anything is built."""
+  microbatch of 4 holds one) logs the same losses and ends at the same parameters as microbatches=1; a batch that
+  does not split is refused before anything is built."""
   same = ["--config.method.dropout=0.0", "--config.evals={}"]
   one = run_main(tmp_path / "one", *same)
   two = run_main(tmp_path / "two", *same, "--config.microbatches=2", "--config.remat=dots")
@@ -155,7 +155,7 @@ def test_the_loop_trains_in_microbatches_as_it_trains_whole_batches(tmp_path):
   assert len(losses[0]) >= 4 and np.allclose(losses[0], losses[1], rtol=1e-5), losses
   (_, p1), (_, p2) = final_params(tmp_path / "one"), final_params(tmp_path / "two")
   flat1, flat2 = jax.tree.leaves(p1), jax.tree.leaves(p2)
-  assert max(float(np.max(np.abs(a - b))) for a, b in zip(flat1, flat2)) < 1e-4
+  assert max(float(np.max(np.abs(a - b))) for a, b in zip(flat1, flat2, strict=True)) < 1e-4
 
   bad = run_main(tmp_path / "bad", *same, "--config.microbatches=3")
   assert bad.returncode != 0

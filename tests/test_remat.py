@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiny_clip  # noqa: E402
 import tiny_virtex  # noqa: E402
 
-from vlrep import methods, run_setup  # noqa: E402
+from vlrep import methods  # noqa: E402
 from vlrep.models import bert as bert_lib  # noqa: E402
 from vlrep.models import icmlm, loctex, mct, remat, resnet, special_tokens, vl_bert  # noqa: E402
 
@@ -57,7 +57,7 @@ def _run(module, name: str) -> dict:
   training loss (dropout on) at BATCH, from the backward pass compiled with jax.checkpoint's barriers kept."""
   config = module.get_config()
   config.remat = name
-  method = methods.build(run_setup.method_config(config), VOCAB)
+  method = methods.build(methods.method_config(config), VOCAB)
   batch = _batch(BATCH)
   variables = method.init(jax.random.PRNGKey(0), _batch(8, seed=1))
 

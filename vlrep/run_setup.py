@@ -99,20 +99,10 @@ def _eval_inputs(config, builder, tokenizer_file: str | None = None):
     tok_config = ml_collections.ConfigDict({**tok_config.to_dict(), "path": tokenizer_file, "build_if_missing": False})
   tokenizer = tokenizers.ensure_tokenizer(tok_config, builder) if tok_config else None
   needs = {**concepts.run_concepts(config, builder, tokenizer), **methods.setup(config, builder, tokenizer)}
-  method = methods.build(method_config(config), tokenizer.vocab_size if tokenizer else 0, **needs)
+  method = methods.build(methods.method_config(config), tokenizer.vocab_size if tokenizer else 0, **needs)
   return evaluators.EvalInputs(
     tokenizer=tokenizer, method=method, needs=needs, host=jax.process_index(), num_hosts=jax.process_count()
   )
-
-
-def method_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """The method's block as its models are built: `config.method`, with the run's `remat` policy (a step setting
-  at the config's top level, vlrep.train_step.REMAT_POLICIES) added where one is set. Remat changes what the
-  backward pass keeps, never a value, so a run rebuilt without it computes the same."""
-  remat = config.get("remat", "none")
-  if remat == "none":
-    return config.method
-  return ml_collections.ConfigDict({**config.method.to_dict(), "remat": remat})
 
 
 def check_datasets_prepared(config: ml_collections.ConfigDict) -> None:

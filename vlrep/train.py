@@ -208,7 +208,9 @@ def _train(
   if config.get("remat", "none") != "none" and jax.default_backend() == "cpu":
     # Measured (tests/test_remat.py, docs/speed.md): the CPU compiler's cse_barrier_expander removes the barriers
     # that keep a block's recomputation apart, and XLA then reuses the forward pass's values.
-    logging.warning("remat=%r saves no memory on the CPU: XLA's CPU compiler merges the recomputation back.", config.remat)
+    logging.warning(
+      "remat=%r saves no memory on the CPU: XLA's CPU compiler merges the recomputation back.", config.remat
+    )
   trained_config = config_as_trained(config, command_line_keys, train_state.init_from_architecture(config, workdir))
   run_data, builder, eval_inputs, plan = build_for_training(trained_config, workdir, allow_changed_data)
   method, total_steps = eval_inputs.method, plan.total_steps

@@ -12,7 +12,6 @@ from jax.sharding import PartitionSpec as P
 
 from vlrep import methods, optim
 from vlrep.models import remat
-from vlrep.sharding import DATA
 
 # config.remat's choices, what each residual block and transformer layer keeps for its backward pass (the table
 # lives beside the models that apply it).
@@ -102,7 +101,7 @@ def step_errors(config, shards: int) -> list[str]:
     return [
       *errors,
       f"batch_size={b} does not split into microbatches={n} equal parts on each of {shards} devices: it must be "
-      f"a multiple of {shards * n}."
+      f"a multiple of {shards * n}.",
     ]
   piece = b // (shards * n)
   for path, size in _group_sizes(config.method.to_dict() if hasattr(config.method, "to_dict") else config.method):
@@ -144,10 +143,10 @@ def microbatched_gradients(method, params, model_state, batch, rng, n: int, batc
      reads, a learned temperature).
   4. Microbatch by microbatch again: `per_example`'s forward with its VJP, pulled back from step 3's gradient of
      that microbatch's outputs, summed. Loss and metrics are `combine`'s of these outputs.
-  Where `combine` is linear in the outputs (sums of per-example losses over counts fixed by the batch), its
-  gradient does not read them and XLA removes step 2. Dropout draws per microbatch (`fold_in(rng, m)` for microbatch m); BatchNorm's running statistics are the mean of the microbatches' (equal to the whole
-  batch's where groups are set, as each microbatch holds whole groups); a whole-batch BatchNorm
-  (`bn_group_size=0`) takes its statistics per microbatch.
+  Where `combine` is linear in the outputs (sums of per-example losses over counts fixed by the batch), its gradient
+  does not read them and XLA removes step 2. Dropout draws per microbatch (`fold_in(rng, m)` for microbatch m);
+  BatchNorm's running statistics are the mean of the microbatches' (equal to the whole batch's where groups are set, as
+  each microbatch holds whole groups); a whole-batch BatchNorm (`bn_group_size=0`) takes its statistics per microbatch.
   """
   if not isinstance(method, methods.SplitsItsLoss):
     raise ValueError(
@@ -191,9 +190,7 @@ def microbatched_gradients(method, params, model_state, batch, rng, n: int, batc
     (grads,) = part_pullback(d_outputs)
     return jax.tree.map(jnp.add, total, grads), (outputs, state)
 
-  grads, (outputs, states) = jax.lax.scan(
-    backward, combine_grads, (parts, jax.tree.map(split, output_grads), index)
-  )
+  grads, (outputs, states) = jax.lax.scan(backward, combine_grads, (parts, jax.tree.map(split, output_grads), index))
   loss, metrics, batch_state = method.combine(variables(params), jax.tree.map(merge, outputs), batch)
   example_state = jax.tree.map(lambda x: jnp.mean(x, 0).astype(x.dtype), states)
   return loss, metrics, methods.merge_states(example_state, batch_state), grads

@@ -277,15 +277,6 @@ def random_batch(shapes: dict, vocab_size: int, rng: np.random.Generator) -> dic
   return local
 
 
-def method_block(config) -> ml_collections.ConfigDict:
-  """`vlrep.run_setup.method_config` (the method block with the run's `remat` added), which this TensorFlow-free
-  module cannot import: run_setup imports the input pipeline."""
-  remat = config.get("remat", "none")
-  if remat == "none":
-    return config.method
-  return ml_collections.ConfigDict({**config.method.to_dict(), "remat": remat})
-
-
 def prepare(
   config, image_size: int, vocab_size: int, input_mode: str = "device", num_tags: int = 80, offload_state=False
 ) -> dict:
@@ -300,7 +291,7 @@ def prepare(
   bs = config.batch_size
   rng = np.random.default_rng(0)
   max_len = config.method.get("max_len") or config.method.text.max_len
-  method = methods.build(method_block(config), vocab_size)
+  method = methods.build(methods.method_config(config), vocab_size)
   local = random_batch(batch_shapes(method, bs, image_size, vocab_size, max_len, num_tags), vocab_size, rng)
   batch_sh = sharding.batch_sharding(mesh)
   with _DEVICE_LOCK:

@@ -45,7 +45,7 @@ from absl import app, flags
 from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: no public API removes a jaxpr's dead code
 from jax.sharding import NamedSharding
 
-from vlrep import config_utils, methods, optim, run_setup, sharding, train_step
+from vlrep import config_utils, methods, optim, sharding, train_step
 from vlrep.bench import benchmark
 
 GIB = 2**30
@@ -133,7 +133,7 @@ def compile_step(config, devices: int, platform: str = "cpu", image_size: int = 
     (devices,), (sharding.DATA,), axis_types=(jax.sharding.AxisType.Auto,), devices=available[:devices]
   )
   vocab_size = vocab_size_of(config)
-  method = methods.build(run_setup.method_config(config), vocab_size)
+  method = methods.build(methods.method_config(config), vocab_size)
   image_size = image_size or benchmark.config_image_size(config)
   shapes = benchmark.batch_shapes(method, config.batch_size, image_size, vocab_size, max_len_of(config), num_tags)
   batch_sh = sharding.batch_sharding(mesh)

@@ -139,6 +139,16 @@ def has_setup(name: str) -> bool:
   return hasattr(_module(name), "setup")
 
 
+def method_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The method's block as its models are built: `config.method`, with the run's `remat` policy (a step setting
+  at the config's top level, vlrep.train_step.REMAT_POLICIES) added where one is set. Remat changes what the
+  backward pass keeps, never a value, so a run rebuilt without it computes the same."""
+  remat = config.get("remat", "none")
+  if remat == "none":
+    return config.method
+  return ml_collections.ConfigDict({**config.method.to_dict(), "remat": remat})
+
+
 def build(config: ml_collections.ConfigDict, vocab_size: int, **needs) -> Method:
   """The method named by `config.name`: the `Method` class of the module vlrep.methods.<name> (or of the module
   at that dotted path), given what `setup` returned."""

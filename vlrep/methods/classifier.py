@@ -54,7 +54,7 @@ class Method:
       dict(config.backbone),
       config.get("head_init_std", 0.01),
       jnp.dtype(config.dtype),
-      remat=config.get("remat", "none"),  # config.remat, copied in by run_setup.method_config
+      remat=config.get("remat", "none"),  # config.remat, copied in by methods.method_config
     )
 
   def init(self, rng, batch) -> dict:

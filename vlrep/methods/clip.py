@@ -58,7 +58,7 @@ class Method:
       pool=config.get("pool", "avg"),
       loss=self.loss_name,
       dtype=jnp.dtype(config.dtype),
-      remat=config.get("remat", "none"),  # config.remat, copied in by run_setup.method_config
+      remat=config.get("remat", "none"),  # config.remat, copied in by methods.method_config
     )
 
   # -- contract -----------------------------------------------------------------------------------------

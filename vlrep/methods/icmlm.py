@@ -108,7 +108,7 @@ class Method:
       fc_layers=config.fc_layers,
       dropout=config.dropout,
       dtype=jnp.dtype(config.dtype),
-      # config.remat's policy (vlrep.run_setup.method_config adds it to the method's block): no value changes.
+      # config.remat's policy (vlrep.methods.method_config adds it to the method's block): no value changes.
       remat=config.get("remat", "none"),
     )
 

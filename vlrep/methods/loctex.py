@@ -95,7 +95,7 @@ class Method:
       embed_dim=config.embed_dim,
       scales=self.scales,
       dtype=jnp.dtype(config.dtype),
-      remat=config.get("remat", "none"),  # config.remat, copied in by run_setup.method_config
+      remat=config.get("remat", "none"),  # config.remat, copied in by methods.method_config
     )
 
   # -- contract -----------------------------------------------------------------------------------------

@@ -117,7 +117,7 @@ class Method:
       intra_dim=config.intra_dim,
       inter_dim=config.inter_dim,
       dtype=jnp.dtype(config.dtype),
-      remat=config.get("remat", "none"),  # config.remat, copied in by run_setup.method_config
+      remat=config.get("remat", "none"),  # config.remat, copied in by methods.method_config
     )
 
   # -- contract -----------------------------------------------------------------------------------------

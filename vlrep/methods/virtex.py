@@ -127,7 +127,7 @@ class Method:
       official_init=config.get("official_init", False),
       # An official vocabulary's <unk> (= its padding id) as the official head treats it (imported VirTex runs).
       official_padding=config.get("official_padding", False),
-      remat=config.get("remat", "none"),  # config.remat, copied in by run_setup.method_config
+      remat=config.get("remat", "none"),  # config.remat, copied in by methods.method_config
     )
 
   # -- contract -----------------------------------------------------------------------------------------

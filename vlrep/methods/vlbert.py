@@ -214,7 +214,7 @@ class Method:
       fusion=config.get("fusion", "mul"),
       alignment=self.alignment,
       dtype=jnp.dtype(config.dtype),
-      # config.remat's policy (vlrep.run_setup.method_config adds it to the method's block): no value changes.
+      # config.remat's policy (vlrep.methods.method_config adds it to the method's block): no value changes.
       remat=config.get("remat", "none"),
       **region_embedding_knobs(config),
     )
