@@ -30,7 +30,7 @@ from ml_collections import ConfigDict
 
 from vlrep import methods, safe_files, sharding, torch_files
 from vlrep.errors import BadFile, UserError, reading
-from vlrep.models import resnet, vgg
+from vlrep.models import backbones, resnet, vgg, vit
 
 
 class NotARun(UserError, FileNotFoundError):
@@ -227,9 +227,8 @@ BACKBONE_SECTIONS = ("method.backbone", "method.visual.backbone")
 
 
 def backbone_keys() -> frozenset[str]:
-  """The keys a backbone section may hold: the networks' own arguments (ResNet's, VGG16's) and `arch`."""
-  fields = {f.name for module in (resnet.ResNet, vgg.VGG16) for f in dataclasses.fields(module)}
-  return frozenset(fields - {"parent", "name"} | {"arch"})
+  """The keys a backbone section may hold: its networks' own arguments (ResNet's, VGG16's, ViT's) and `arch`."""
+  return backbones.all_fields()
 
 
 _SAID: set[tuple[str, tuple[str, ...]]] = set()
@@ -315,15 +314,19 @@ def _restore_run(directory: str, step: int) -> Run:
 
 
 def backbone_of(run: Run) -> tuple[Any, dict]:
-  """(ResNet module in float32, its variables) of a run; a clear error when the checkpoint has no backbone."""
+  """(backbone module in float32 for inference, its variables) of a run; a clear error when the checkpoint has no
+  backbone."""
   if "backbone" not in run.params:
     raise ValueError(
       f"The checkpoint {run.path} has no visual backbone (top-level parameters: {sorted(run.params)}); "
-      "transfer evaluation and export need a model with a 'backbone' ResNet."
+      "transfer evaluation and export need a model with a 'backbone' network."
     )
   cfg = dict(run.config.method.get("backbone", {}))
-  if cfg.get("arch", "resnet") == "vgg16":
+  arch = backbones.arch_of(cfg)
+  if arch == "vgg16":
     module = vgg.VGG16(**{k: cfg[k] for k in ("width",) if k in cfg})  # an omitted width: VGG16's own default
+  elif arch == "vit":
+    module = backbones.from_config(backbone_architecture(cfg))
   else:
     module = resnet.ResNet(**resnet_kwargs(cfg))
   variables = {"params": run.params["backbone"]}
@@ -333,19 +336,41 @@ def backbone_of(run: Run) -> tuple[Any, dict]:
   return module, variables
 
 
-# The keys of a `method.backbone` section that fix its architecture (what its weights' shapes depend on), with the
-# value an omitted key means: ResNet's own defaults (one place). BatchNorm grouping is a training choice, not
-# architecture.
+# The keys of a `method.backbone` section that fix its architecture (what its weights' shapes and its function
+# depend on), with the value an omitted key means: the networks' own defaults (one place). BatchNorm grouping,
+# dropout and remat are training choices, not architecture.
 _RESNET_DEFAULTS = {f.name: f.default for f in dataclasses.fields(resnet.ResNet)}
 BACKBONE_ARCHITECTURE = {
   "arch": "resnet",
   **{k: _RESNET_DEFAULTS[k] for k in ("depth", "width", "inner_multiplier", "stem", "stem_stride")},
 }
+_VIT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(vit.ViT)}
+VIT_ARCHITECTURE = {
+  "arch": "vit",
+  **{
+    k: _VIT_DEFAULTS[k]
+    for k in (
+      "width",
+      "depth",
+      "mlp_dim",
+      "num_heads",
+      "patch_size",
+      "pool_type",
+      "posemb",
+      "pre_norm",
+      "mlp_act",
+      "ln_eps",
+      "patch_bias",
+    )
+  },
+}
 
 
 def backbone_architecture(cfg) -> dict:
-  """The architecture of a backbone config section, every key of BACKBONE_ARCHITECTURE filled in."""
-  return {k: cfg.get(k, default) for k, default in BACKBONE_ARCHITECTURE.items()}
+  """The architecture of a backbone config section, every key of its arch's table (BACKBONE_ARCHITECTURE for a
+  ResNet or VGG16, VIT_ARCHITECTURE for a ViT) filled in."""
+  table = VIT_ARCHITECTURE if cfg.get("arch", "resnet") == "vit" else BACKBONE_ARCHITECTURE
+  return {k: cfg.get(k, default) for k, default in table.items()}
 
 
 def resnet_kwargs(cfg) -> dict:

@@ -124,6 +124,11 @@ def init_from_architecture(config: ml_collections.ConfigDict, workdir: str) -> d
     raise ValueError(f"init_from={config.init_from}: that run's model has no 'backbone' to start from.")
   want = runs.backbone_architecture(saved.method.backbone)
   have = runs.backbone_architecture(config.method.backbone)
+  if want["arch"] != have["arch"]:
+    raise ValueError(
+      f"init_from={config.init_from}: that run's backbone is a {want['arch']} and this config's a {have['arch']}; "
+      "a backbone starts only from one of its own kind (choose the config's backbone to match)."
+    )
   changed = {k: (have[k], v) for k, v in want.items() if have[k] != v}
   if changed:
     logging.info(

@@ -23,7 +23,7 @@ from absl import app, flags, logging
 from vlrep import defaults, runs
 from vlrep.data import pipeline
 from vlrep.evaluators import EvalInputs, voc07_svm
-from vlrep.models import resnet
+from vlrep.models import backbones
 
 flags.DEFINE_string("workdir", None, "Checkpoint whose backbone gives the synthetic_scenes features.")
 flags.DEFINE_string(
@@ -73,7 +73,7 @@ def scenes_features(config_path: str, workdir: str | None):
     spec.loader.exec_module(module)
     config = module.get_config(arg or None)
 
-    net = resnet.from_config(config.method.backbone)
+    net = backbones.from_config(config.method.backbone)
     variables = net.init(jax.random.PRNGKey(0), np.zeros((1, 64, 64, 3), np.float32), False)
     params = {"backbone": variables["params"]}
     run = runs.Run(config, params, {"batch_stats": {"backbone": variables["batch_stats"]}}, 0, "random init", {})

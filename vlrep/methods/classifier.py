@@ -16,7 +16,7 @@ import ml_collections
 import optax
 
 from vlrep import methods
-from vlrep.models import resnet
+from vlrep.models import backbones
 
 
 class ClassifierModel(nn.Module):
@@ -28,7 +28,7 @@ class ClassifierModel(nn.Module):
 
   @nn.compact
   def __call__(self, images, train: bool = False):
-    _, aux = resnet.from_config(self.backbone, dtype=self.dtype, remat=self.remat, name="backbone")(images, train)
+    _, aux = backbones.from_config(self.backbone, dtype=self.dtype, remat=self.remat, name="backbone")(images, train)
     logits = nn.Dense(
       self.num_classes,
       kernel_init=nn.initializers.normal(self.head_init_std),

@@ -53,8 +53,8 @@ from absl import logging
 
 from vlrep import methods, runs
 from vlrep.data import vl_ops
+from vlrep.models import backbones, vl_bert
 from vlrep.models import bert as bert_lib
-from vlrep.models import resnet, vl_bert
 
 TASKS = ("pretrain", "classify")
 LOSSES = ("bce", "softmax")
@@ -238,7 +238,7 @@ class Method:
   def regions_dim(self) -> int:
     if self.config.visual.mode == "file":
       return int(self.config.visual.dim)
-    return resnet.from_config(self.config.visual.backbone).num_features
+    return backbones.from_config(self.config.visual.backbone).num_features
 
   # -- contract -----------------------------------------------------------------------------------------
   def init(self, rng, batch) -> dict:
@@ -530,7 +530,7 @@ class Method:
     net_vars = {"params": v["params"]["backbone"]}
     if "batch_stats" in v:
       net_vars["batch_stats"] = v["batch_stats"]["backbone"]
-    grid, aux = resnet.from_config(self.config.visual.backbone).apply(net_vars, images, train=False)
+    grid, aux = backbones.from_config(self.config.visual.backbone).apply(net_vars, images, train=False)
     return {"pre_logits": aux["pre_logits"], "grid": grid.astype(jnp.float32)}
 
   # -- helpers ------------------------------------------------------------------------------------------

@@ -25,8 +25,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from vlrep.models import backbones, special_tokens
 from vlrep.models import bert as bert_lib
-from vlrep.models import resnet, special_tokens
 from vlrep.models.loctex import TextEncoder
 
 POOLS = ("avg", "attention")
@@ -85,7 +85,7 @@ class CLIPModel(nn.Module):
       raise ValueError(f"Unknown image pooling {self.pool!r}; known: {POOLS}")
     if self.loss not in LOSSES:
       raise ValueError(f"Unknown loss {self.loss!r}; known: {LOSSES}")
-    self.visual = resnet.from_config(self.backbone, dtype=self.dtype, remat=self.remat, name="backbone")
+    self.visual = backbones.from_config(self.backbone, dtype=self.dtype, remat=self.remat, name="backbone")
     if self.pool == "attention":
       self.attention_pool = AttentionPool(self.embed_dim, self.dtype, name="attention_pool")
     else:

@@ -22,24 +22,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from vlrep.models import backbones
 from vlrep.models import remat as remat_lib
-from vlrep.models import resnet, vgg
 from vlrep.models.bert import BertConfig, BertMLMHead
 from vlrep.models.transformer import decoder_layer
 
 VARIANTS = ("tp", "tfm", "att_fc", "text_only")
-
-
-def make_backbone(config: dict, dtype=jnp.float32, name: str = "backbone", remat: str = "none") -> nn.Module:
-  """`arch` 'resnet' (default; depth, width, bn_group_size) or 'vgg16' (width): the paper uses both. `remat`
-  rematerialises the ResNet's residual blocks (vlrep.models.remat); VGG16, without blocks, is not rematerialised."""
-  config = dict(config)
-  arch = config.pop("arch", "resnet")
-  if arch == "vgg16":
-    return vgg.VGG16(**config, dtype=dtype, name=name)
-  if arch != "resnet":
-    raise ValueError(f"Unknown backbone arch {arch!r}; known: resnet, vgg16.")
-  return resnet.from_config(config, dtype=dtype, remat=remat, name=name)
 
 
 class TagHead(nn.Module):
@@ -108,7 +96,7 @@ class ICMLMModel(nn.Module):
   def setup(self):
     if self.variant not in VARIANTS:
       raise ValueError(f"Unknown ICMLM variant {self.variant!r}; known: {VARIANTS}")
-    self.visual = make_backbone(self.backbone, self.dtype, remat=remat_lib.check(self.remat))
+    self.visual = backbones.from_config(self.backbone, self.dtype, remat=remat_lib.check(self.remat))
     if self.num_tags:
       self.tp = TagHead(self.num_tags, self.tp_head, self.tp_hidden, self.dtype, name="tp")
     dw = self.bert.hidden_size

@@ -13,7 +13,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from vlrep.models import resnet, special_tokens, transformer
+from vlrep.models import backbones, special_tokens, transformer
 
 SCALE_TO_STAGE = {1: "stage4", 2: "stage3", 4: "stage2"}
 
@@ -63,7 +63,7 @@ class LocTexModel(nn.Module):
 
   def setup(self):
     dense = lambda name: nn.Dense(self.embed_dim, dtype=self.dtype, param_dtype=jnp.float32, name=name)
-    self.visual = resnet.from_config(self.backbone, dtype=self.dtype, remat=self.remat, name="backbone")
+    self.visual = backbones.from_config(self.backbone, dtype=self.dtype, remat=self.remat, name="backbone")
     self.textual = TextEncoder(self.vocab_size, **self.text, dtype=self.dtype, remat=self.remat, name="textual")
     self.visual_contrastive = dense("visual_contrastive")
     self.text_contrastive = dense("text_contrastive")

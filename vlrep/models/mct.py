@@ -13,8 +13,8 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from vlrep.models import backbones, special_tokens
 from vlrep.models import bert as bert_lib
-from vlrep.models import resnet, special_tokens
 from vlrep.models.loctex import TextEncoder
 
 
@@ -56,7 +56,7 @@ class MCTModel(nn.Module):
   remat: str = "none"  # rematerialisation policy of the blocks (vlrep.models.remat.POLICIES); no parameter changes
 
   def setup(self):
-    self.visual = resnet.from_config(self.backbone, dtype=self.dtype, remat=self.remat, name="backbone")
+    self.visual = backbones.from_config(self.backbone, dtype=self.dtype, remat=self.remat, name="backbone")
     if self.bert is not None:
       self.textual = bert_lib.BertEncoder(self.bert, dtype=self.dtype, remat=self.remat, name="textual")
       text_width = self.bert.hidden_size

@@ -7,7 +7,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from vlrep.models import resnet, special_tokens, transformer
+from vlrep.models import backbones, special_tokens, transformer
 
 
 class VirTexModel(nn.Module):
@@ -48,7 +48,7 @@ class VirTexModel(nn.Module):
   remat: str = "none"  # rematerialisation policy of the blocks (vlrep.models.remat.POLICIES); no parameter changes
 
   def setup(self):
-    self.visual = resnet.from_config(self.backbone, dtype=self.dtype, remat=self.remat, name="backbone")
+    self.visual = backbones.from_config(self.backbone, dtype=self.dtype, remat=self.remat, name="backbone")
     if self.head == "linear":
       self.classifier = nn.Dense(self.vocab_size, dtype=self.dtype, param_dtype=jnp.float32, name="classifier")
     elif self.head == "transformer":

@@ -32,9 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from vlrep.errors import UserError
+from vlrep.models import backbones
 from vlrep.models import bert as bert_lib
 from vlrep.models import remat as remat_lib
-from vlrep.models import resnet
 
 ARCHS = ("visual_bert", "vilbert")
 TEXT_POOLS = ("cls", "mean")
@@ -396,7 +396,7 @@ class RegionFeatures(nn.Module):
 
   @nn.compact
   def __call__(self, images, boxes, mask):
-    net = resnet.from_config(self.backbone, name="backbone")
+    net = backbones.from_config(self.backbone, name="backbone")
     if self.mode == "crops":
       b, n = boxes.shape[:2]
       crops = roi_sample(images, boxes, self.crop_size).reshape(b * n, self.crop_size, self.crop_size, -1)
