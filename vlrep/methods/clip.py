@@ -57,6 +57,8 @@ class Method:
       embed_dim=config.embed_dim,
       pool=config.get("pool", "avg"),
       loss=self.loss_name,
+      image_projection=config.get("image_projection", True),
+      text_projection_bias=config.get("text_projection_bias", False),
       dtype=jnp.dtype(config.dtype),
       remat=config.get("remat", "none"),  # config.remat, copied in by methods.method_config
     )

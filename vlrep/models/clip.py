@@ -1,12 +1,15 @@
 """CLIP's two towers (Radford et al., 2021) on vlrep's pieces, and the learned temperature of its loss.
 
-Image tower: vlrep's ResNet, then either its global average pool and a linear projection (`pool='avg'`) or
-CLIP's attention pooling (`pool='attention'`: the mean of the final grid, with learned position embeddings, is
-the query of one multi-head attention over the grid and itself; its output projection gives the embedding). The
-ResNet is the other methods' (ImageNet or small stem, max-pool, strided convolutions), not CLIP's modified one
-(3-convolution stem, anti-aliased average-pool strides), so its weights export as every vlrep backbone does.
+Image tower: a vlrep backbone (vlrep.models.backbones: a ResNet or a ViT), then either its pooled vector and a
+linear projection (`pool='avg'`: a ResNet's global average pool, a ViT's class token, patch mean or MAP head;
+`image_projection=False` leaves SigLIP's MAP output unprojected) or CLIP's attention pooling (`pool='attention'`:
+the mean of the final grid, with learned position embeddings, is the query of one multi-head attention over the
+grid and itself; its output projection gives the embedding).
 
-Text tower, from scratch (`bert=None`): CLIP's layout on vlrep's transformer layers: token and position
+Text tower for imported CLIP and SigLIP checkpoints (`text.arch='transformer'`): vlrep.models.text_transformer, the
+pre-LN towers as open_clip and big_vision build them, projected by `text_projection` (with a bias for SigLIP).
+
+Text tower, from scratch (`bert=None`, vlrep's own): CLIP's layout on vlrep's transformer layers: token and position
 embeddings, self-attention layers under a causal mask, and the final state of the caption's [EOS] token (its
 last non-padding token) through LayerNorm and a linear projection. The layers are `transformer.DecoderLayer`s
 without cross-attention, post-LN (VirTex's) where CLIP's are pre-LN. Or a pretrained BERT (`bert`: its config),
@@ -28,6 +31,7 @@ import jax.numpy as jnp
 from vlrep.models import backbones, special_tokens
 from vlrep.models import bert as bert_lib
 from vlrep.models.loctex import TextEncoder
+from vlrep.models.text_transformer import TextTransformer
 
 POOLS = ("avg", "attention")
 LOSSES = ("softmax", "sigmoid")
@@ -71,12 +75,16 @@ def last_token_states(states, tokens):
 
 class CLIPModel(nn.Module):
   vocab_size: int
-  backbone: dict
-  text: dict  # loctex.TextEncoder fields: hidden, num_layers, num_heads, max_len, dropout (unused with `bert`)
+  backbone: dict  # vlrep.models.backbones section: a ResNet, or a ViT (arch='vit') as CLIP's and SigLIP's
+  # loctex.TextEncoder fields: hidden, num_layers, num_heads, max_len, dropout (unused with `bert`); or, with
+  # arch='transformer', text_transformer.TextTransformer's (open_clip's and big_vision's towers, for imports)
+  text: dict
   bert: bert_lib.BertConfig | None = None  # a pretrained BERT's config: the text tower is that BERT
   embed_dim: int = 1024
   pool: str = "avg"
   loss: str = "softmax"
+  image_projection: bool = True  # False: the pooled vector is the embedding (SigLIP's MAP head output)
+  text_projection_bias: bool = False  # SigLIP's text head has a bias; CLIP's projections have none
   dtype: Any = jnp.float32
   remat: str = "none"  # rematerialisation policy of the blocks (vlrep.models.remat.POLICIES); no parameter changes
 
@@ -88,16 +96,19 @@ class CLIPModel(nn.Module):
     self.visual = backbones.from_config(self.backbone, dtype=self.dtype, remat=self.remat, name="backbone")
     if self.pool == "attention":
       self.attention_pool = AttentionPool(self.embed_dim, self.dtype, name="attention_pool")
-    else:
+    elif self.image_projection:
       self.visual_projection = self._projection("visual_projection")
     if self.bert is not None:
       self.textual = bert_lib.BertEncoder(self.bert, dtype=self.dtype, remat=self.remat, name="textual")
+    elif self.text.get("arch") == "transformer":
+      fields = {k: v for k, v in self.text.items() if k != "arch"}
+      self.textual = TextTransformer(self.vocab_size, **fields, dtype=self.dtype, remat=self.remat, name="textual")
     else:
       self.textual = TextEncoder(
         self.vocab_size, **self.text, dtype=self.dtype, causal=True, remat=self.remat, name="textual"
       )
       self.text_ln = nn.LayerNorm(dtype=self.dtype, param_dtype=jnp.float32, name="text_ln")
-    self.text_projection = self._projection("text_projection")
+    self.text_projection = self._projection("text_projection", bias=self.text_projection_bias)
     constant = lambda v: nn.initializers.constant(v)
     if self.loss == "softmax":
       self.logit_scale = self.param("logit_scale", constant(math.log(1 / 0.07)), ())
@@ -105,8 +116,8 @@ class CLIPModel(nn.Module):
       self.t_prime = self.param("t_prime", constant(math.log(10.0)), ())
       self.logit_bias = self.param("logit_bias", constant(-10.0), ())
 
-  def _projection(self, name):
-    return nn.Dense(self.embed_dim, use_bias=False, dtype=self.dtype, param_dtype=jnp.float32, name=name)
+  def _projection(self, name, bias: bool = False):
+    return nn.Dense(self.embed_dim, use_bias=bias, dtype=self.dtype, param_dtype=jnp.float32, name=name)
 
   def encode_image(self, images, train: bool = False):
     return self.visual(images, train)
@@ -116,6 +127,8 @@ class CLIPModel(nn.Module):
     grid, aux = self.visual(images, train)
     if self.pool == "attention":
       return self.attention_pool(grid)
+    if not self.image_projection:
+      return aux["pre_logits"].astype(jnp.float32)
     return self.visual_projection(aux["pre_logits"].astype(self.dtype)).astype(jnp.float32)
 
   def embed_texts(self, tokens, train: bool = False):
@@ -123,6 +136,8 @@ class CLIPModel(nn.Module):
     if self.bert is not None:
       states, _ = self.textual(tokens, mask=tokens != special_tokens.PAD_ID, deterministic=not train)
       pooled = states[:, 0]  # [CLS]
+    elif self.text.get("arch") == "transformer":
+      pooled, _ = self.textual(tokens, train)
     else:
       pooled = self.text_ln(last_token_states(self.textual(tokens, train), tokens))
     return self.text_projection(pooled.astype(self.dtype)).astype(jnp.float32)
