@@ -139,6 +139,7 @@ def _attention(num_heads: int, dtype, name: str = "MultiHeadDotProductAttention_
     param_dtype=jnp.float32,
     kernel_init=nn.initializers.xavier_uniform(),
     deterministic=True,
+    force_fp32_for_softmax=True,  # bf16 logits lose the softmax's small differences; the rest stays in dtype
     name=name,
   )
 
