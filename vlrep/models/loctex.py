@@ -16,6 +16,19 @@ import jax.numpy as jnp
 from vlrep.models import backbones, special_tokens, transformer
 
 SCALE_TO_STAGE = {1: "stage4", 2: "stage3", 4: "stage2"}
+# A ViT has one feature map (its patch grid, `stage4`), no earlier stages of finer resolution: scale 1 only.
+VIT_SCALES = (1,)
+
+
+def check_scales(backbone: dict, scales) -> None:
+  """A clear error for trace-attention scales the backbone has no feature map for: scales 2 and 4 read a ResNet's
+  stage3 and stage2 (strides 16 and 8), which a ViT has not (one grid, at its patch size)."""
+  if backbones.arch_of(backbone) == "vit" and set(scales) - set(VIT_SCALES):
+    raise ValueError(
+      f"LocTex's trace attention at scales {sorted(set(scales) - set(VIT_SCALES))} reads a ResNet's earlier stages "
+      f"(2x: stage3, 4x: stage2), which a ViT has not: a ViT supports scales {list(VIT_SCALES)} only (its patch "
+      "grid; a finer grid needs smaller patches). Use scales=1 (configs/loctex.py:scales=1) with a ViT backbone."
+    )
 
 
 class TextEncoder(nn.Module):
@@ -60,6 +73,10 @@ class LocTexModel(nn.Module):
   scales: tuple[int, ...] = (1, 2)
   dtype: Any = jnp.float32
   remat: str = "none"  # rematerialisation policy of the blocks (vlrep.models.remat.POLICIES); no parameter changes
+
+  def __post_init__(self):
+    check_scales(self.backbone, self.scales)  # when the model is built: before any data is read or step compiled
+    super().__post_init__()
 
   def setup(self):
     dense = lambda name: nn.Dense(self.embed_dim, dtype=self.dtype, param_dtype=jnp.float32, name=name)

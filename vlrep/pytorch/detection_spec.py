@@ -12,6 +12,29 @@ from __future__ import annotations
 from vlrep.errors import UserError
 
 DETECTORS = ("faster_rcnn", "mask_rcnn")
+
+
+def refuse_backbone(arch: str, where: str) -> None:
+  """A UserError for a run whose backbone (its config's `arch`) detection transfer cannot take: the detectors here
+  (torchvision's Faster/Mask R-CNN in the detection evaluator, Detectron2's in vlrep.pytorch.detectron2_transfer)
+  are built on a ResNet's four stages. `where`: the run, for the message."""
+  if arch == "resnet":
+    return
+  if arch == "vit":
+    raise UserError(
+      f"{where}: detection transfer takes ResNet backbones only, and this run's is a ViT. The detectors here "
+      "(torchvision's Faster/Mask R-CNN with FPN in the detection evaluator, Detectron2's R-CNN in "
+      "vlrep.pytorch.detectron2_transfer) read a ResNet's C2..C5 feature maps (strides 4 to 32) through an FPN; a "
+      "ViT has one map, at its patch stride. A ViT detects through ViTDet's simple feature pyramid (Li et al., "
+      "2022), which vlrep does not build. Evaluate the ViT with the probes (configs/eval/voc07_svm.py, "
+      "linear_probe.py), zero-shot, retrieval, captioning or localization instead."
+    )
+  raise UserError(
+    f"{where}: detection transfer converts ResNet backbones to PyTorch; this run's backbone is {arch!r}. Evaluate "
+    "it with the probes (configs/eval/voc07_svm.py, linear_probe.py) instead."
+  )
+
+
 NORMS = ("trained", "frozen")
 
 # What the evaluator sets for each worker, never a config: the hand-off folder (vlrep.pytorch.handoff: the

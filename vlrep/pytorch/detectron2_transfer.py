@@ -87,7 +87,7 @@ import numpy as np
 
 from vlrep import errors, run_summary, safe_files, torch_files
 from vlrep.errors import BadFile, UserError
-from vlrep.pytorch import detectron2_heads, detectron2_keys, handoff
+from vlrep.pytorch import detection_spec, detectron2_heads, detectron2_keys, handoff
 
 # Detectron2 (built from its source, INSTALL below) and torch are imported inside the functions that use them: an
 # optional dependency, so --help and the early refusals (a missing run, no Detectron2) work without importing it.
@@ -527,6 +527,32 @@ def checkpointer_type():
   return type("WrittenOnlyCheckpointer", (DetectionCheckpointer,), methods)
 
 
+def saved_backbone_arch(workdir: str, checkpoint: str) -> str | None:
+  """The backbone `arch` of the config the run saved with the checkpoint --checkpoint names (orbax's JSON `meta`
+  item, read as text: JAX stays out of this process), the newest first as vlrep.runs reads them; None when no
+  such file reads (the export below then says what is wrong with the run)."""
+  best, latest = os.path.join(workdir, "best"), os.path.join(workdir, "checkpoints")
+
+  def steps(folder):
+    return sorted((int(p) for p in os.listdir(folder) if p.isdigit()), reverse=True) if os.path.isdir(folder) else []
+
+  if checkpoint.isdigit():
+    candidates = [(d, int(checkpoint)) for d in (latest, best)]
+  else:
+    candidates = [(best, s) for s in steps(best)] if checkpoint == "best" else []
+    candidates += [(latest, s) for s in steps(latest)]
+  for folder, step in candidates:
+    path = os.path.join(folder, str(step), "meta", "metadata")
+    try:
+      with open(path, encoding="utf-8") as f:
+        config = json.load(f)["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+      continue
+    backbone = (config.get("method") or {}).get("backbone") or {}
+    return str(backbone.get("arch", "resnet"))
+  return None
+
+
 def export_backbone(workdir: str, checkpoint: str, out_dir: str) -> None:
   """The run's backbone hand-off (backbone.safetensors and backbone.json) into `out_dir` by the interop export
   command (`vlrep.interop.export` with --format=backbone) in a process of its own, on the CPU: JAX stays out of
@@ -768,7 +794,11 @@ def main(argv: Sequence[str] | None = None) -> int:
       raise UserError(f"--workdir={args.workdir}: no such run directory.")
     if not os.path.isfile(args.config_file):
       raise UserError(f"--config-file={args.config_file}: no such file.")
-    # Before Detectron2 is needed: what the run folder's OUTPUT_DIR would make it load or write through.
+    # Before Detectron2 is needed: a backbone its ResNet cannot be (a ViT), and what the run folder's OUTPUT_DIR
+    # would make it load or write through.
+    arch = saved_backbone_arch(os.path.expanduser(args.workdir), args.checkpoint)
+    if arch is not None:
+      detection_spec.refuse_backbone(arch, f"--workdir={args.workdir}")
     check_output(args, keep=args.num_gpus <= 1)
     require_detectron2()
     from detectron2.engine import launch

@@ -28,6 +28,8 @@ def export(run: runs.Run, out: str, overwrite: bool = False) -> dict:
   del overwrite  # the two files are replaced whole; nothing else in the folder is touched
   if os.path.lexists(out) and not os.path.isdir(out) or os.path.islink(out):
     raise keymaps.NotExportable(f"--out={out} is a file or a link; --format=backbone writes a folder.")
+  arch = run.config.method.get("backbone", {}).get("arch", "resnet")
+  torchvision.require_resnet(arch, run.path, "the PyTorch hand-off (vlrep.pytorch.resnet.ResNet)")
   _, variables = keymaps.refusal(runs.backbone_of, run)
   counters = torchvision.imported_counters(run)
   torchvision.write_backbone(variables, run.config.method, out, counters=counters, source=run.path)

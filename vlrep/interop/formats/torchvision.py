@@ -339,14 +339,28 @@ def imported_counters(run) -> dict:
   return {k[len(prefix) :]: v for k, v in counters.items() if k.startswith(prefix)}
 
 
+def require_resnet(arch: str, where: str, fmt: str) -> None:
+  """A NotExportable for a backbone of `arch` that `fmt` (torchvision's, Detectron2's or the PyTorch hand-off's
+  ResNet layout) cannot hold, saying where it can go instead."""
+  if arch == "resnet":
+    return
+  if arch == "vit":
+    raise keymaps.NotExportable(
+      f"{where}: export to {fmt} supports ResNet backbones only, and this run's is a ViT (no ResNet stages or "
+      "BatchNorm to write in that layout). Export the ViT to timm's VisionTransformer with --format=timm "
+      "(docs/interop.md); detection transfer, which reads this layout, takes ResNets only."
+    )
+  raise keymaps.NotExportable(
+    f"{where}: export to {fmt} supports ResNet backbones only (this run's is {arch!r}): a layout of torchvision's "
+    "ResNet has no place for it."
+  )
+
+
 def exportable_backbone(run) -> dict:
   """The variables of a run's backbone in the form torchvision's (and Detectron2's) ResNet has: a ResNet with the
   ImageNet stem and BatchNorm statistics; anything else is a NotExportable saying why."""
   backbone = run.config.method.get("backbone", {})
-  if backbone.get("arch", "resnet") != "resnet":
-    raise keymaps.NotExportable(
-      f"{run.path}: export to torchvision/Detectron2 supports ResNet backbones only (this is a VGG16)."
-    )
+  require_resnet(backbone.get("arch", "resnet"), run.path, "torchvision/Detectron2")
   stem = backbone.get("stem", "imagenet")
   if stem != "imagenet":
     # torchvision's and Detectron2's ResNets build the 7x7 stride-2 stem and max-pool in code: a 3x3 stem's weights
