@@ -17,6 +17,14 @@ table, and the table holds only what rebuilds data:
   containers               collections.OrderedDict, set, frozenset, complex, and protocol 2's bytes
                            (_codecs.encode of latin-1 text only); dict, list, tuple, str, numbers need no global
 
+A TorchScript archive (`torch.jit.save`; OpenAI's CLIP `.pt` files) is a torch.save zip whose pickle names the
+archive's own classes (`__torch__.<module> <Class>`, one per module of the scripted model) and a `code/` folder
+that defines them. Here each such class is a stand-in that only keeps the attributes the pickle gives it (BUILD's
+state: parameters, buffers, submodules, plain values); it runs nothing (calling it is an error), and the
+archive's code/ is never read. `load_checkpoint` of such an archive gives its tensors as a flat state dict, named
+by their attribute paths ('visual.conv1.weight'), as `Module.state_dict()` names them (plus any tensor the model
+keeps as a plain attribute).
+
 Any other global is an `UnsafeFile` error (a `vlrep.errors.UserError`) naming the file and the global, raised
 when the unpickler meets it, before anything of it is imported or called. The callables of the table are fresh
 objects of each load that refuse pickle's BUILD (which could otherwise set their attributes), and each one checks
@@ -46,6 +54,7 @@ Every malformed file is a `vlrep.errors.BadFile` (a UserError: commands exit 2 w
   as_state_dict(obj, path) -> dict[str, np.ndarray]   the state dict of an object already read
   load_pickle(file, path) -> Any                      one plain pickle (no tensors) from an open file
   load_safetensors(path) -> dict[str, np.ndarray]     a .safetensors file, its header checked first
+  is_torchscript(path) -> bool                        whether a file is a TorchScript archive
   safetensors_header(path) -> (tensors, metadata, start)   that check alone: {name: (dtype, shape, begin, end)}
 A file that is not there is a `MissingFile` (a UserError and a FileNotFoundError).
 
@@ -228,6 +237,52 @@ class _Array:
       self.value, self.item = np.empty((), object), raw[0]
       return
     self.value = _array_from_bytes(raw, dtype.dtype, shape, "F" if fortran else "C", self.budget)
+
+
+class _ScriptObject:
+  """A TorchScript archive's object (`__torch__.<module> <Class>`): its class is a fresh subclass of this per global
+  and load; an instance only holds the state BUILD gives it, once. Calling the class (REDUCE) is refused: pickle's
+  NEWOBJ makes instances through __new__ alone."""
+
+  qualname = "__torch__"
+
+  def __new__(cls, *args):
+    if args:
+      raise BadFile(f"{cls.qualname} built with arguments {str(args)[:100]}: a TorchScript object takes none.")
+    obj = super().__new__(cls)
+    obj.state = None
+    return obj
+
+  def __init__(self, *args):
+    raise BadFile(f"A call of {self.qualname}: a TorchScript archive's objects are rebuilt from data, never called.")
+
+  def __setstate__(self, state):
+    if self.state is not None or not isinstance(state, dict):
+      raise BadFile(f"{self.qualname}: its state is set twice or is a {type(state).__name__}, not attributes.")
+    self.state = state
+
+
+def _script_class(module: str, name: str) -> type:
+  return type("ScriptObject", (_ScriptObject,), {"qualname": f"{module}.{name}"[:200], "__slots__": ()})
+
+
+def _script_state_dict(root, path: str) -> dict[str, np.ndarray]:
+  """The tensors of a TorchScript archive's object tree (after `_finish`), by attribute path; other attributes
+  (flags, numbers, strings) are not tensors and are left out."""
+  if not isinstance(root, _ScriptObject):
+    raise BadFile(f"{path}: a TorchScript archive whose data is a {type(root).__name__}, not a module.")
+  out: dict[str, np.ndarray] = {}
+  stack = [("", root)]
+  while stack:
+    prefix, obj = stack.pop()
+    for key, value in (obj.state or {}).items():
+      if not isinstance(key, str):
+        raise BadFile(f"{path}: a TorchScript attribute named by a {type(key).__name__}.")
+      if isinstance(value, np.ndarray):
+        out[prefix + key] = value
+      elif isinstance(value, _ScriptObject):
+        stack.append((f"{prefix}{key}.", value))
+  return dict(sorted(out.items()))
 
 
 def _is_shape(shape) -> bool:
@@ -433,14 +488,28 @@ def _read_pickle_bytes(f, path: str, part: str) -> bytes:
   return data
 
 
-def _load(file, path: str, part: str, budget: _Budget, rebuild_tensor=None, load_storage=None, finish=None) -> Any:
-  """One pickle from `file` through the restricted table (`part` names which pickle of the file, for errors)."""
+def _load(
+  file,
+  path: str,
+  part: str,
+  budget: _Budget,
+  rebuild_tensor=None,
+  load_storage=None,
+  finish=None,
+  script_objects: bool = False,
+) -> Any:
+  """One pickle from `file` through the restricted table (`part` names which pickle of the file, for errors);
+  `script_objects`: a TorchScript archive's pickle, whose `__torch__.*` classes are `_ScriptObject` stand-ins."""
   data = _read_pickle_bytes(file, path, part)
   table = _safe_globals(path, rebuild_tensor, budget)
 
   class RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
       module = "builtins" if module == "__builtin__" else module  # protocol 2's name (Python 2)
+      if script_objects and (module == "__torch__" or module.startswith("__torch__.")):
+        if (module, name) not in table:
+          table[(module, name)] = _script_class(module, name)
+        return table[(module, name)]
       if (module, name) not in table:
         raise UnsafeFile(
           f"{path}{part} asks for {module}.{name}, which vlrep's restricted unpickler does not load: such a file "
@@ -512,6 +581,8 @@ def _children(node, where: str):
     return [node.item] if node.value is not None and node.value.dtype.hasobject else []
   if isinstance(node, _LazyTensor):
     return []
+  if isinstance(node, _ScriptObject):
+    return [] if node.state is None else [node.state]
   if isinstance(node, (_Dtype, _Marker, _Storage, _Callable)) or callable(node):
     return []
   raise BadFile(f"{where}: an object of type {type(node).__name__}.")
@@ -537,6 +608,10 @@ def _rebuilt(node, done: dict, convert, where: str):
     return node.value
   if isinstance(node, _Dtype):
     return node.dtype
+  if isinstance(node, _ScriptObject):
+    if node.state is not None:
+      node.state = new(node.state)
+    return node
   replaced = convert(node) if convert is not None else None
   if replaced is not None:
     return replaced
@@ -602,7 +677,26 @@ def _read_zip(path: str, budget: _Budget):
       return _as_array(storage, offset, size, stride, path, budget)
 
     data = read(pkl, "its pickle")
-    return _load(io.BytesIO(data), path, f" ({pkl})", budget, rebuild_tensor, load_storage)
+    script = _is_script_archive(names, prefix)
+    obj = _load(io.BytesIO(data), path, f" ({pkl})", budget, rebuild_tensor, load_storage, script_objects=script)
+    return _script_state_dict(obj, path) if script else obj
+
+
+def _is_script_archive(names: set[str], prefix: str) -> bool:
+  """A TorchScript archive (torch.jit.save) beside a torch.save zip: its `constants.pkl` and `code/` folder."""
+  return f"{prefix}constants.pkl" in names and any(n.startswith(f"{prefix}code/") for n in names)
+
+
+def is_torchscript(path: str) -> bool:
+  """Whether `path` is a TorchScript archive (OpenAI's CLIP .pt files are): its tensors read by `load_checkpoint` as
+  a flat state dict, nothing of its code run."""
+  if not zipfile.is_zipfile(path):
+    return False
+  with errors.reading(path, what="torch checkpoint (zip)"):
+    with zipfile.ZipFile(path) as archive:
+      names = set(archive.namelist())
+      pkl = next((n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
+  return pkl is not None and _is_script_archive(names, pkl[: -len("data.pkl")])
 
 
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
@@ -677,7 +771,8 @@ def _read_legacy(path: str, budget: _Budget):
 
 
 def load_checkpoint(path: str) -> Any:
-  """A torch.save file (.pth/.pt/.bin, zip or legacy format) as plain Python containers and numpy arrays, through
+  """A torch.save file (.pth/.pt/.bin, zip or legacy format) as plain Python containers and numpy arrays (a
+  TorchScript archive: its tensors as a flat state dict, `_script_state_dict`), through
   the restricted unpickler: any global outside its table is an `UnsafeFile` error naming the file and the global
   (nothing in the file is imported or run); a file that is neither format, or is malformed, is a `BadFile`."""
   if not os.path.exists(path):

@@ -1,4 +1,5 @@
-"""SentencePiece BPE caption tokenizer, as VirTex builds it.
+"""SentencePiece BPE caption tokenizer, as VirTex builds it; `ensure_tokenizer` gives a run's tokenizer of any kind
+(`tokenizer.kind`: 'bpe' this one, 'wordpiece' a BERT's, 'clip_bpe' CLIP's byte-level BPE, vlrep.data.clip_bpe).
 
 Captions are lowercased and stripped of accents before training and before encoding. Splitting by Unicode
 script keeps letters and punctuation in separate pieces (no 'dog?' tokens). Special ids are fixed so that
@@ -26,6 +27,7 @@ from absl import logging
 
 from vlrep import errors, safe_files
 from vlrep.data import records
+from vlrep.data.clip_bpe import ClipTokenizer
 from vlrep.data.wordpiece import WordPieceTokenizer
 from vlrep.errors import UserError
 from vlrep.models.bert import resolve_path
@@ -201,15 +203,24 @@ def default_path(config, builder) -> str:
   return os.path.join(builder.data_dir, f"vlrep_bpe{config.vocab_size}_{split}{key}.model")
 
 
-def ensure_tokenizer(config, builder) -> Tokenizer:
+TOKENIZER_KINDS = ("bpe", "wordpiece", "clip_bpe")
+
+
+def ensure_tokenizer(config, builder) -> Tokenizer | WordPieceTokenizer | ClipTokenizer:
   """Loads the configured tokenizer; builds it from the training captions first if it is missing and
   `config.build_if_missing` (only process 0 writes; the others wait)."""
 
-  if config.get("kind", "bpe") == "wordpiece":
+  kind = config.get("kind", "bpe")
+  if kind == "wordpiece":
     # A pretrained BERT's own vocabulary (ICMLM): config.path is the checkpoint folder ('minilm' = the packaged MiniLM).
     return WordPieceTokenizer(resolve_path(config.path))
-  if config.get("kind", "bpe") != "bpe":
-    raise ValueError(f"Unknown tokenizer kind {config.kind!r}; known: bpe, wordpiece.")
+  if kind == "clip_bpe":
+    # CLIP's merges file (an imported open_clip / OpenAI run keeps its copy in the run folder): never built here.
+    if not config.get("path"):
+      raise ValueError("tokenizer.kind='clip_bpe' needs tokenizer.path (CLIP's bpe_simple_vocab_16e6.txt.gz).")
+    return ClipTokenizer(os.path.expanduser(config.path))
+  if kind != "bpe":
+    raise ValueError(f"Unknown tokenizer kind {kind!r}; known: {', '.join(TOKENIZER_KINDS)}.")
   special_tokens = config.get("special_tokens", "vlrep")
   # A published vocabulary (vlrep.interop.import_run copies it into the run): never built here.
   if special_tokens != "vlrep":
