@@ -5,6 +5,7 @@ the first).
       --vocab=coco_10k.model --workdir=/runs/virtex_zoo
   python -m vlrep.interop.import_run --format=torchvision --checkpoint=resnet50-0676ba61.pth --workdir=/runs/in1k_r50
   python -m vlrep.interop.import_run --format=auto --checkpoint=FILE --workdir=RUN       # the format that fits the keys
+  python -m vlrep.interop.import_run --format=auto --checkpoint=clip-vit-base-patch32/ --workdir=RUN  # config.json's
 
 and then, as with any trained run:
 
@@ -15,10 +16,11 @@ and then, as with any trained run:
 
 A format is a module `vlrep.interop.formats.<format>` (see vlrep/interop/keymaps.py for the contract), found with
 `vlrep.modules.get("interop.formats", ...)`; --format=auto picks the one whose `score` of the file's keys is highest
-(the file is read once and handed to the format). The run directory is what training writes: a 'best' and a
-latest checkpoint (step 0) whose metadata holds the run's config and an `import` note (source, format, what was
-dropped and why), plus summary.json. Everything is checked before anything is written; an existing --workdir is
-replaced only with --overwrite.
+(the file is read once and handed to the format); a Hugging Face folder's format is its config.json's model_type
+(FOLDER_MODEL_TYPES: 'clip', 'siglip', 'visual_bert'), an .npz's big_vision's (read without pickles). The run
+directory is what training writes: a 'best' and a latest checkpoint (step 0) whose metadata holds the run's config
+and an `import` note (source, format, what was dropped and why), plus summary.json. Everything is checked before
+anything is written; an existing --workdir is replaced only with --overwrite.
 
 The run's config is built by the format from the checkpoint: the model as published (its method with the
 checkpoint's architecture, its tokenizer, the preprocessing it evaluates with), no recipe file read, so an
@@ -47,8 +49,11 @@ from vlrep import checkpoint as ckpt_lib
 from vlrep import run_summary, safe_files
 from vlrep.errors import BadFile, UserError, exit_2_on_user_error
 from vlrep.interop import keymaps
+from vlrep.interop.formats import big_vision, hf_clip
 from vlrep.interop.formats import torchvision as tv
 
+# --format=auto on a folder: config.json's model_type -> the format that reads it.
+FOLDER_MODEL_TYPES = {"clip": "hf_clip", "siglip": "hf_siglip", "visual_bert": "visual_bert"}
 # The compute dtypes an imported run's `method.dtype` may take; the first is the default (the sources' own).
 DTYPES = ("float32", "bfloat16")
 
@@ -84,7 +89,14 @@ def resolve_format(fmt: str, checkpoint: str):
       raise UserError(f"Unknown import format {fmt!r}; known formats: {known} (or 'auto').")
     return keymaps.format_module(fmt), None
   if os.path.isdir(checkpoint):
-    raise UserError(f"--format=auto reads checkpoint files; {checkpoint} is a folder: name its format.")
+    return keymaps.format_module(folder_format(checkpoint)), None
+  if checkpoint.endswith(".npz"):  # numpy's archive (big_vision's parameters), read without pickles
+    contents = big_vision.read_npz(checkpoint)
+    score, missing, unexpected = big_vision.score(set(contents))
+    if score < 0.5 or missing:
+      raise BadFile(str(keymaps.no_format_error(checkpoint, set(contents), "big_vision", score, missing, unexpected)))
+    logging.info("--format=auto: big_vision (score %.2f).", score)
+    return big_vision, contents
   contents = tv.read_contents(checkpoint)
   keys = set(tv.read_state_dict(checkpoint, contents))
   name, score, missing, unexpected = keymaps.closest_format(keys)
@@ -92,6 +104,19 @@ def resolve_format(fmt: str, checkpoint: str):
     raise BadFile(str(keymaps.no_format_error(checkpoint, keys, name, score, missing, unexpected)))
   logging.info("--format=auto: %s (score %.2f).", name, score)
   return keymaps.format_module(name), contents
+
+
+def folder_format(folder: str) -> str:
+  """The format of a Hugging Face folder, by its config.json's model_type (FOLDER_MODEL_TYPES)."""
+  kind = hf_clip.model_type(folder)
+  if kind not in FOLDER_MODEL_TYPES:
+    known = ", ".join(f"{t!r} (--format={f})" for t, f in FOLDER_MODEL_TYPES.items())
+    said = f"its config.json's model_type is {kind!r}" if kind else "it has no config.json"
+    raise UserError(
+      f"--format=auto: {folder} is a folder, and {said}; the folders vlrep reads have model_type {known}."
+    )
+  logging.info("--format=auto: %s (config.json's model_type %r).", FOLDER_MODEL_TYPES[kind], kind)
+  return FOLDER_MODEL_TYPES[kind]
 
 
 def check_workdir(workdir: str, overwrite: bool) -> str:
@@ -204,6 +229,11 @@ def define_flags():
   flags.DEFINE_string("task", None, "VirTex: captioning or masked_lm for a forward-only head (default: file name).")
   flags.DEFINE_integer("heads", 0, "VirTex: attention heads of the textual head (default H / 64, as the zoo).")
   flags.DEFINE_bool("backbone_only", False, "VirTex: import the visual backbone alone.")
+  flags.DEFINE_bool(
+    "quick_gelu",
+    None,
+    "open_clip: the towers use QuickGELU (default: from the file: OpenAI's, or 'quickgelu' in its name).",
+  )
   flags.DEFINE_enum(
     "dtype", DTYPES[0], DTYPES, "The run's compute dtype (method.dtype); float32 computes as the source's code does."
   )
@@ -220,6 +250,8 @@ def main(argv):
     options["heads"] = f.heads
   if f.backbone_only:
     options["backbone_only"] = True
+  if f.quick_gelu is not None:
+    options["quick_gelu"] = f.quick_gelu
   imported = import_run(f.format, f.checkpoint, f.workdir, f.vocab, f.config, f.overwrite, f.dtype, **options)
   note = imported.note
   where = os.path.abspath(f.workdir)
