@@ -28,6 +28,8 @@ setuptools.setup(
     "safetensors>=0.4",  # backbone export
     "ml_dtypes",  # bfloat16 tensors read from torch files (vlrep.torch_files); jax requires it too
     "matplotlib>=3.8",  # sweep plots, notebook
+    "regex>=2023",  # CLIP's BPE tokenizer (vlrep.data.clip_bpe): its \p{L} / \p{N} word pattern, as open_clip's
+    "ftfy>=6.1",  # CLIP's BPE tokenizer: the text repair open_clip applies before tokenizing (same ids)
   ],
   extras_require={
     # Detection and instance-segmentation transfer (configs/eval/detection.py): torchvision's Faster/Mask R-CNN

@@ -325,8 +325,8 @@ def backbone_of(run: Run) -> tuple[Any, dict]:
   arch = backbones.arch_of(cfg)
   if arch == "vgg16":
     module = vgg.VGG16(**{k: cfg[k] for k in ("width",) if k in cfg})  # an omitted width: VGG16's own default
-  elif arch == "vit":
-    module = backbones.from_config(backbone_architecture(cfg))
+  elif arch in ("vit", "modified_resnet"):
+    module = backbones.from_config(backbone_architecture(cfg))  # float32; BatchNorm groups do not apply in eval
   else:
     module = resnet.ResNet(**resnet_kwargs(cfg))
   variables = {"params": run.params["backbone"]}
@@ -366,10 +366,15 @@ VIT_ARCHITECTURE = {
 }
 
 
+# OpenAI's ModifiedResNet (CLIP's RN50 and kin, imported from open_clip): its stage sizes and stem width.
+MODIFIED_RESNET_ARCHITECTURE = {"arch": "modified_resnet", "layers": (3, 4, 6, 3), "width": 64}
+
+
 def backbone_architecture(cfg) -> dict:
   """The architecture of a backbone config section, every key of its arch's table (BACKBONE_ARCHITECTURE for a
-  ResNet or VGG16, VIT_ARCHITECTURE for a ViT) filled in."""
-  table = VIT_ARCHITECTURE if cfg.get("arch", "resnet") == "vit" else BACKBONE_ARCHITECTURE
+  ResNet or VGG16, VIT_ARCHITECTURE for a ViT, MODIFIED_RESNET_ARCHITECTURE for CLIP's ResNets) filled in."""
+  tables = {"vit": VIT_ARCHITECTURE, "modified_resnet": MODIFIED_RESNET_ARCHITECTURE}
+  table = tables.get(cfg.get("arch", "resnet"), BACKBONE_ARCHITECTURE)
   return {k: cfg.get(k, default) for k, default in table.items()}
 
 

@@ -350,7 +350,8 @@ class KeyMap:
             f"(largest difference {diff:.3g}); the checkpoint is not a {self.name} model as its code writes it."
           )
       used.update(keys)
-      out[path] = np.ascontiguousarray(TRANSFORMS[r.transform][1](x, shape, ctx)).astype(np.float32)
+      y = np.asarray(TRANSFORMS[r.transform][1](x, shape, ctx))
+      out[path] = contiguous(y).astype(np.float32)
     dropped, counters, redundant = {}, {}, {}
     unexpected = []
     for key in sorted(sd, key=_natural):
@@ -402,5 +403,10 @@ class KeyMap:
         if not fill or fill[0].absent != "zeros":
           raise ValueError(f"{self.name}: block {j} of {n} of {key} has no value in the run and no rule to fill it.")
         parts[j] = np.zeros_like(next(iter(parts.values())))
-      out[key] = np.ascontiguousarray(np.concatenate([parts[j] for j in range(n)], 0) if n > 1 else parts[0])
+      out[key] = contiguous(np.concatenate([parts[j] for j in range(n)], 0) if n > 1 else parts[0])
     return out
+
+
+def contiguous(x: np.ndarray) -> np.ndarray:
+  """`x` in C order with its own shape (np.ascontiguousarray makes a 0-d tensor, a logit scale, 1-d)."""
+  return np.ascontiguousarray(x).reshape(np.shape(x))
