@@ -46,7 +46,7 @@ from vlrep.data import instances
 from vlrep.errors import UserError
 from vlrep.evaluators._inputs import EvalInputs, Model
 from vlrep.interop.formats import torchvision as tv_format
-from vlrep.models import resnet, vgg, vit
+from vlrep.models import resnet, vit
 from vlrep.pytorch import detection_spec
 
 AP_METRICS = ("box_ap", "box_ap50", "box_ap75", "mask_ap", "mask_ap50", "mask_ap75")
@@ -59,7 +59,7 @@ def method_section(module) -> dict:
   """The run's backbone as a method config's `backbone` section (what `write_backbone` reads the PyTorch
   architecture from), or a clear error for a backbone that PyTorch's twin cannot build."""
   if not isinstance(module, resnet.ResNet):
-    arch = {vit.ViT: "vit", vgg.VGG16: "vgg16"}.get(type(module), type(module).__name__)
+    arch = "vit" if isinstance(module, vit.ViT) else type(module).__name__
     detection_spec.refuse_backbone(arch, "The evaluated run")
   names = ("depth", "width", "inner_multiplier", "stem", "stem_stride")
   return {"backbone": {"arch": "resnet", **{k: getattr(module, k) for k in names}}}

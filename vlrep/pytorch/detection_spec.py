@@ -30,7 +30,7 @@ def refuse_backbone(arch: str, where: str) -> None:
       "linear_probe.py), zero-shot, retrieval, captioning or localization instead."
     )
   raise UserError(
-    f"{where}: detection transfer converts ResNet backbones to PyTorch; this run's backbone is {arch!r}. Evaluate "
+    f"{where}: detection transfer converts ResNet backbones to PyTorch; this run's backbone is {arch}. Evaluate "
     "it with the probes (configs/eval/voc07_svm.py, linear_probe.py) instead."
   )
 
