@@ -160,7 +160,7 @@ def test_vlrep_load_encodes_with_the_vit(method, vit_runs, photos):
 
 def test_a_trained_vit_exports_to_timm_and_imports_back(vit_runs, photos, tmp_path):
   """`vlrep.interop.export --format=timm` of the VirTex run: timm's model built by the printed call strict-loads it
-  and gives vlrep.load's features; `import_run --format=auto` reads it back to the same backbone."""
+  and gives vlrep.load's features; `vlrep.interop.import_run --format=auto` reads it back to the same backbone."""
   workdir = vit_runs["virtex"].workdir
   out = str(tmp_path / "vit.safetensors")
   info = export.export(workdir, "timm", out)
