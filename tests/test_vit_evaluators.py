@@ -23,11 +23,12 @@ from safetensors.torch import load_file
 from skimage import data as skdata
 
 import vlrep
-from vlrep import evaluate, runs
+from vlrep import evaluate, inference, runs
 from vlrep.config_utils import config_module
 from vlrep.errors import UserError
 from vlrep.interop import export, import_run
 from vlrep.interop.keymaps import NotExportable
+from vlrep.models import vit
 from vlrep.pytorch import detectron2_transfer
 
 D = os.environ.get("VLREP_TEST_DATA_DIR", "/tmp/vlrep_test_data")
@@ -213,3 +214,18 @@ def test_detection_transfer_refuses_a_vit_before_any_work(vit_runs, tmp_path, ca
   err = capsys.readouterr().err
   assert "this run's is a ViT" in err and "ViTDet" in err, err
   assert not os.path.exists(os.path.join(workdir, "detectron2"))
+
+
+def test_a_vit_with_14_pixel_patches_passes_the_backbone_check():
+  """vlrep.evaluate and vlrep.load trace the saved backbone before reading images: at a side the patches divide (a
+  ViT-L/14's 14 does not divide a ResNet's 64)."""
+  section = vit.config_for("vit_ti14", width=32, depth=1, num_heads=2, mlp_dim=64)
+  params = vit.from_config(section).init(jax.random.PRNGKey(0), jnp.zeros((1, 28, 28, 3)))["params"]
+  config = ConfigDict({"method": {"name": "classifier", "num_classes": 3, "backbone": section}})
+  run = runs.Run(config=config, params={"backbone": params}, model_state={}, step=0, path="/nowhere/0", meta={})
+  inference.check_backbone(run)
+  wrong = runs.Run(
+    config=config, params={"backbone": {**params, "embedding": {}}}, model_state={}, step=0, path="/nowhere/0", meta={}
+  )
+  with pytest.raises(UserError, match="saved config does not build"):
+    inference.check_backbone(wrong)

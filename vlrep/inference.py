@@ -51,6 +51,7 @@ from vlrep.data.tokenizers import EOS_ID
 from vlrep.errors import BadFile, UserError
 from vlrep.evaluators import zero_shot as zero_shot_eval
 from vlrep.evaluators.captioning import captioner_for
+from vlrep.models import vit
 
 # -- opening a run from outside ------------------------------------------------------------------------------------
 
@@ -100,7 +101,9 @@ def check_backbone(run: runs.Run) -> None:
   nothing computed): a crafted or damaged config is refused before any image is read or evaluation run."""
   with saved_config_errors(run):
     module, variables = runs.backbone_of(run)
-    jax.eval_shape(lambda v: module.apply(v, jnp.zeros((1, 64, 64, 3)), False), variables)
+    # A ViT takes sides its patches divide (14-pixel patches: not 64); 64 px passes every ResNet's and VGG's stride.
+    side = 4 * module.patch_size if isinstance(module, vit.ViT) else 64
+    jax.eval_shape(lambda v: module.apply(v, jnp.zeros((1, side, side, 3)), False), variables)
 
 
 # -- preprocessing -------------------------------------------------------------------------------------------------
