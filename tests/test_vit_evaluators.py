@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from skimage import data as skdata
 
 import vlrep
-from vlrep import evaluate, inference, runs
+from vlrep import defaults, evaluate, inference, runs
 from vlrep.config_utils import config_module
 from vlrep.errors import UserError
 from vlrep.interop import export, import_run
@@ -127,14 +127,19 @@ def test_vlrep_evaluate_runs_every_backbone_evaluator_on_a_vit_virtex(vit_runs):
   assert all(results[f"{name}/checkpoint_step"] == 6 for name in ("svm_grid", "linear", "zero_shot", "captions"))
 
 
-def test_vlrep_evaluate_runs_zero_shot_and_retrieval_on_a_vit_clip(vit_runs):
+def test_vlrep_evaluate_runs_zero_shot_and_both_retrievals_on_a_vit_clip(vit_runs):
   workdir = vit_runs["clip"].workdir
   retrieval = config_module(os.path.join(ROOT, "configs", "eval", "x"), "retrieval.py")
   entry = retrieval.get_config("runlocal,protocol=towers").evals.retrieval.to_dict()
   entry.update(config_name="tiny", data_dir=D, batch_size=8, limit=16)
-  results = evaluate.evaluate(_eval_config(zero_shot=_zero_shot(), retrieval=entry), workdir)
+  # VSE++ (MCT's retrieval protocol): a joint embedding trained on the frozen ViT's pooled features, one epoch.
+  vsepp = dict(defaults.VSEPP_COCO, **defaults.VSEPP_RUNLOCAL)
+  vsepp.update(config_name="tiny", data_dir=D, train_limit=32, test_limit=16, batch_size=16, train_batch_size=8)
+  vsepp.update(epochs=1, lr_update_epochs=1, sum_loss_epochs=1, embed_dim=16, word_dim=16)
+  results = evaluate.evaluate(_eval_config(zero_shot=_zero_shot(), retrieval=entry, vsepp=vsepp), workdir)
   assert results["zero_shot/chance"] == 10.0 and 0 <= results["zero_shot/top1"] <= 100
   assert results["retrieval/chance_r1"] == 6.25 and 0 <= results["retrieval/t2i_r1"] <= 100
+  assert results["vsepp/chance_r1"] == 6.25 and np.isfinite(results["vsepp/train_loss"])
 
 
 @pytest.mark.parametrize("method", ["virtex", "clip", "loctex"])
