@@ -16,8 +16,10 @@ import io
 import json
 import os
 import shutil
+import zipfile
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from conftest import run_module
@@ -391,3 +393,13 @@ def test_refusals(clip_folder, tmp_path):
   np.savez(bad, **{"params/t": np.array([object()], dtype=object)})
   with pytest.raises(BadFile, match="pickle"):
     big_vision.read_npz(bad)
+  lying = tmp_path / "lying.npz"  # an .npy header declaring 40 GB in a 144-byte member: refused before allocating
+  header = io.BytesIO()
+  np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": (10**10,)})
+  with zipfile.ZipFile(lying, "w") as z:
+    z.writestr("params/t.npy", header.getvalue() + bytes(16))
+  with pytest.raises(BadFile, match="declares"):
+    big_vision.read_npz(str(lying))
+  bf16 = str(tmp_path / "bf16.npz")  # numpy stores bfloat16 as 2-byte void (big_vision's recover_dtype)
+  np.savez(bf16, **{"params/t": np.arange(3, dtype=np.float32).astype(ml_dtypes.bfloat16).view("V2")})
+  assert big_vision.read_npz(bf16)["params/t"].dtype == ml_dtypes.bfloat16

@@ -33,7 +33,7 @@ import ml_dtypes
 import numpy as np
 from ml_collections import ConfigDict
 
-from vlrep import safe_files
+from vlrep import safe_files, torch_files
 from vlrep.errors import BadFile, UserError, reading
 from vlrep.interop import keymaps
 from vlrep.interop.formats import hf_clip, hf_siglip
@@ -122,23 +122,38 @@ def score(keys: set[str]) -> tuple[float, list[str], list[str]]:
 
 
 def read_npz(path: str) -> dict[str, np.ndarray]:
-  """{name: array} of an .npz, read with `allow_pickle=False` (an array of Python objects is a BadFile: nothing
-  is unpickled); bfloat16 stored as 2-byte void restored."""
+  """{name: array} of an .npz (np.savez's zip of .npy files), read without pickles (an array of Python objects is a
+  BadFile: nothing is unpickled); every member's declared size checked before anything is allocated (its .npy
+  header against the member's size, the members' sizes against vlrep.torch_files' budget of 4 x the file's size +
+  256 MiB); bfloat16 stored as 2-byte void restored."""
   if not os.path.isfile(path):
     raise hf_clip.MissingFile(f"No .npz file {path}.")
   out = {}
+  budget = torch_files.BUDGET_PER_FILE_BYTE * os.path.getsize(path) + torch_files.BUDGET_BASE
   with reading(path, what="big_vision .npz", hint=HINT):
     if not zipfile.is_zipfile(path):
       raise ValueError("not a zip archive (np.savez writes one)")
-    with np.load(path, allow_pickle=False) as npz:
-      for name in npz.files:
-        try:
-          a = npz[name]
-        except ValueError as e:  # numpy: "Object arrays cannot be loaded when allow_pickle=False"
-          raise BadFile(f"{path}: array {name!r} holds Python objects (a pickle), which vlrep never loads.") from e
+    with zipfile.ZipFile(path) as archive:
+      for info in archive.infolist():
+        name = info.filename.removesuffix(".npy")
+        budget -= info.file_size
+        if budget < 0:
+          raise BadFile(f"{path}: its members declare more bytes than a file of its size holds (a crafted file).")
+        with archive.open(info) as f:
+          version = np.lib.format.read_magic(f)
+          read_header = (
+            np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+          )
+          shape, _, dtype = read_header(f)
+          if dtype.hasobject:
+            raise BadFile(f"{path}: array {name!r} holds Python objects (a pickle), which vlrep never loads.")
+          if int(np.prod(shape)) * dtype.itemsize > info.file_size:
+            raise BadFile(f"{path}: array {name!r} declares {shape} {dtype}, more than its {info.file_size} bytes.")
+        with archive.open(info) as f:
+          a = np.lib.format.read_array(f, allow_pickle=False)
         if a.dtype.type is np.void and a.dtype.itemsize == 2:
           a = a.view(ml_dtypes.bfloat16)
-        elif a.dtype.type is np.void or a.dtype.kind not in "fiub":
+        elif a.dtype.kind not in "fiub":
           raise BadFile(f"{path}: array {name!r} has dtype {a.dtype}, not numbers.")
         out[name] = a
   return out
