@@ -140,6 +140,19 @@ def test_an_exported_vit_strict_loads_into_timm_and_computes_the_same_features(c
   assert _rel(tokens, want_tokens) < 2e-6 and _rel(pooled, want_pooled) < 2e-6
 
 
+def test_a_class_token_without_a_position_is_big_visions_layout(photos, tmp_path):
+  """timm's no_embed_class=True (DeiT III, big_vision ports): the class token has no position row; imported as is."""
+  model = _timm_model(**_timm_kwargs("tok_clip"), no_embed_class=True)
+  path = str(tmp_path / "deit3.safetensors")
+  save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
+  section = {"arch": "vit", **SMALL, **CASES["tok_clip"][0]}
+  imported = timm_format.read(path, config=ConfigDict({"method": {"name": "classifier", "backbone": section}}))
+  assert imported.note["timm_kwargs"]["no_embed_class"] is True
+  tokens, pooled, _ = _vlrep_features(section, imported.params["backbone"], photos)
+  want_tokens, want_pooled = _timm_features(model, photos)
+  assert _rel(tokens, want_tokens) < 2e-6 and _rel(pooled, want_pooled) < 2e-6
+
+
 def test_export_refuses_what_timm_cannot_express():
   base = {"arch": "vit", **SMALL}
   with pytest.raises(ValueError, match="fixed sin-cos"):
@@ -205,7 +218,7 @@ def test_a_checkpoint_applies_at_another_resolution_as_timm_with_bilinear_resizi
   same resampling computes the same features."""
   model = _timm_model(**_timm_kwargs("gap"), dynamic_img_size=True)
   sd = {k: v.numpy() for k, v in model.state_dict().items()}
-  kwargs, _ = timm_format.architecture(sd, {"num_heads": 4, "act_layer": "gelu"}, "test")
+  kwargs, _ = timm_format.architecture(sd, {"num_heads": 4, "act_layer": "gelu"})
   params = runs.unflatten(
     {
       **timm_format.KEY_MAP.to_vlrep(

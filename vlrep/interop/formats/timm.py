@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from typing import Any
 
 import jax
@@ -55,7 +54,12 @@ METADATA_KEY = "timm_kwargs"
 TIMM_HEAD_DIM = 64
 TIMM_ACT = "gelu"
 TIMM_LN_EPS = 1e-6
-# timm's names of the standard sizes (width, depth, heads, mlp_dim): the model name printed with the kwargs.
+# timm's names of the standard sizes (width, depth, heads, mlp_dim), and the models timm 1.0 registers of them: the
+# model name printed with the kwargs.
+TIMM_NAMES = frozenset(
+  {"vit_tiny_patch16_224", "vit_small_patch8_224", "vit_base_patch8_224", "vit_large_patch14_224"}
+  | {f"vit_{s}_patch{p}_224" for s in ("small", "base", "large") for p in (16, 32)}
+)
 TIMM_SIZES = {
   (192, 12, 3, 768): "tiny",
   (384, 12, 6, 1536): "small",
@@ -178,7 +182,9 @@ def timm_code(kwargs: dict) -> str:
   kw = dict(kwargs)
   eps = kw.pop("ln_eps")
   size = TIMM_SIZES.get((kw["embed_dim"], kw["depth"], kw["num_heads"], round(kw["mlp_ratio"] * kw["embed_dim"])))
-  name = f"vit_{size or 'base'}_patch{kw['patch_size']}_224" if kw["patch_size"] in (8, 14, 16, 32) else "vit_base"
+  name = f"vit_{size}_patch{kw['patch_size']}_224"
+  if name not in TIMM_NAMES:  # every argument is given: the name only picks timm's ViT builder
+    name = "vit_base_patch16_224"
   args = ", ".join(f"{k}={v!r}" for k, v in kw.items())
   norm = "" if eps == TIMM_LN_EPS else f", norm_layer=functools.partial(timm.layers.LayerNorm, eps={eps!r})"
   return f"timm.create_model({name!r}, pretrained=False, {args}{norm})"
@@ -282,7 +288,7 @@ def file_kwargs(path: str) -> dict | None:
   return kwargs
 
 
-def architecture(sd: dict, given: dict, path: str) -> tuple[dict, dict]:
+def architecture(sd: dict, given: dict) -> tuple[dict, dict]:
   """(timm kwargs, where the settings a state dict lacks came from) of a timm ViT state dict: sizes from the shapes,
   num_heads / act_layer / ln_eps from `given` (the file's metadata or the recipe's section) or timm's defaults."""
   w = sd["patch_embed.proj.weight"]
@@ -376,7 +382,7 @@ def read(
     else {}
   )
   with tv.tensors_of(checkpoint, "timm VisionTransformer"):
-    kwargs, source = architecture(sd, given, checkpoint)
+    kwargs, source = architecture(sd, given)
     section = section_of(kwargs, base)
     special = _cls_and_posemb(sd, kwargs)
     shapes = expected_shapes(section, kwargs["img_size"])
@@ -411,11 +417,3 @@ def default_config(image_size: int) -> ConfigDict:
   c = tv.default_config()
   c.data.pp = f"decode|resize_small({image_size * 8 // 7})|central_crop({image_size})|normalize"
   return c
-
-
-def written_kwargs(path: str) -> dict:
-  """The `timm_kwargs` an exported file carries (for users and tests): a UserError when it has none."""
-  kwargs = file_kwargs(os.fspath(path))
-  if kwargs is None:
-    raise UserError(f"{path} carries no {METADATA_KEY} metadata (not written by vlrep's --format=timm export).")
-  return kwargs
