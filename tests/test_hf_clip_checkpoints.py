@@ -12,6 +12,7 @@ on a SentencePiece model trained here on the captions (no download).
 from __future__ import annotations
 
 import copy
+import gzip
 import io
 import json
 import os
@@ -31,6 +32,7 @@ transformers = pytest.importorskip("transformers")
 spm = pytest.importorskip("sentencepiece")
 
 from vlrep import methods, runs  # noqa: E402
+from vlrep.data import clip_bpe, tokenizers  # noqa: E402
 from vlrep.data.siglip_tokenizer import SiglipTokenizer  # noqa: E402
 from vlrep.errors import BadFile  # noqa: E402
 from vlrep.interop import import_run, keymaps  # noqa: E402
@@ -233,20 +235,55 @@ def test_clip_folder_in_and_out(clip_folder, pixels, tmp_path):
     hf_clip.export(run, out)
 
 
-def test_clip_legacy_eos_pools_at_the_highest_id(tmp_path, pixels):
-  """A config with eos_token_id 2 (before transformers PR 24773) pools at the highest id, as transformers does."""
+def clip_vocabulary_files(folder: str) -> None:
+  """vocab.json and merges.txt as transformers' CLIP folders hold them, made from the merges file inside the
+  installed open_clip (the 48894 merges after its header line; ids: 256 byte symbols, the same with '</w>', one per
+  merge, then <|startoftext|> and <|endoftext|>)."""
+  path = clip_bpe.installed_vocabulary()
+  assert path, "open-clip-torch (a test extra) ships bpe_simple_vocab_16e6.txt.gz"
+  with gzip.open(path, "rt", encoding="utf-8") as f:
+    merges = f.read().split("\n")[1 : 49152 - 256 - 2 + 1]
+  symbols = list(clip_bpe.bytes_to_unicode().values())
+  pieces = symbols + [s + "</w>" for s in symbols] + [m.replace(" ", "") for m in merges]
+  pieces += ["<|startoftext|>", "<|endoftext|>"]
+  with open(os.path.join(folder, "vocab.json"), "w", encoding="utf-8") as f:
+    json.dump({p: i for i, p in enumerate(pieces)}, f)
+  with open(os.path.join(folder, "merges.txt"), "w", encoding="utf-8") as f:
+    f.write("#version: 0.2\n" + "\n".join(merges) + "\n")
+
+
+def test_clip_real_vocabulary_and_legacy_eos(tmp_path, pixels):
+  """A CLIP with CLIP's 49408-id vocabulary and the folder's vocab.json / merges.txt: the run's tokenizer gives
+  transformers' CLIPTokenizer's ids on real captions (up to the padding: its <|endoftext|>, clip_bpe's 0), and
+  text embeddings from each code's own ids agree. eos_token_id 2 (configs before transformers PR 24773) pools at
+  the highest id, as transformers does. The export writes the vocabulary back."""
   torch.manual_seed(0)
-  text = dict(TOWER, vocab_size=CLIP_VOCAB, max_position_embeddings=TEXT_LEN, eos_token_id=2)
+  text = dict(TOWER, vocab_size=clip_bpe.VOCAB_SIZE, max_position_embeddings=TEXT_LEN, eos_token_id=2)
   vision = dict(TOWER, num_hidden_layers=1, image_size=SIZE, patch_size=PATCH)
   model = perturb(transformers.CLIPModel(transformers.CLIPConfig(text_config=text, vision_config=vision)), 3)
-  model.save_pretrained(str(tmp_path / "legacy"))
-  imported = hf_clip.read(str(tmp_path / "legacy"))
-  assert imported.config.method.text.pool == "argmax"
-  run = runs.Run(imported.config, imported.params, {}, 0, str(tmp_path), {})
-  ids = clip_ids()
-  ours = vlrep_figures(run, pixels, ids)
-  ref32, ref64 = reference(model, pixels, ids, torch.float32), reference(model, pixels, ids, torch.float64)
-  compare(ours, ref32, ref64, "HF CLIP (legacy eos)")
+  folder = str(tmp_path / "legacy")
+  model.save_pretrained(folder)
+  clip_vocabulary_files(folder)
+  workdir = str(tmp_path / "run")
+  import_run.import_run("hf_clip", folder, workdir)
+  run = runs.load_run(workdir)
+  assert run.config.method.text.pool == "argmax"
+  ours_tok = tokenizers.ensure_tokenizer(run.config.tokenizer, None)
+  theirs_tok = transformers.CLIPTokenizer(os.path.join(folder, "vocab.json"), os.path.join(folder, "merges.txt"))
+  hf_ids = np.asarray(theirs_tok(CAPTIONS, padding="max_length", max_length=TEXT_LEN, truncation=True)["input_ids"])
+  ids = np.stack([ours_tok.encode(c, TEXT_LEN)[0] for c in CAPTIONS])
+  for ours, theirs in zip(ids, hf_ids, strict=True):
+    n = int(np.argmax(theirs == clip_bpe.EOT_ID)) + 1
+    assert ours[:n].tolist() == theirs[:n].tolist() and not ours[n:].any()
+  ref32 = reference(model, pixels, hf_ids, torch.float32)
+  ref64 = reference(model, pixels, hf_ids, torch.float64)
+  compare(vlrep_figures(run, pixels, ids), ref32, ref64, "HF CLIP (CLIP's vocabulary, legacy eos)")
+
+  out = str(tmp_path / "out")
+  hf_clip.export(run, out)
+  strict_load(transformers.CLIPModel, out)
+  back = transformers.CLIPTokenizer(os.path.join(out, "vocab.json"), os.path.join(out, "merges.txt"))
+  assert back(CAPTIONS)["input_ids"] == theirs_tok(CAPTIONS)["input_ids"]
 
 
 def test_siglip_folder_and_big_vision_npz(siglip_folder, spiece, pixels, tmp_path):

@@ -12,8 +12,12 @@ and `layer_norm_eps`; the class token's position embedding is folded into `cls` 
 embedding with a zero position embedding: the same sum). Text tower: causal, pooled at the end-of-text token as
 transformers' CLIPTextTransformer pools (`eos_token_id` 2, the configs written before transformers PR 24773: the
 highest id, `pool='argmax'`; else the first `eos_token_id`, `pool='eos'`). Projections without bias; `logit_scale`.
-The tokenizer is CLIP's BPE (`tokenizer.kind='clip_bpe'`): the folder's vocab.json and merges.txt are copied into
-the run when it has them.
+The tokenizer is CLIP's BPE (vlrep.data.clip_bpe, `tokenizer.kind='clip_bpe'`): the folder's vocab.json and
+merges.txt, checked to be CLIP's 49408 ids in CLIP's order, become the merges file clip_bpe reads, kept in the run as
+open_clip imports keep it (vocab/bpe_simple_vocab_16e6.txt.gz); `--vocab` names that file instead, and without
+either the one inside an installed open_clip is used (a note says so). Exports write vocab.json and merges.txt back
+(transformers' CLIPTokenizer reads them; it pads with <|endoftext|> where clip_bpe pads with 0, which CLIP's
+end-of-text pooling under a causal mask never sees).
 
 The key map is data (`clip_rules`, vlrep.interop.keymaps `rule`s read both ways); the ViT encoder's rows
 (`encoder_rules`) and the folder handling (`read_folder`, `write_folder`) are shared with hf_siglip and big_vision.
@@ -21,10 +25,12 @@ The key map is data (`clip_rules`, vlrep.interop.keymaps `rule`s read both ways)
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
 import shutil
+import tempfile
 from collections import OrderedDict
 
 import jax
@@ -34,6 +40,7 @@ from ml_collections import ConfigDict
 from safetensors.numpy import save_file
 
 from vlrep import safe_files, torch_files
+from vlrep.data import clip_bpe
 from vlrep.errors import BadFile, UserError, reading
 from vlrep.interop import keymaps
 from vlrep.interop.formats.visual_bert import code_hooks, without_code_hooks
@@ -53,6 +60,9 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 LEGACY_EOS_ID = 2  # transformers' CLIPTextTransformer: eos_token_id == 2 means "pool at the highest id"
 _MAX_JSON_BYTES = 1 << 20
+RUN_VOCAB = os.path.join("vocab", clip_bpe.VOCAB_FILE)  # where an imported run keeps CLIP's merges (open_clip's too)
+HF_START, HF_END = "<|startoftext|>", "<|endoftext|>"  # transformers' names of CLIP's two special tokens
+MERGES_HEADER = "#version: 0.2"
 FOLDER_HINT = "Pass the folder as `save_pretrained` wrote it (config.json and model.safetensors)."
 
 
@@ -254,9 +264,9 @@ def read_folder(checkpoint: str, model: str) -> tuple[str, dict, dict[str, np.nd
   return folder, cfg, torch_files.load_safetensors(weights)
 
 
-def write_folder(out: str, overwrite: bool, sd: dict, config: dict, files: dict[str, str]) -> dict:
-  """Writes config.json, model.safetensors and `files` ({name: source path}) into a fresh folder renamed into place
-  (an existing non-empty `out` needs `overwrite`); code hooks are never written."""
+def write_folder(out: str, overwrite: bool, sd: dict, config: dict, files: dict[str, str], texts=None) -> dict:
+  """Writes config.json, model.safetensors, `files` ({name: source path}) and `texts` ({name: text}) into a fresh
+  folder renamed into place (an existing non-empty `out` needs `overwrite`); code hooks are never written."""
   folder = os.path.abspath(os.path.expanduser(out)).rstrip(os.sep)
   if os.path.lexists(folder) and (not os.path.isdir(folder) or os.path.islink(folder)):
     raise keymaps.NotExportable(f"--out={out} is a file or a link; this format writes a folder.")
@@ -279,6 +289,8 @@ def write_folder(out: str, overwrite: bool, sd: dict, config: dict, files: dict[
     for name, src in files.items():
       with safe_files.open_atomic(os.path.join(tmp, name), "wb", root=tmp) as f, open(src, "rb") as s:
         shutil.copyfileobj(s, f)
+    for name, text in (texts or {}).items():
+      safe_files.write_text(os.path.join(tmp, name), text, root=tmp)
   return {"files": sorted(os.listdir(folder))}
 
 
@@ -403,24 +415,77 @@ def hf_fields_kept(cfg: dict) -> dict:
   return {k: v for k, v in without_code_hooks(cfg).items() if k not in drop}
 
 
+def hf_vocabulary(tokenizer: clip_bpe.ClipTokenizer) -> tuple[dict[str, int], list[str]]:
+  """(vocab.json's object, merges.txt's lines) of CLIP's BPE vocabulary as transformers' CLIPTokenizer writes them
+  (its special tokens spelled '<|startoftext|>' and '<|endoftext|>')."""
+  names = {clip_bpe.START_OF_TEXT: HF_START, clip_bpe.END_OF_TEXT: HF_END}
+  vocab = {names.get(piece, piece): i for i, piece in enumerate(tokenizer.decoder)}
+  merges = [" ".join(m) for m, _ in sorted(tokenizer.ranks.items(), key=lambda kv: kv[1])]
+  return vocab, [MERGES_HEADER, *merges]
+
+
+def _folder_merges(folder: str) -> tuple[str | None, str]:
+  """(a merges file in clip_bpe's format holding the folder's merges, or None; why not) of a folder's vocab.json
+  and merges.txt: they must be CLIP's BPE vocabulary (49408 ids in CLIP's order), which is what clip_bpe reads."""
+  vocab_json, merges_txt = os.path.join(folder, "vocab.json"), os.path.join(folder, "merges.txt")
+  if not (os.path.isfile(vocab_json) and os.path.isfile(merges_txt)):
+    return None, f"{folder} has no vocab.json and merges.txt"
+  with reading(merges_txt, what="CLIP merges.txt", hint=FOLDER_HINT):
+    if os.path.getsize(merges_txt) > 16 * _MAX_JSON_BYTES:
+      raise ValueError(f"{os.path.getsize(merges_txt)} bytes, more than such a file takes")
+    with open(merges_txt, encoding="utf-8") as f:
+      lines = f.read().rstrip("\n").split("\n")
+  body = lines[1:] if lines and lines[0].startswith("#version") else lines
+  if len(body) != clip_bpe.NUM_MERGES:
+    return None, f"{merges_txt} has {len(body)} merges, CLIP's BPE {clip_bpe.NUM_MERGES}: another tokenizer"
+  installed = clip_bpe.installed_vocabulary()
+  if installed and clip_bpe.read_merges(installed) == [tuple(line.split(" ")) for line in body]:
+    merges = installed  # the same merges as open_clip's file: that file
+  else:  # written in clip_bpe's format (a header line, then the merges) beside nothing: a temporary file to copy
+    merges = os.path.join(tempfile.mkdtemp(prefix="vlrep_hf_clip_"), clip_bpe.VOCAB_FILE)
+    with gzip.open(merges, "wt", encoding="utf-8") as f:
+      f.write("\n".join([MERGES_HEADER, *body]) + "\n")
+  want, _ = hf_vocabulary(clip_bpe.ClipTokenizer(merges))
+  if read_json(vocab_json, what="CLIP vocab.json") != want:
+    return None, f"{vocab_json} does not number CLIP's BPE pieces as CLIP does: another tokenizer"
+  return merges, ""
+
+
+def vocabulary(folder: str, vocab: str | None, vocab_size: int) -> tuple[str | None, dict]:
+  """(CLIP's merges file for the run's tokenizer or None, notes): --vocab, else the folder's vocab.json and
+  merges.txt (checked to be CLIP's), else the one inside an installed open_clip; a text tower of another size
+  than CLIP's 49408 ids gets none."""
+  if vocab:
+    clip_bpe.read_merges(vocab)  # a file that is not one is refused
+    return vocab, {}
+  if vocab_size != clip_bpe.VOCAB_SIZE:
+    why = f"the text tower has {vocab_size} ids, CLIP's BPE {clip_bpe.VOCAB_SIZE}: set tokenizer.path yourself"
+    return None, {"tokenizer": why}
+  merges, why = _folder_merges(folder)
+  if merges:
+    return merges, {}
+  installed = clip_bpe.installed_vocabulary()
+  if installed:
+    return installed, {"tokenizer": f"{why}; CLIP's BPE inside the installed open_clip is used"}
+  return None, {"tokenizer": f"{why}: pass --vocab={clip_bpe.VOCAB_FILE} (inside the open-clip-torch package)"}
+
+
 def read(
   checkpoint: str, vocab: str | None = None, *, config: ConfigDict | None = None, workdir: str | None = None
 ) -> ImportedRun:
-  """A CLIP run of a transformers CLIPModel folder (module docstring)."""
-  if vocab:
-    raise UserError("--vocab does not apply to --format=hf_clip: the folder's vocab.json and merges.txt are read.")
+  """A CLIP run of a transformers CLIPModel folder (module docstring); `vocab`: CLIP's merges file
+  (bpe_simple_vocab_16e6.txt.gz) when the folder has no vocab.json and merges.txt."""
   folder, cfg, sd = read_folder(checkpoint, "clip")
   method, vocab_size, image_size = clip_method(cfg, os.path.join(folder, "config.json"))
   expected = expected_shapes(method, vocab_size, image_size)
   km = KeyMap("Hugging Face CLIPModel", clip_rules())
   params, converted = convert(sd, km, expected, clip_embeddings_in, CLIP_EMBEDDINGS, folder)
-  files = copy_if_present(folder, ("vocab.json", "merges.txt"))
-  notes = {}
-  if len(files) < 2:
-    notes["tokenizer"] = f"{folder} has no vocab.json and merges.txt: set tokenizer.path to CLIP's BPE vocabulary"
-  pp = f"decode|resize_small({image_size})|central_crop({image_size})|normalize(mean={CLIP_MEAN}, std={CLIP_STD})"
+  merges, notes = vocabulary(folder, vocab, vocab_size)
   # vlrep.interop.import_run copies `files` into the run directory, where the tokenizer reads them.
-  tokenizer = dict(kind="clip_bpe", path=os.path.abspath(workdir) if workdir and len(files) == 2 else "")
+  files = {RUN_VOCAB: merges} if merges and workdir else {}
+  path = os.path.join(os.path.abspath(workdir), RUN_VOCAB) if files else (merges or "")
+  tokenizer = dict(kind="clip_bpe", path=path)
+  pp = f"decode|resize_small({image_size})|central_crop({image_size})|normalize(mean={CLIP_MEAN}, std={CLIP_STD})"
   run = run_config(config, method, tokenizer, pp)
   note = {
     "format": "hf_clip",
@@ -496,9 +561,14 @@ def image_size_of(run, patch: int) -> int:
   return side * patch
 
 
-def run_files(run, names: tuple[str, ...]) -> dict[str, str]:
-  """The files an imported run keeps beside its checkpoints (the tokenizer's), found in the run directory."""
-  return copy_if_present(run.workdir, names)
+def tokenizer_file(run, kind: str) -> str | None:
+  """The file the run's tokenizer reads (`tokenizer.path`, relative paths from the run's folder) when the
+  tokenizer is of `kind` and the file is there; else None."""
+  tok = run.config.get("tokenizer", {})
+  path = os.path.expanduser(tok.get("path", "") or "") if tok.get("kind") == kind else ""
+  if path and not os.path.isabs(path):
+    path = os.path.join(run.workdir, path)
+  return path if path and os.path.isfile(path) else None
 
 
 def state_dict(run) -> tuple[OrderedDict, dict]:
@@ -556,5 +626,13 @@ def export(run, out: str, overwrite: bool = False) -> dict:
   """Writes the run as a folder `transformers.CLIPModel.from_pretrained(out)` loads with no missing or unexpected
   keys: config.json, model.safetensors, and the run's vocab.json and merges.txt when it keeps them."""
   sd, config = keymaps.refusal(state_dict, run)
-  info = write_folder(out, overwrite, sd, config, run_files(run, ("vocab.json", "merges.txt")))
+  texts, notes = {}, []
+  path = tokenizer_file(run, "clip_bpe")
+  if path:
+    vocab, merges = hf_vocabulary(clip_bpe.ClipTokenizer(path))
+    texts = {"vocab.json": json.dumps(vocab, ensure_ascii=False) + "\n", "merges.txt": "\n".join(merges) + "\n"}
+  else:
+    notes.append("no vocab.json / merges.txt written: the run's tokenizer is not CLIP's BPE file it can read")
+  info = write_folder(out, overwrite, sd, config, {}, texts)
+  info["notes"] = notes
   return {"keys": len(sd), "parameters": keymaps.parameter_count(sd), "step": run.step, "config": config, **info}

@@ -243,5 +243,6 @@ def export(run, out: str, overwrite: bool = False) -> dict:
   """Writes the run as a folder `transformers.SiglipModel.from_pretrained(out)` loads with no missing or
   unexpected keys: config.json, model.safetensors, and the run's spiece.model when it keeps one."""
   sd, config = keymaps.refusal(state_dict, run)
-  info = hf_clip.write_folder(out, overwrite, sd, config, hf_clip.run_files(run, (VOCAB_FILE,)))
+  vocab = hf_clip.tokenizer_file(run, "siglip")
+  info = hf_clip.write_folder(out, overwrite, sd, config, {VOCAB_FILE: vocab} if vocab else {})
   return {"keys": len(sd), "parameters": keymaps.parameter_count(sd), "step": run.step, "config": config, **info}
