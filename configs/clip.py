@@ -15,6 +15,12 @@ Variants (arguments combine with commas; any key can also be overridden with --c
                          and -10), computed block by block over the devices (vlrep/methods/_contrastive.py)
   pool=avg|attention     the image embedding: the ResNet's global average pool and a linear projection, or
                          CLIP's attention pooling over the final grid
+  backbone=r50|vit_b16|vit_local|...
+                         the image tower: vlrep's ResNet-50, or a ViT (big_vision's vit_<variant><patch>;
+                         vit_local is runlocal's, configs/common.py) as CLIP's ViTs: class-token pooling, a
+                         LayerNorm before the encoder (ln_pre), QuickGELU, LayerNorm eps 1e-5, no patch bias.
+                         vit_b16 is CLIP's ViT-B/16 recipe: its table 20's AdamW beta2 0.98, eps 1e-6, embedding
+                         512 (docs/recipe_deviations.md)
   text=scratch|bert      the text tower: a causal transformer trained from scratch (CLIP's layout) or a
                          pretrained BERT fine-tuned (needs bert=PATH; runlocal: the packaged MiniLM)
   bert=PATH              with text=bert: a local Hugging Face BERT folder ('minilm' = the packaged MiniLM-L6-H384);
@@ -37,6 +43,12 @@ POOLS = ("avg", "attention")
 # No weight decay on gains, biases and the loss's learned temperature and bias (CLIP: "decoupled weight decay
 # regularization applied to all weights that are not gains or biases").
 NO_DECAY = r"(^|/)(bias|scale|logit_scale|t_prime|logit_bias)$"
+RESNETS = ("r50",)
+# CLIP's ViTs (OpenAI's VisionTransformer): the class token's final state, after ln_post, is the image embedding's
+# input; ln_pre normalises the embedded patches; QuickGELU MLPs; LayerNorm eps 1e-5; a patch embedding without bias.
+CLIP_VIT = dict(pool_type="tok", pre_norm=True, mlp_act="quick_gelu", ln_eps=1e-5, patch_bias=False)
+# Embedding widths (CLIP's table 20): ViT-B/16's and B/32's 512, ViT-L/14's 768; a ViT not listed keeps its width.
+VIT_EMBED_DIMS = {"vit_b16": 512, "vit_b32": 512, "vit_l14": 768}
 
 
 def get_config(arg=None):
@@ -48,6 +60,7 @@ def get_config(arg=None):
     text="scratch",
     bert="",
     bert_layers=-1,
+    backbone="r50",
     steps=0,
     lr=0.0,
     data="",
@@ -59,6 +72,13 @@ def get_config(arg=None):
     raise ValueError(f"Unknown pool={arg.pool!r}; known: {POOLS}")
   if arg.text not in ("scratch", "bert"):
     raise ValueError(f"Unknown text={arg.text!r}; expected 'scratch' or 'bert'.")
+  common.backbone_choice(arg.backbone, RESNETS)
+  vit = common.is_vit(arg.backbone)
+  if vit and arg.pool == "attention":
+    raise ValueError(
+      "pool=attention is CLIP's ResNet attention pooling over the final grid; CLIP's ViTs pool with their class "
+      "token (the recipe's pool=avg with a ViT)."
+    )
   bert = arg.bert or ("minilm" if arg.runlocal else "")  # '' fails at load time, naming the files it needs
 
   c = ConfigDict()
@@ -70,11 +90,11 @@ def get_config(arg=None):
     # block per device of the data axis); 1 = at once.
     loss_chunks=1,
     pool=arg.pool,
-    embed_dim=1024,  # CLIP ResNet-50's
+    embed_dim=VIT_EMBED_DIMS.get(arg.backbone, 512) if vit else 1024,  # CLIP ResNet-50's 1024
     # vlrep's ResNet-50; CLIP does not say how its BatchNorm statistics are shared: synchronised over the batch.
-    backbone=dict(depth=50, width=64, bn_group_size=0),
+    backbone=common.vit_backbone(arg.backbone, **CLIP_VIT) if vit else dict(depth=50, width=64, bn_group_size=0),
     text_tower=arg.text,
-    # CLIP's text transformer for ResNet-50: 512 wide, 12 layers, 8 heads, no dropout.
+    # CLIP's text transformer for ResNet-50 and ViT-B: 512 wide, 12 layers, 8 heads, no dropout.
     text=dict(hidden=512, num_layers=12, num_heads=8, max_len=40, dropout=0.0),
     bert_path=bert,
     bert_layers=0,
@@ -91,14 +111,22 @@ def get_config(arg=None):
 
   c.batch_size = 4096  # CLIP's 32768 is a quarter of COCO's 118K images; see docs/methods/clip.md
   c.update(common.duration(steps=arg.steps, epochs=0.0 if arg.steps else 200.0))
-  # CLIP's ResNet hyperparameters (its table 19): AdamW, decoupled weight decay 0.2, beta2 0.999 and eps 1e-8 for
-  # ResNets (0.98 and 1e-6 are its ViTs'), peak LR 5e-4 (RN50), cosine decay; warmup 10 epochs of COCO.
+  # CLIP's hyperparameters (its table 19): AdamW, decoupled weight decay 0.2, beta2 0.999 and eps 1e-8 for ResNets
+  # (0.98 and 1e-6 for ViTs), peak LR 5e-4 (RN50 and ViT-B/16), cosine decay; warmup 10 epochs of COCO.
   lr_groups = ((".*", arg.lr or 5e-4),)
   if arg.text == "bert":
     # A pretrained BERT is fine-tuned at BERT's fine-tuning rate, the fresh towers and heads at CLIP's.
     lr_groups = (("^textual/", 5e-5), *lr_groups)
   c.optim = common.optim(
-    lr_groups, name="adamw", weight_decay=0.2, b1=0.9, b2=0.999, eps=1e-8, warmup_epochs=10.0, no_decay=NO_DECAY
+    lr_groups,
+    name="adamw",
+    weight_decay=0.2,
+    b1=0.9,
+    b2=0.98 if vit else 0.999,
+    eps=1e-6 if vit else 1e-8,
+    warmup_epochs=10.0,
+    # CLIP's ViT: no decay on the class token and position embeddings either (gains and biases in its wording).
+    no_decay=NO_DECAY.replace("logit_bias", "logit_bias|cls|pos_embedding") if vit else NO_DECAY,
   )
 
   c.evals = dict(
@@ -130,11 +158,18 @@ def _runlocal(c, arg):
   out of the image), a 256-piece vocabulary, captions of up to 40 tokens, AdamW with 25 warmup steps. The text
   tower is 128 wide, 2 layers and 2 heads; the embedding 128-d. The LR was chosen on probe_val
   (docs/methods/clip.md); weight decay stays CLIP's 0.2.
+
+  backbone=vit_local (configs/common.py: patch 8 at 64 px, 128 wide, 4 blocks; the ViT-Ti/8 is 4x slower a step
+  on 2 cores) with CLIP's ViT layout (CLIP_VIT) and AdamW's ViT betas. The ViT trains at common.LOCAL_VIT_LR
+  (VirTex runlocal's ViT backbone LR, chosen there on probe_val; not chosen again here), the rest at the LR below.
   """
   c.data.update(common.synthetic_scenes("name"))
   c.data.pp = "decode|flip_lr_swap_words|normalize|choose_caption(5)|tokenize(40)"
   c.method.update(dtype="float32", embed_dim=128, bert_dropout=0.0)
-  c.method.backbone = dict(depth=10, width=16, bn_group_size=32, stem="small", stem_stride=2)
+  if common.is_vit(arg.backbone):
+    c.method.backbone = common.vit_backbone(arg.backbone, **CLIP_VIT)
+  else:
+    c.method.backbone = dict(depth=10, width=16, bn_group_size=32, stem="small", stem_stride=2)
   c.method.text = dict(hidden=128, num_layers=2, num_heads=2, max_len=40, dropout=0.0)
   c.tokenizer.vocab_size = 256
   c.batch_size = 64
@@ -144,6 +179,8 @@ def _runlocal(c, arg):
   lr = arg.lr or 3e-3
   # text=bert (not tuned): the pretrained tower at a tenth of the rest's LR, a shorter run's stand-in for 5e-5.
   c.optim.lr_groups = (("^textual/", lr / 10 if arg.text == "bert" else lr), (".*", lr))
+  if common.is_vit(arg.backbone):
+    c.optim.lr_groups = (("^backbone/", common.LOCAL_VIT_LR), *c.optim.lr_groups)
   c.checkpoint.every_steps = 200
   c.log_every_steps = 50
   common.local_probe(c)

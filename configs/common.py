@@ -11,12 +11,78 @@ A function's keyword arguments override its defaults or add keys, so each recipe
 import numpy as np
 
 from vlrep import defaults
+from vlrep.models import vit
 
 # The official VirTex VOC07 protocol's SVM costs, chosen per class by cross-validation.
 SVM_COSTS = (0.01, 0.1, 1.0, 10.0)
 # ICMLM's (appendix F.2): the paper samples 40 costs log-uniformly in [1e-5, 1e5] and picks one with Optuna; here
 # 40 log-spaced costs over the same range, picked by the same 3-fold cross-validation as the VirTex protocol.
 ICMLM_SVM_COSTS = tuple(float(c) for c in np.logspace(-5, 5, 40))
+
+
+# runlocal's ViT ('vit_local'): patch 8 at 64 px (an 8x8 grid, as the runlocal ResNet's 2x scale), 128 wide, 4 blocks
+# of 2 heads, MLP 512. Backbone forward + backward at batch 64 on the 2-core CPU: 0.32 s a step, against 1.33 s for
+# ViT-Ti/8 (192 wide, 12 blocks), 0.69 s for Ti/8 at depth 6 and 0.10 s for runlocal's ResNet-10 w16: the Ti is 4x
+# too slow for three methods at three seeds on that machine.
+LOCAL_VIT = "vit_local"
+LOCAL_VIT_SECTION = dict(arch="vit", width=128, depth=4, mlp_dim=512, num_heads=2, patch_size=8, pool_type="gap")
+# runlocal's ViT backbone LR under AdamW, chosen on VirTex's probe_val among {1e-3, 3e-3} at 3 seeds
+# (docs/results/virtex.md); CLIP's and LocTex's runlocal reuse it for their ViT backbones. The ResNet's 1e-2 is a
+# BatchNorm network's.
+LOCAL_VIT_LR = 1e-3
+
+
+def is_vit(backbone: str) -> bool:
+  """Whether a `backbone=` argument names a ViT ('vit_local' or big_vision's vit_<variant><patch>)."""
+  return backbone.lower().startswith("vit_")
+
+
+def backbone_choice(backbone: str, resnets) -> None:
+  """Refuses a `backbone=` argument that is neither one of `resnets` (the recipe's ResNet names) nor a ViT name,
+  naming the choices (a malformed ViT name is refused by vit.config_for, naming its variants and patches)."""
+  if backbone not in resnets and not is_vit(backbone):
+    raise ValueError(
+      f"Unknown backbone={backbone!r}; known: {', '.join(resnets)}, {LOCAL_VIT} (runlocal's ViT) or a ViT "
+      f"vit_<variant><patch> (variant one of {', '.join(vit.VARIANTS)}, patch one of {vit.PATCH_SIZES}: vit_b16, "
+      "vit_ti8, ...)."
+    )
+
+
+def vit_backbone(backbone: str, **overrides) -> dict:
+  """The backbone config section of a ViT name: 'vit_local' (LOCAL_VIT_SECTION) or big_vision's variants
+  (`vit.config_for`: 'vit_b16', 'vit_ti8', ...), global-average pooled unless `overrides` say otherwise. A ViT has
+  no BatchNorm, so none of the ResNet sections' BN-group settings."""
+  if backbone == LOCAL_VIT:
+    return dict(LOCAL_VIT_SECTION, **overrides)
+  return vit.config_for(backbone, **overrides)
+
+
+# CapPa's optimizer (Tschannen et al. 2023; big_vision configs/proj/cappa/pretrain.py) for a ViT in the recipes whose
+# paper trains a BatchNorm ResNet with SGD: peak LR 1e-3, gradient clipping at norm 1.0, weight decay 1e-4 applied as
+# big_vision applies it (p -= 1e-4 * schedule * p, not scaled by the LR). optax's AdamW scales it by the LR, so
+# 1e-4 / 1e-3 = 0.1 here decays as much at the peak.
+VIT_LR = 1e-3
+VIT_WEIGHT_DECAY = 1e-4 / VIT_LR
+
+
+def vit_optim(lr_groups: tuple, **settings) -> dict:
+  """CapPa's optimizer block for a ViT (VIT_LR, VIT_WEIGHT_DECAY): AdamW (the paper's Adafactor variant keeps full
+  second moments with beta2 0.999, as AdamW does), gradient clipping at 1.0, cosine decay, no LookAhead; no decay on
+  biases, LayerNorm gains, the class token and the position embeddings."""
+  return optim(
+    lr_groups,
+    **dict(
+      dict(
+        name="adamw",
+        weight_decay=VIT_WEIGHT_DECAY,
+        b1=0.9,
+        b2=0.999,
+        grad_clip_norm=1.0,
+        no_decay=r"(^|/)(bias|output_bias|scale|pos_embedding|cls)$",
+      ),
+      **settings,
+    ),
+  )
 
 
 def run_defaults(c, checkpoint_every: int = 2000) -> None:

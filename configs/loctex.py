@@ -10,6 +10,11 @@ On the embedded synthetic_scenes narrations, sized for a 2-core CPU (a few minut
 Ablations (arguments combine with commas; any key can also be overridden with --config.KEY=VALUE):
   loss=both|contrastive|localization   L_C + L_L (the paper), L_C only, L_L only (Table 4)
   scales=1|1+2|1+2+4                    trace supervision at 1x, 1x and 2x (the paper), up to 4x (Table 5)
+  backbone=r50|vit_b16|vit_local|...    the visual backbone: the paper's ResNet-50 or a ViT (big_vision's
+                                        vit_<variant><patch>; vit_local is runlocal's, configs/common.py). A ViT
+                                        has one grid, its patch tokens (scales=1 only: 8x8 for vit_local at 64
+                                        px, 14x14 for vit_b16 at 224), and trains with CapPa's AdamW
+                                        (common.vit_optim), as LocTex has no ViT recipe of its own
   oracle=True                           ground-truth masks instead of traces (Table 5; synthetic_scenes only).
                                         Only shape words are supervised, so eq. 3's gradient is ~3x larger
                                         than with traces; runlocal scales L_L by 0.33 more for it, or the run
@@ -37,6 +42,7 @@ common = config_module(__file__, "common.py")  # the blocks every recipe shares
 
 LOSSES = {"both": (1.0, 1.0), "contrastive": (1.0, 0.0), "localization": (0.0, 1.0)}
 CONTRASTIVE_GROUPS = {"per_gpu": 128, "global": 0}
+RESNETS = ("r50",)
 UNTRACED = ("skip", "captions")  # what trains on an image without a narration (own data): nothing, or its captions
 
 
@@ -45,7 +51,8 @@ def get_config(arg=None):
     arg,
     runlocal=False,
     loss="both",
-    scales="1+2",
+    scales="",
+    backbone="r50",
     oracle=False,
     contrastive="per_gpu",
     openimages=False,
@@ -62,10 +69,18 @@ def get_config(arg=None):
     raise ValueError("untraced=captions reads your own data's plain captions: give data=DIR too.")
   if arg.contrastive not in CONTRASTIVE_GROUPS:
     raise ValueError(f"Unknown contrastive={arg.contrastive!r}; known: {sorted(CONTRASTIVE_GROUPS)}")
-  scales = tuple(int(s) for s in str(arg.scales).split("+"))
+  common.backbone_choice(arg.backbone, RESNETS)
+  vit = common.is_vit(arg.backbone)
+  backbone = common.vit_backbone(arg.backbone) if vit else dict(depth=50, width=64, bn_group_size=0)
+  scales = tuple(int(s) for s in str(arg.scales or ("1" if vit else "1+2")).split("+"))
+  if vit and scales != (1,):
+    raise ValueError(
+      f"scales={arg.scales}: a ViT has one feature grid (its patch tokens), not a ResNet's stages; use scales=1."
+    )
   image_size = 64 if arg.runlocal else 224
-  # The backbone's output stride: 32 with the ImageNet stem; runlocal's small stem (stride 2, no max-pool) gives 16.
-  stride = 16 if arg.runlocal else 32
+  # The backbone's output stride: a ViT's patch size; a ResNet's 32 with the ImageNet stem, 16 with runlocal's small
+  # stem (stride 2, no max-pool).
+  stride = backbone["patch_size"] if vit else 16 if arg.runlocal else 32
   grid_sizes = tuple(image_size // stride * s for s in scales)
   contrastive_weight, localization_weight = LOSSES[arg.loss]
 
@@ -73,12 +88,8 @@ def get_config(arg=None):
   common.run_defaults(c)
   c.method = dict(
     name="loctex",
-    # Synchronized BatchNorm over the batch, as the paper.
-    backbone=dict(
-      depth=50,
-      width=64,
-      bn_group_size=0,
-    ),
+    # The ResNet-50 with synchronized BatchNorm over the batch, as the paper.
+    backbone=backbone,
     # Textual backbone: 4 layers, 1024 wide, 16 heads, GELU; captions of at most 60 tokens.
     text=dict(hidden=1024, num_layers=4, num_heads=16, max_len=60, dropout=0.1),
     embed_dim=1024,
@@ -111,6 +122,8 @@ def get_config(arg=None):
   c.update(common.duration(steps=arg.steps, epochs=0.0 if arg.steps else 600.0))
   # LR 0.4 for the visual backbone and the projections, 0.002 for the textual backbone.
   c.optim = common.optim((("^textual/", 0.002), (".*", 0.4)), warmup_epochs=20.0)
+  if vit:
+    c.optim = common.vit_optim(((".*", common.VIT_LR),), warmup_epochs=20.0)
 
   # LocTex sec. 4.1: "we first resize all images to 224 x 224" (no 256 resize and centre crop).
   c.evals = dict(probe=common.probe_eval(pp="decode|resize(224)|normalize|voc_labels(20)"))
@@ -162,6 +175,10 @@ def _runlocal(c, arg, grid_sizes):
     trace_words(..., segments=False)   each word's mask is the cells of its trace's sample points (the paper's
                                        "covered region", the recipe's segments=True, adds the cells crossed
                                        between them)
+
+  backbone=vit_local (configs/common.py: patch 8 at 64 px, 128 wide, 4 blocks) supervises L_L on its one 8x8 grid
+  (the ResNet's 2x scale's size) and trains with AdamW: the ViT at common.LOCAL_VIT_LR (VirTex runlocal's, chosen
+  on probe_val), the rest at 3e-3 (VirTex's and CLIP's runlocal head LR); not chosen again for LocTex.
   """
   c.data.update(common.synthetic_scenes("name"))
   c.data.pp = (
@@ -172,7 +189,9 @@ def _runlocal(c, arg, grid_sizes):
   c.method.update(dtype="float32", embed_dim=128, localization_norm="traced")
   # VirTex runlocal's backbone, a ResNet-10 w16 with the small stem (chosen for VirTex on probe_val; not compared
   # again for LocTex): a 64 px image through the ImageNet stem leaves shapes a cell or two of a 2x2 grid.
-  c.method.backbone = dict(depth=10, width=16, bn_group_size=32, stem="small", stem_stride=2)
+  vit = common.is_vit(arg.backbone)
+  if not vit:
+    c.method.backbone = dict(depth=10, width=16, bn_group_size=32, stem="small", stem_stride=2)
   c.method.text = dict(hidden=128, num_layers=2, num_heads=4, max_len=60, dropout=0.1)
   c.method.contrastive_group_size = 0  # the batch of 64 is smaller than the paper's per-GPU group: one group
   c.tokenizer.vocab_size = 1000
@@ -191,6 +210,11 @@ def _runlocal(c, arg, grid_sizes):
   c.optim.warmup_steps = 50
   # The textual backbone's 0.002 is tuned for 600 epochs; at a few hundred steps it barely moves.
   c.optim.lr_groups = (("^textual/", 0.05), (".*", 0.4))
+  if vit:
+    # AdamW as VirTex's and CLIP's runlocal ViTs: the backbone at common.LOCAL_VIT_LR (chosen on VirTex's probe_val),
+    # the text tower and projections at their runlocal head LR 3e-3, weight decay 1e-4 (not chosen again here).
+    c.optim.update(weight_decay=1e-4, grad_clip_norm=0.0)
+    c.optim.lr_groups = (("^backbone/", common.LOCAL_VIT_LR), (".*", 3e-3))
   c.checkpoint.every_steps = 250
   c.log_every_steps = 50
   common.local_probe(c)

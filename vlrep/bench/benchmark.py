@@ -7,14 +7,17 @@ against its measured bf16 matrix-product peak).
   python -m vlrep.bench.benchmark --config=configs/virtex.py \
       --variant=f32:method.dtype=float32 --variant=fsdp:sharding.params=fsdp   # A/B in one run
   python -m vlrep.bench.benchmark --config=configs/virtex.py --profile --output_dir=/tmp/bench
+  python -m vlrep.bench.benchmark --config=configs/clip.py --config.batch_size=4 --steps=2 --windows=5 \
+      --variant=vit_b16:@configs/clip.py:backbone=vit_b16   # another recipe's step beside the config's
 
 Timing: `--windows` windows of `--steps` steps each (after 3 warm-up steps); images/s is the median window, with
 the fastest and slowest beside it. `--variant=NAME:KEY=VALUE,KEY=VALUE` adds a variant of the config (an
 A/B of a switch against the baseline, in one run); every variant is compiled first, then the windows
 run round-robin over the baseline and the variants, so slow drifts of the machine fall on all of them alike, and
-each variant's ratio to the baseline is reported. `--profile` traces `--profile_steps` steps of each
-(jax.profiler, Perfetto JSON) into --output_dir and writes a table of device time by kernel class (`profile.md`,
-`profile.json`).
+each variant's ratio to the baseline is reported. `--variant=NAME:@FILE.py[:ARG]` is another config file (e.g. the
+ViT-B/16 recipe beside the ResNet-50 one) at the baseline's batch size. `--profile` traces `--profile_steps` steps
+of each (jax.profiler, Perfetto JSON) into --output_dir and writes a table of device time by kernel class
+(`profile.md`, `profile.json`).
 
 Inputs are random arrays of the config's shapes (the input pipeline is timed separately by
 `vlrep.bench.pipeline_benchmark`). `--input=device` reuses one batch already on the device: the step alone.
@@ -36,6 +39,7 @@ import concurrent.futures
 import functools
 import glob
 import gzip
+import importlib.util
 import json
 import os
 import re
@@ -170,8 +174,24 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: str) -> ml_col
   return config
 
 
+def variant_config(config: ml_collections.ConfigDict, overrides: str) -> ml_collections.ConfigDict:
+  """A variant's config: '@FILE.py[:ARG]' is that config file's get_config(ARG) at the baseline's batch size (a
+  whole recipe timed beside the baseline's, per image alike); otherwise `config` with the overrides applied."""
+  if not overrides.startswith("@"):
+    return apply_overrides(config, overrides)
+  path, _, arg = overrides[1:].partition(":")
+  spec = importlib.util.spec_from_file_location("benchmark_variant_config", path)
+  if spec is None or not os.path.exists(path):
+    raise ValueError(f"Variant config {overrides!r}: no config file {path!r}.")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  variant = module.get_config(arg or None)
+  variant.batch_size = config.batch_size
+  return variant
+
+
 def parse_variant(spec: str) -> tuple[str, str]:
-  """'NAME:KEY=VALUE,...' -> (NAME, 'KEY=VALUE,...')."""
+  """'NAME:KEY=VALUE,...' -> (NAME, 'KEY=VALUE,...'); 'NAME:@FILE.py:ARG' -> (NAME, '@FILE.py:ARG')."""
   name, sep, overrides = spec.partition(":")
   if not sep or not re.fullmatch(r"[A-Za-z0-9_.+-]+", name):
     raise ValueError(f"--variant {spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE...] with a plain NAME.")
@@ -437,7 +457,7 @@ def benchmark(
 
   Variants build and compile `compile_threads` at a time; with `turns`, the timing (and the profile) waits for
   the device's turn (vlrep.bench.device_turns)."""
-  configs = {"baseline": config, **{name: apply_overrides(config, overrides) for name, overrides in variants}}
+  configs = {"baseline": config, **{name: variant_config(config, overrides) for name, overrides in variants}}
 
   def build(item):
     name, c = item
