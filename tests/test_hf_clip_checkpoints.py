@@ -35,7 +35,7 @@ from vlrep import methods, runs  # noqa: E402
 from vlrep.data import clip_bpe, tokenizers  # noqa: E402
 from vlrep.data.siglip_tokenizer import SiglipTokenizer  # noqa: E402
 from vlrep.errors import BadFile  # noqa: E402
-from vlrep.interop import import_run, keymaps  # noqa: E402
+from vlrep.interop import export, import_run, keymaps  # noqa: E402
 from vlrep.interop.formats import big_vision, hf_clip, hf_siglip  # noqa: E402
 from vlrep.models.clip import CLIPModel  # noqa: E402
 
@@ -225,14 +225,14 @@ def test_clip_folder_in_and_out(clip_folder, pixels, tmp_path):
   compare(ours, ref32, ref64, "HF CLIP")
 
   out = str(tmp_path / "clip_out")
-  info = hf_clip.export(run, out)
+  info = export.export(workdir, "hf_clip", out)  # vlrep.interop.export's function
   assert info["keys"] == len(model.state_dict())
   back = strict_load(transformers.CLIPModel, out)
   again = reference(back, pixels, ids, torch.float32)
   for k in ("image", "text", "logits"):
     assert rel(again[k], ref32[k]) < 1e-6, k  # the class token exported as one sum: the same to float32 rounding
   with pytest.raises(keymaps.OutExists):
-    hf_clip.export(run, out)
+    export.export(workdir, "hf_clip", out)
 
 
 def clip_vocabulary_files(folder: str) -> None:
@@ -280,7 +280,7 @@ def test_clip_real_vocabulary_and_legacy_eos(tmp_path, pixels):
   compare(vlrep_figures(run, pixels, ids), ref32, ref64, "HF CLIP (CLIP's vocabulary, legacy eos)")
 
   out = str(tmp_path / "out")
-  hf_clip.export(run, out)
+  export.export(workdir, "hf_clip", out)
   strict_load(transformers.CLIPModel, out)
   back = transformers.CLIPTokenizer(os.path.join(out, "vocab.json"), os.path.join(out, "merges.txt"))
   assert back(CAPTIONS)["input_ids"] == theirs_tok(CAPTIONS)["input_ids"]
@@ -306,7 +306,7 @@ def test_siglip_folder_and_big_vision_npz(siglip_folder, spiece, pixels, tmp_pat
   print(f"HF SigLIP sigmoid(logits): vlrep vs transformers f32 {rel(sig(ours['logits']), sig(ref32['logits'])):.2e}")
 
   out = str(tmp_path / "siglip_out")
-  hf_siglip.export(run, out)
+  export.export(workdir, "hf_siglip", out)
   back = strict_load(transformers.SiglipModel, out)
   theirs, again = model.state_dict(), back.state_dict()
   assert set(theirs) == set(again) and all(torch.equal(theirs[k], again[k]) for k in theirs)  # bit for bit
@@ -315,7 +315,7 @@ def test_siglip_folder_and_big_vision_npz(siglip_folder, spiece, pixels, tmp_pat
   # big_vision: vlrep's export of the run, and an .npz written here from transformers' weights by big_vision's names
   # (the loop layout, without the params/ prefix), import to the same parameters and figures.
   exported = str(tmp_path / "siglip.npz")
-  big_vision.export(run, exported)
+  export.export(workdir, "big_vision", exported)
   with np.load(exported, allow_pickle=False) as npz:
     assert "params/img/Transformer/encoderblock/MultiHeadDotProductAttention_0/query/kernel" in npz.files
   built = str(tmp_path / "built.npz")
