@@ -252,8 +252,6 @@ def read(
   km = key_map(expected)
   with reading(checkpoint, what=f"{km.name} parameters", hint=HINT):
     converted = km.to_vlrep(arrays, expected)
-  for p, shape in expected.items():  # (keymaps' np.ascontiguousarray makes a scalar 1-d: its shape again)
-    converted.variables[p] = converted.variables[p].reshape(shape)
   params = unflatten(converted.variables)["params"]
   files = {hf_siglip.VOCAB_FILE: vocab} if vocab else {}
   source = os.path.abspath(checkpoint)

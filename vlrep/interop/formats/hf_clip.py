@@ -400,8 +400,6 @@ def convert(sd: dict, km: KeyMap, expected: dict, embeddings_in, embeddings: tup
     rest = {k: v for k, v in sd.items() if k not in embeddings}
     converted = km.to_vlrep(rest, {p: s for p, s in expected.items() if p not in special})
   converted.variables.update(special)
-  for p, shape in expected.items():  # (keymaps' np.ascontiguousarray makes a scalar 1-d: its shape again)
-    converted.variables[p] = converted.variables[p].reshape(shape)
   return unflatten(converted.variables)["params"], converted
 
 
@@ -597,7 +595,6 @@ def state_dict(run) -> tuple[OrderedDict, dict]:
   special = {"params/backbone/cls", "params/backbone/pos_embedding", *TEXT_POSITIONS}
   sd = KeyMap("Hugging Face CLIPModel", clip_rules()).to_foreign({k: v for k, v in flat.items() if k not in special})
   sd.update(clip_embeddings_out(flat))
-  sd["logit_scale"] = np.asarray(flat["params/logit_scale"], np.float32).reshape(())  # a scalar in CLIPModel
   note = run.meta.get("import", {}) if run.meta.get("import", {}).get("format") == "hf_clip" else {}
   eos = LEGACY_EOS_ID if text["pool"] == "argmax" else int(text["eos_id"])
   config = hf_fields_kept(note.get("hf_config", {}))
