@@ -77,6 +77,8 @@ def test_imported_torchvision_features_are_torchvisions(resnet18, photos):
     "size_from": "the run's training image size",
     "resize_shorter_side": 224,
     "resampling": "bicubic",
+    "mean": list(IMAGENET_MEAN),
+    "std": list(IMAGENET_STD),
     "normalization": "ImageNet mean/std",
   }
   assert got["paths"] == photos and got["step"] == 0

@@ -139,7 +139,7 @@ def preprocessing(config, transform: str = "resize_crop", size: int = 0, resize:
       "size_from": "the official VirTex evaluation",
       "resize_shorter_side": OFFICIAL_RESIZE,
       "resampling": "bilinear (OpenCV INTER_LINEAR, no antialiasing)",
-      "normalization": "ImageNet mean/std",
+      **normalization(config),
     }
   size_from = "given" if size else "the run's training image size"
   if size > MAX_SIDE or resize > MAX_SIDE:
@@ -155,8 +155,21 @@ def preprocessing(config, transform: str = "resize_crop", size: int = 0, resize:
     out["resize_shorter_side"] = resize
   elif resize:
     raise UserError("--resize applies to --transform=resize_crop; 'squash' resizes to --size x --size.")
-  out.update(resampling="bicubic", normalization="ImageNet mean/std")
+  out.update(resampling="bicubic", **normalization(config))
   return out
+
+
+def normalization(config) -> dict:
+  """The mean and std the run's images were normalised with: its `normalize` op's (an imported CLIP's or SigLIP's
+  own), described; ImageNet's without one."""
+  op = registry.op_arguments((config.get("data", {}) or {}).get("pp", "") or "", "normalize")
+  mean, std = (op["mean"], op["std"]) if op else (visualize.IMAGENET_MEAN, visualize.IMAGENET_STD)
+  numbers = lambda v: isinstance(v, (tuple, list)) and len(v) == 3 and all(isinstance(x, (int, float)) for x in v)
+  if not (numbers(mean) and numbers(std)) or not all(x > 0 for x in std):
+    raise BadFile(f"The run's config normalises with mean={mean!r}, std={std!r}: expected 3 numbers each, std > 0.")
+  mean, std = [float(m) for m in mean], [float(s) for s in std]  # lists: the record is JSON (vlrep.tools.features)
+  imagenet = mean == list(visualize.IMAGENET_MEAN) and std == list(visualize.IMAGENET_STD)
+  return {"mean": mean, "std": std, "normalization": "ImageNet mean/std" if imagenet else f"mean {mean}, std {std}"}
 
 
 def describe(prep: dict) -> str:
@@ -339,7 +352,9 @@ class TrainedModel:
     prep = prep or self.preprocessing
     for start in range(0, len(items), self.batch_size):
       chunk = items[start : start + self.batch_size]
-      yield visualize.normalize(np.stack([transform_image(read_item(x), prep) for x in chunk]))
+      images = np.stack([transform_image(read_item(x), prep) for x in chunk])
+      mean, std = prep.get("mean", visualize.IMAGENET_MEAN), prep.get("std", visualize.IMAGENET_STD)
+      yield visualize.normalize(images, mean, std)
 
   def _batched(self, chunks, fn) -> list:
     """fn(padded batch, real count) for each chunk of at most `batch_size` images, padded to its bucket; the

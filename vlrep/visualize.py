@@ -122,9 +122,9 @@ def resize_bilinear(img: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
   return np.clip(np.round(out), 0, 255).astype(np.uint8)
 
 
-def normalize(images: np.ndarray) -> np.ndarray:
-  """uint8 images -> the float input the models were trained on (ImageNet mean/std)."""
-  return (images.astype(np.float32) / 255.0 - np.array(IMAGENET_MEAN, np.float32)) / np.array(IMAGENET_STD, np.float32)
+def normalize(images: np.ndarray, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> np.ndarray:
+  """uint8 images -> the float input the models were trained on (ImageNet mean/std unless the run's differ)."""
+  return (images.astype(np.float32) / 255.0 - np.array(mean, np.float32)) / np.array(std, np.float32)
 
 
 def _heat(values: np.ndarray) -> np.ndarray:
