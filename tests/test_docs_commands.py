@@ -731,6 +731,41 @@ COMMANDS: dict[str, object] = {
   "regions=$REGIONS --config.method.pretrained_run=/runs/visualbert_coco --config.method.region_type_id=1 "
   "--workdir=/runs/vb_vqa": Refuses(NOT_PREPARED),
   "python -m vlrep.interop.import_run --format=auto --checkpoint=FILE --workdir=RUN": Synopsis(),
+  # --- CLIP, SigLIP and ViT checkpoints in and out (docs/interop.md): the published files are not here; the test
+  # files build them with the real open_clip / transformers / timm and run these modules on them.
+  "python -m vlrep.interop.export --workdir=RUN --format=timm --out=vit.safetensors": Covered(
+    "tests/test_vit_evaluators.py"
+  ),
+  "python -m vlrep.interop.import_run --format=timm --checkpoint=vit.safetensors --workdir=/runs/timm_vit": Covered(
+    "tests/test_vit_evaluators.py"
+  ),
+  **{
+    c: Covered("tests/test_hf_clip_checkpoints.py")
+    for c in (
+      "python -m vlrep.interop.import_run --format=hf_clip --checkpoint=clip-vit-base-patch32/ --workdir=/runs/clip_b32",
+      "python -m vlrep.interop.export --workdir=/runs/clip_b32 --format=hf_clip --out=clip_b32_hf",
+      "python -m vlrep.interop.import_run --format=hf_siglip --checkpoint=siglip-base-patch16-224/ --workdir=/runs/siglip",
+      "python -m vlrep.interop.export --workdir=/runs/siglip --format=hf_siglip --out=siglip_hf",
+      "python -m vlrep.interop.import_run --format=big_vision --checkpoint=webli_en_b16_224_63724782.npz "
+      "--vocab=c4_en.model --workdir=/runs/siglip_b16",
+      "python -m vlrep.interop.export --workdir=/runs/siglip_b16 --format=big_vision --out=siglip_b16.npz",
+      "python -m vlrep.interop.import_run --format=auto --checkpoint=clip-vit-base-patch32/ --workdir=RUN",
+    )
+  },
+  **{
+    c: Covered("tests/test_open_clip_checkpoints.py")
+    for c in (
+      "python -m vlrep.interop.import_run --format=open_clip --checkpoint=ViT-B-32.safetensors --workdir=/runs/clip_b32",
+      "python -m vlrep.interop.import_run --format=auto --checkpoint=RN50.pt --workdir=/runs/clip_rn50",
+      "python -m vlrep.interop.export --workdir=/runs/clip_b32 --format=open_clip --out=ViT-B-32.safetensors",
+    )
+  },
+  # A ViT-B/16 at 224 px compiles for minutes on a CPU: tests/test_configs.py builds these recipes' models on tiny
+  # inputs and runs the benchmark's `@FILE:ARG` variant.
+  "python -m vlrep.bench.benchmark --config=configs/clip.py --config.batch_size=4 --steps=2 --windows=5 "
+  "--variant=vit_b16:@configs/clip.py:backbone=vit_b16": Covered("tests/test_configs.py"),
+  "python -m vlrep.bench.benchmark --config=configs/virtex.py:task=cappa,backbone=vit_b16 --config.batch_size=2 "
+  "--steps=1 --windows=1": Covered("tests/test_configs.py"),
   # The quick start's run has the small stem, which the official ResNet lacks: a clear refusal.
   "python -m vlrep.interop.export --workdir=DIR --format=virtex --out=virtex.pth": Refuses(
     SMALL_STEM, replace=(("DIR", VIRTEX), ("virtex.pth", "{tmp}/virtex.pth"))
@@ -790,6 +825,9 @@ python -m vlrep.tools.sweep --config=configs/virtex.py:runlocal --vary="steps=40
 python -m vlrep.tools.sweep --config=configs/virtex.py:runlocal --vary="task=bicaptioning captioning masked_lm token_classification" --seeds=0,1,2 --root=/tmp/r/virtex --metrics=probe/map,probe/map_val,probe/map_random_init,probe/map_val_random_init
 python -m vlrep.tools.sweep --config=configs/virtex.py:runlocal --vary="task=bicaptioning" --seeds=0,1,2 --root=/tmp/r/virtex --metrics=probe/map,probe/map_val,probe/map_random_init,probe/map_val_random_init
 python -m vlrep.tools.sweep --config=configs/virtex.py:runlocal --vary="task=bicaptioning" --seeds=0,1,2 --root=/tmp/r/head_without --metrics=probe/map,probe/map_val --overrides=method.decoder_ln_eps=1e-8,method.mlp_dropout=False,method.official_init=False
+python -m vlrep.tools.sweep --config=configs/virtex.py:runlocal,backbone=vit_local --vary="backbone_lr=0.001 0.003" --seeds=0,1,2 --root=/tmp/r/virtex_vit --metrics=probe/map,probe/map_val,probe/map_random_init,probe/map_val_random_init
+python -m vlrep.tools.sweep --config=configs/clip.py:runlocal --vary="backbone=vit_local" --seeds=0,1,2 --root=/tmp/r/clip_vit --metrics=probe/map,probe/map_val,probe/map_random_init,probe/map_val_random_init
+python -m vlrep.tools.sweep --config=configs/loctex.py:runlocal --vary="backbone=vit_local" --seeds=0,1,2 --root=/tmp/r/loctex_vit --metrics=probe/map,probe/map_val,probe/map_random_init,probe/map_val_random_init,localization/pointing_1x,localization/chance_1x
 """
 COMMANDS.update(
   {
