@@ -247,7 +247,7 @@ def image_tower(sd: dict) -> tuple[str, dict, int]:
     if side * side != positions:
       raise ValueError(f"visual.attnpool.positional_embedding has {positions + 1} rows: not 1 + a square grid.")
     _heads(width * 32, "attention pool")
-    return "modified_resnet", dict(arch="modified_resnet", layers=layers, width=width), side * 32
+    return "modified_resnet", dict(arch="modified_resnet", layers=list(layers), width=width), side * 32
   raise ValueError("Neither visual.class_embedding (a ViT) nor visual.layer1.0.conv1.weight (a ModifiedResNet).")
 
 
@@ -487,7 +487,7 @@ def state_dict(run) -> tuple[dict, str]:
   counters = run.meta.get("import", {}).get("counters", {})
   out = {}
   for key, value in sd.items():
-    out[key] = np.ascontiguousarray(value, np.float32)
+    out[key] = np.array(value, np.float32)  # a copy, C-contiguous, 0-d kept 0-d (np.ascontiguousarray: 1-d)
     if key.endswith(".running_var"):
       counter = key[: -len("running_var")] + "num_batches_tracked"
       out[counter] = np.array(counters.get(counter, 0), np.int64)
@@ -503,7 +503,7 @@ def export(run, out: str, overwrite: bool = False) -> dict:
   safe_files.make_dirs(root)
   if out.endswith(".safetensors"):
     with safe_files.atomic_path(out, ".safetensors", root=root) as tmp:
-      save_file({k: v.reshape(v.shape) for k, v in sd.items()}, tmp, metadata={"format": "pt", "open_clip": name})
+      save_file(sd, tmp, metadata={"format": "pt", "open_clip": name})
   else:
     torch = keymaps.require_torch("Writing .pth needs PyTorch; install torch or export to .safetensors instead.")
     with safe_files.atomic_path(out, os.path.splitext(out)[1], root=root) as tmp:
