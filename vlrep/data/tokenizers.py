@@ -1,5 +1,6 @@
 """SentencePiece BPE caption tokenizer, as VirTex builds it; `ensure_tokenizer` gives a run's tokenizer of any kind
-(`tokenizer.kind`: 'bpe' this one, 'wordpiece' a BERT's, 'clip_bpe' CLIP's byte-level BPE, vlrep.data.clip_bpe).
+(`tokenizer.kind`: 'bpe' this one, 'wordpiece' a BERT's, 'clip_bpe' CLIP's byte-level BPE (vlrep.data.clip_bpe),
+'siglip' SigLIP's SentencePiece model (vlrep.data.siglip_tokenizer)).
 
 Captions are lowercased and stripped of accents before training and before encoding. Splitting by Unicode
 script keeps letters and punctuation in separate pieces (no 'dog?' tokens). Special ids are fixed so that
@@ -28,6 +29,7 @@ from absl import logging
 from vlrep import errors, safe_files
 from vlrep.data import records
 from vlrep.data.clip_bpe import ClipTokenizer
+from vlrep.data.siglip_tokenizer import SiglipTokenizer
 from vlrep.data.wordpiece import WordPieceTokenizer
 from vlrep.errors import UserError
 from vlrep.models.bert import resolve_path
@@ -203,10 +205,13 @@ def default_path(config, builder) -> str:
   return os.path.join(builder.data_dir, f"vlrep_bpe{config.vocab_size}_{split}{key}.model")
 
 
-TOKENIZER_KINDS = ("bpe", "wordpiece", "clip_bpe")
+TOKENIZER_KINDS = ("bpe", "wordpiece", "clip_bpe", "siglip")
+# Published vocabularies an imported run keeps in its folder (never built here): tokenizer.kind -> the class that
+# reads tokenizer.path.
+PUBLISHED_KINDS = {"clip_bpe": ClipTokenizer, "siglip": SiglipTokenizer}
 
 
-def ensure_tokenizer(config, builder) -> Tokenizer | WordPieceTokenizer | ClipTokenizer:
+def ensure_tokenizer(config, builder) -> Tokenizer | WordPieceTokenizer | ClipTokenizer | SiglipTokenizer:
   """Loads the configured tokenizer; builds it from the training captions first if it is missing and
   `config.build_if_missing` (only process 0 writes; the others wait)."""
 
@@ -214,11 +219,11 @@ def ensure_tokenizer(config, builder) -> Tokenizer | WordPieceTokenizer | ClipTo
   if kind == "wordpiece":
     # A pretrained BERT's own vocabulary (ICMLM): config.path is the checkpoint folder ('minilm' = the packaged MiniLM).
     return WordPieceTokenizer(resolve_path(config.path))
-  if kind == "clip_bpe":
-    # CLIP's merges file (an imported open_clip / OpenAI run keeps its copy in the run folder): never built here.
+  if kind in PUBLISHED_KINDS:
+    # CLIP's merges file or SigLIP's SentencePiece model (an imported run keeps its copy in the run folder).
     if not config.get("path"):
-      raise ValueError("tokenizer.kind='clip_bpe' needs tokenizer.path (CLIP's bpe_simple_vocab_16e6.txt.gz).")
-    return ClipTokenizer(os.path.expanduser(config.path))
+      raise ValueError(f"tokenizer.kind={kind!r} needs tokenizer.path (the vocabulary the model was trained with).")
+    return PUBLISHED_KINDS[kind](os.path.expanduser(config.path))
   if kind != "bpe":
     raise ValueError(f"Unknown tokenizer kind {kind!r}; known: {', '.join(TOKENIZER_KINDS)}.")
   special_tokens = config.get("special_tokens", "vlrep")
