@@ -189,12 +189,15 @@ def test_embeddings_and_zero_shot_logits_equal_open_clip(outputs, key):
 
 
 def test_vlrep_load_zero_shot_on_a_photo_equals_open_clip_softmax(clip_models):
+  """From the photo's pixels to the class probabilities: vlrep.load's preprocessing (CLIP's mean and std, from the
+  run's config), tokenizer, towers and zero-shot scores against open_clip's preprocess, tokenize and softmax."""
   c = clip_models["vit"]
   model = vlrep.load(c["run"].workdir)
   labels = ["cat", "astronaut", "coffee", "rocket"]
   photo = skdata.chelsea()
   result = model.zero_shot(photo, labels, templates=("a photo of a {}.",), articles=False)
-  pixels = torch.from_numpy(model.pixels([photo]).transpose(0, 3, 1, 2).copy())  # what vlrep.load feeds the model
+  pixels = open_clip.image_transform(224, is_train=False)(Image.fromarray(photo))[None]
+  np.testing.assert_allclose(model.pixels([photo]).transpose(0, 3, 1, 2), pixels.numpy(), atol=1e-6)
   with torch.no_grad():
     image = c["model"].encode_image(pixels)
     text = c["model"].encode_text(open_clip.tokenize([f"a photo of a {x}." for x in labels]))
@@ -204,6 +207,8 @@ def test_vlrep_load_zero_shot_on_a_photo_equals_open_clip_softmax(clip_models):
   ours = torch.from_numpy(scale * result["scores"]).softmax(dim=-1).numpy()
   print(f"\nvlrep.load zero-shot softmax vs open_clip's: max |difference| {np.max(np.abs(ours - reference)):.2e}")
   np.testing.assert_allclose(ours, reference, atol=1e-5)
+  # The ResNet run loads too (its backbone rebuilt as a ModifiedResNet and checked against its parameters).
+  assert "clip" in repr(vlrep.load(clip_models["rn50"]["run"].workdir))
 
 
 @pytest.mark.parametrize("key,suffix", [("vit", ".safetensors"), ("rn50", ".pth")])

@@ -398,8 +398,7 @@ def read(
   expected = expected_shapes(c, vocab_size, image_size)
   with tv.tensors_of(checkpoint, "open_clip CLIP"):
     converted = key_map(tower).to_vlrep(_prepared(sd, tower), expected)
-  # The key map's arrays of 0-d tensors (logit_scale) come back 1-d (np.ascontiguousarray): the model's shapes.
-  variables = unflatten({k: v.reshape(expected[k]) for k, v in converted.variables.items()})
+  variables = unflatten(converted.variables)
   dropped = {k: f"shape {v}: OpenAI's TorchScript attribute, not a weight" for k, v in converted.dropped.items()}
   note = {
     "format": "open_clip",
@@ -470,7 +469,6 @@ def state_dict(run) -> tuple[dict, str]:
   flat.update({f"batch_stats/{k}": np.asarray(v) for k, v in flatten(run.model_state.get("batch_stats", {})).items()})
   sd = key_map("vit" if tower == "vit" else "modified_resnet").to_foreign(flat)
   sd["positional_embedding"] = sd["positional_embedding"][0]
-  sd["logit_scale"] = sd["logit_scale"].reshape(())  # 0-d in open_clip (the key map's arrays are at least 1-d)
   m = run.config.method
   if tower == "vit":
     cls = sd["visual.class_embedding"].reshape(-1)
@@ -487,7 +485,7 @@ def state_dict(run) -> tuple[dict, str]:
   counters = run.meta.get("import", {}).get("counters", {})
   out = {}
   for key, value in sd.items():
-    out[key] = np.array(value, np.float32)  # a copy, C-contiguous, 0-d kept 0-d (np.ascontiguousarray: 1-d)
+    out[key] = np.array(value, np.float32)  # a C-contiguous copy (a 0-d tensor stays 0-d: logit_scale)
     if key.endswith(".running_var"):
       counter = key[: -len("running_var")] + "num_batches_tracked"
       out[counter] = np.array(counters.get(counter, 0), np.int64)
