@@ -132,3 +132,19 @@ def test_runlocal_vit_builds_and_computes_the_recipes_shapes(name):
     assert config.method.grid_sizes == (8,) and "visual_localization_1x" in params
   total = loss[0] if isinstance(loss, tuple) else loss
   assert np.isfinite(float(total))
+
+
+def test_a_benchmark_variant_is_another_config_file_at_the_baselines_batch(monkeypatch):
+  """`vlrep.bench.benchmark --variant=NAME:@FILE.py:ARG` (docs/speed.md's ViT-B/16 against ResNet-50 row): that
+  file's config at the baseline's batch size; an unknown file is refused naming it."""
+  monkeypatch.chdir(ROOT)
+  baseline = _config("clip", "")
+  baseline.batch_size = 4
+  variant = benchmark.variant_config(baseline, "@configs/clip.py:backbone=vit_b16")
+  assert (variant.batch_size, variant.method.backbone.arch, variant.method.embed_dim) == (4, "vit", 512)
+  assert benchmark.parse_variant("vit_b16:@configs/clip.py:backbone=vit_b16") == (
+    "vit_b16", "@configs/clip.py:backbone=vit_b16",
+  )  # fmt: skip
+  assert benchmark.variant_config(baseline, "method.embed_dim=256").method.embed_dim == 256
+  with pytest.raises(ValueError, match="no config file 'configs/nope.py'"):
+    benchmark.variant_config(baseline, "@configs/nope.py:backbone=vit_b16")
