@@ -494,7 +494,7 @@ def state_dict(run) -> tuple[dict, str]:
 
 def export(run, out: str, overwrite: bool = False) -> dict:
   """Writes the run as open_clip's state dict to `out` (.safetensors, or .pth/.pt/.bin with torch.save); returns
-  {'keys', 'parameters', 'step', 'open_clip_model'}."""
+  {'keys', 'parameters', 'step', 'open_clip_model', 'notes'} (the export command prints the notes: how to load it)."""
   del overwrite  # one file, replaced atomically
   sd, name = state_dict(run)
   root = keymaps.out_root(out)
@@ -506,4 +506,11 @@ def export(run, out: str, overwrite: bool = False) -> dict:
     torch = keymaps.require_torch("Writing .pth needs PyTorch; install torch or export to .safetensors instead.")
     with safe_files.atomic_path(out, os.path.splitext(out)[1], root=root) as tmp:
       torch.save({k: torch.from_numpy(np.array(v)) for k, v in sd.items()}, tmp)
-  return {"keys": len(sd), "parameters": keymaps.parameter_count(sd), "step": run.step, "open_clip_model": name}
+  load = f"open_clip.create_model({name!r}, pretrained=None).load_state_dict(sd, strict=True) loads it"
+  return {
+    "keys": len(sd),
+    "parameters": keymaps.parameter_count(sd),
+    "step": run.step,
+    "open_clip_model": name,
+    "notes": [load],
+  }
