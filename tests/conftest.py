@@ -77,6 +77,8 @@ SLOWEST_FIRST = (
   "test_loctex.py",
   "test_clip.py",
   "test_vit.py",
+  "test_open_clip_checkpoints.py",
+  "test_hf_clip_checkpoints.py",
   "test_cappa.py",
   "test_import_visual_bert.py",
   "test_architecture.py",

@@ -756,6 +756,7 @@ COMMANDS: dict[str, object] = {
     c: Covered("tests/test_open_clip_checkpoints.py")
     for c in (
       "python -m vlrep.interop.import_run --format=open_clip --checkpoint=ViT-B-32.safetensors --workdir=/runs/clip_b32",
+      "python -m vlrep.interop.import_run --format=auto --checkpoint=ViT-B-32.safetensors --workdir=/runs/clip_b32",
       "python -m vlrep.interop.import_run --format=auto --checkpoint=RN50.pt --workdir=/runs/clip_rn50",
       "python -m vlrep.interop.export --workdir=/runs/clip_b32 --format=open_clip --out=ViT-B-32.safetensors",
     )
