@@ -28,6 +28,8 @@ Variants (arguments combine with commas; any key can also be overridden with --c
   bert_layers=N          with text=bert: keep the checkpoint's first N layers (runlocal: 2)
   steps=N                training steps instead of the recipe's epochs
   lr=X                   peak learning rate (0: the default: 5e-4, runlocal 3e-3)
+  backbone_lr=X          the image backbone's own peak learning rate (0: lr=; runlocal with a ViT:
+                         common.LOCAL_VIT_LR)
   data=DIR  val=P        your own image_text dataset prepared in DIR (docs/data.md, "Your own data"); its first
                          P% (default 5) held out for the retrieval evaluator
 """
@@ -63,6 +65,7 @@ def get_config(arg=None):
     backbone="r50",
     steps=0,
     lr=0.0,
+    backbone_lr=0.0,
     data="",
     val=0.0,
   )
@@ -117,6 +120,8 @@ def get_config(arg=None):
   if arg.text == "bert":
     # A pretrained BERT is fine-tuned at BERT's fine-tuning rate, the fresh towers and heads at CLIP's.
     lr_groups = (("^textual/", 5e-5), *lr_groups)
+  if arg.backbone_lr:
+    lr_groups = (("^backbone/", arg.backbone_lr), *lr_groups)
   c.optim = common.optim(
     lr_groups,
     name="adamw",
@@ -179,8 +184,8 @@ def _runlocal(c, arg):
   lr = arg.lr or 3e-3
   # text=bert (not tuned): the pretrained tower at a tenth of the rest's LR, a shorter run's stand-in for 5e-5.
   c.optim.lr_groups = (("^textual/", lr / 10 if arg.text == "bert" else lr), (".*", lr))
-  if common.is_vit(arg.backbone):
-    c.optim.lr_groups = (("^backbone/", common.LOCAL_VIT_LR), *c.optim.lr_groups)
+  if arg.backbone_lr or common.is_vit(arg.backbone):
+    c.optim.lr_groups = (("^backbone/", arg.backbone_lr or common.LOCAL_VIT_LR), *c.optim.lr_groups)
   c.checkpoint.every_steps = 200
   c.log_every_steps = 50
   common.local_probe(c)
