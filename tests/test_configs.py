@@ -25,15 +25,17 @@ def _config(name: str, arg: str):
 
 
 def _params(config, image_size: int, abstract: bool = True):
-  """The parameters the config's method builds on a batch of 2 random examples of `image_size` px (their shapes
-  only with `abstract`: traced, not computed), and its loss on that batch when computed."""
+  """The parameters the config's method builds on a batch of 2 random examples of `image_size` px, and its loss on
+  that batch (with `abstract`, their shapes only: traced, not computed)."""
   method = methods.build(methods.method_config(config), config.tokenizer.vocab_size)
   max_len = config.method.get("max_len") or config.method.text.max_len
   shapes = benchmark.batch_shapes(method, 2, image_size, config.tokenizer.vocab_size, max_len)
   batch = benchmark.random_batch(shapes, config.tokenizer.vocab_size, np.random.default_rng(0))
   key = jax.random.PRNGKey(0)
   if abstract:
-    return jax.eval_shape(method.init, key, batch)["params"], None
+    variables = jax.eval_shape(method.init, key, batch)
+    loss = jax.eval_shape(lambda v: method.loss(v, batch, key, True), variables)
+    return variables["params"], loss
   variables = method.init(key, batch)
   loss = method.loss(variables, batch, key, False)
   return variables["params"], loss
@@ -90,10 +92,16 @@ def test_backbone_names_build_the_papers_vit_b16_recipes():
   assert _config("virtex", "backbone=r101").method.backbone.depth == 101
   loctex = _config("loctex", "backbone=vit_b16")
   assert (loctex.method.scales, loctex.method.grid_sizes) == ((1,), (14,))  # 224 px / 16-pixel patches
-  for name in RECIPES:
-    params, _ = _params(_config(name, "backbone=vit_b16"), 224)
-    assert params["backbone"]["pos_embedding"].shape == (1, 196, 768), name
-    assert "encoderblock_11" in params["backbone"]["Transformer"], name
+  # The training step's forward, traced (LocTex's per-GPU groups of 128 do not divide the test's batch of 2).
+  built = {}
+  for name, arg in (("virtex", "task=cappa"), ("clip", ""), ("loctex", "contrastive=global")):
+    built[name], loss = _params(_config(name, f"backbone=vit_b16,{arg}".rstrip(",")), 224)
+    assert built[name]["backbone"]["pos_embedding"].shape == (1, 196, 768), name
+    assert "encoderblock_11" in built[name]["backbone"]["Transformer"], name
+    assert loss is not None, name
+  layers = sorted(k for k in built["virtex"]["textual_head"] if k.startswith("forward_layer"))
+  assert layers == [f"forward_layer{i}" for i in range(6)]  # CapPa's 6-layer decoder
+  assert built["clip"]["backbone"]["cls"].shape == (1, 1, 768) and "pre_norm" in built["clip"]["backbone"]
 
 
 @pytest.mark.parametrize("name", RECIPES)
