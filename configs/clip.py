@@ -166,7 +166,8 @@ def _runlocal(c, arg):
 
   backbone=vit_local (configs/common.py: patch 8 at 64 px, 128 wide, 4 blocks; the ViT-Ti/8 is 4x slower a step
   on 2 cores) with CLIP's ViT layout (CLIP_VIT) and AdamW's ViT betas. The ViT trains at common.LOCAL_VIT_LR
-  (VirTex runlocal's ViT backbone LR, chosen there on probe_val; not chosen again here), the rest at the LR below.
+  (VirTex runlocal's ViT backbone LR; not chosen for CLIP), the rest at the LR below. At these settings CLIP on the
+  ViT collapses (docs/results/clip.md).
   """
   c.data.update(common.synthetic_scenes("name"))
   c.data.pp = "decode|flip_lr_swap_words|normalize|choose_caption(5)|tokenize(40)"

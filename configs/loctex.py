@@ -177,8 +177,8 @@ def _runlocal(c, arg, grid_sizes):
                                        between them)
 
   backbone=vit_local (configs/common.py: patch 8 at 64 px, 128 wide, 4 blocks) supervises L_L on its one 8x8 grid
-  (the ResNet's 2x scale's size) and trains with AdamW: the ViT at common.LOCAL_VIT_LR (VirTex runlocal's, chosen
-  on probe_val), the rest at 3e-3 (VirTex's and CLIP's runlocal head LR); not chosen again for LocTex.
+  (the ResNet's 2x scale's size) and trains with AdamW: the ViT at common.LOCAL_VIT_LR (VirTex runlocal's ViT
+  backbone LR), the rest at 3e-3 (VirTex's and CLIP's runlocal head LR); not chosen again for LocTex.
   """
   c.data.update(common.synthetic_scenes("name"))
   c.data.pp = (
@@ -211,7 +211,7 @@ def _runlocal(c, arg, grid_sizes):
   # The textual backbone's 0.002 is tuned for 600 epochs; at a few hundred steps it barely moves.
   c.optim.lr_groups = (("^textual/", 0.05), (".*", 0.4))
   if vit:
-    # AdamW as VirTex's and CLIP's runlocal ViTs: the backbone at common.LOCAL_VIT_LR (chosen on VirTex's probe_val),
+    # AdamW as VirTex's and CLIP's runlocal ViTs: the backbone at common.LOCAL_VIT_LR (VirTex runlocal's),
     # the text tower and projections at their runlocal head LR 3e-3, weight decay 1e-4 (not chosen again here).
     c.optim.update(weight_decay=1e-4, grad_clip_norm=0.0)
     c.optim.lr_groups = (("^backbone/", common.LOCAL_VIT_LR), (".*", 3e-3))
