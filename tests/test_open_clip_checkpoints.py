@@ -28,7 +28,7 @@ import vlrep
 from vlrep import runs, torch_files
 from vlrep.data import clip_bpe, tokenizers
 from vlrep.errors import BadFile
-from vlrep.interop import import_run
+from vlrep.interop import export, import_run
 from vlrep.interop.formats import open_clip as open_clip_format
 from vlrep.methods import clip as clip_method
 
@@ -215,7 +215,7 @@ def test_vlrep_load_zero_shot_on_a_photo_equals_open_clip_softmax(clip_models):
 def test_export_strict_loads_into_open_clip_and_computes_the_same(clip_models, outputs, photos, tmp_path, key, suffix):
   c = clip_models[key]
   out = str(tmp_path / f"exported{suffix}")
-  info = open_clip_format.export(c["run"], out)
+  info = export.export(c["run"].workdir, "open_clip", out)  # vlrep.interop.export's function, as the command
   assert info["open_clip_model"] == CONFIGS[key]
   sd = load_file(out) if suffix == ".safetensors" else torch.load(out, weights_only=True)
   model = open_clip.create_model(info["open_clip_model"], pretrained=None).eval()
